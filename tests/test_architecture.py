@@ -1,0 +1,40 @@
+"""The arrows in ARCHITECTURE.md: the core, the agent and the runtime run far from
+the control plane and must never import Django, DRF, Channels or Celery."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FORBIDDEN = {"django", "rest_framework", "channels", "channels_redis", "celery", "daphne"}
+
+
+def _imported_top_level_modules(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module.split(".")[0], node.lineno
+
+
+@pytest.mark.parametrize("package", ["scheduler", "agent", "runtime"])
+def test_package_never_imports_django(package):
+    offenders = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for module, lineno in _imported_top_level_modules(path)
+        if module in FORBIDDEN
+    ]
+    assert offenders == []
+
+
+def test_scheduler_core_imports_nothing_from_the_control_plane():
+    offenders = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for path in sorted((ROOT / "scheduler").rglob("*.py"))
+        for module, lineno in _imported_top_level_modules(path)
+        if module in {"portal", "fleet", "jobs", "agent", "runtime", "torch"}
+    ]
+    assert offenders == []
