@@ -1,0 +1,412 @@
+"""Checkpoint store: a local directory or a shared filesystem path, addressed by URI.
+
+Both checkpoint engines hand the store a directory tree (a CRIU dump is a directory of image
+files; the framework engine writes ``rank-<r>/`` folders).  The store copies (or, when the tree
+was written into one of its own staging folders, renames) it into place:
+
+    <root>/ckpt-<step:012d>-<commit ns>/          one committed checkpoint
+        MANIFEST.json                             written last: step, engine, meta, and the
+                                                  byte size and sha256 of every other file
+        <the engine's files, any depth>
+
+A checkpoint exists only once its folder has its final name: files are written into a
+``.tmp-*`` folder, each fsynced, the manifest written and fsynced, the folder renamed and the
+parent folder fsynced.  A crash at any moment leaves either the old set of checkpoints or the new
+one, never a half-written checkpoint under a final name.  Restores verify sha256 of every file;
+``latest_good()`` skips a corrupt or incomplete checkpoint (and logs why) and returns the one
+before it.
+
+Only ``file://`` URIs and plain paths are supported: an object store (s3://, gs://) would need a
+client this project does not ship, and is refused with a clear error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import urllib.parse
+import uuid
+from pathlib import Path
+
+log = logging.getLogger("runtime.store")
+
+MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_FORMAT = 1
+CHECKPOINT_DIR_PATTERN = re.compile(r"^ckpt-(\d{12})-(\d+)$")
+STAGING_PREFIX = ".staging-"
+TMP_PREFIX = ".tmp-"
+HASH_CHUNK_BYTES = 8 << 20
+DEFAULT_KEEP = 3
+
+
+class CheckpointError(Exception):
+    """Base class: a checkpoint cannot be written or used."""
+
+
+class CheckpointMissing(CheckpointError):
+    """A checkpoint, or a file it lists, is not there."""
+
+    def __init__(self, path, reason="is missing"):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"checkpoint file {self.path} {reason}")
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file is there but its size or sha256 is not what its manifest says."""
+
+    def __init__(self, path, reason):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"checkpoint file {self.path} is corrupt: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+    """One committed checkpoint. ``sha256`` is the digest of its manifest's file list."""
+
+    uri: str
+    step: int
+    engine: str
+    bytes: int
+    sha256: str
+
+    @property
+    def path(self) -> Path:
+        return path_from_uri(self.uri)
+
+
+# --------------------------------------------------------------------------- low-level helpers
+
+def path_from_uri(uri) -> Path:
+    """Returns the local path a ``file://`` URI or a plain path names; refuses other schemes."""
+    uri = str(uri)
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise ValueError(f"checkpoint URI {uri!r}: file:// URIs must name a local path "
+                                 f"(file:///abs/path), not host {parsed.netloc!r}")
+            return Path(urllib.parse.unquote(parsed.path))
+        return Path(uri)
+    if len(parsed.scheme) == 1 and uri[1:3] in (":\\", ":/"):  # a Windows drive letter
+        return Path(uri)
+    raise ValueError(f"checkpoint URI {uri!r}: scheme {parsed.scheme}:// is not supported; "
+                     f"use a local or shared-filesystem path or a file:// URI")
+
+
+def fsync_dir(path) -> None:
+    fd = os.open(str(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path) -> tuple[str, int]:
+    """Returns (hex sha256, size in bytes) of a file, read in large chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(HASH_CHUNK_BYTES)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+            size += n
+    return digest.hexdigest(), size
+
+
+def write_file_atomic(path, payload: bytes) -> None:
+    """Writes bytes to ``path`` through a temporary file in the same folder: fsync, rename,
+    fsync of the folder. Readers see the old file or the new one, never a partial one."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def _files_digest(files: dict) -> str:
+    canonical = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def write_manifest(directory, files: dict, **fields) -> dict:
+    """Writes ``directory/MANIFEST.json`` atomically. ``files`` maps a relative path to
+    ``{"size": int, "sha256": hex}``. Returns the manifest written."""
+    manifest = {"format": MANIFEST_FORMAT, **fields,
+                "bytes": sum(entry["size"] for entry in files.values()),
+                "files": files, "files_sha256": _files_digest(files)}
+    write_file_atomic(Path(directory) / MANIFEST_NAME,
+                      json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return manifest
+
+
+def read_manifest(directory) -> dict:
+    """Returns the parsed manifest of a checkpoint folder.
+
+    Raises CheckpointMissing when the folder or its manifest is absent, CheckpointCorrupt
+    when the manifest is not valid JSON or its file list does not match its own digest."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise CheckpointMissing(directory, "is missing (no such checkpoint folder)")
+    if not path.is_file():
+        raise CheckpointMissing(path, "is missing (checkpoint incomplete?)")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorrupt(path, f"not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointCorrupt(path, "has no file list")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointCorrupt(path, f"unknown manifest format {manifest.get('format')!r}")
+    if _files_digest(manifest["files"]) != manifest.get("files_sha256"):
+        raise CheckpointCorrupt(path, "file list does not match its digest")
+    return manifest
+
+
+def verify_dir(directory, manifest=None) -> dict:
+    """Checks every file a checkpoint folder's manifest lists: present, same size, same sha256.
+    Returns the manifest; raises CheckpointMissing / CheckpointCorrupt naming the file."""
+    directory = Path(directory)
+    if manifest is None:
+        manifest = read_manifest(directory)
+    for rel, entry in sorted(manifest["files"].items()):
+        verify_file(directory / rel, entry)
+    return manifest
+
+
+def verify_file(path, entry) -> None:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointMissing(path)
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise CheckpointCorrupt(path, f"{size} bytes, manifest says {entry['size']}")
+    digest, _ = sha256_file(path)
+    if digest != entry["sha256"]:
+        raise CheckpointCorrupt(path, f"sha256 {digest[:16]}…, manifest says "
+                                      f"{entry['sha256'][:16]}…")
+
+
+def _copy_file_hashing(src: Path, dst: Path) -> dict:
+    """Copies src to dst (fsynced), hashing the bytes as they pass. Returns the manifest entry."""
+    digest = hashlib.sha256()
+    size = 0
+    buf = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        while True:
+            n = fin.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+            fout.write(view[:n])
+            size += n
+        os.fsync(fout.fileno())
+    shutil.copymode(src, dst)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _hash_in_place(path: Path) -> dict:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    digest, size = sha256_file(path)
+    return {"size": size, "sha256": digest}
+
+
+def _walk_files(root: Path):
+    """Yields (relative posix path, absolute path) for every regular file under root, sorted.
+    Refuses symlinks and special files: a checkpoint must be self-contained."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if rel == MANIFEST_NAME:
+                continue
+            if full.is_symlink() or not full.is_file():
+                raise CheckpointError(f"cannot store {full}: not a regular file "
+                                      f"(symlinks and special files are refused)")
+            yield rel, full
+        for name in dirnames:
+            if (Path(dirpath) / name).is_symlink():
+                raise CheckpointError(f"cannot store {Path(dirpath) / name}: a symlinked folder")
+
+
+# --------------------------------------------------------------------------- the store
+
+class CheckpointStore:
+    """Committed checkpoints under one root folder, newest last, at most ``keep`` of them."""
+
+    def __init__(self, uri, *, keep: int = DEFAULT_KEEP):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root = path_from_uri(uri).absolute()
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.root, os.W_OK):
+            raise CheckpointError(f"checkpoint store {self.root} is not writable")
+
+    @property
+    def uri(self) -> str:
+        return self.root.as_uri()
+
+    def staging_dir(self) -> Path:
+        """Returns a fresh empty folder inside the store. An engine that writes its checkpoint
+        there lets ``commit`` rename it into place instead of copying it."""
+        path = self.root / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
+        path.mkdir()
+        return path
+
+    def commit(self, source, step: int, engine: str, meta: dict | None = None) -> CheckpointRef:
+        """Stores a checkpoint atomically and returns its reference; then drops all but the
+        newest ``keep``.
+
+        ``source`` is a folder (any depth; the store takes it over by rename when it is one of
+        its own staging folders, otherwise copies it) or a list of files (stored flat, by
+        name). ``meta`` must be JSON-serialisable."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not engine or not isinstance(engine, str):
+            raise ValueError(f"engine must be a non-empty string, got {engine!r}")
+        meta = dict(meta or {})
+        json.dumps(meta)  # refuse non-JSON meta before writing anything
+        name = f"ckpt-{step:012d}-{time.time_ns()}"
+        final = self.root / name
+        tmp = self.root / f"{TMP_PREFIX}{name}"
+        files: dict = {}
+        try:
+            if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+                src = Path(source).absolute()
+                if src.parent == self.root and src.name.startswith(STAGING_PREFIX):
+                    os.rename(src, tmp)
+                    for rel, full in _walk_files(tmp):
+                        files[rel] = _hash_in_place(full)
+                else:
+                    tmp.mkdir()
+                    for rel, full in _walk_files(src):
+                        dst = tmp / rel
+                        dst.parent.mkdir(parents=True, exist_ok=True)
+                        files[rel] = _copy_file_hashing(full, dst)
+            else:
+                paths = [Path(source)] if isinstance(source, (str, os.PathLike)) else \
+                    [Path(p) for p in source]
+                tmp.mkdir()
+                for p in paths:
+                    if not p.is_file():
+                        raise CheckpointMissing(p, "is missing (cannot commit it)")
+                    if p.name in files or p.name == MANIFEST_NAME:
+                        raise CheckpointError(f"cannot commit {p}: duplicate or reserved name")
+                    files[p.name] = _copy_file_hashing(p, tmp / p.name)
+            if not files:
+                raise CheckpointError(f"refusing to commit an empty checkpoint from {source}")
+            for dirpath, _, _ in os.walk(tmp):
+                fsync_dir(dirpath)
+            manifest = write_manifest(tmp, files, step=step, engine=engine, meta=meta,
+                                      created_unix=time.time())
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        ref = CheckpointRef(uri=final.as_uri(), step=step, engine=engine,
+                            bytes=manifest["bytes"], sha256=manifest["files_sha256"])
+        log.info("committed checkpoint %s (step %d, engine %s, %d bytes)",
+                 final, step, engine, ref.bytes)
+        self._apply_retention()
+        return ref
+
+    def _committed_dirs(self) -> list[Path]:
+        found = []
+        for entry in self.root.iterdir():
+            match = CHECKPOINT_DIR_PATTERN.match(entry.name)
+            if match and entry.is_dir():
+                found.append((int(match.group(1)), int(match.group(2)), entry))
+        return [path for _, _, path in sorted(found)]
+
+    def _apply_retention(self) -> None:
+        dirs = self._committed_dirs()
+        for old in dirs[:-self.keep]:
+            log.info("retention: removing checkpoint %s (keeping the newest %d)", old, self.keep)
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(self.root)
+
+    def _ref_for(self, directory: Path, manifest: dict) -> CheckpointRef:
+        return CheckpointRef(uri=directory.as_uri(), step=int(manifest["step"]),
+                             engine=str(manifest["engine"]), bytes=int(manifest["bytes"]),
+                             sha256=manifest["files_sha256"])
+
+    def list(self) -> list[CheckpointRef]:
+        """Returns the committed checkpoints whose manifest reads, oldest first (files are not
+        hashed here; ``verify`` does that)."""
+        refs = []
+        for directory in self._committed_dirs():
+            try:
+                refs.append(self._ref_for(directory, read_manifest(directory)))
+            except CheckpointError as exc:
+                log.warning("checkpoint %s is unusable: %s", directory, exc)
+        return refs
+
+    def verify(self, ref: CheckpointRef) -> dict:
+        """Checks every file of a checkpoint against its manifest; returns the manifest.
+        Raises CheckpointMissing / CheckpointCorrupt naming the offending file."""
+        directory = ref.path
+        manifest = read_manifest(directory)
+        if manifest["files_sha256"] != ref.sha256:
+            raise CheckpointCorrupt(directory / MANIFEST_NAME,
+                                    "manifest differs from the one this reference was made from")
+        return verify_dir(directory, manifest)
+
+    def latest_good(self) -> CheckpointRef | None:
+        """Returns the newest checkpoint whose files all verify, or None if there is none.
+        Each skipped checkpoint is logged with the reason (missing file, bad sha256...)."""
+        for directory in reversed(self._committed_dirs()):
+            try:
+                manifest = verify_dir(directory)
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s; trying the previous one", directory, exc)
+                continue
+            return self._ref_for(directory, manifest)
+        return None
+
+    def restore(self, ref: CheckpointRef, dest=None) -> Path:
+        """Verifies a checkpoint and returns a folder holding its files.
+
+        Without ``dest`` that is the checkpoint's own folder (read it, do not modify it).
+        With ``dest`` (e.g. another node's working directory) the files are copied there,
+        hashed as they are copied, and the copy is checked against the manifest."""
+        manifest = self.verify(ref) if dest is None else read_manifest(ref.path)
+        if dest is None:
+            return ref.path
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        for rel, entry in sorted(manifest["files"].items()):
+            src = ref.path / rel
+            if not src.is_file():
+                raise CheckpointMissing(src)
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copied = _copy_file_hashing(src, target)
+            if copied != {"size": entry["size"], "sha256": entry["sha256"]}:
+                raise CheckpointCorrupt(src, f"copy has {copied['size']} bytes / sha256 "
+                                             f"{copied['sha256'][:16]}…, manifest says "
+                                             f"{entry['size']} / {entry['sha256'][:16]}…")
+        shutil.copyfile(ref.path / MANIFEST_NAME, dest / MANIFEST_NAME)
+        return dest

@@ -1,0 +1,163 @@
+"""The checkpoint store: atomic commits, sha256 on restore, retention, fallback to the last
+good checkpoint. Pure filesystem tests (no torch, no Django)."""
+import json
+import logging
+import os
+
+import pytest
+
+from runtime.store import (MANIFEST_NAME, CheckpointCorrupt, CheckpointError, CheckpointMissing,
+                           CheckpointStore, path_from_uri, read_manifest, sha256_file)
+
+
+def _make_tree(root, files):
+    for rel, payload in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(payload)
+    return root
+
+
+@pytest.fixture
+def store(tmp_path):
+    return CheckpointStore(tmp_path / "store", keep=3)
+
+
+def test_it_commits_a_directory_tree_with_sizes_and_hashes(store, tmp_path):
+    src = _make_tree(tmp_path / "dump", {"pages-1.img": b"x" * 1000, "rank-0/state.pt": b"abc",
+                                         "rank-1/deep/er.bin": b""})
+    ref = store.commit(src, step=7, engine="criu", meta={"world_size": 2})
+    assert ref.step == 7 and ref.engine == "criu" and ref.bytes == 1003
+    assert ref.uri.startswith("file://") and ref.path.parent == store.root
+    manifest = read_manifest(ref.path)
+    assert sorted(manifest["files"]) == ["pages-1.img", "rank-0/state.pt", "rank-1/deep/er.bin"]
+    assert manifest["files"]["rank-0/state.pt"]["sha256"] == sha256_file(src / "rank-0/state.pt")[0]
+    assert manifest["meta"] == {"world_size": 2}
+    assert (ref.path / "rank-1/deep/er.bin").read_bytes() == b""
+    assert store.verify(ref)["step"] == 7
+    # the source is left alone when it is not a staging folder of the store
+    assert (src / "pages-1.img").exists()
+
+
+def test_it_commits_a_list_of_files_flat(store, tmp_path):
+    a = tmp_path / "a.bin"
+    a.write_bytes(b"1")
+    b = tmp_path / "sub" / "b.bin"
+    b.parent.mkdir()
+    b.write_bytes(b"22")
+    ref = store.commit([a, b], 3, "framework", None)
+    assert sorted(read_manifest(ref.path)["files"]) == ["a.bin", "b.bin"]
+
+
+def test_a_staging_folder_is_renamed_into_place_not_copied(store):
+    staging = store.staging_dir()
+    (staging / "rank-0").mkdir()
+    (staging / "rank-0" / "state.pt").write_bytes(b"payload")
+    ref = store.commit(staging, step=1, engine="framework")
+    assert not staging.exists()
+    assert (ref.path / "rank-0" / "state.pt").read_bytes() == b"payload"
+    assert [p.name for p in store.root.iterdir() if p.name.startswith(".")] == []
+
+
+def test_it_keeps_only_the_newest_k(store, tmp_path):
+    src = _make_tree(tmp_path / "s", {"f": b"1"})
+    refs = [store.commit(src, step=s, engine="framework") for s in (1, 2, 3, 4, 5)]
+    assert [r.step for r in store.list()] == [3, 4, 5]
+    assert not refs[0].path.exists() and refs[-1].path.exists()
+
+
+def test_latest_good_skips_a_corrupt_checkpoint_and_says_why(store, tmp_path, caplog):
+    src = _make_tree(tmp_path / "s", {"state.pt": b"good bytes"})
+    older = store.commit(src, step=10, engine="framework")
+    newer = store.commit(src, step=20, engine="framework")
+    (newer.path / "state.pt").write_bytes(b"bad  bytes")  # same size, different content
+    with caplog.at_level(logging.WARNING, logger="runtime.store"):
+        assert store.latest_good() == older
+    assert "state.pt" in caplog.text and "sha256" in caplog.text
+    with pytest.raises(CheckpointCorrupt, match="state.pt"):
+        store.verify(newer)
+
+
+@pytest.mark.parametrize("damage, error, words", [
+    (lambda p: (p / "state.pt").unlink(), CheckpointMissing, "state.pt is missing"),
+    (lambda p: (p / "state.pt").write_bytes(b"short"), CheckpointCorrupt, "bytes, manifest says"),
+    (lambda p: (p / MANIFEST_NAME).unlink(), CheckpointMissing, "MANIFEST.json is missing"),
+    (lambda p: (p / MANIFEST_NAME).write_text("{not json"), CheckpointCorrupt, "not valid JSON"),
+    (lambda p: (p / MANIFEST_NAME).write_text(
+        (p / MANIFEST_NAME).read_text().replace('"size": 10', '"size": 11')),
+     CheckpointCorrupt, "does not match its digest"),
+], ids=["file-missing", "file-truncated", "manifest-missing", "manifest-garbled",
+        "manifest-edited"])
+def test_each_kind_of_damage_is_named_and_the_previous_checkpoint_is_used(
+        store, tmp_path, damage, error, words):
+    src = _make_tree(tmp_path / "s", {"state.pt": b"0123456789"})
+    good = store.commit(src, step=1, engine="framework")
+    bad = store.commit(src, step=2, engine="framework")
+    damage(bad.path)
+    with pytest.raises(error, match=words):
+        store.verify(bad)
+    assert store.latest_good() == good
+
+
+def test_a_vanished_checkpoint_folder_is_missing(store, tmp_path):
+    ref = store.commit(_make_tree(tmp_path / "s", {"f": b"1"}), step=1, engine="criu")
+    os.rename(ref.path, tmp_path / "elsewhere")
+    with pytest.raises(CheckpointMissing, match="no such checkpoint folder"):
+        store.verify(ref)
+    assert store.latest_good() is None
+
+
+def test_restore_copies_to_another_directory_and_checks_the_copy(store, tmp_path):
+    ref = store.commit(_make_tree(tmp_path / "s", {"a/b.img": b"image", "c": b"see"}),
+                       step=4, engine="criu")
+    out = store.restore(ref, tmp_path / "node-2" / "work")
+    assert (out / "a/b.img").read_bytes() == b"image"
+    assert json.loads((out / MANIFEST_NAME).read_text())["step"] == 4
+    (ref.path / "c").write_bytes(b"sea")
+    with pytest.raises(CheckpointCorrupt, match="c"):
+        store.restore(ref, tmp_path / "node-3")
+    assert store.latest_good() is None
+
+
+def test_leftover_temporary_folders_are_never_listed(store, tmp_path):
+    (store.root / ".tmp-ckpt-000000000009-1").mkdir()
+    (store.root / ".tmp-ckpt-000000000009-1" / "half").write_bytes(b"x")
+    good = store.commit(_make_tree(tmp_path / "s", {"f": b"1"}), step=1, engine="framework")
+    assert store.list() == [good] and store.latest_good() == good
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/ckpt", "gs://b/c", "file://otherhost/path"])
+def test_it_refuses_uris_it_cannot_reach(uri):
+    with pytest.raises(ValueError, match="not supported|local path"):
+        path_from_uri(uri)
+
+
+def test_file_uri_and_plain_path_name_the_same_store(tmp_path):
+    a = CheckpointStore(tmp_path / "st")
+    b = CheckpointStore((tmp_path / "st").as_uri())
+    assert a.root == b.root
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"step": -1, "engine": "criu"}, "non-negative"),
+    ({"step": 1, "engine": ""}, "engine"),
+    ({"step": 1, "engine": "criu", "meta": {"x": object()}}, "JSON serializable"),
+], ids=["negative-step", "no-engine", "meta-not-json"])
+def test_bad_commit_arguments_are_refused_before_writing(store, tmp_path, kwargs, words):
+    src = _make_tree(tmp_path / "s", {"f": b"1"})
+    with pytest.raises((ValueError, TypeError), match=words):
+        store.commit(src, **kwargs)
+    assert list(store.root.iterdir()) == []
+
+
+def test_empty_and_symlinked_sources_are_refused(store, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty"):
+        store.commit(tmp_path / "empty", step=1, engine="criu")
+    src = _make_tree(tmp_path / "s", {"f": b"1"})
+    (src / "link").symlink_to(src / "f")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        store.commit(src, step=1, engine="criu")
+    assert store.list() == []
+    with pytest.raises(CheckpointMissing, match="nothere"):
+        store.commit([tmp_path / "nothere"], step=1, engine="criu")
