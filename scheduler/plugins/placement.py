@@ -1,0 +1,57 @@
+"""Gang placement: all of a job's devices at once, as tightly packed as the fleet allows.
+
+For each allowed count d, largest first (more devices = faster), look for d free devices of
+the job's type on one node, else one rack / NVLink domain, else one cluster, else one region,
+never across regions and never looser than the job's `max_spread`. Every region is searched
+(global scheduling). The first d that fits wins; the job gets all d devices or none.
+"""
+from __future__ import annotations
+
+from scheduler.snapshot import SPREAD_NAMES
+from scheduler.state import LEVEL_REGION
+
+NAME = "place.gang_topology"
+REASON_PLACED = "placed"  # a Start: all devices found at once
+REASON_NO_ROOM = "no room"  # not enough free devices of its type together
+REASON_NO_DEVICES_OF_TYPE = "no devices of type"  # the fleet has no usable device of its type
+
+
+def describe_level(level: int) -> str:
+    return f"one {SPREAD_NAMES[level]}"
+
+
+class GangPlacement:
+    """Finds the largest allowed count that fits, packed node > rack > cluster > region."""
+
+    NAME = NAME
+
+    def place(self, tick, j: int, counts, region=None, blocked_nodes=None):
+        """Returns a Placement for job j with len in `counts`, or None. Changes nothing."""
+        jobs = tick.snapshot.jobs
+        k, spread = int(jobs.type_id[j]), int(jobs.max_spread[j])
+        state = tick.state
+        for d in counts:
+            placement = state.find(k, d, spread, region=region, blocked_nodes=blocked_nodes)
+            if placement is not None:
+                return placement
+        return None
+
+    def start_reason(self, tick, j: int, placement) -> str:
+        d = len(placement)
+        type_name = tick.snapshot.type_names[int(tick.snapshot.jobs.type_id[j])]
+        region = tick.snapshot.region_names[int(tick.state.node_region[tick.state.node[placement.devices[0]]])]
+        return f"{d} {type_name} free on {describe_level(placement.level)} in {region}"
+
+    def no_room_reason(self, tick, j: int, counts) -> str:
+        jobs = tick.snapshot.jobs
+        k, spread = int(jobs.type_id[j]), int(jobs.max_spread[j])
+        type_name = tick.snapshot.type_names[k]
+        if tick.type_capacity[k] == 0:
+            return f"no usable {type_name} in the fleet"
+        d = min(counts)
+        most = tick.state.max_free(spread, k)
+        return f"needs {d} {type_name} in {describe_level(spread)}; at most {most} free together"
+
+
+def smallest_region_level() -> int:
+    return LEVEL_REGION

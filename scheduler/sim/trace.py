@@ -1,0 +1,191 @@
+"""Job traces for the simulator: the real Philly job list, windows of it, and
+synthetic planet-scale traces drawn from its size and duration distribution.
+
+A `Trace` is a set of numpy arrays, one entry per job, sorted by submit time
+(ties keep the file's row order, so the order is deterministic).
+
+SLA tiers are given by a documented, seeded rule (`assign_tiers`): each job
+independently draws Premium / Standard / Basic with probabilities
+`TIER_SHARES` from `numpy.random.default_rng(seed)`, in submit order. The same
+seed always gives the same tiers.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as _dt
+import pathlib
+
+import numpy as np
+
+PHILLY_CSV = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "philly" / "philly_jobs.csv"
+
+PREMIUM, STANDARD, BASIC = 0, 1, 2
+TIER_NAMES = ("premium", "standard", "basic")
+# Shares of jobs per tier in the seeded rule: most work is best effort, a
+# fifth is paid-for Premium (Singularity's split of guaranteed vs spot capacity).
+TIER_SHARES = (0.2, 0.3, 0.5)
+# Elastic floor: every job may be spliced down to W // ELASTIC_FLOOR_DIVISOR
+# devices (at least 1); the allowed counts are the divisors of W in between.
+ELASTIC_FLOOR_DIVISOR = 4
+# Checkpoint size per rank (GB): a seeded log-uniform draw per job, covering
+# small CNNs to large language-model shards of 2017-2024 jobs.
+CHECKPOINT_GB_PER_RANK_RANGE = (0.5, 8.0)
+
+
+class TraceError(ValueError):
+    """The trace file or its arguments are unusable; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """Jobs sorted by submit time. Times are seconds from the trace start."""
+
+    name: str
+    submit: np.ndarray        # float64 seconds
+    duration: np.ndarray      # float64 seconds when run alone at its requested size
+    ranks: np.ndarray         # int32, world size W (= GPUs requested)
+    team: np.ndarray          # int32 team index into team_names
+    team_names: tuple
+    tier: np.ndarray          # int8: PREMIUM, STANDARD or BASIC
+    min_devices: np.ndarray   # int32, smallest allowed device count
+    checkpoint_gb: np.ndarray  # float64, the job's whole checkpoint size
+
+    def __len__(self):
+        return int(self.submit.shape[0])
+
+    @property
+    def gpu_seconds(self):
+        return float((self.duration * self.ranks).sum())
+
+    def window(self, start_s=None, end_s=None, max_jobs=None):
+        """Returns the jobs submitted in [start_s, end_s) (then the first max_jobs
+        of them), with submit times shifted so the window starts at 0."""
+        keep = np.ones(len(self), dtype=bool)
+        if start_s is not None:
+            keep &= self.submit >= start_s
+        if end_s is not None:
+            keep &= self.submit < end_s
+        idx = np.flatnonzero(keep)
+        if max_jobs is not None:
+            idx = idx[:max_jobs]
+        if idx.size == 0:
+            raise TraceError(f"the window start={start_s} end={end_s} max_jobs={max_jobs} holds no job")
+        shift = self.submit[idx[0]]
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}[{idx.size} jobs]",
+            submit=self.submit[idx] - shift,
+            duration=self.duration[idx],
+            ranks=self.ranks[idx],
+            team=self.team[idx],
+            tier=self.tier[idx],
+            min_devices=self.min_devices[idx],
+            checkpoint_gb=self.checkpoint_gb[idx],
+        )
+
+
+def assign_tiers(n, seed):
+    """Returns int8 tiers for n jobs: the seeded rule described in the module docstring."""
+    rng = np.random.default_rng([seed, 7001])
+    return rng.choice(3, size=n, p=TIER_SHARES).astype(np.int8)
+
+
+def elastic_floor(ranks):
+    """Returns the smallest allowed device count per job: W // 4 rounded down to a divisor of W."""
+    ranks = np.asarray(ranks, dtype=np.int64)
+    floor = np.maximum(1, ranks // ELASTIC_FLOOR_DIVISOR)
+    out = floor.copy()
+    # Round up to the nearest divisor of W (W // 4 is a divisor for the powers of two in Philly;
+    # the loop only runs for odd sizes such as 12 or 24 ranks).
+    bad = ranks % out != 0
+    while bad.any():
+        out[bad] += 1
+        bad = ranks % out != 0
+    return out.astype(np.int32)
+
+
+def draw_checkpoint_gb(ranks, seed):
+    lo, hi = CHECKPOINT_GB_PER_RANK_RANGE
+    rng = np.random.default_rng([seed, 7002])
+    per_rank = np.exp(rng.uniform(np.log(lo), np.log(hi), size=len(ranks)))
+    return per_rank * np.asarray(ranks)
+
+
+def make_trace(name, submit, duration, ranks, team, team_names, seed, tier=None):
+    """Returns a Trace from raw arrays (sorted stably by submit), adding the seeded tiers,
+    elastic floors and checkpoint sizes. `tier` overrides the seeded tiers (tests)."""
+    submit = np.asarray(submit, dtype=np.float64)
+    duration = np.asarray(duration, dtype=np.float64)
+    ranks = np.asarray(ranks, dtype=np.int32)
+    team = np.asarray(team, dtype=np.int32)
+    n = submit.shape[0]
+    if not (duration.shape[0] == ranks.shape[0] == team.shape[0] == n):
+        raise TraceError("submit, duration, ranks and team must have one entry per job")
+    if n == 0:
+        raise TraceError("a trace needs at least one job")
+    if (duration <= 0).any() or not np.isfinite(duration).all():
+        raise TraceError("every job needs a positive, finite duration")
+    if (ranks < 1).any():
+        raise TraceError("every job needs at least one rank")
+    order = np.argsort(submit, kind="stable")
+    tiers = assign_tiers(n, seed) if tier is None else np.asarray(tier, dtype=np.int8)[order]
+    ranks_sorted = ranks[order]
+    return Trace(
+        name=name,
+        submit=submit[order] - submit[order][0],
+        duration=duration[order],
+        ranks=ranks_sorted,
+        team=team[order],
+        team_names=tuple(team_names),
+        tier=tiers if tier is not None else tiers,
+        min_devices=elastic_floor(ranks_sorted),
+        checkpoint_gb=draw_checkpoint_gb(ranks_sorted, seed),
+    )
+
+
+def load_philly(path=PHILLY_CSV, seed=0):
+    """Returns the Philly trace (82,247 jobs) from its CSV; raises TraceError if the file is
+    missing or a row is malformed (the error names the row)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise TraceError(f"Philly trace not found at {path}; pass --trace PATH to the CSV "
+                         "(columns timestamp,duration,num_gpus,gpu_time,cluster)")
+    submit, duration, ranks, team = [], [], [], []
+    team_index = {}
+    epoch = _dt.datetime(1970, 1, 1)
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        missing = {"timestamp", "duration", "num_gpus", "cluster"} - set(reader.fieldnames or ())
+        if missing:
+            raise TraceError(f"{path} lacks columns {sorted(missing)}")
+        for lineno, row in enumerate(reader, start=2):
+            try:
+                stamp = _dt.datetime.strptime(row["timestamp"], "%Y-%m-%d %H:%M:%S")
+                submit.append((stamp - epoch).total_seconds())
+                duration.append(float(row["duration"]))
+                ranks.append(int(row["num_gpus"]))
+            except (ValueError, TypeError) as exc:
+                raise TraceError(f"{path}:{lineno}: bad row {row!r}: {exc}") from None
+            team.append(team_index.setdefault(row["cluster"], len(team_index)))
+    names = sorted(team_index, key=team_index.get)
+    return make_trace("philly", submit, duration, ranks, team, names, seed)
+
+
+def synthetic(n_jobs, devices, load=0.8, seed=0, source=None, n_teams=100):
+    """Returns a synthetic trace of n_jobs whose (size, duration) pairs are drawn with
+    replacement from `source` (default: Philly) and whose Poisson arrival rate offers
+    `load` times the capacity of `devices` accelerators on average."""
+    if n_jobs < 1 or devices < 1 or not (0 < load):
+        raise TraceError("synthetic traces need n_jobs >= 1, devices >= 1 and load > 0")
+    source = source or load_philly(seed=seed)
+    rng = np.random.default_rng([seed, 7003])
+    pick = rng.integers(0, len(source), size=n_jobs)
+    duration = source.duration[pick]
+    ranks = source.ranks[pick]
+    mean_gpu_seconds = float((duration * ranks).mean())
+    rate = load * devices / mean_gpu_seconds  # jobs per second
+    submit = np.cumsum(rng.exponential(1.0 / rate, size=n_jobs))
+    team = rng.integers(0, n_teams, size=n_jobs)
+    return make_trace(f"synthetic-{n_jobs}", submit, duration, ranks, team,
+                      [f"team-{i}" for i in range(n_teams)], seed)

@@ -1,0 +1,263 @@
+"""The mutable working copy a tick plans on: who holds which device, and free counts per level.
+
+Free capacity is kept aggregated per (node, type), (rack, type), (cluster, type) and
+(region, type), so finding room for a gang is a few numpy operations over nodes, never a
+Python loop over devices. Every change goes through `allocate` / `release`, which keep the
+aggregates exact and write a journal so a tentative step (a defragmentation that turns out
+impossible) can be rolled back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.snapshot import (
+    NO_JOB, NODE_READY, SPREAD_NAMES, SPREAD_REGION, Snapshot,
+)
+
+LEVEL_NODE, LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION = 0, 1, 2, 3
+LEVELS = (LEVEL_NODE, LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION)
+LEVEL_NAMES = SPREAD_NAMES  # "node", "rack", "cluster", "region"
+
+
+class Placement:
+    """Devices found for a job: the chosen devices and the tightest level they share."""
+
+    __slots__ = ("devices", "level")
+
+    def __init__(self, devices: np.ndarray, level: int):
+        self.devices = devices  # int64 accelerator indices, ascending
+        self.level = level  # LEVEL_NODE .. LEVEL_REGION
+
+    def __len__(self) -> int:
+        return int(self.devices.shape[0])
+
+
+def _first_per_group(group: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
+    out = np.full(n_groups, -1, np.int64)
+    out[group[::-1]] = values[::-1]
+    return out
+
+
+class WorkingState:
+    """Holder per device plus free counts per topology level and type, updated incrementally."""
+
+    def __init__(self, snapshot: Snapshot):
+        acc = snapshot.accelerators
+        self.snapshot = snapshot
+        self.k = snapshot.n_types
+        self.n_jobs = len(snapshot.jobs)
+        self.type_id = acc.type_id.astype(np.int64)
+        self.node = acc.node.astype(np.int64)
+        self.holder = acc.holder.astype(np.int64)
+        n_nodes = snapshot.node_status.shape[0]
+        node_ok = snapshot.node_status == NODE_READY
+        # usable: may be given to a job this tick (healthy, node ready, region not drained)
+        self.usable = acc.healthy & node_ok[acc.node] & ~snapshot.region_drained[acc.region]
+        self.free = self.usable & (self.holder == NO_JOB)
+
+        self.n_nodes = n_nodes
+        self.node_region = _first_per_group(acc.node, acc.region.astype(np.int64), n_nodes)
+        node_rack = _first_per_group(acc.node, acc.rack.astype(np.int64), n_nodes)
+        node_cluster = _first_per_group(acc.node, acc.cluster.astype(np.int64), n_nodes)
+        # entity of each node at each level; nodes without devices get entity 0 (never free)
+        self.node_entity = [np.arange(n_nodes, dtype=np.int64), np.maximum(node_rack, 0),
+                            np.maximum(node_cluster, 0), np.maximum(self.node_region, 0)]
+        self.n_entities = [int(e.max()) + 1 if n_nodes else 0 for e in self.node_entity]
+        self.entity_region = []
+        for level in LEVELS:
+            region = np.zeros(self.n_entities[level], np.int64)
+            region[self.node_entity[level]] = np.maximum(self.node_region, 0)
+            self.entity_region.append(region)
+
+        # devices grouped by node, and nodes grouped by entity, for O(size) lookups
+        self.devices_by_node = np.argsort(self.node, kind="stable")
+        self.node_device_start = np.searchsorted(self.node[self.devices_by_node],
+                                                 np.arange(n_nodes + 1))
+        self.nodes_by_entity, self.entity_node_start = [], []
+        for level in LEVELS:
+            order = np.argsort(self.node_entity[level], kind="stable")
+            self.nodes_by_entity.append(order)
+            self.entity_node_start.append(np.searchsorted(self.node_entity[level][order],
+                                                          np.arange(self.n_entities[level] + 1)))
+
+        # free[level][entity, type]
+        self.free_count = []
+        free_idx = np.flatnonzero(self.free)
+        free_node = self.node[free_idx]
+        free_type = self.type_id[free_idx]
+        for level in LEVELS:
+            ent = self.node_entity[level][free_node]
+            counts = np.bincount(ent * self.k + free_type, minlength=self.n_entities[level] * self.k)
+            self.free_count.append(counts.reshape(self.n_entities[level], self.k).astype(np.int64))
+        # capacity[level][entity, type]: usable devices, free or held (for defragmentation)
+        self.capacity = []
+        use_idx = np.flatnonzero(self.usable)
+        for level in LEVELS:
+            ent = self.node_entity[level][self.node[use_idx]]
+            counts = np.bincount(ent * self.k + self.type_id[use_idx],
+                                 minlength=self.n_entities[level] * self.k)
+            self.capacity.append(counts.reshape(self.n_entities[level], self.k))
+
+        # per-job device lists: built once from the snapshot, overridden when a job changes
+        held = self.holder >= 0
+        order = np.flatnonzero(held)[np.argsort(self.holder[held], kind="stable")]
+        self._job_order = order
+        self._job_start = np.searchsorted(self.holder[order], np.arange(self.n_jobs + 1))
+        self._changed: dict[int, np.ndarray] = {}
+        self.alloc = np.diff(self._job_start).astype(np.int64)  # devices per job, kept current
+        self.journal: list = []
+
+    # --- reading -----------------------------------------------------------------------
+    def job_devices(self, j: int) -> np.ndarray:
+        """Returns the devices job j holds now (ascending)."""
+        devs = self._changed.get(j)
+        if devs is not None:
+            return devs
+        return np.sort(self._job_order[self._job_start[j]:self._job_start[j + 1]])
+
+    def max_free(self, level: int, k: int, region: int | None = None) -> int:
+        """Returns the most free devices of type k that one entity of `level` has together."""
+        col = self.free_count[level][:, k]
+        if region is not None:
+            col = col[self.entity_region[level] == region]
+        return int(col.max()) if col.size else 0
+
+    def region_free(self, k: int) -> np.ndarray:
+        return self.free_count[LEVEL_REGION][:, k]
+
+    # --- finding room ------------------------------------------------------------------
+    def find(self, k: int, d: int, max_level: int = SPREAD_REGION, region: int | None = None,
+             blocked_nodes: np.ndarray | None = None,
+             prefer_nodes: np.ndarray | None = None) -> Placement | None:
+        """Returns d free devices of type k at the tightest level possible, or None.
+
+        Tries one node, then one rack, one cluster, one region (never more), up to
+        `max_level`. At each level it picks the entity with the fewest free devices that
+        still fit (best fit, so big holes stay big), lowest index on ties; within a rack,
+        cluster or region it fills the fullest-free nodes first. `region` restricts the
+        search; `blocked_nodes` (bool per node) are skipped.
+        """
+        if d <= 0:
+            return Placement(np.empty(0, np.int64), LEVEL_NODE)
+        regions = self.free_count[LEVEL_REGION][:, k]
+        if blocked_nodes is None:
+            if region is None:
+                if regions.max(initial=0) < d:
+                    return None
+            elif regions[region] < d:
+                return None
+        for level in range(0, max_level + 1):
+            placement = self._find_at(level, k, d, region, blocked_nodes, prefer_nodes)
+            if placement is not None:
+                return placement
+        return None
+
+    def _node_free(self, k: int, blocked_nodes) -> np.ndarray:
+        col = self.free_count[LEVEL_NODE][:, k]
+        if blocked_nodes is not None:
+            col = np.where(blocked_nodes, 0, col)
+        return col
+
+    def _find_at(self, level, k, d, region, blocked_nodes, prefer_nodes):
+        if blocked_nodes is None:
+            col = self.free_count[level][:, k]
+        elif level == LEVEL_NODE:
+            col = self._node_free(k, blocked_nodes)
+        else:
+            node_col = self._node_free(k, blocked_nodes)
+            col = np.bincount(self.node_entity[level], weights=node_col,
+                              minlength=self.n_entities[level]).astype(np.int64)
+        fits = col >= d
+        if region is not None:
+            fits &= self.entity_region[level] == region
+        cand = np.flatnonzero(fits)
+        if cand.size == 0:
+            return None
+        if prefer_nodes is not None and level == LEVEL_NODE:
+            preferred = cand[prefer_nodes[cand]]
+            if preferred.size:
+                cand = preferred
+        entity = int(cand[np.argmin(col[cand])])
+        if level == LEVEL_NODE:
+            nodes, takes = np.array([entity]), np.array([d])
+        else:
+            start, end = self.entity_node_start[level][entity:entity + 2]
+            nodes = self.nodes_by_entity[level][start:end]
+            node_free = self._node_free(k, blocked_nodes)[nodes]
+            keep = node_free > 0
+            nodes, node_free = nodes[keep], node_free[keep]
+            if prefer_nodes is not None:
+                order = np.lexsort((nodes, -node_free, ~prefer_nodes[nodes]))
+            else:
+                order = np.lexsort((nodes, -node_free))
+            nodes, node_free = nodes[order], node_free[order]
+            before = np.cumsum(node_free) - node_free
+            used = before < d
+            nodes, node_free, before = nodes[used], node_free[used], before[used]
+            takes = np.minimum(node_free, d - before)
+        return Placement(self._pick_devices(nodes, takes, k), level)
+
+    def _pick_devices(self, nodes, takes, k) -> np.ndarray:
+        picked = []
+        for node, take in zip(nodes.tolist(), takes.tolist()):
+            start, end = self.node_device_start[node], self.node_device_start[node + 1]
+            devs = self.devices_by_node[start:end]
+            devs = devs[self.free[devs] & (self.type_id[devs] == k)]
+            picked.append(devs[:take])
+        return np.sort(np.concatenate(picked)) if picked else np.empty(0, np.int64)
+
+    # --- changing ----------------------------------------------------------------------
+    def _count(self, devs: np.ndarray, sign: int) -> None:
+        nodes, types = self.node[devs], self.type_id[devs]
+        for level in LEVELS:
+            np.add.at(self.free_count[level], (self.node_entity[level][nodes], types), sign)
+
+    def allocate(self, j: int, devs: np.ndarray) -> None:
+        """Gives free devices `devs` to job j (adding to what it holds)."""
+        devs = np.asarray(devs, np.int64)
+        if devs.size == 0:
+            return
+        if not self.free[devs].all():
+            raise AssertionError(f"allocate: job {j} asked for a device that is not free")
+        self.journal.append(("allocate", j, devs, self.job_devices(j)))
+        self.holder[devs] = j
+        self.free[devs] = False
+        self._count(devs, -1)
+        self._changed[j] = np.union1d(self.job_devices(j), devs)
+        self.alloc[j] += devs.size
+
+    def release(self, j: int, devs: np.ndarray) -> None:
+        """Takes devices `devs` from job j; usable ones become free."""
+        devs = np.asarray(devs, np.int64)
+        if devs.size == 0:
+            return
+        if not (self.holder[devs] == j).all():
+            raise AssertionError(f"release: job {j} does not hold all these devices")
+        self.journal.append(("release", j, devs, self.job_devices(j)))
+        self.holder[devs] = NO_JOB
+        back = devs[self.usable[devs]]
+        self.free[back] = True
+        self._count(back, +1)
+        self._changed[j] = np.setdiff1d(self.job_devices(j), devs)
+        self.alloc[j] -= devs.size
+
+    def mark(self) -> int:
+        """Returns a journal position to roll back to."""
+        return len(self.journal)
+
+    def rollback(self, mark: int) -> None:
+        """Undoes every allocate/release made since `mark`, newest first."""
+        while len(self.journal) > mark:
+            op, j, devs, before = self.journal.pop()
+            if op == "allocate":
+                self.holder[devs] = NO_JOB
+                self.free[devs] = True
+                self._count(devs, +1)
+                self.alloc[j] -= devs.size
+            else:
+                self.holder[devs] = j
+                back = devs[self.usable[devs]]
+                self.free[back] = False
+                self._count(back, -1)
+                self.alloc[j] += devs.size
+            self._changed[j] = before

@@ -1,0 +1,58 @@
+"""The public interface: snapshots from lists and arrays, schedule(), apply_plan()."""
+import numpy as np
+import pytest
+
+import scheduler
+from scheduler import BASIC, PREMIUM, Accelerators, JobRow, Jobs, Snapshot, SnapshotError, Teams
+from scheduler.builders import make_fleet, make_job, make_snapshot, make_team
+
+
+def test_it_builds_the_same_snapshot_from_lists_and_from_arrays():
+    columns = dict(type_id=[0, 0, 0, 0], node=[0, 0, 1, 1], rack=[0, 0, 0, 0], cluster=[0] * 4,
+                   region=[0] * 4)
+    from_lists = Accelerators(**columns)
+    from_arrays = Accelerators(**{k: np.asarray(v) for k, v in columns.items()})
+    for name in ("type_id", "node", "rack", "cluster", "region", "healthy", "holder"):
+        assert np.array_equal(getattr(from_lists, name), getattr(from_arrays, name))
+    assert from_lists.holder.tolist() == [-1] * 4
+    with pytest.raises(ValueError):
+        from_lists.holder[0] = 3  # frozen: read-only views
+
+
+def test_it_does_not_copy_arrays_of_the_right_dtype():
+    node = np.zeros(4, np.int32)
+    acc = Accelerators(type_id=np.zeros(4, np.int16), node=node, rack=node, cluster=node, region=node)
+    assert np.shares_memory(acc.node, node)
+
+
+def test_it_builds_jobs_from_rows():
+    jobs = Jobs.from_rows([JobRow(id=11, team=0, tier=BASIC, type_id=0, world_size=8, min_devices=2),
+                           JobRow(id=12, team=0, tier=PREMIUM, type_id=0, world_size=3, name="p")])
+    assert jobs.ids.tolist() == [11, 12]
+    assert jobs.allowed_counts(0) == (8, 4, 2)
+    assert jobs.allowed_counts(1) == (3,)
+    assert jobs.name(1) == "p"
+
+
+def test_a_plan_starts_what_fits_and_explains_the_rest():
+    snap = (make_snapshot()
+            .fleet(make_fleet().region("eu", racks=1, nodes=1, devices=8))
+            .job(make_job("a").ranks(8).build())
+            .job(make_job("b").ranks(4).build())
+            .build())
+    plan = scheduler.schedule(snap)
+    assert [(d.kind, d.job) for d in plan.decisions] == [("start", 0)]
+    assert [(w.job, w.place) for w in plan.waiting] == [(1, 1)]
+    assert plan.waiting[0].reason == "needs 4 H100-80GB in one region; at most 0 free together"
+    after = scheduler.apply_plan(snap, plan, now=30.0).validate()
+    assert after.allocation_counts().tolist() == [8, 0]
+    assert after.jobs.last_start_time[0] == 30.0
+
+
+def test_validate_names_a_job_spanning_regions():
+    acc = Accelerators(type_id=[0, 0], node=[0, 1], rack=[0, 1], cluster=[0, 1], region=[0, 1],
+                       holder=[0, 0])
+    jobs = Jobs(ids=[1], team=[0], tier=[BASIC], type_id=[0], world_size=[2], state=[1])
+    snap = Snapshot(accelerators=acc, jobs=jobs, teams=Teams(names=["t"]), now=0, type_names=["X"])
+    with pytest.raises(SnapshotError, match="spans regions"):
+        snap.validate()
