@@ -1,0 +1,552 @@
+"""meridian-run: runs an unmodified PyTorch script as W rank processes, preemptible and resizable.
+
+    meridian-run --ranks W [--devices d] [--engine criu|framework|auto] [--job-dir DIR]
+                 [--job-id ID] [--store URI] [--keep K] [--resume] script.py args...
+
+The launcher hosts the job's rendezvous store (ranks are store clients only), starts every rank
+through runtime/rank.py, serves the control socket (runtime/control.py) and carries out the
+agent's commands: checkpoint, stop, resize, progress.
+
+Job directory (node-local):
+    control.sock     the control socket (JobControl(job_dir))
+    launcher.json    job id, engine and why it was chosen, world size, spool, store, pid
+    progress.json    step, steps/s, engine, devices, device map, state (refreshed ~0.5 s)
+    events.jsonl     one JSON object per event: started, restored, checkpoint, resize, stopped,
+                     finished, failed (each names the engine)
+    logs/rank<r>.log copies of the ranks' output, made when the launcher exits
+Checkpoints go to --store (default <job-dir>/checkpoints): one folder per checkpoint with a
+MANIFEST.json that names the engine and the step (runtime/store.py).
+
+Exit codes: 0 the script finished; 75 stopped after a checkpoint (resume with --resume);
+1 a rank or a checkpoint failed; 2 bad arguments or the requested engine is unavailable.
+"""
+import argparse
+import json
+import os
+import pathlib
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from runtime import control, criu, splice
+from runtime import spool as spool_files
+
+EXIT_FINISHED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_STOPPED = 75
+ENGINES = ("criu", "framework", "auto")
+POLL_S = 0.01
+
+
+class LaunchError(RuntimeError):
+    """A failure the launcher reports in words and an exit code, not a traceback."""
+
+    def __init__(self, message, code=EXIT_FAILED):
+        super().__init__(message)
+        self.code = code
+
+
+def choose_engine(requested):
+    """Returns (engine, reason). `auto` picks CRIU when usable, else framework, and says why;
+    an explicit `criu` that is unusable raises LaunchError (no silent fallback)."""
+    if requested not in ENGINES:
+        raise LaunchError(f"unknown engine {requested!r}; choose one of {', '.join(ENGINES)}",
+                          EXIT_USAGE)
+    if requested == "framework":
+        return "framework", "requested"
+    ok, detail = criu.check_available()
+    if requested == "criu":
+        if not ok:
+            raise LaunchError(f"--engine criu: CRIU is unavailable: {detail}. "
+                              "Use --engine framework or --engine auto.", EXIT_USAGE)
+        return "criu", f"requested (criu {detail})"
+    if ok:
+        return "criu", f"auto: criu {detail} passed `criu check`"
+    return "framework", f"auto: CRIU unusable ({detail})"
+
+
+class RankProcess:
+    """One rank: its host PID, and how to learn that it ended."""
+
+    def __init__(self, rank, pid, popen=None):
+        self.rank = rank
+        self.pid = pid
+        self.popen = popen
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is not None:
+            return self.returncode
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is not None:
+                self.returncode = code
+                # unshare --kill-child reports the namespace init's fate as its own.
+        else:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0 if not os.path.exists(f"/proc/{self.pid}") else None
+                if status is None:
+                    return None
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.popen is not None:
+            try:
+                self.popen.kill()
+            except ProcessLookupError:
+                pass
+
+
+class Launcher:
+    def __init__(self, options):
+        from runtime.store import CheckpointStore
+        self.options = options
+        self.world_size = options.ranks
+        self.devices = options.devices or options.ranks
+        self.job_dir = pathlib.Path(options.job_dir).absolute()
+        self.job_id = options.job_id or self.job_dir.name
+        self.spool = spool_files.spool_dir_for(self.job_id)
+        self.script = os.path.abspath(options.script)
+        if not os.path.isfile(self.script):
+            raise LaunchError(f"script {options.script} does not exist", EXIT_USAGE)
+        if self.world_size < 1:
+            raise LaunchError("--ranks must be at least 1", EXIT_USAGE)
+        try:
+            self.device_map = splice.device_map(world_size=self.world_size, devices=self.devices)
+        except ValueError as exc:
+            raise LaunchError(str(exc), EXIT_USAGE) from None
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
+                                     keep=options.keep)
+        self.nonce = uuid.uuid4().hex[:10]
+        self.ranks = []
+        self.state = "starting"
+        self.last_checkpoint = None
+        self.commands = queue.Queue()
+        self.rendezvous = None
+        self.engine = None
+        self.engine_reason = None
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def event(self, kind, **fields):
+        record = {"time_unix": time.time(), "event": kind, "engine": self.engine, **fields}
+        with open(self.job_dir / "events.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def progress(self):
+        ranks_view = spool_files.read_json(self.spool / "progress.json", default={}) or {}
+        return {
+            "ok": True, "job_id": self.job_id, "state": self.state, "engine": self.engine,
+            "engine_reason": self.engine_reason, "step": ranks_view.get("step", 0),
+            "steps_per_s": ranks_view.get("steps_per_s"), "world_size": self.world_size,
+            "devices": self.devices, "device_map": self.device_map,
+            "last_checkpoint": self.last_checkpoint, "updated_unix": time.time(),
+        }
+
+    def write_progress(self):
+        spool_files.write_json_atomic(self.job_dir / "progress.json", self.progress())
+
+    # -- rendezvous -----------------------------------------------------------------------------
+    def start_rendezvous(self):
+        import torch.distributed as dist
+        # The store server lives in the launcher, which is never dumped, so the ranks hold only
+        # client connections that the virtual group closes at a cut.
+        self.rendezvous = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
+                                        wait_for_workers=False)
+
+    def rank_env(self, rank, resume_dir=None):
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous.port),
+            "MERIDIAN_JOB_DIR": str(self.job_dir), "MERIDIAN_JOB_ID": self.job_id,
+            "MERIDIAN_ENGINE": self.engine, "MERIDIAN_NONCE": self.nonce,
+            "OMP_NUM_THREADS": "1",
+        })
+        env.pop("MERIDIAN_RESUME", None)
+        if resume_dir is not None:
+            env["MERIDIAN_RESUME"] = str(resume_dir)
+        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def fresh_spool(self):
+        if self.spool.exists():
+            shutil.rmtree(self.spool)
+        for rank in range(self.world_size):
+            spool_files.rank_dir(self.spool, rank).mkdir(parents=True)
+        spool_files.write_json_atomic(self.spool / "devices.json", self.device_map)
+
+    def spawn_ranks(self, resume_dir=None):
+        for rank in range(self.world_size):
+            command = [sys.executable, "-m", "runtime.rank", "--spool", str(self.spool),
+                       self.script] + list(self.options.args)
+            launch_log = open(spool_files.rank_dir(self.spool, rank) / "launch.log", "ab")
+            if self.engine == "criu":
+                popen = subprocess.Popen(criu.namespace_command(command),
+                                         env=self.rank_env(rank, resume_dir),
+                                         stdin=subprocess.DEVNULL, stdout=launch_log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+                pid = criu.namespace_init_pid(popen.pid)
+            else:
+                popen = subprocess.Popen(command, env=self.rank_env(rank, resume_dir),
+                                         stdin=subprocess.DEVNULL, stdout=launch_log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+                pid = popen.pid
+            launch_log.close()
+            self.ranks.append(RankProcess(rank, pid, popen))
+
+    # -- rank health ----------------------------------------------------------------------------
+    def check_ranks(self):
+        """Returns True when every rank finished with 0; raises LaunchError if one failed."""
+        codes = [r.poll() for r in self.ranks]
+        failed = [(r.rank, c) for r, c in zip(self.ranks, codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            tail = self.log_tail(rank)
+            raise LaunchError(f"rank {rank} exited with code {code}; the job fails.\n"
+                              f"--- last lines of rank {rank}'s output ---\n{tail}")
+        return all(c == 0 for c in codes)
+
+    def log_tail(self, rank, lines=20):
+        out = spool_files.rank_dir(self.spool, rank) / "out.log"
+        launch = spool_files.rank_dir(self.spool, rank) / "launch.log"
+        text = ""
+        for path in (launch, out):
+            try:
+                text += "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
+            except OSError:
+                pass
+        return text
+
+    def kill_all(self):
+        for rank in self.ranks:
+            rank.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(r.poll() is None for r in self.ranks):
+            time.sleep(POLL_S)
+
+    # -- the cut --------------------------------------------------------------------------------
+    def next_request_id(self):
+        # Milliseconds since the epoch: ids keep growing across launchers, so a restored rank
+        # (which remembers the last id it handled) never mistakes a new request for an old one.
+        return max(int(time.time() * 1000), getattr(self, "_last_id", 0) + 1)
+
+    def request_cut(self, action, *, at_step=None, timeout_s=600, **extra):
+        request_id = self.next_request_id()
+        self._last_id = request_id
+        request = {"id": request_id, "action": action, "at_step": at_step, **extra}
+        spool_files.write_json_atomic(self.spool / "request.json", request)
+        deadline = time.monotonic() + timeout_s
+        reports = {}
+        while len(reports) < self.world_size:
+            for rank in range(self.world_size):
+                if rank not in reports:
+                    report = spool_files.read_json(
+                        spool_files.cut_report_path(self.spool, rank, request_id))
+                    if report is not None:
+                        reports[rank] = report
+            if len(reports) == self.world_size:
+                break
+            if self.check_ranks():
+                raise LaunchError(f"the job finished before reaching the cut for {action}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{action}: ranks {sorted(set(range(self.world_size)) - set(reports))} "
+                                  f"did not reach a consistent cut within {timeout_s} s")
+            time.sleep(POLL_S)
+        steps = {r["step"] for r in reports.values()}
+        if len(steps) != 1:
+            raise LaunchError(f"{action}: ranks cut at different steps {sorted(steps)}")
+        errors = {rank: r for rank, r in reports.items() if r["status"] == "error"}
+        return request, steps.pop(), reports, errors
+
+    def resume_ranks(self, request_id):
+        spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), {
+            "master_addr": "127.0.0.1", "master_port": self.rendezvous.port,
+            "key_prefix": f"{self.nonce}/{request_id}", "devices": self.device_map})
+
+    def do_checkpoint(self, *, stop, at_step=None, timeout_s=600):
+        action = "stop" if stop else "checkpoint"
+        began = time.monotonic()
+        staging = self.store.staging_dir()
+        try:
+            request, step, reports, errors = self.request_cut(
+                action, at_step=at_step, timeout_s=timeout_s, staging_dir=str(staging))
+            cut_s = time.monotonic() - began
+            if errors:
+                if self.engine == "criu":
+                    self.resume_ranks(request["id"])
+                raise LaunchError(f"{action} refused at step {step}: "
+                                  + "; ".join(f"rank {k}: {v.get('error') or v}" for k, v in errors.items()))
+            dump_began = time.monotonic()
+            if self.engine == "criu":
+                logs = staging / "logs"
+                logs.mkdir()
+                for rank in range(self.world_size):
+                    # CRIU restores open files only at the same path and size: carry the logs.
+                    shutil.copyfile(spool_files.rank_dir(self.spool, rank) / "out.log",
+                                    logs / f"rank{rank}.log")
+                for process in self.ranks:  # serially: parallel dumps race inside CRIU
+                    criu.dump(process.pid, staging / f"rank{process.rank}", leave_running=not stop)
+                if not stop:
+                    self.resume_ranks(request["id"])
+            else:
+                if stop:
+                    self.wait_all_exit(timeout_s)
+            dump_s = time.monotonic() - dump_began
+            commit_began = time.monotonic()
+            ref = self.store.commit(staging, step, self.engine, meta={
+                "job_id": self.job_id, "world_size": self.world_size, "request_id": request["id"],
+                "devices": self.devices, "device_map": self.device_map, "action": action,
+                "script": self.script, "args": list(self.options.args)})
+            commit_s = time.monotonic() - commit_began
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.last_checkpoint = {"step": step, "uri": ref.uri, "engine": ref.engine,
+                                "bytes": ref.bytes}
+        seconds = {"cut": round(cut_s, 4), "dump": round(dump_s, 4), "commit": round(commit_s, 4),
+                   "total": round(time.monotonic() - began, 4)}
+        self.event("checkpoint", step=step, checkpoint=ref.uri, bytes=ref.bytes,
+                   action=action, seconds=seconds)
+        return {"ok": True, "step": step, "engine": self.engine, "checkpoint": ref.uri,
+                "bytes": ref.bytes, "seconds": seconds}
+
+    def wait_all_exit(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while any(r.poll() is None for r in self.ranks):
+            if time.monotonic() > deadline:
+                raise LaunchError("ranks did not exit after a stop")
+            time.sleep(POLL_S)
+
+    def do_resize(self, devices, timeout_s=600):
+        try:
+            mapping = splice.device_map(world_size=self.world_size, devices=int(devices))
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
+        began = time.monotonic()
+        request, step, reports, errors = self.request_cut("resize", timeout_s=timeout_s,
+                                                          devices=mapping)
+        if errors:
+            raise LaunchError("resize failed: " + "; ".join(f"rank {k}: {v}" for k, v in errors.items()))
+        self.devices = int(devices)
+        self.device_map = mapping
+        spool_files.write_json_atomic(self.spool / "devices.json", mapping)
+        seconds = round(time.monotonic() - began, 4)
+        self.event("resize", step=step, devices=self.devices, device_map=mapping, seconds=seconds)
+        return {"ok": True, "step": step, "devices": self.devices, "device_map": mapping,
+                "seconds": seconds}
+
+    # -- restore --------------------------------------------------------------------------------
+    def restore_latest(self):
+        """Resumes from the newest good checkpoint of the store (either engine)."""
+        ref = self.store.latest_good()
+        if ref is None:
+            raise LaunchError(f"--resume: no usable checkpoint in {self.store.root}", EXIT_USAGE)
+        if self.options.engine not in ("auto", ref.engine):
+            raise LaunchError(f"--resume: the newest checkpoint ({ref.uri}) was made by the "
+                              f"{ref.engine} engine, but --engine {self.options.engine} was asked",
+                              EXIT_USAGE)
+        manifest = self.store.verify(ref)
+        meta = manifest.get("meta", {})
+        if int(meta.get("world_size", self.world_size)) != self.world_size:
+            raise LaunchError(f"--resume: checkpoint has world size {meta.get('world_size')}, "
+                              f"--ranks is {self.world_size}", EXIT_USAGE)
+        self.engine = ref.engine
+        if self.engine == "criu":
+            ok, detail = criu.check_available()
+            if not ok:
+                raise LaunchError(f"--resume: the checkpoint needs CRIU, which is unavailable: "
+                                  f"{detail}", EXIT_USAGE)
+        self.engine_reason = f"resume: the checkpoint {ref.uri} was made by {ref.engine}"
+        began = time.monotonic()
+        if self.engine == "framework":
+            self.fresh_spool()
+            self.spawn_ranks(resume_dir=ref.path)
+        else:
+            # Move the images onto this node (copied and sha256-checked), put the rank logs back
+            # at their paths and sizes, then restore each rank into a new PID namespace.
+            local = self.job_dir / "restore" / ref.path.name
+            if local.exists():
+                shutil.rmtree(local)
+            self.store.restore(ref, dest=local)
+            self.fresh_spool()
+            for rank in range(self.world_size):
+                shutil.copyfile(local / "logs" / f"rank{rank}.log",
+                                spool_files.rank_dir(self.spool, rank) / "out.log")
+            for rank in range(self.world_size):
+                pid = criu.restore(local / f"rank{rank}", work_dir=self.job_dir / "restore")
+                self.ranks.append(RankProcess(rank, pid))
+            self._last_id = int(meta["request_id"])
+            self.resume_ranks(int(meta["request_id"]))
+            shutil.rmtree(local, ignore_errors=True)
+        self.event("restored", step=ref.step, checkpoint=ref.uri,
+                   seconds=round(time.monotonic() - began, 4))
+        return ref
+
+    # -- main loop ------------------------------------------------------------------------------
+    def handle(self, request):
+        """Runs in the control thread: hands the command to the main loop, waits for its answer."""
+        if request.get("cmd") == "progress":
+            return self.progress()
+        answer = queue.Queue(maxsize=1)
+        self.commands.put((request, answer))
+        return answer.get()
+
+    def execute(self, request):
+        cmd = request.get("cmd")
+        timeout_s = float(request.get("timeout_s") or 600)
+        if cmd == "checkpoint":
+            return self.do_checkpoint(stop=False, at_step=request.get("at_step"), timeout_s=timeout_s)
+        if cmd == "stop":
+            self.state = "stopping"
+            return self.do_checkpoint(stop=True, at_step=request.get("at_step"), timeout_s=timeout_s)
+        if cmd == "resize":
+            if "devices" not in request:
+                return {"ok": False, "error": "resize needs 'devices'"}
+            return self.do_resize(request["devices"], timeout_s=timeout_s)
+        return {"ok": False, "error": f"unknown command {cmd!r}; use progress, checkpoint, "
+                                      "stop or resize"}
+
+    def run(self):
+        if self.options.resume:
+            self.start_rendezvous()
+            criu.become_subreaper()
+            self.restore_latest()
+        else:
+            self.engine, self.engine_reason = choose_engine(self.options.engine)
+            self.start_rendezvous()
+            if self.engine == "criu":
+                criu.become_subreaper()
+            self.fresh_spool()
+            self.spawn_ranks()
+            self.event("started", world_size=self.world_size, devices=self.devices,
+                       reason=self.engine_reason)
+        spool_files.write_json_atomic(self.job_dir / "launcher.json", {
+            "job_id": self.job_id, "pid": os.getpid(), "engine": self.engine,
+            "engine_reason": self.engine_reason, "world_size": self.world_size,
+            "spool": str(self.spool), "store": self.store.uri, "script": self.script,
+            "args": list(self.options.args)})
+        server, serve_loop = control.serve(self.job_dir, self.handle)
+        threading.Thread(target=serve_loop, daemon=True, name="meridian-control").start()
+        self.state = "running"
+        try:
+            return self.loop()
+        finally:
+            server.close()
+            self.finish()
+
+    def loop(self):
+        progress_at = 0.0
+        while True:
+            try:
+                request, answer = self.commands.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            else:
+                try:
+                    result = self.execute(request)
+                except LaunchError as exc:
+                    result = {"ok": False, "error": str(exc)}
+                    if self.state == "stopping" or any(r.poll() not in (None, 0) for r in self.ranks):
+                        answer.put(result)
+                        raise
+                answer.put(result)
+                if request.get("cmd") == "stop" and result.get("ok"):
+                    self.state = "stopped"
+                    self.event("stopped", step=result["step"], checkpoint=result["checkpoint"])
+                    return EXIT_STOPPED
+                if request.get("cmd") == "stop":
+                    self.state = "running"
+            if self.check_ranks():
+                self.state = "finished"
+                step = (spool_files.read_json(self.spool / "progress.json") or {}).get("step")
+                self.event("finished", step=step)
+                return EXIT_FINISHED
+            if time.monotonic() - progress_at > 0.5:
+                progress_at = time.monotonic()
+                self.write_progress()
+
+    def finish(self):
+        if any(r.poll() is None for r in self.ranks):
+            self.kill_all()
+        logs = self.job_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        for rank in range(self.world_size):
+            source = spool_files.rank_dir(self.spool, rank) / "out.log"
+            if source.exists():
+                shutil.copyfile(source, logs / f"rank{rank}.log")
+        self.write_progress()
+        # Drain commands that arrived while we were finishing, so no client hangs.
+        while True:
+            try:
+                _, answer = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            answer.put({"ok": False, "error": f"the job is {self.state}"})
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="meridian-run",
+        description="Run an unmodified PyTorch script as a preemptible, resizable Meridian job.")
+    parser.add_argument("--ranks", type=int, required=True, help="world size W (fixed for the job)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="devices to map the W ranks onto (must divide W; default W)")
+    parser.add_argument("--engine", default="auto", choices=ENGINES,
+                        help="checkpoint engine (auto: CRIU when `criu check` passes, else framework)")
+    parser.add_argument("--job-dir", default=None,
+                        help="job directory on this node (default ./meridian-jobs/<job-id>)")
+    parser.add_argument("--job-id", default=None,
+                        help="job id (default: the job directory's name); names the spool "
+                             "$MERIDIAN_SPOOL_ROOT/<job-id> (default root /run/meridian)")
+    parser.add_argument("--store", default=None,
+                        help="checkpoint store URI or path (default <job-dir>/checkpoints)")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to retain")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the newest good checkpoint in the store")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    if options.job_dir is None:
+        options.job_dir = os.path.join("meridian-jobs", options.job_id or uuid.uuid4().hex[:12])
+    return options
+
+
+def main(argv=None):
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    launcher = None
+    try:
+        launcher = Launcher(options)
+        code = launcher.run()
+    except LaunchError as exc:
+        print(f"meridian-run: {exc}", file=sys.stderr)
+        if launcher is not None:
+            launcher.state = "failed"
+            try:
+                launcher.event("failed", error=str(exc))
+                launcher.write_progress()
+            except OSError:
+                pass
+        return exc.code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

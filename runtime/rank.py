@@ -1,0 +1,203 @@
+"""One rank process of a meridian-run job: sets up the runtime, then runs the user's script.
+
+Started by the launcher as ``python -m runtime.rank --spool DIR script.py args...`` with the
+torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus
+MERIDIAN_JOB_DIR, MERIDIAN_ENGINE (criu|framework), MERIDIAN_RESUME (framework checkpoint
+folder to resume from, or unset) and MERIDIAN_NONCE (this launch attempt's rendezvous prefix).
+
+Before the script runs: stdout/stderr go to ``<spool>/rank<r>/out.log`` (opened here, inside
+the rank's PID namespace, so CRIU sees a plain file), one intra-op thread, the rank is pinned
+to its device and holds its token, the virtual group replaces gloo, the framework tracker is
+installed and the consistent-cut barrier listens to its optimizer steps.
+"""
+import argparse
+import os
+import runpy
+import sys
+import time
+
+EXIT_CUT_STOP = 0  # a rank that stopped at a cut exits 0; the launcher knows it asked
+
+
+def _redirect_output(log_path):
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+class RankRuntime:
+    """What the rank does at a consistent cut, per engine."""
+
+    PROGRESS_INTERVAL_S = 0.5
+
+    def __init__(self, *, rank, world_size, spool, engine, tracker, slot, connection):
+        from runtime import spool as spool_files
+        self.spool_files = spool_files
+        self.rank = rank
+        self.world_size = world_size
+        self.spool = spool
+        self.engine = engine
+        self.tracker = tracker
+        self.slot = slot
+        self.connection = connection
+        self._progress_at = 0.0
+        self._window = []  # (monotonic time, step) samples for steps/s
+
+    # -- progress (rank 0 only) -----------------------------------------------------------
+    def on_step(self, step):
+        if self.rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._progress_at < self.PROGRESS_INTERVAL_S:
+            return
+        self.write_progress(step, now)
+
+    def write_progress(self, step, now=None):
+        now = time.monotonic() if now is None else now
+        self._progress_at = now
+        self._window.append((now, step))
+        self._window = self._window[-10:]
+        first_t, first_step = self._window[0]
+        rate = (step - first_step) / (now - first_t) if now > first_t else None
+        self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), {
+            "step": step, "steps_per_s": rate, "engine": self.engine,
+            "world_size": self.world_size, "updated_unix": time.time()})
+
+    # -- the cut ------------------------------------------------------------------------------
+    def report(self, request, step, status, **extra):
+        self.spool_files.write_json_atomic(
+            self.spool_files.cut_report_path(self.spool, self.rank, request["id"]),
+            {"rank": self.rank, "step": step, "status": status, **extra})
+
+    def on_cut(self, request, step):
+        from runtime import splice, vpg
+        action = request["action"]
+        if self.rank == 0:
+            self.write_progress(step)
+        if action == "resize":
+            self.slot.release()
+            self.slot.apply(request["devices"])
+            self.slot.acquire()
+            self.report(request, step, "resized", device=self.slot.device, cores=self.slot.cores)
+            return
+        if action not in ("checkpoint", "stop"):
+            self.report(request, step, "error", error=f"unknown cut action {action!r}")
+            return
+        if self.engine == "framework":
+            self.tracker.save(request["staging_dir"])
+            # Everyone has written before anyone reports "saved" (the launcher commits then).
+            vpg.meta_allreduce([0])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.report(request, step, "saved")
+            if action == "stop":
+                group = vpg.current_group()
+                if group is not None:
+                    group.close_inner()
+                os._exit(EXIT_CUT_STOP)
+            return
+        # CRIU: close every socket, give up the device, and wait to be dumped (and maybe restored
+        # elsewhere); then rebuild the inner group on the addresses the launcher gives.
+        group = vpg.current_group()
+        if group is not None:
+            group.close_inner()
+        self.slot.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        leftovers = vpg.open_socket_fds()
+        self.report(request, step, "parked" if not leftovers else "error",
+                    open_sockets=leftovers)
+        resume = self.spool_files.resume_path(self.spool, request["id"])
+        while True:
+            payload = self.spool_files.read_json(resume)
+            if payload is not None:
+                break
+            time.sleep(0.005)
+        self.connection.update(addr=payload["master_addr"], port=payload["master_port"],
+                               prefix=payload["key_prefix"])
+        self.slot.apply(payload["devices"])
+        self.slot.acquire()
+        if group is not None:
+            group.ensure_inner()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m runtime.rank")
+    parser.add_argument("--spool", required=True)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    engine = os.environ.get("MERIDIAN_ENGINE", "criu")
+    spool = os.path.abspath(options.spool)
+    rank_dir = os.path.join(spool, f"rank{rank}")
+    os.makedirs(rank_dir, exist_ok=True)
+    os.chdir(rank_dir)
+    _redirect_output(os.path.join(rank_dir, "out.log"))
+
+    import torch
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+
+    from runtime import cut, splice, spool as spool_files, vpg
+    slot = splice.DeviceSlot(spool=spool, rank=rank)
+    slot.apply(spool_files.read_json(os.path.join(spool, "devices.json")))
+    slot.acquire()
+
+    connection = {"addr": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
+                  "prefix": f"{os.environ.get('MERIDIAN_NONCE', 'job')}/start"}
+
+    class Connection:
+        def __call__(self):
+            return connection["addr"], connection["port"], connection["prefix"]
+
+        def update(self, *, addr, port, prefix):
+            connection.update(addr=addr, port=int(port), prefix=prefix)
+
+    vpg.install(rank=rank, world_size=world_size, connection=Connection(), hooks=slot)
+
+    resume_dir = os.environ.get("MERIDIAN_RESUME") or None
+    try:
+        from runtime import framework
+    except ImportError as exc:
+        if engine == "framework":
+            raise RuntimeError(f"--engine framework needs runtime/framework.py: {exc}") from exc
+        from runtime.steps import StepTracker
+        tracker = StepTracker()
+    else:
+        tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+
+    runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
+                          tracker=tracker, slot=slot, connection=Connection())
+    tracker.add_step_listener(runtime.on_step)
+    tracker.add_step_listener(cut.CutBarrier(spool=spool, on_cut=runtime.on_cut))
+
+    script = os.path.abspath(options.script)
+    sys.argv = [script] + list(options.args)
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+    if rank == 0:
+        runtime.write_progress(tracker.step)
+    spool_files.write_json_atomic(os.path.join(rank_dir, "finished.json"),
+                                  {"rank": rank, "step": tracker.step})
+    group = vpg.current_group()
+    if group is not None:
+        group.close_inner()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Replica splicing: W rank processes on d devices, taking turns through a per-device token.
+
+A job's world size W never changes; resizing changes how many devices its W rank processes
+are mapped to (d divides W). On CPU a device is a set of cores (sched_setaffinity); on a GPU it
+is a CUDA device (see runtime/cuda_checkpoint.py for swapping a waiting rank's memory out).
+
+Ranks mapped to one device take turns at collective boundaries: a rank holds its device's
+token (an exclusive flock on ``<spool>/devices/dev<k>.lock``) while it computes, releases it
+when it enters a collective (it would only wait for the others there) and takes it back when
+the collective returns. Results do not depend on the layout because the virtual group reduces
+in rank order and every rank runs with one intra-op thread (rank.py fixes it).
+"""
+import fcntl
+import os
+import pathlib
+
+from runtime import spool as spool_files
+
+
+def device_map(*, world_size, devices, cores=None):
+    """Returns the rank -> device and device -> cores map for W ranks on `devices` devices.
+
+    Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). Cores
+    are split evenly when there are at least as many cores as devices, else devices share
+    cores round-robin. Raises ValueError when devices does not divide world_size.
+    """
+    if devices < 1 or world_size < 1:
+        raise ValueError(f"need at least one rank and one device (got W={world_size}, d={devices})")
+    if world_size % devices != 0:
+        raise ValueError(f"{devices} devices do not divide the world size {world_size}: "
+                         f"choose d among {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if devices <= len(cores):
+        per_device = len(cores) // devices
+        device_cores = {k: cores[k * per_device:(k + 1) * per_device] for k in range(devices)}
+    else:
+        device_cores = {k: [cores[k % len(cores)]] for k in range(devices)}
+    ranks_per_device = world_size // devices
+    return {
+        "devices": {str(k): v for k, v in device_cores.items()},
+        "ranks": {str(r): r // ranks_per_device for r in range(world_size)},
+    }
+
+
+def pin_process_threads(cores, pid="self"):
+    """Sets the CPU affinity of every thread of a process (os.sched_setaffinity on a pid
+    only moves that one thread, and torch and gloo run threads of their own)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+class DeviceSlot:
+    """This rank's place on a device: its pinning and its turn-taking token."""
+
+    def __init__(self, *, spool, rank):
+        self.spool = pathlib.Path(spool)
+        self.rank = rank
+        self.device = None
+        self.cores = None
+        self._lock_fd = None
+        self._held = False
+
+    def apply(self, mapping):
+        """Moves this rank to the device `mapping` gives it (re-pins, switches token).
+
+        Called at start and at a consistent cut, with the token not held."""
+        if self._held:
+            raise RuntimeError("DeviceSlot.apply called while holding the device token")
+        device = int(mapping["ranks"][str(self.rank)])
+        cores = [int(c) for c in mapping["devices"][str(device)]]
+        pin_process_threads(cores)
+        if device != self.device:
+            self.close()
+            lock_dir = self.spool / "devices"
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(lock_dir / f"dev{device}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self.device = device
+        self.cores = cores
+
+    def acquire(self):
+        if self._lock_fd is not None and not self._held:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            self._held = True
+
+    def release(self):
+        if self._held:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            self._held = False
+
+    def close(self):
+        """Releases the token and closes the lock file (CRIU then has no lock to dump)."""
+        self.release()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            self.device = None
+
+    # vpg.CollectiveHooks interface: give the device away while waiting in a collective.
+    def before_collective(self):
+        self.release()
+
+    def after_collective(self):
+        self.acquire()
+
+
+def read_device_map(spool):
+    return spool_files.read_json(pathlib.Path(spool) / "devices.json")

@@ -1,0 +1,69 @@
+"""An ordinary DDP training script: nothing in it knows about Meridian.
+
+Usage: ddp_mlp.py OUT_PATH [--steps N] [--step-sleep S]
+W ranks from the torchrun-style environment; a small MLP with dropout, Adam, a shuffling
+DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the final parameters
+and optimizer state to OUT_PATH.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class NoisyPoints(Dataset):
+    def __init__(self, n=256):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x.sum(dim=1, keepdim=True) > 0).float()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]  # random augmentation
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    sampler = DistributedSampler(NoisyPoints(), shuffle=True, seed=7)
+    loader = DataLoader(NoisyPoints(), batch_size=16, sampler=sampler)
+    loss_fn = nn.BCEWithLogitsLoss()
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if step >= args.steps:
+                break
+        epoch += 1
+    if rank == 0:
+        torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "optimizer": optimizer.state_dict(), "steps": step}, args.out)
+    print(f"rank {rank} done after {step} steps", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
