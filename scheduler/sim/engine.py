@@ -275,6 +275,7 @@ class Engine:
         self._settle(j)
         self.done_work[j] = self.work[j]
         self._release(j, self.now)
+        self._set_contrib(j, 0.0)
         self.state[j] = DONE
         self.finish[j] = self.now
         del self.running[j]
