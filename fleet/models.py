@@ -1,0 +1,113 @@
+"""The fleet: Region → Cluster → Node → Accelerator.
+
+Sized for 100,000+ accelerators: every foreign key and filtered column is indexed,
+and summaries aggregate in the database (see fleet/selectors.py), never per device.
+"""
+import hashlib
+import hmac
+from datetime import timedelta
+
+from django.db import models
+from django.utils import timezone
+
+from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+
+# A node whose agent has not reported for this long is stale (the control loop
+# decides when stale becomes lost).
+NODE_HEARTBEAT_STALE_AFTER = timedelta(seconds=30)
+
+
+class Region(models.Model):
+    name = models.SlugField(max_length=64, unique=True)
+    display_name = models.CharField(max_length=128, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+
+class Cluster(models.Model):
+    region = models.ForeignKey(Region, on_delete=models.CASCADE, related_name="clusters")
+    name = models.SlugField(max_length=64)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["region__name", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["region", "name"], name="cluster_name_unique_in_region")
+        ]
+
+    def __str__(self):
+        return f"{self.region.name}/{self.name}"
+
+
+def node_token_hash(token):
+    """Returns the stored form of a node agent token: its SHA-256 hex digest.
+
+    Tokens are 256-bit random strings, so an unsalted fast hash is enough (as for API
+    keys); the plaintext is shown once when issued and never stored.
+    """
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Node(models.Model):
+    class State(models.TextChoices):
+        READY = "ready", "Ready"
+        DRAINING = "draining", "Draining"
+        LOST = "lost", "Lost"
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="nodes")
+    hostname = models.CharField(max_length=253, unique=True)
+    rack = models.CharField(max_length=64, blank=True)
+    nvlink_domain = models.CharField(max_length=64, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.READY, db_index=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True, db_index=True)
+    # SHA-256 of the agent's token (see node_token_hash); empty until one is issued.
+    agent_token_hash = models.CharField(max_length=64, blank=True, db_index=True)
+    agent_version = models.CharField(max_length=64, blank=True)
+    # Latest telemetry, aggregated on the node by its agent (means over its devices).
+    utilization = models.FloatField(null=True, blank=True)
+    telemetry_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["hostname"]
+        indexes = [models.Index(fields=["cluster", "state"], name="node_cluster_state")]
+
+    def __str__(self):
+        return self.hostname
+
+    def is_stale(self, now):
+        """Returns True when the agent has never reported or not within NODE_HEARTBEAT_STALE_AFTER."""
+        return self.last_heartbeat is None or now - self.last_heartbeat > NODE_HEARTBEAT_STALE_AFTER
+
+    def token_matches(self, token):
+        """Returns True when `token` is this node's agent token (constant-time compare)."""
+        return bool(self.agent_token_hash) and hmac.compare_digest(
+            self.agent_token_hash, node_token_hash(token)
+        )
+
+
+class Accelerator(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="accelerators")
+    index = models.PositiveSmallIntegerField(help_text="Device index on its node (0-based).")
+    type = models.CharField(max_length=32, choices=ACCELERATOR_TYPE_CHOICES)
+    memory_gb = models.PositiveIntegerField(default=0)
+    healthy = models.BooleanField(default=True)
+    uuid = models.CharField(max_length=64, blank=True, help_text="NVML UUID where known.")
+    # Latest telemetry from the agent; null until it reports.
+    utilization = models.FloatField(null=True, blank=True, help_text="0..1")
+    memory_used_gb = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["node_id", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], name="accelerator_index_unique_on_node")
+        ]
+        indexes = [models.Index(fields=["type", "healthy"], name="accelerator_type_healthy")]
+
+    def __str__(self):
+        return f"{self.node_id}:{self.index} {self.type}"

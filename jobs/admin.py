@@ -1,0 +1,81 @@
+"""Admin for every jobs model. State changes go through the services (the admin shows
+state read-only so nobody bypasses the state machine)."""
+from django.contrib import admin
+
+from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 0
+    raw_id_fields = ["user"]
+
+
+@admin.register(Team)
+class TeamAdmin(admin.ModelAdmin):
+    list_display = ["name", "slug", "quotas", "created_at"]
+    search_fields = ["name", "slug"]
+    inlines = [MembershipInline]
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ["user", "team", "role"]
+    list_filter = ["role", "team"]
+    list_select_related = ["user", "team"]
+    raw_id_fields = ["user"]
+
+
+class JobEventInline(admin.TabularInline):
+    model = JobEvent
+    extra = 0
+    can_delete = False
+    fields = ["created_at", "type", "from_state", "to_state", "reason", "actor", "extra_data"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ["id", "name", "team", "tier", "accelerator_type", "world_size", "min_devices", "state", "device_count", "submitted_at"]
+    list_filter = ["state", "tier", "accelerator_type", "team"]
+    list_select_related = ["team"]
+    search_fields = ["name", "entrypoint"]
+    raw_id_fields = ["submitted_by", "region"]
+    readonly_fields = ["state", "state_changed_at", "submitted_at", "started_at", "last_started_at", "finished_at", "updated_at"]
+    inlines = [JobEventInline]
+
+
+@admin.register(Replica)
+class ReplicaAdmin(admin.ModelAdmin):
+    list_display = ["job", "rank", "device"]
+    raw_id_fields = ["job", "device"]
+    list_select_related = ["job", "device"]
+
+
+@admin.register(Checkpoint)
+class CheckpointAdmin(admin.ModelAdmin):
+    list_display = ["job", "step", "engine", "bytes", "created_at"]
+    list_filter = ["engine"]
+    raw_id_fields = ["job"]
+    list_select_related = ["job"]
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "job", "type", "from_state", "to_state", "reason", "actor"]
+    list_filter = ["type"]
+    raw_id_fields = ["job", "actor"]
+    list_select_related = ["job", "actor"]
+
+
+@admin.register(PreemptionRequest)
+class PreemptionRequestAdmin(admin.ModelAdmin):
+    list_display = ["id", "job", "state", "lost_work_seconds", "requested_at", "expires_at", "decided_by"]
+    list_filter = ["state"]
+    raw_id_fields = ["job", "decided_by"]
+    list_select_related = ["job", "decided_by"]
+    # Decisions go through the approvals API/page so permissions and events apply.
+    readonly_fields = ["state", "decided_by", "decided_at"]

@@ -1,0 +1,296 @@
+"""Teams, jobs and everything that happens to them.
+
+Rows are written only through jobs/services.py (the state machine lives there);
+models own small derivations such as `job.is_elastic` and `job.attained_sla_fraction`.
+"""
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+from fleet.models import Accelerator
+
+
+class Tier(models.TextChoices):
+    PREMIUM = "premium", "Premium"
+    STANDARD = "standard", "Standard"
+    BASIC = "basic", "Basic"
+
+
+# Fraction of ideal device-time a tier is promised (Singularity's SLA tiers).
+SLA_TARGETS = {Tier.PREMIUM: 0.95, Tier.STANDARD: 0.70, Tier.BASIC: 0.0}
+
+
+class Team(models.Model):
+    name = models.CharField(max_length=128, unique=True)
+    slug = models.SlugField(max_length=64, unique=True)
+    # Devices per accelerator type the team's unfinished jobs may claim as their
+    # minimum (sum of min_devices), e.g. {"H100-80GB": 64}. A missing type is 0.
+    quotas = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    def quota_for(self, accelerator_type):
+        """Returns the team's quota for `accelerator_type` (0 when none is set)."""
+        return int(self.quotas.get(accelerator_type, 0))
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        MEMBER = "member", "Member"
+        CAPACITY_MANAGER = "capacity_manager", "Capacity manager"
+        ADMIN = "admin", "Team admin"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=32, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["team__name", "user__username"]
+        constraints = [models.UniqueConstraint(fields=["user", "team"], name="membership_unique")]
+
+    def __str__(self):
+        return f"{self.user} in {self.team} ({self.role})"
+
+    @property
+    def can_approve_preemptions(self):
+        return self.role in {self.Role.CAPACITY_MANAGER, self.Role.ADMIN}
+
+
+class Job(models.Model):
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        SCHEDULED = "scheduled", "Scheduled"
+        RUNNING = "running", "Running"
+        PREEMPTING = "preempting", "Preempting"
+        PREEMPTED = "preempted", "Preempted"
+        MIGRATING = "migrating", "Migrating"
+        RESIZING = "resizing", "Resizing"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+
+    TERMINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+    # States in which the job waits for devices (the scheduler's queue).
+    WAITING_STATES = frozenset({State.PENDING, State.PREEMPTED})
+
+    name = models.CharField(max_length=200)
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
+    submitted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="submitted_jobs"
+    )
+    tier = models.CharField(max_length=16, choices=Tier.choices)
+    accelerator_type = models.CharField(max_length=32, choices=ACCELERATOR_TYPE_CHOICES)
+    world_size = models.PositiveIntegerField(help_text="W, the job's logical ranks; never changes.")
+    min_devices = models.PositiveIntegerField(help_text="Fewest devices it may run on; divides W.")
+    entrypoint = models.CharField(max_length=1000)
+    args = models.JSONField(default=list, blank=True)
+    env = models.JSONField(default=dict, blank=True)
+    total_steps = models.PositiveBigIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+
+    submitted_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True, help_text="First time it ran.")
+    last_started_at = models.DateTimeField(null=True, blank=True, help_text="Latest entry into running.")
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    # Placement and accounting, maintained by the control loop.
+    region = models.ForeignKey(
+        "fleet.Region", on_delete=models.SET_NULL, null=True, blank=True, related_name="+",
+        help_text="Region of its current placement; replicas never span regions.",
+    )
+    device_count = models.PositiveIntegerField(default=0, help_text="Devices under it now.")
+    attained_device_seconds = models.FloatField(default=0.0)
+    # Device-seconds it would have had on W devices since submission (minus time the
+    # user asked for nothing); the SLA fraction is attained / ideal.
+    ideal_device_seconds = models.FloatField(default=0.0)
+    progress_step = models.PositiveBigIntegerField(default=0)
+    steps_per_second = models.FloatField(null=True, blank=True)
+    last_checkpoint_step = models.PositiveBigIntegerField(null=True, blank=True)
+    last_checkpoint_at = models.DateTimeField(null=True, blank=True)
+    checkpoint_bytes = models.PositiveBigIntegerField(default=0)
+    preemption_count = models.PositiveIntegerField(default=0)
+    migration_count = models.PositiveIntegerField(default=0)
+    resize_count = models.PositiveIntegerField(default=0)
+    # Why a waiting job waits (the scheduler plugin's reason) and its place in line.
+    wait_reason = models.CharField(max_length=500, blank=True)
+    queue_position = models.PositiveIntegerField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    failure_reason = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-submitted_at", "-id"]
+        indexes = [
+            models.Index(fields=["state", "accelerator_type"], name="job_state_type"),
+            models.Index(fields=["team", "state"], name="job_team_state"),
+            models.Index(fields=["tier", "state"], name="job_tier_state"),
+            models.Index(fields=["-submitted_at"], name="job_submitted_desc"),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(world_size__gte=1), name="job_world_size_positive"),
+            models.CheckConstraint(condition=models.Q(min_devices__gte=1), name="job_min_devices_positive"),
+            models.CheckConstraint(
+                condition=models.Q(min_devices__lte=models.F("world_size")), name="job_min_devices_le_world"
+            ),
+        ]
+
+    def __str__(self):
+        return f"#{self.pk} {self.name}"
+
+    @property
+    def is_elastic(self):
+        """True when the job may run on fewer devices than ranks (replica splicing)."""
+        return self.min_devices < self.world_size
+
+    @property
+    def is_terminal(self):
+        return self.state in self.TERMINAL_STATES
+
+    @property
+    def sla_target(self):
+        return SLA_TARGETS[Tier(self.tier)]
+
+    @property
+    def attained_sla_fraction(self):
+        """Returns attained / ideal device-seconds, or None before any ideal time accrued."""
+        if self.ideal_device_seconds <= 0:
+            return None
+        return self.attained_device_seconds / self.ideal_device_seconds
+
+    def allowed_device_counts(self):
+        """Returns the device counts the job can run on: divisors of W that are >= min_devices."""
+        return [d for d in range(self.min_devices, self.world_size + 1) if self.world_size % d == 0]
+
+
+class Replica(models.Model):
+    """One logical rank of a job. `device` is the desired placement (None: unplaced);
+    several ranks share a device when the job is spliced onto fewer devices than W."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="replicas")
+    rank = models.PositiveIntegerField()
+    device = models.ForeignKey(
+        Accelerator, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["job_id", "rank"]
+        constraints = [models.UniqueConstraint(fields=["job", "rank"], name="replica_rank_unique")]
+
+    def __str__(self):
+        return f"{self.job_id}/rank {self.rank}"
+
+
+class Checkpoint(models.Model):
+    class Engine(models.TextChoices):
+        CRIU = "criu", "CRIU process snapshot"
+        FRAMEWORK = "framework", "Framework state (model, optimizer, RNG, data loader)"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.PositiveBigIntegerField()
+    engine = models.CharField(max_length=16, choices=Engine.choices)
+    uri = models.CharField(max_length=2000)
+    bytes = models.PositiveBigIntegerField(default=0)
+    sha256 = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job_id", "-step", "-id"]
+        indexes = [models.Index(fields=["job", "-created_at"], name="checkpoint_job_created")]
+
+    def __str__(self):
+        return f"{self.job_id}@{self.step} ({self.engine})"
+
+
+class JobEvent(models.Model):
+    """The job's timeline (an audit log, like zulip's RealmAuditLog): written in the
+    same transaction as the change it records."""
+
+    class Type(models.TextChoices):
+        SUBMITTED = "submitted", "Submitted"
+        STATE_CHANGED = "state_changed", "State changed"
+        PLACED = "placed", "Placed"
+        RELEASED = "released", "Devices released"
+        RESIZED = "resized", "Resized"
+        MIGRATED = "migrated", "Migrated"
+        CHECKPOINTED = "checkpointed", "Checkpoint saved"
+        RESTORED = "restored", "Restored from checkpoint"
+        PROGRESS = "progress", "Progress"
+        NODE_LOST = "node_lost", "Node lost"
+        PREEMPTION_REQUESTED = "preemption_requested", "Preemption requested"
+        PREEMPTION_APPROVED = "preemption_approved", "Preemption approved"
+        PREEMPTION_DENIED = "preemption_denied", "Preemption denied"
+        PREEMPTION_EXPIRED = "preemption_expired", "Preemption request expired"
+        CANCEL_REQUESTED = "cancel_requested", "Cancel requested"
+        MESSAGE = "message", "Message"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    type = models.CharField(max_length=32, choices=Type.choices)
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16, blank=True)
+    reason = models.CharField(max_length=500, blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    extra_data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        indexes = [models.Index(fields=["job", "created_at"], name="jobevent_job_created")]
+
+    def __str__(self):
+        return f"{self.job_id} {self.type} {self.created_at:%H:%M:%S}"
+
+
+class PreemptionRequest(models.Model):
+    """A preemption that would break the job's SLA waits here for a capacity manager."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        APPROVED = "approved", "Approved"
+        DENIED = "denied", "Denied"
+        EXPIRED = "expired", "Expired"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="preemption_requests")
+    reason = models.CharField(max_length=500)
+    lost_work_seconds = models.FloatField(
+        default=0.0, help_text="Estimated device-seconds of work since the last checkpoint."
+    )
+    # Why the scheduler wants the devices, e.g. {"for_job": 12, "devices": 8}.
+    extra_data = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    requested_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    note = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-requested_at", "-id"]
+        indexes = [
+            models.Index(fields=["state", "expires_at"], name="preemption_state_expires"),
+            models.Index(fields=["job", "state"], name="preemption_job_state"),
+        ]
+        constraints = [
+            # At most one open request per job: the control loop asks once and waits.
+            models.UniqueConstraint(
+                fields=["job"], condition=models.Q(state="pending"), name="preemption_one_pending_per_job"
+            )
+        ]
+
+    def __str__(self):
+        return f"preempt #{self.job_id} ({self.state})"
+
+    def is_expired(self, now):
+        return self.state == self.State.PENDING and now >= self.expires_at

@@ -1,0 +1,545 @@
+"""Services: every write to jobs, teams and preemption requests goes through here.
+
+HTTP views, the Celery control loop, management commands and tests all call these
+same functions (HackSoft styleguide: services write, selectors read).
+
+Errors:
+  django.core.exceptions.ValidationError  bad input (a job spec, a quota); message_dict
+                                           names the field and what to do
+  django.core.exceptions.PermissionDenied  the user may not do this
+  IllegalTransition                        the state machine forbids the move
+  StaleJobState (an IllegalTransition)     someone else moved the job first
+"""
+import re
+from datetime import timedelta
+
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
+from django.db.models import Sum
+from django.utils import timezone
+
+from fleet.accelerator_types import ACCELERATOR_TYPES
+from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
+from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+
+S = Job.State
+
+# The job state machine. A move not listed here raises IllegalTransition.
+#   pending     waits in the queue for devices
+#   scheduled   devices chosen (Replica.device set); agents are starting the ranks
+#   running     ranks are training
+#   preempting  taking a checkpoint at a consistent cut before releasing its devices
+#   preempted   checkpointed and released; waits in the queue to resume
+#   migrating   checkpointed, moving to other devices (possibly another cluster/region)
+#   resizing    changing how many devices hold its W ranks (splicing); W never changes
+#   succeeded / failed / cancelled   terminal
+TRANSITIONS = {
+    S.PENDING: {S.SCHEDULED, S.CANCELLED, S.FAILED},
+    # scheduled → pending: the placement was withdrawn before the ranks started.
+    # scheduled → preempted: its node was lost before it started; resume from its checkpoint.
+    S.SCHEDULED: {S.RUNNING, S.PENDING, S.PREEMPTED, S.CANCELLED, S.FAILED},
+    # running → preempted: its node was lost; it resumes from its last checkpoint.
+    S.RUNNING: {S.PREEMPTING, S.PREEMPTED, S.MIGRATING, S.RESIZING, S.SUCCEEDED, S.FAILED, S.CANCELLED},
+    S.PREEMPTING: {S.PREEMPTED, S.RUNNING, S.FAILED, S.CANCELLED},
+    S.PREEMPTED: {S.SCHEDULED, S.CANCELLED, S.FAILED},
+    # migrating → preempted: checkpointed but no room to restore yet; it waits in the queue.
+    S.MIGRATING: {S.RUNNING, S.PREEMPTED, S.FAILED, S.CANCELLED},
+    S.RESIZING: {S.RUNNING, S.PREEMPTED, S.SUCCEEDED, S.FAILED, S.CANCELLED},
+    S.SUCCEEDED: set(),
+    S.FAILED: set(),
+    S.CANCELLED: set(),
+}
+# States in which the job holds devices (its replicas point at accelerators).
+DEVICE_HOLDING_STATES = frozenset({S.SCHEDULED, S.RUNNING, S.PREEMPTING, S.MIGRATING, S.RESIZING})
+
+PREEMPTION_REQUEST_TTL = timedelta(minutes=10)
+MAX_WORLD_SIZE = 100_000
+MAX_ARGS = 1000
+MAX_ENV = 500
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class IllegalTransition(Exception):
+    """The state machine has no arrow from the job's state to the requested one."""
+
+    def __init__(self, *, job_id, from_state, to_state, message=None):
+        self.job_id, self.from_state, self.to_state = job_id, from_state, to_state
+        allowed = sorted(TRANSITIONS.get(from_state, ()))
+        super().__init__(
+            message
+            or f"job {job_id} cannot go from {from_state} to {to_state}; from {from_state} it may go to: "
+            + (", ".join(allowed) if allowed else "nothing (it has finished)")
+        )
+
+
+class StaleJobState(IllegalTransition):
+    """The job left `from_state` before this caller's conditional update: someone else won."""
+
+
+# --- permissions ---------------------------------------------------------------
+
+
+def user_is_global_admin(user):
+    return bool(user and user.is_authenticated and user.is_superuser)
+
+
+def user_team_role(*, user, team_id):
+    """Returns the user's Membership.Role in the team, or None when not a member."""
+    if not (user and user.is_authenticated):
+        return None
+    return (
+        Membership.objects.filter(user_id=user.pk, team_id=team_id).values_list("role", flat=True).first()
+    )
+
+
+def user_can_approve_preemptions(*, user, team_id):
+    """True for capacity managers and admins of the team, and for global admins."""
+    if user_is_global_admin(user):
+        return True
+    return user_team_role(user=user, team_id=team_id) in {
+        Membership.Role.CAPACITY_MANAGER,
+        Membership.Role.ADMIN,
+    }
+
+
+def user_can_see_team(*, user, team_id):
+    return user_is_global_admin(user) or user_team_role(user=user, team_id=team_id) is not None
+
+
+# --- live pushes -----------------------------------------------------------------
+
+
+def _job_payload(job):
+    return {
+        "job_id": job.pk,
+        "team_id": job.team_id,
+        "state": job.state,
+        "device_count": job.device_count,
+        "progress_step": job.progress_step,
+        "updated_at": timezone.now().isoformat(),
+    }
+
+
+def job_publish_updated(*, job, fleet=False):
+    """Pushes "jobs.job_updated" to the job's and team's groups (and "fleet" if asked) on commit."""
+    groups = [group_for_job(job.pk), group_for_team(job.team_id)]
+    if fleet:
+        groups.append(GROUP_FLEET)
+    events_publish(groups=groups, type="jobs.job_updated", payload={"job": _job_payload(job)})
+
+
+def job_event_add(*, job, type, reason="", actor=None, extra=None, from_state="", to_state=""):
+    """Returns a new JobEvent for `job`. Call it inside the transaction of the change."""
+    return JobEvent.objects.create(
+        job=job,
+        type=type,
+        reason=reason[:500],
+        actor=actor if (actor is not None and actor.is_authenticated) else None,
+        extra_data=extra or {},
+        from_state=from_state,
+        to_state=to_state,
+    )
+
+
+# --- the state machine --------------------------------------------------------------
+
+
+def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
+    """Moves `job` from its current (in-memory) state to `to`; returns the refreshed job.
+
+    Raises IllegalTransition when TRANSITIONS has no such arrow, StaleJobState when the
+    row is no longer in job.state (another worker moved it first: reload and decide
+    again). Writes a STATE_CHANGED JobEvent in the same transaction and pushes
+    "jobs.job_updated" after commit. Sets started_at / last_started_at on entering
+    running and finished_at on a terminal state; a terminal or waiting state releases
+    the job's devices (replicas unplaced, device_count 0). Device-time accounting is
+    the control loop's (it accrues attained/ideal seconds every tick).
+    """
+    to = S(to)
+    from_state = S(job.state)
+    if to not in TRANSITIONS[from_state]:
+        raise IllegalTransition(job_id=job.pk, from_state=from_state, to_state=to)
+    now = now or timezone.now()
+    changes = {"state": to, "state_changed_at": now, "updated_at": now}
+    if to == S.RUNNING:
+        changes["last_started_at"] = now
+        if job.started_at is None:
+            changes["started_at"] = now
+    if to in Job.TERMINAL_STATES:
+        changes["finished_at"] = now
+        changes["queue_position"] = None
+        changes["wait_reason"] = ""
+    releases_devices = to in Job.TERMINAL_STATES or to in Job.WAITING_STATES
+    if releases_devices:
+        changes["device_count"] = 0
+        changes["region"] = None
+    if from_state in Job.WAITING_STATES and to not in Job.WAITING_STATES:
+        changes["queue_position"] = None
+        changes["wait_reason"] = ""
+    if to == S.PREEMPTED and from_state != S.MIGRATING:
+        changes["preemption_count"] = job.preemption_count + 1
+    if to == S.MIGRATING:
+        changes["migration_count"] = job.migration_count + 1
+    if to == S.RESIZING:
+        changes["resize_count"] = job.resize_count + 1
+
+    with transaction.atomic():
+        updated = Job.objects.filter(pk=job.pk, state=from_state).update(**changes)
+        if updated != 1:
+            current = Job.objects.filter(pk=job.pk).values_list("state", flat=True).first()
+            raise StaleJobState(
+                job_id=job.pk,
+                from_state=from_state,
+                to_state=to,
+                message=f"job {job.pk} is no longer {from_state} (it is {current}); reload it and decide again",
+            )
+        if releases_devices:
+            released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
+        else:
+            released = 0
+        for field, value in changes.items():
+            setattr(job, field, value)
+        job_event_add(
+            job=job,
+            type=JobEvent.Type.STATE_CHANGED,
+            reason=reason,
+            actor=by,
+            extra={**(extra or {}), **({"released_replicas": released} if released else {})},
+            from_state=from_state,
+            to_state=to,
+        )
+        job_publish_updated(job=job, fleet=releases_devices or to == S.SCHEDULED)
+    return job
+
+
+# --- submit and cancel --------------------------------------------------------------------
+
+SPEC_FIELDS = {"name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps"}
+
+
+def _int_field(spec, field, errors, *, default=None):
+    value = spec.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        errors[field] = f"{field} must be a whole number, got {value!r}"
+        return None
+    return value
+
+
+def job_spec_clean(spec):
+    """Returns a cleaned copy of a job spec dict; raises ValidationError naming every bad field.
+
+    Fields: name, tier (premium|standard|basic), accelerator_type (fleet registry),
+    world_size W >= 1, min_devices (default 1: every job is elastic unless asked
+    otherwise; must divide W), entrypoint, args (list of strings), env (str → str),
+    total_steps (optional). The team quota is checked by job_submit.
+    """
+    if not isinstance(spec, dict):
+        raise ValidationError({"spec": "a job spec must be a JSON object"})
+    errors = {}
+    unknown = sorted(set(spec) - SPEC_FIELDS)
+    if unknown:
+        errors["non_field_errors"] = f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(SPEC_FIELDS))}"
+    name = spec.get("name")
+    if not isinstance(name, str) or not name.strip():
+        errors["name"] = "name is required: a short label such as 'resnet50-imagenet'"
+    elif len(name) > 200:
+        errors["name"] = "name must be at most 200 characters"
+    tier = spec.get("tier", Tier.STANDARD)
+    if tier not in Tier.values:
+        errors["tier"] = f"unknown tier {tier!r}; choose one of {', '.join(Tier.values)}"
+    accelerator_type = spec.get("accelerator_type")
+    if accelerator_type not in ACCELERATOR_TYPES:
+        errors["accelerator_type"] = (
+            f"unknown accelerator type {accelerator_type!r}; known types: {', '.join(ACCELERATOR_TYPES)}"
+        )
+    world_size = _int_field(spec, "world_size", errors)
+    if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
+        errors["world_size"] = f"world_size (W, logical ranks) must be between 1 and {MAX_WORLD_SIZE}, got {world_size}"
+        world_size = None
+    min_devices = _int_field(spec, "min_devices", errors, default=1)
+    if min_devices is not None and world_size is not None:
+        if not 1 <= min_devices <= world_size:
+            errors["min_devices"] = f"min_devices must be between 1 and world_size ({world_size}), got {min_devices}"
+        elif world_size % min_devices:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            shown = ", ".join(map(str, divisors[:20])) + (", ..." if len(divisors) > 20 else "")
+            errors["min_devices"] = (
+                f"min_devices must divide world_size {world_size} (ranks are spread evenly over "
+                f"devices); {min_devices} does not. Divisors of {world_size}: {shown}"
+            )
+    entrypoint = spec.get("entrypoint")
+    if not isinstance(entrypoint, str) or not entrypoint.strip():
+        errors["entrypoint"] = "entrypoint is required: the script or module to run, e.g. 'train.py'"
+    elif len(entrypoint) > 1000:
+        errors["entrypoint"] = "entrypoint must be at most 1000 characters"
+    args = spec.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        errors["args"] = 'args must be a list of strings, e.g. ["--epochs", "3"]'
+    elif len(args) > MAX_ARGS:
+        errors["args"] = f"at most {MAX_ARGS} args"
+    env = spec.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        errors["env"] = 'env must be an object of string values, e.g. {"LR": "0.1"}'
+    elif len(env) > MAX_ENV:
+        errors["env"] = f"at most {MAX_ENV} env variables"
+    else:
+        bad = [k for k in env if not ENV_NAME.match(k)]
+        if bad:
+            errors["env"] = f"invalid environment variable name(s): {', '.join(map(repr, bad[:5]))}"
+    total_steps = spec.get("total_steps")
+    if total_steps is not None:
+        total_steps = _int_field(spec, "total_steps", errors)
+        if total_steps is not None and total_steps < 1:
+            errors["total_steps"] = "total_steps must be at least 1 when given"
+    if errors:
+        raise ValidationError(errors)
+    return {
+        "name": name.strip(),
+        "tier": tier,
+        "accelerator_type": accelerator_type,
+        "world_size": world_size,
+        "min_devices": min_devices,
+        "entrypoint": entrypoint.strip(),
+        "args": args,
+        "env": env,
+        "total_steps": total_steps,
+    }
+
+
+def team_quota_claimed(*, team, accelerator_type):
+    """Returns the sum of min_devices over the team's unfinished jobs of that type."""
+    return (
+        Job.objects.filter(team=team, accelerator_type=accelerator_type)
+        .exclude(state__in=Job.TERMINAL_STATES)
+        .aggregate(total=Sum("min_devices"))["total"]
+        or 0
+    )
+
+
+def job_submit(*, team, submitted_by, spec, now=None):
+    """Returns a new pending Job with W unplaced replicas and a SUBMITTED event.
+
+    Raises PermissionDenied unless `submitted_by` is a member of `team` (or a global
+    admin), ValidationError for a bad spec or when the job's min_devices would put the
+    team's unfinished jobs over its quota for the accelerator type.
+    """
+    if not user_can_see_team(user=submitted_by, team_id=team.pk):
+        raise PermissionDenied(f"you are not a member of team {team.name}")
+    clean = job_spec_clean(spec)
+    now = now or timezone.now()
+    with transaction.atomic():
+        # Lock the team row so two submissions cannot both squeeze under the quota.
+        team = Team.objects.select_for_update().get(pk=team.pk)
+        quota = team.quota_for(clean["accelerator_type"])
+        claimed = team_quota_claimed(team=team, accelerator_type=clean["accelerator_type"])
+        if claimed + clean["min_devices"] > quota:
+            raise ValidationError(
+                {
+                    "min_devices": (
+                        f"over team quota: team {team.name} may claim {quota} {clean['accelerator_type']} "
+                        f"device(s); its unfinished jobs already claim {claimed} and this job needs "
+                        f"{clean['min_devices']} more. Lower min_devices, wait for a job to finish, "
+                        f"or ask a team admin for more quota."
+                    )
+                }
+            )
+        job = Job.objects.create(team=team, submitted_by=submitted_by, submitted_at=now, state_changed_at=now, **clean)
+        Replica.objects.bulk_create([Replica(job=job, rank=rank) for rank in range(job.world_size)])
+        job_event_add(
+            job=job,
+            type=JobEvent.Type.SUBMITTED,
+            actor=submitted_by,
+            to_state=S.PENDING,
+            extra={"tier": job.tier, "world_size": job.world_size, "min_devices": job.min_devices},
+        )
+        job_publish_updated(job=job)
+    return job
+
+
+def job_cancel(*, job, by, reason=""):
+    """Cancels `job`; returns it. Members of its team, and global admins, may cancel.
+
+    Raises PermissionDenied for others and IllegalTransition when the job has finished.
+    The devices are released at once in the database; agents stop the ranks on their
+    next reconcile (level-triggered).
+    """
+    if not user_can_see_team(user=by, team_id=job.team_id):
+        raise PermissionDenied("you may cancel only your teams' jobs")
+    for _attempt in range(3):
+        try:
+            return job_transition(job=job, to=S.CANCELLED, reason=reason or f"cancelled by {by}", by=by)
+        except StaleJobState:
+            # The control loop moved it meanwhile; cancelling is still wanted.
+            job.refresh_from_db()
+    raise IllegalTransition(
+        job_id=job.pk, from_state=job.state, to_state=S.CANCELLED,
+        message=f"job {job.pk} kept changing state; try cancelling again",
+    )
+
+
+# --- progress and checkpoints (called by the control loop on agents' reports) ---------------
+
+
+def checkpoint_record(*, job, step, engine, uri, size_bytes, sha256="", now=None):
+    """Returns a new Checkpoint and moves job.last_checkpoint_* forward (never backward)."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        checkpoint = Checkpoint.objects.create(
+            job=job, step=step, engine=engine, uri=uri, bytes=size_bytes, sha256=sha256, created_at=now
+        )
+        Job.objects.filter(pk=job.pk).exclude(last_checkpoint_step__gt=step).update(
+            last_checkpoint_step=step, last_checkpoint_at=now, checkpoint_bytes=size_bytes, updated_at=now
+        )
+        job_event_add(
+            job=job,
+            type=JobEvent.Type.CHECKPOINTED,
+            extra={"step": step, "engine": engine, "bytes": size_bytes, "uri": uri},
+        )
+        job.refresh_from_db()
+        job_publish_updated(job=job)
+    return checkpoint
+
+
+# --- preemption approvals ----------------------------------------------------------------
+
+
+def _preemption_payload(request):
+    return {
+        "request_id": request.pk,
+        "job_id": request.job_id,
+        "state": request.state,
+    }
+
+
+def _preemption_publish(*, request, team_id):
+    events_publish(
+        groups=[GROUP_APPROVALS, group_for_job(request.job_id), group_for_team(team_id)],
+        type="jobs.preemption_updated",
+        payload={"preemption": _preemption_payload(request)},
+    )
+
+
+def preemption_request_create(*, job, reason, lost_work_seconds, extra=None, ttl=None, now=None):
+    """Returns the job's pending PreemptionRequest, creating it if there is none.
+
+    Called by the control loop when preempting `job` would break its SLA. Idempotent:
+    a second call while one is pending returns the pending one unchanged.
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        existing = PreemptionRequest.objects.filter(job=job, state=PreemptionRequest.State.PENDING).first()
+        if existing:
+            return existing
+        request = PreemptionRequest.objects.create(
+            job=job,
+            reason=reason[:500],
+            lost_work_seconds=lost_work_seconds,
+            extra_data=extra or {},
+            requested_at=now,
+            expires_at=now + (ttl or PREEMPTION_REQUEST_TTL),
+        )
+        job_event_add(
+            job=job,
+            type=JobEvent.Type.PREEMPTION_REQUESTED,
+            reason=reason,
+            extra={"request_id": request.pk, "lost_work_seconds": lost_work_seconds, **(extra or {})},
+        )
+        _preemption_publish(request=request, team_id=job.team_id)
+    return request
+
+
+def _preemption_decide(*, request, to, by, note, event_type, now):
+    now = now or timezone.now()
+    with transaction.atomic():
+        updated = PreemptionRequest.objects.filter(
+            pk=request.pk, state=PreemptionRequest.State.PENDING, expires_at__gt=now
+        ).update(state=to, decided_by=by, decided_at=now, note=note)
+        if updated != 1:
+            request.refresh_from_db()
+            if request.state == PreemptionRequest.State.PENDING:
+                raise IllegalTransition(
+                    job_id=request.job_id, from_state=request.state, to_state=to,
+                    message=f"preemption request {request.pk} expired at {request.expires_at:%Y-%m-%d %H:%M:%S} UTC",
+                )
+            raise IllegalTransition(
+                job_id=request.job_id, from_state=request.state, to_state=to,
+                message=f"preemption request {request.pk} was already {request.state}",
+            )
+        request.refresh_from_db()
+        job_event_add(
+            job=request.job, type=event_type, reason=note, actor=by,
+            extra={"request_id": request.pk},
+        )
+        _preemption_publish(request=request, team_id=request.job.team_id)
+    return request
+
+
+def preemption_approve(*, request, by, note="", now=None):
+    """Approves a pending request; returns it. The control loop then preempts the job.
+
+    Raises PermissionDenied unless `by` is a capacity manager or admin of the job's
+    team (or a global admin); IllegalTransition if it is no longer pending or expired.
+    """
+    if not user_can_approve_preemptions(user=by, team_id=request.job.team_id):
+        raise PermissionDenied("only capacity managers of the job's team may approve preemptions")
+    return _preemption_decide(
+        request=request, to=PreemptionRequest.State.APPROVED, by=by, note=note,
+        event_type=JobEvent.Type.PREEMPTION_APPROVED, now=now,
+    )
+
+
+def preemption_deny(*, request, by, note="", now=None):
+    """Denies a pending request; returns it. The job keeps its devices. Same rules as approve."""
+    if not user_can_approve_preemptions(user=by, team_id=request.job.team_id):
+        raise PermissionDenied("only capacity managers of the job's team may deny preemptions")
+    return _preemption_decide(
+        request=request, to=PreemptionRequest.State.DENIED, by=by, note=note,
+        event_type=JobEvent.Type.PREEMPTION_DENIED, now=now,
+    )
+
+
+def preemption_expire(*, request, now=None):
+    """Marks a pending request past its expires_at as expired; returns True if this call did."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        updated = PreemptionRequest.objects.filter(
+            pk=request.pk, state=PreemptionRequest.State.PENDING, expires_at__lte=now
+        ).update(state=PreemptionRequest.State.EXPIRED, decided_at=now)
+        if updated != 1:
+            return False
+        request.refresh_from_db()
+        job_event_add(job=request.job, type=JobEvent.Type.PREEMPTION_EXPIRED, extra={"request_id": request.pk})
+        _preemption_publish(request=request, team_id=request.job.team_id)
+    return True
+
+
+def preemption_expire_due(*, now=None):
+    """Expires every pending request past its deadline; returns how many it expired."""
+    now = now or timezone.now()
+    due = PreemptionRequest.objects.filter(state=PreemptionRequest.State.PENDING, expires_at__lte=now).select_related("job")
+    return sum(preemption_expire(request=request, now=now) for request in due)
+
+
+# --- teams --------------------------------------------------------------------------------
+
+
+def team_create(*, name, slug, quotas=None):
+    """Returns a new Team; raises ValidationError for an unknown accelerator type or a negative quota."""
+    quotas = quotas or {}
+    errors = [
+        f"{key!r}: {value!r}" for key, value in quotas.items()
+        if key not in ACCELERATOR_TYPES or isinstance(value, bool) or not isinstance(value, int) or value < 0
+    ]
+    if errors:
+        raise ValidationError(
+            {"quotas": f"quotas map a known accelerator type to a whole number >= 0; bad: {', '.join(errors)}"}
+        )
+    return Team.objects.create(name=name, slug=slug, quotas=quotas)
+
+
+def membership_set(*, team, user, role):
+    """Returns the user's Membership in `team` with `role`, creating or updating it."""
+    membership, _ = Membership.objects.update_or_create(team=team, user=user, defaults={"role": role})
+    return membership

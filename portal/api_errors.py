@@ -1,0 +1,70 @@
+"""API errors a person can act on, never a 500 for bad input.
+
+`exception_handler` maps what services raise onto HTTP:
+  django ValidationError → 400 {field: [message]}      PermissionDenied → 403
+  IllegalTransition → 409 {"detail": ...}             RequestDataTooBig → 413
+`BoundedJSONParser` refuses bodies above DATA_UPLOAD_MAX_MEMORY_SIZE with a 413
+(DRF's own JSON parser reads the stream without that limit).
+"""
+import json
+
+from django.conf import settings
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import exceptions, status
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+
+class PayloadTooLarge(exceptions.APIException):
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_code = "payload_too_large"
+
+    def __init__(self, limit):
+        super().__init__(
+            f"request body is larger than {limit} bytes; send a smaller JSON body "
+            f"(large inputs belong in files the job reads, not in args or env)"
+        )
+
+
+class BoundedJSONParser(JSONParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        request = (parser_context or {}).get("request")
+        declared = request.META.get("CONTENT_LENGTH") if request is not None else None
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(limit)
+        try:
+            raw = stream.read(limit + 1) if stream is not None else b""
+        except RequestDataTooBig:
+            raise PayloadTooLarge(limit)
+        if len(raw) > limit:
+            raise PayloadTooLarge(limit)
+        encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
+        try:
+            return json.loads(raw.decode(encoding))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise exceptions.ParseError(f"malformed JSON: {exc}; send a JSON object such as {{\"name\": \"demo\"}}")
+
+
+def _validation_error_data(error):
+    if hasattr(error, "message_dict"):
+        return {field: list(messages) for field, messages in error.message_dict.items()}
+    return {"detail": " ".join(error.messages)}
+
+
+def exception_handler(exc, context):
+    from jobs.services import IllegalTransition  # the API layer knows the services, not the reverse
+
+    if isinstance(exc, RequestDataTooBig):
+        exc = PayloadTooLarge(settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+    if isinstance(exc, DjangoValidationError):
+        return Response(_validation_error_data(exc), status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, DjangoPermissionDenied):
+        message = str(exc) or "you do not have permission to do this"
+        return Response({"detail": message}, status=status.HTTP_403_FORBIDDEN)
+    if isinstance(exc, IllegalTransition):
+        return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+    return drf_exception_handler(exc, context)

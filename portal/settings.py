@@ -1,0 +1,250 @@
+"""Meridian settings, read from the environment.
+
+Embedded by default (SQLite in the data directory, a private Redis on a unix
+socket that `./meridian run` starts), distributed when outgrown (DATABASE_URL,
+REDIS_URL).  MERIDIAN_PROFILE=production turns DEBUG off and the cookies secure.
+
+Environment variables:
+  MERIDIAN_DATA_DIR   where the SQLite file, the secret key and the private Redis
+                      socket live (default: <repo>/data)
+  DATABASE_URL        e.g. postgres://postgres@127.0.0.1:5432/meridian
+  REDIS_URL           Celery broker/result backend and Channels layer, e.g.
+                      redis://127.0.0.1:6379/3; default: the private Redis socket
+  SECRET_KEY          default: generated once into <data dir>/secret_key (mode 600)
+  MERIDIAN_PROFILE    "development" (default) or "production"
+  ALLOWED_HOSTS       comma-separated; required in production
+  CSRF_TRUSTED_ORIGINS comma-separated origins, e.g. https://meridian.example.com
+"""
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("MERIDIAN_DATA_DIR") or BASE_DIR / "data").resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+PROFILE = os.environ.get("MERIDIAN_PROFILE", "development").strip().lower()
+if PROFILE not in {"development", "production"}:
+    raise ImproperlyConfigured(
+        f"MERIDIAN_PROFILE={PROFILE!r} is not known; use 'development' or 'production'."
+    )
+PRODUCTION = PROFILE == "production"
+
+
+def _secret_key_from_data_dir(data_dir):
+    """Returns the key stored in <data_dir>/secret_key, creating it (mode 600) on first use.
+
+    O_EXCL makes two processes starting at once agree: the loser reads the winner's key.
+    """
+    path = data_dir / "secret_key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_text().strip()
+        if key:
+            return key
+        raise ImproperlyConfigured(f"{path} is empty; delete it to generate a new key.")
+    key = secrets.token_urlsafe(50)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key + "\n")
+    return key
+
+
+SECRET_KEY = os.environ.get("SECRET_KEY") or _secret_key_from_data_dir(DATA_DIR)
+DEBUG = not PRODUCTION
+
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "").split(",") if h.strip()]
+if not ALLOWED_HOSTS:
+    if PRODUCTION:
+        raise ImproperlyConfigured(
+            "MERIDIAN_PROFILE=production needs ALLOWED_HOSTS, e.g. ALLOWED_HOSTS=meridian.example.com"
+        )
+    ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]", "testserver"]
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "channels",
+    "portal",
+    "fleet",
+    "jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "portal.urls"
+WSGI_APPLICATION = "portal.wsgi.application"
+ASGI_APPLICATION = "portal.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database -----------------------------------------------------------------
+DEFAULT_SQLITE_PATH = DATA_DIR / "meridian.sqlite3"
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL") or f"sqlite:///{DEFAULT_SQLITE_PATH}",
+        conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "60")),
+        conn_health_checks=True,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The embedded database is shared by daphne, a Celery worker and beat: WAL lets
+    # readers go on while one writer writes, IMMEDIATE transactions take the write
+    # lock up front (no "database is locked" on lock upgrade), and the timeout waits
+    # for the lock instead of failing.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"]["OPTIONS"] = {
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 30,
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: Celery broker / results and the Channels layer ---------------------
+PRIVATE_REDIS_SOCKET = DATA_DIR / "redis.sock"
+REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{PRIVATE_REDIS_SOCKET}?db=0"
+
+
+def celery_url_from_redis_url(redis_url):
+    """Returns the Celery (kombu) spelling of a Redis URL.
+
+    redis:// and rediss:// are the same in both; a unix socket is unix:///path?db=N for
+    redis-py and Channels but redis+socket:///path?virtual_host=N for kombu.
+    """
+    parsed = urlparse(redis_url)
+    if parsed.scheme != "unix":
+        return redis_url
+    db = parse_qs(parsed.query).get("db", ["0"])[0]
+    return f"redis+socket://{parsed.path}?virtual_host={db}"
+
+
+CELERY_BROKER_URL = celery_url_from_redis_url(REDIS_URL)
+CELERY_RESULT_BACKEND = (
+    REDIS_URL.replace("unix://", "socket://", 1) if REDIS_URL.startswith("unix://") else REDIS_URL
+)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_RESULT_EXPIRES = 3600
+# The control loop's periodic task, by name, so this file never imports it.
+MERIDIAN_TICK_TASK = os.environ.get("MERIDIAN_TICK_TASK", "jobs.tasks.scheduler_tick")
+MERIDIAN_TICK_SECONDS = float(os.environ.get("MERIDIAN_TICK_SECONDS", "2.0"))
+CELERY_BEAT_SCHEDULE = {
+    "scheduler-tick": {
+        "task": MERIDIAN_TICK_TASK,
+        "schedule": MERIDIAN_TICK_SECONDS,
+        # A tick that could not start before the next one is due is useless: drop it.
+        "options": {"expires": MERIDIAN_TICK_SECONDS},
+    },
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "meridian", "capacity": 1000, "expiry": 30},
+    }
+}
+
+# --- auth -----------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "login"
+
+# --- REST API ---------------------------------------------------------------------
+# Bodies above this size get a 413 with a message, never a 500 (see portal.api_errors).
+DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("MERIDIAN_MAX_BODY_BYTES", str(256 * 1024)))
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.TokenAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": ["portal.api_errors.BoundedJSONParser"],
+    "DEFAULT_PAGINATION_CLASS": "portal.pagination.MeridianPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "portal.api_errors.exception_handler",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Meridian API",
+    "DESCRIPTION": "Submit, watch and steer deep-learning jobs on a preemptible, elastic fleet.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- time, static ---------------------------------------------------------------------
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+# --- production profile ------------------------------------------------------------------
+if PRODUCTION:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = os.environ.get("SECURE_SSL_REDIRECT", "1") == "1"
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", "31536000"))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_CONTENT_TYPE_NOSNIFF = True
+    SESSION_COOKIE_HTTPONLY = True
+    X_FRAME_OPTIONS = "DENY"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("MERIDIAN_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,83 @@
+"""The cast (as in STYLE.md), shared by every Django test and by `manage.py demo_seed`:
+
+  alice    submits jobs for team A (member)
+  bob      is on team A too (member): sees and cancels A's jobs, approves nothing
+  charlie  is on team B and must see nothing of team A's
+  carol    is a capacity manager of teams A and B: approves or denies preemptions
+  admin    is a global admin (superuser)
+"""
+import pytest
+
+from jobs.demo_cast import DEMO_QUOTAS, cast_create
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    # PBKDF2's 1M rounds cost ~0.3 s per demo user; the tests are not about hashing.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def cast(db):
+    return cast_create()
+
+
+@pytest.fixture
+def team_a(cast):
+    return cast.team_a
+
+
+@pytest.fixture
+def team_b(cast):
+    return cast.team_b
+
+
+@pytest.fixture
+def alice(cast):
+    return cast.alice
+
+
+@pytest.fixture
+def bob(cast):
+    return cast.bob
+
+
+@pytest.fixture
+def charlie(cast):
+    return cast.charlie
+
+
+@pytest.fixture
+def carol(cast):
+    return cast.carol
+
+
+@pytest.fixture
+def admin_user(cast):
+    return cast.admin
+
+
+@pytest.fixture
+def job_spec():
+    """Returns a builder of valid job specs: job_spec(world_size=8, tier="premium")."""
+
+    def build(**overrides):
+        spec = {
+            "name": "resnet-tiny",
+            "tier": "standard",
+            "accelerator_type": "CPU",
+            "world_size": 4,
+            "min_devices": 2,
+            "entrypoint": "train.py",
+            "args": ["--epochs", "1"],
+            "env": {"LR": "0.1"},
+        }
+        spec.update(overrides)
+        return spec
+
+    return build
+
+
+@pytest.fixture
+def quotas():
+    return DEMO_QUOTAS
