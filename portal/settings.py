@@ -217,6 +217,14 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "AcceleratorTypeEnum": "fleet.accelerator_types.ACCELERATOR_TYPE_CHOICES",
+        "JobStateEnum": "jobs.models.Job.State",
+        "NodeStateEnum": "fleet.models.Node.State",
+        "PreemptionStateEnum": "jobs.models.PreemptionRequest.State",
+        "JobEventTypeEnum": "jobs.models.JobEvent.Type",
+        "TierEnum": "jobs.models.Tier",
+    },
 }
 
 # --- time, static ---------------------------------------------------------------------

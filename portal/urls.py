@@ -1,7 +1,38 @@
-"""URLs. Pages mount under "" via `include`; the REST API under /api/."""
+"""URLs.
+
+  /                    dashboard pages: portal.pages.urls when that module exists (issue 6),
+                       else a start page
+  /accounts/login/ …   session login/logout (django.contrib.auth)
+  /admin/              Django admin
+  /api/                REST API (fleet.urls, jobs.urls); /api/auth/token/ trades a username
+                       and password for an API token; /api/schema/ (OpenAPI), /api/docs/
+"""
+from importlib.util import find_spec
+
 from django.contrib import admin
-from django.urls import path
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
+from rest_framework.authtoken.views import obtain_auth_token
+
+from portal import views
+
+api_patterns = [
+    path("", include("fleet.urls")),
+    path("", include("jobs.urls")),
+    path("auth/token/", obtain_auth_token, name="api-token"),
+    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("docs/", views.api_docs, name="api-docs"),
+]
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/", include(api_patterns)),
 ]
+
+if find_spec("portal.pages") and find_spec("portal.pages.urls"):
+    urlpatterns.append(path("", include("portal.pages.urls")))
+else:
+    urlpatterns.append(path("", views.home, name="home"))

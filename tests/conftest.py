@@ -81,3 +81,27 @@ def job_spec():
 @pytest.fixture
 def quotas():
     return DEMO_QUOTAS
+
+
+@pytest.fixture
+def api_client_for():
+    """Returns a builder of DRF clients authenticated as a given user."""
+    from rest_framework.test import APIClient
+
+    def make(user):
+        client = APIClient()
+        client.force_authenticate(user)
+        return client
+
+    return make
+
+
+@pytest.fixture
+def submit(job_spec):
+    """Submits a job through the service: submit(team, user, **spec_overrides)."""
+    from jobs.services import job_submit
+
+    def make(team, user, **overrides):
+        return job_submit(team=team, submitted_by=user, spec=job_spec(**overrides))
+
+    return make

@@ -1,0 +1,115 @@
+"""Read-only REST API of the fleet for signed-in users (the agent-facing API is the
+control loop's). Summaries aggregate in the database; lists are paginated."""
+from django.db.models import Prefetch
+from drf_spectacular.utils import extend_schema, extend_schema_serializer, inline_serializer
+from rest_framework import serializers
+from rest_framework.exceptions import NotFound
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
+from fleet.models import Accelerator, Node
+from fleet.selectors import accelerator_list, fleet_summary, node_list
+from portal.pagination import MeridianPagination
+
+TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
+
+
+def paginate(view, queryset, serializer_class):
+    paginator = MeridianPagination()
+    page = paginator.paginate_queryset(queryset, view.request, view=view)
+    return paginator.get_paginated_response(serializer_class(page, many=True).data)
+
+
+class FleetSummaryApi(APIView):
+    @extend_schema(
+        summary="Fleet totals, by accelerator type and by cluster",
+        responses={200: inline_serializer("FleetSummary", fields={
+            "totals": serializers.DictField(),
+            "by_type": serializers.ListField(child=serializers.DictField()),
+            "clusters": serializers.ListField(child=serializers.DictField()),
+        })},
+    )
+    def get(self, request):
+        return Response(fleet_summary())
+
+
+@extend_schema_serializer(component_name="Node")
+class NodeOutputSerializer(serializers.ModelSerializer):
+    cluster = serializers.CharField(source="cluster.name")
+    cluster_id = serializers.IntegerField()
+    region = serializers.CharField(source="cluster.region.name")
+    accelerator_count = serializers.IntegerField()
+    healthy_count = serializers.IntegerField()
+    has_agent_token = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = [
+            "id", "hostname", "region", "cluster", "cluster_id", "rack", "nvlink_domain", "state",
+            "last_heartbeat", "agent_version", "utilization", "telemetry_at", "accelerator_count",
+            "healthy_count", "has_agent_token",
+        ]
+
+    def get_has_agent_token(self, node) -> bool:
+        return bool(node.agent_token_hash)
+
+
+class NodeListApi(APIView):
+    class FilterSerializer(serializers.Serializer):
+        region = serializers.CharField(required=False)
+        cluster = serializers.IntegerField(required=False)
+        state = serializers.ChoiceField(choices=Node.State.choices, required=False)
+
+    @extend_schema(parameters=[FilterSerializer], responses={200: NodeOutputSerializer(many=True)}, summary="List nodes")
+    def get(self, request):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        return paginate(self, node_list(filters=filters.validated_data), NodeOutputSerializer)
+
+
+@extend_schema_serializer(component_name="Accelerator")
+class AcceleratorOutputSerializer(serializers.ModelSerializer):
+    hostname = serializers.CharField(source="node.hostname")
+    cluster_id = serializers.IntegerField(source="node.cluster_id")
+    region = serializers.CharField(source="node.cluster.region.name")
+
+    class Meta:
+        model = Accelerator
+        fields = ["id", "node", "hostname", "cluster_id", "region", "index", "type", "memory_gb", "healthy", "uuid", "utilization", "memory_used_gb"]
+
+
+class NodeDetailApi(APIView):
+    @extend_schema_serializer(component_name="NodeDetail")
+    class OutputSerializer(NodeOutputSerializer):
+        accelerators = AcceleratorOutputSerializer(many=True)
+
+        class Meta(NodeOutputSerializer.Meta):
+            fields = NodeOutputSerializer.Meta.fields + ["accelerators"]
+
+    @extend_schema(responses={200: OutputSerializer}, summary="Get a node and its accelerators")
+    def get(self, request, node_id):
+        node = (
+            node_list()
+            .prefetch_related(Prefetch("accelerators", queryset=Accelerator.objects.select_related("node__cluster__region")))
+            .filter(pk=node_id)
+            .first()
+        )
+        if node is None:
+            raise NotFound(f"no node {node_id}")
+        return Response(self.OutputSerializer(node).data)
+
+
+class AcceleratorListApi(APIView):
+    class FilterSerializer(serializers.Serializer):
+        node = serializers.IntegerField(required=False)
+        type = serializers.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES, required=False, error_messages={"invalid_choice": TYPE_MESSAGE})
+        healthy = serializers.BooleanField(required=False, allow_null=True, default=None)
+        region = serializers.CharField(required=False)
+        cluster = serializers.IntegerField(required=False)
+
+    @extend_schema(parameters=[FilterSerializer], responses={200: AcceleratorOutputSerializer(many=True)}, summary="List accelerators (paginated)")
+    def get(self, request):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        return paginate(self, accelerator_list(filters=filters.validated_data), AcceleratorOutputSerializer)

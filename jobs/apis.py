@@ -1,0 +1,287 @@
+"""REST API for jobs, teams and preemption approvals: one class per action, nested
+InputSerializer / OutputSerializer, no business logic (that is in jobs/services.py).
+
+A job or request of a team the user is not on is a 404, never a 403: its existence
+is not the user's business. Approving without the capacity-manager role is a 403.
+"""
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
+from rest_framework import serializers, status
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
+from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Team, Tier
+from jobs.selectors import (
+    job_event_list,
+    job_get_visible,
+    job_list_visible,
+    preemption_get_visible,
+    preemption_list_visible,
+    team_ids_for_user,
+    team_list_for_user,
+    team_usage,
+)
+from jobs.services import (
+    job_cancel,
+    job_submit,
+    preemption_approve,
+    preemption_deny,
+    user_can_approve_preemptions,
+    user_is_global_admin,
+)
+from portal.pagination import MeridianPagination
+
+TIER_MESSAGE = 'unknown tier "{input}"; choose one of ' + ", ".join(Tier.values)
+TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
+STATE_MESSAGE = 'unknown state "{input}"; known states: ' + ", ".join(Job.State.values)
+
+
+def paginate(view, queryset, serializer_class, *, context=None):
+    paginator = MeridianPagination()
+    page = paginator.paginate_queryset(queryset, view.request, view=view)
+    return paginator.get_paginated_response(serializer_class(page, many=True, context=context or {}).data)
+
+
+class TeamRefSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    slug = serializers.CharField()
+    name = serializers.CharField()
+
+
+@extend_schema_serializer(component_name="Job")
+class JobOutputSerializer(serializers.ModelSerializer):
+    team = TeamRefSerializer()
+    submitted_by = serializers.CharField(source="submitted_by.username", default=None)
+    region = serializers.CharField(source="region.name", default=None)
+    is_elastic = serializers.BooleanField()
+    sla_target = serializers.FloatField()
+    attained_sla_fraction = serializers.FloatField(allow_null=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id", "name", "team", "submitted_by", "tier", "accelerator_type", "world_size", "min_devices",
+            "is_elastic", "entrypoint", "args", "env", "total_steps", "state", "state_changed_at",
+            "submitted_at", "started_at", "last_started_at", "finished_at", "region", "device_count",
+            "attained_device_seconds", "ideal_device_seconds", "attained_sla_fraction", "sla_target",
+            "progress_step", "steps_per_second", "last_checkpoint_step", "last_checkpoint_at",
+            "checkpoint_bytes", "preemption_count", "migration_count", "resize_count", "wait_reason",
+            "queue_position", "exit_code", "failure_reason",
+        ]
+
+
+class JobSubmitApi(APIView):
+    @extend_schema_serializer(component_name="JobSubmitInput")
+    class InputSerializer(serializers.Serializer):
+        team = serializers.CharField(
+            required=False, help_text="Team slug or id; may be left out by a user on exactly one team."
+        )
+        name = serializers.CharField(max_length=200)
+        tier = serializers.ChoiceField(choices=Tier.choices, default=Tier.STANDARD, error_messages={"invalid_choice": TIER_MESSAGE})
+        accelerator_type = serializers.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES, error_messages={"invalid_choice": TYPE_MESSAGE})
+        world_size = serializers.IntegerField(
+            min_value=1, max_value=100_000,
+            error_messages={"min_value": "world_size (W, logical ranks) must be at least 1",
+                            "max_value": "world_size must be at most 100000"},
+        )
+        min_devices = serializers.IntegerField(
+            min_value=1, default=1, help_text="Fewest devices the job may run on; must divide world_size.",
+            error_messages={"min_value": "min_devices must be at least 1"},
+        )
+        entrypoint = serializers.CharField(max_length=1000)
+        args = serializers.ListField(child=serializers.CharField(allow_blank=True), default=list, max_length=1000)
+        env = serializers.DictField(child=serializers.CharField(allow_blank=True), default=dict)
+        total_steps = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+
+    @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer}, summary="Submit a job")
+    def post(self, request):
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        spec = dict(serializer.validated_data)
+        team = _team_for_submission(user=request.user, ref=spec.pop("team", None))
+        job = job_submit(team=team, submitted_by=request.user, spec=spec)
+        job = job_list_visible(user=request.user).get(pk=job.pk)
+        return Response(JobOutputSerializer(job).data, status=status.HTTP_201_CREATED)
+
+
+def _team_for_submission(*, user, ref):
+    teams = list(team_list_for_user(user=user))
+    if ref is None:
+        if len(teams) == 1:
+            return teams[0]
+        raise ValidationError({"team": [
+            "say which team submits the job: one of " + (", ".join(t.slug for t in teams) or "(you are on no team; ask a team admin)")
+        ]})
+    for team in teams:
+        if ref in {team.slug, str(team.pk)}:
+            return team
+    raise ValidationError({"team": [
+        f'you are not on a team "{ref}"; your teams: ' + (", ".join(t.slug for t in teams) or "none")
+    ]})
+
+
+class JobListApi(APIView):
+    class FilterSerializer(serializers.Serializer):
+        state = serializers.ChoiceField(choices=Job.State.choices, required=False, error_messages={"invalid_choice": STATE_MESSAGE})
+        tier = serializers.ChoiceField(choices=Tier.choices, required=False, error_messages={"invalid_choice": TIER_MESSAGE})
+        team = serializers.CharField(required=False, help_text="team slug or id")
+        accelerator_type = serializers.ChoiceField(
+            choices=ACCELERATOR_TYPE_CHOICES, required=False, error_messages={"invalid_choice": TYPE_MESSAGE}
+        )
+
+    @extend_schema(parameters=[FilterSerializer], responses={200: JobOutputSerializer(many=True)}, summary="List your teams' jobs")
+    def get(self, request):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        jobs = job_list_visible(user=request.user, filters=filters.validated_data)
+        return paginate(self, jobs, JobOutputSerializer)
+
+
+class JobDetailApi(APIView):
+    @extend_schema(responses={200: JobOutputSerializer}, summary="Get a job")
+    def get(self, request, job_id):
+        return Response(JobOutputSerializer(_visible_job(request, job_id)).data)
+
+
+def _visible_job(request, job_id):
+    job = job_get_visible(user=request.user, job_id=job_id)
+    if job is None:
+        raise NotFound(f"no job {job_id} among your teams' jobs")
+    return job
+
+
+class JobCancelApi(APIView):
+    @extend_schema(request=None, responses={200: JobOutputSerializer}, summary="Cancel a job")
+    def post(self, request, job_id):
+        job = _visible_job(request, job_id)
+        job_cancel(job=job, by=request.user)
+        return Response(JobOutputSerializer(job_get_visible(user=request.user, job_id=job_id)).data)
+
+
+class JobEventListApi(APIView):
+    @extend_schema_serializer(component_name="JobEvent")
+    class OutputSerializer(serializers.ModelSerializer):
+        actor = serializers.CharField(source="actor.username", default=None)
+
+        class Meta:
+            model = JobEvent
+            fields = ["id", "type", "from_state", "to_state", "reason", "actor", "extra_data", "created_at"]
+
+    @extend_schema(responses={200: OutputSerializer(many=True)}, summary="A job's timeline, oldest first")
+    def get(self, request, job_id):
+        return paginate(self, job_event_list(job=_visible_job(request, job_id)), self.OutputSerializer)
+
+
+class TeamListApi(APIView):
+    @extend_schema_serializer(component_name="Team")
+    class OutputSerializer(serializers.ModelSerializer):
+        role = serializers.SerializerMethodField()
+        usage = serializers.SerializerMethodField()
+
+        class Meta:
+            model = Team
+            fields = ["id", "slug", "name", "quotas", "role", "usage"]
+
+        def get_role(self, team) -> str | None:
+            return self.context["roles"].get(team.pk)
+
+        def get_usage(self, team) -> dict:
+            return team_usage(team=team)
+
+    @extend_schema(responses={200: OutputSerializer(many=True)}, summary="Your teams, roles, quotas and usage")
+    def get(self, request):
+        roles = dict(Membership.objects.filter(user_id=request.user.pk).values_list("team_id", "role"))
+        return paginate(self, team_list_for_user(user=request.user).order_by("name"), self.OutputSerializer, context={"roles": roles})
+
+
+@extend_schema_serializer(component_name="PreemptionRequest")
+class PreemptionOutputSerializer(serializers.ModelSerializer):
+    @extend_schema_serializer(component_name="PreemptionJobSummary")
+    class JobSummarySerializer(serializers.ModelSerializer):
+        team = TeamRefSerializer()
+        attained_sla_fraction = serializers.FloatField(allow_null=True)
+        sla_target = serializers.FloatField()
+
+        class Meta:
+            model = Job
+            fields = [
+                "id", "name", "team", "tier", "state", "accelerator_type", "world_size", "device_count",
+                "attained_sla_fraction", "sla_target", "last_checkpoint_step", "last_checkpoint_at", "progress_step",
+            ]
+
+    job = JobSummarySerializer()
+    decided_by = serializers.CharField(source="decided_by.username", default=None)
+    can_decide = serializers.SerializerMethodField()
+
+    class Meta:
+        model = PreemptionRequest
+        fields = [
+            "id", "job", "reason", "lost_work_seconds", "extra_data", "state", "requested_at", "expires_at",
+            "decided_by", "decided_at", "note", "can_decide",
+        ]
+
+    def get_can_decide(self, request) -> bool:
+        return request.state == PreemptionRequest.State.PENDING and request.job.team_id in self.context.get("approver_team_ids", ())
+
+
+def _approver_team_ids(user):
+    if user_is_global_admin(user):
+        return set(team_ids_for_user(user))
+    return set(
+        Membership.objects.filter(
+            user_id=user.pk, role__in=[Membership.Role.CAPACITY_MANAGER, Membership.Role.ADMIN]
+        ).values_list("team_id", flat=True)
+    )
+
+
+class PreemptionListApi(APIView):
+    class FilterSerializer(serializers.Serializer):
+        state = serializers.ChoiceField(choices=PreemptionRequest.State.choices, required=False)
+
+    @extend_schema(parameters=[FilterSerializer], responses={200: PreemptionOutputSerializer(many=True)}, summary="Preemption requests on your teams' jobs")
+    def get(self, request):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        requests = preemption_list_visible(user=request.user, state=filters.validated_data.get("state"))
+        return paginate(self, requests, PreemptionOutputSerializer, context={"approver_team_ids": _approver_team_ids(request.user)})
+
+
+class _PreemptionDecisionApi(APIView):
+    decide = None
+
+    @extend_schema_serializer(component_name="PreemptionDecisionInput")
+    class InputSerializer(serializers.Serializer):
+        note = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
+
+    def post(self, request, request_id):
+        preemption = preemption_get_visible(user=request.user, request_id=request_id)
+        if preemption is None:
+            raise NotFound(f"no preemption request {request_id} on your teams' jobs")
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        type(self).decide(request=preemption, by=request.user, note=serializer.validated_data["note"])
+        preemption = preemption_get_visible(user=request.user, request_id=request_id)
+        context = {"approver_team_ids": _approver_team_ids(request.user)}
+        return Response(PreemptionOutputSerializer(preemption, context=context).data)
+
+
+class PreemptionApproveApi(_PreemptionDecisionApi):
+    decide = staticmethod(preemption_approve)
+
+    @extend_schema(request=_PreemptionDecisionApi.InputSerializer, responses={200: PreemptionOutputSerializer}, summary="Approve a preemption (capacity managers)")
+    def post(self, request, request_id):
+        return super().post(request, request_id)
+
+
+class PreemptionDenyApi(_PreemptionDecisionApi):
+    decide = staticmethod(preemption_deny)
+
+    @extend_schema(request=_PreemptionDecisionApi.InputSerializer, responses={200: PreemptionOutputSerializer}, summary="Deny a preemption (capacity managers)")
+    def post(self, request, request_id):
+        return super().post(request, request_id)
+
+
+class JobCollectionApi(JobListApi, JobSubmitApi):
+    """/api/jobs/: GET is JobListApi.get, POST is JobSubmitApi.post (one class per action
+    above; REST puts both actions on one URL)."""

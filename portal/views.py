@@ -1,0 +1,63 @@
+"""Views of the project itself: the API docs page and a start page that the dashboard
+pages (portal/pages/, issue 6) replace when they exist."""
+from django.contrib.auth.decorators import login_required
+from django.shortcuts import render
+from drf_spectacular.generators import SchemaGenerator
+
+HTTP_METHODS = ("get", "post", "put", "patch", "delete")
+
+
+@login_required
+def home(request):
+    return render(request, "portal/home.html")
+
+
+def _schema_ref(schema, ref):
+    name = ref.rsplit("/", 1)[-1]
+    return name, schema.get("components", {}).get("schemas", {}).get(name, {})
+
+
+def _fields(schema, body):
+    """Returns [(name, type, required, description)] of a JSON request body schema."""
+    content = (body or {}).get("content", {}).get("application/json", {}).get("schema", {})
+    if "$ref" in content:
+        _, content = _schema_ref(schema, content["$ref"])
+    required = set(content.get("required", []))
+    rows = []
+    for name, prop in content.get("properties", {}).items():
+        kind = prop.get("type") or (_schema_ref(schema, prop["$ref"])[0] if "$ref" in prop else "")
+        if "enum" in prop:
+            kind = " | ".join(map(str, prop["enum"]))
+        elif "allOf" in prop:
+            ref = prop["allOf"][0].get("$ref", "")
+            _, target = _schema_ref(schema, ref)
+            kind = " | ".join(map(str, target.get("enum", []))) or ref.rsplit("/", 1)[-1]
+        rows.append((name, kind, name in required, prop.get("description", "")))
+    return rows
+
+
+def api_docs(request):
+    """Renders the generated OpenAPI schema as a plain page (no CDN, no JavaScript):
+    every path, method, summary, parameters and request body fields."""
+    schema = SchemaGenerator().get_schema(request=request, public=True)
+    operations = []
+    for path, item in schema.get("paths", {}).items():
+        for method in HTTP_METHODS:
+            operation = item.get(method)
+            if not operation:
+                continue
+            operations.append(
+                {
+                    "method": method.upper(),
+                    "path": path,
+                    "summary": operation.get("summary") or operation.get("operationId", ""),
+                    "description": operation.get("description", ""),
+                    "parameters": [
+                        (p["name"], p.get("in", ""), p.get("schema", {}).get("type", ""), p.get("description", ""))
+                        for p in operation.get("parameters", [])
+                    ],
+                    "fields": _fields(schema, operation.get("requestBody")),
+                    "responses": sorted(operation.get("responses", {})),
+                }
+            )
+    return render(request, "portal/api_docs.html", {"info": schema.get("info", {}), "operations": operations})
