@@ -1,0 +1,755 @@
+"""Framework checkpoint engine: checkpoint and resume an unmodified PyTorch script without CRIU.
+
+``runtime.rank`` calls :func:`install` before it runs the user's script.  ``install`` wraps the
+constructors of ``nn.Module``, ``torch.optim.Optimizer``, the LR schedulers and ``DataLoader``
+(and ``DataLoader.__iter__``), and registers one global optimizer post-step hook.  From then on
+the tracker knows, in construction order, every model, optimizer, scheduler and loader of the
+script, and where each loader is (epoch, batches consumed, RNG state before the epoch began).
+
+The cut.  After every optimizer step (every completed cycle of steps when a script has several
+optimizers) the post-step hook bumps ``tracker.step`` and calls the step listeners; a listener
+(the consistent-cut barrier) may call ``tracker.save(directory)`` there.  ``save`` writes the
+state *at that point*: module state dicts and train/eval flags, optimizer and scheduler state
+dicts, every loader's position, the python / numpy / torch RNG states.
+
+Resume.  The script is run again from the top with ``resume_dir``.  Objects are built as
+before; each optimizer, scheduler and loader is checked against the recorded one as it is
+constructed (order + structural fingerprint).  Epochs the loader had finished come back as empty
+iterators, so the script's per-epoch code runs again with nothing to train on.  When the script
+asks for the epoch that was in progress at the cut (the *apply point*) every recorded state is
+loaded, the loader's RNG state from before that epoch is put back, the real iterator is created
+and the consumed batches are fetched again and discarded (so a worker's augmentation RNG advances
+exactly as it did), then the RNG states of the cut are restored.  The script continues with the
+batch after the cut.
+
+Code that ran between ``optimizer.step()`` and the next batch in the cut iteration is not run
+again.  The tracker watches that stretch on every step: LR scheduler steps there are replayed on
+resume (same count per step, observed), while RNG draws or hyper-parameter changes there make the
+script unresumable, and ``check_resumable`` / ``save`` say so instead of writing a checkpoint
+that would resume wrong.  See docs/runtime-framework.md for the full list.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import sys
+import threading
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim.lr_scheduler as lr_scheduler
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+from torch.utils.data import DataLoader
+
+from runtime import store
+
+ENGINE = "framework"
+FORMAT = 1
+STATE_FILE = "state.pt"
+RANK_DIR = "rank-{rank}"
+EXIT_NEVER_APPLIED = 75
+
+_SCHEDULER_CLASSES = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau,
+                      lr_scheduler.SequentialLR, lr_scheduler.ChainedScheduler)
+
+_active_tracker: "FrameworkTracker | None" = None
+
+
+class UnresumableScript(Exception):
+    """The script does something the framework engine cannot checkpoint or resume correctly.
+    ``reason`` says what, in words a script author can act on."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"framework checkpoint engine: {reason}")
+
+
+def install(*, rank: int = 0, world_size: int = 1, resume_dir=None) -> "FrameworkTracker":
+    """Starts tracking the process's models, optimizers, schedulers and loaders and returns the
+    tracker. Call once per process, before the user's script runs.
+
+    With ``resume_dir`` (a directory holding ``rank-<r>/``), this rank's checkpoint is verified
+    (sha256) and loaded now; a missing or corrupt file or a different world size raises
+    UnresumableScript before the script starts."""
+    global _active_tracker
+    if _active_tracker is not None:
+        raise RuntimeError("runtime.framework.install() was already called in this process")
+    tracker = FrameworkTracker(rank=int(rank), world_size=int(world_size),
+                               resume_dir=resume_dir)
+    tracker._patch()
+    _active_tracker = tracker
+    return tracker
+
+
+def installed() -> "FrameworkTracker | None":
+    return _active_tracker
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_equal(a: dict, b: dict) -> bool:
+    return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"])
+            and a["numpy"][0] == b["numpy"][0] and np.array_equal(a["numpy"][1], b["numpy"][1])
+            and tuple(a["numpy"][2:]) == tuple(b["numpy"][2:]))
+
+
+def _module_fingerprint(module: nn.Module) -> list:
+    return [type(module).__qualname__] + [
+        [name, list(t.shape), str(t.dtype)]
+        for name, t in module.state_dict(keep_vars=True).items()]
+
+
+def _has_state(module: nn.Module) -> bool:
+    for _ in module.parameters():
+        return True
+    for _ in module.buffers():
+        return True
+    return False
+
+
+def _hyperparams(optimizer) -> list:
+    return [{k: v for k, v in group.items()
+             if k != "params" and isinstance(v, (int, float, bool, str, type(None)))}
+            for group in optimizer.param_groups]
+
+
+def _scheduler_counter(scheduler):
+    count = getattr(scheduler, "last_epoch", None)
+    return getattr(scheduler, "_step_count", None) if count is None else count
+
+
+def _loader_generators(loader) -> list:
+    """The torch.Generators a loader draws from: its own and its sampler's, if any."""
+    found = []
+    for gen in (getattr(loader, "generator", None),
+                getattr(getattr(loader, "sampler", None), "generator", None),
+                getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+                        "generator", None)):
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    return found
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through it (torch.save writes sequentially)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        view = memoryview(b).cast("B")
+        self.digest.update(view)
+        self._f.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+
+class _LoaderRecord:
+    def __init__(self, seq: int, loader):
+        self.seq = seq
+        self.ref = weakref.ref(loader)
+        self.epochs: list[list] = []      # per __iter__ call: [batches consumed, exhausted]
+        self.pre_epoch_rng: dict | None = None   # RNG before the latest __iter__ call
+        self.pre_epoch_generators: list = []
+        self.live_iterator = None         # weakref to the latest iterator
+        self.fingerprint = _loader_fingerprint(loader)
+
+
+def _loader_fingerprint(loader) -> dict:
+    dataset = loader.dataset
+    try:
+        dataset_len = len(dataset)
+    except TypeError:
+        dataset_len = None
+    try:
+        batches = len(loader)
+    except TypeError:
+        batches = None
+    return {"class": type(loader).__qualname__, "dataset": type(dataset).__qualname__,
+            "dataset_len": dataset_len, "batches": batches, "batch_size": loader.batch_size,
+            "drop_last": loader.drop_last, "num_workers": loader.num_workers}
+
+
+class _TrackedIterator:
+    """Wraps a DataLoader iterator: counts batches and lets the tracker look at each fetch."""
+
+    def __init__(self, tracker, record, epoch_index, inner):
+        self._tracker = tracker
+        self._record = record
+        self._epoch_index = epoch_index
+        self._inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._tracker._before_fetch(self._record)
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._record.epochs[self._epoch_index][1] = True
+            raise
+        self._record.epochs[self._epoch_index][0] += 1
+        self._tracker._active_loader = self._record
+        return batch
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+# --------------------------------------------------------------------------- the tracker
+
+class FrameworkTracker:
+    """What ``install`` returns. ``step`` counts optimizer steps (completed cycles when a script
+    has several optimizers) since the job began, resumed ones included."""
+
+    def __init__(self, *, rank: int, world_size: int, resume_dir=None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} / world size {world_size} is not a valid pair")
+        self.rank = rank
+        self.world_size = world_size
+        self.step = 0
+        self._listeners: list = []
+        self._seq = 0
+        self._modules: list = []      # (seq, weakref) of every nn.Module built, in order
+        self._optimizers: list = []   # (seq, weakref)
+        self._schedulers: list = []
+        self._loaders: list[_LoaderRecord] = []
+        self._active_loader: _LoaderRecord | None = None
+        self._reasons: list[str] = []          # why the script cannot be resumed, if ever
+        self._cycle: tuple | None = None       # optimizer indexes stepped per iteration
+        self._steps_since_fetch: list[int] = []
+        self._pending = None                   # snapshot at the last post-step, until a fetch
+        self._replay: list | None = None       # scheduler steps seen between step() and fetch
+        self._observed_intervals = 0
+        self._handles: list = []
+        self._originals: list = []
+        self._resume = None
+        self._applied = resume_dir is None
+        if resume_dir is not None:
+            self._resume = self._load_resume(Path(resume_dir))
+
+    # ----------------------------------------------------------------- public API
+
+    def add_step_listener(self, fn) -> None:
+        """Calls ``fn(step)`` after every optimizer step (cycle), in registration order."""
+        self._listeners.append(fn)
+
+    def check_resumable(self) -> None:
+        """Raises UnresumableScript if a checkpoint taken now would not resume correctly."""
+        if not self._applied:
+            raise UnresumableScript("the resumed script has not reached its checkpointed "
+                                    "DataLoader position yet")
+        if self._reasons:
+            raise UnresumableScript("; ".join(dict.fromkeys(self._reasons)))
+        if not self._live(self._optimizers):
+            raise UnresumableScript("no torch.optim optimizer was built; nothing to resume")
+        if self._active_loader is None:
+            raise UnresumableScript(
+                "no batch has been fetched from a torch DataLoader; the framework engine resumes "
+                "a script at a DataLoader position and cannot fast-forward other loops")
+        if self._observed_intervals == 0:
+            raise UnresumableScript(
+                "no optimizer step has been followed by its next batch yet, so what the script "
+                "does between step() and the next batch is unknown; cut after a later step")
+        busy = [rec for rec in self._loaders
+                if rec is not self._active_loader and rec.epochs and not rec.epochs[-1][1]
+                and rec.live_iterator is not None and rec.live_iterator() is not None]
+        if busy:
+            raise UnresumableScript(
+                f"{len(busy) + 1} DataLoaders are in the middle of an epoch at once (e.g. zip of "
+                f"two loaders); only one loader may be mid-epoch at a cut")
+
+    def save(self, directory) -> Path:
+        """Writes this rank's state at the current cut to ``directory/rank-<r>/`` atomically
+        (temporary folder, fsync, rename) with a manifest (engine, step, world size, sha256 and
+        size of each file). Returns the rank folder. Raises UnresumableScript, writing nothing,
+        when ``check_resumable`` would."""
+        self.check_resumable()
+        state = self._collect()
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        final = directory / RANK_DIR.format(rank=self.rank)
+        if final.exists():
+            raise FileExistsError(f"{final} already exists; save each checkpoint to a new folder")
+        tmp = directory / f".tmp-{final.name}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            with open(tmp / STATE_FILE, "wb", buffering=0) as f:
+                writer = _HashingWriter(f)
+                torch.save(state, io.BufferedWriter(writer, buffer_size=8 << 20))
+                os.fsync(f.fileno())
+            files = {STATE_FILE: {"size": writer.size, "sha256": writer.digest.hexdigest()}}
+            store.write_manifest(tmp, files, engine=ENGINE, step=self.step, rank=self.rank,
+                                 world_size=self.world_size)
+            os.rename(tmp, final)
+            store.fsync_dir(directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    # ----------------------------------------------------------------- patching
+
+    def _patch(self) -> None:
+        tracker = self
+
+        def wrap_init(cls, note, check_after=True):
+            original = cls.__dict__["__init__"]
+
+            def __init__(obj, *args, **kwargs):
+                note(obj)
+                original(obj, *args, **kwargs)
+                if check_after:
+                    note(obj, constructed=True)
+            __init__.__wrapped__ = original
+            self._originals.append((cls, "__init__", original))
+            cls.__init__ = __init__
+
+        wrap_init(nn.Module, self._note_module, check_after=False)
+        original_setstate = nn.Module.__dict__["__setstate__"]
+
+        def __setstate__(module, state):
+            original_setstate(module, state)
+            tracker._note_module(module)
+        self._originals.append((nn.Module, "__setstate__", original_setstate))
+        nn.Module.__setstate__ = __setstate__
+
+        wrap_init(torch.optim.Optimizer, self._note_optimizer)
+        for cls in _SCHEDULER_CLASSES:
+            wrap_init(cls, self._note_scheduler)
+        wrap_init(DataLoader, self._note_loader)
+        original_iter = DataLoader.__dict__["__iter__"]
+
+        def __iter__(loader):
+            return tracker._loader_iter(loader, original_iter)
+        self._originals.append((DataLoader, "__iter__", original_iter))
+        DataLoader.__iter__ = __iter__
+        self._patched_iter = __iter__
+        self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
+        if not self._applied:
+            atexit.register(self._complain_if_never_applied)
+            # Replayed (empty) epochs call the script's per-epoch scheduler.step() with no
+            # optimizer step in between; torch warns once about that. Nothing is wrong: the
+            # scheduler's state is overwritten at the apply point.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` "
+                                    r"before `optimizer\.step\(\)`")
+
+    def _unpatch(self) -> None:
+        """Undoes install() (used by tests that run in one process)."""
+        global _active_tracker
+        for cls, name, original in reversed(self._originals):
+            setattr(cls, name, original)
+        for handle in self._handles:
+            handle.remove()
+        self._originals.clear()
+        self._handles.clear()
+        if _active_tracker is self:
+            _active_tracker = None
+
+    # ----------------------------------------------------------------- construction
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _note_module(self, module) -> None:
+        self._modules.append((self._next_seq(), weakref.ref(module)))
+        if len(self._modules) > 1024 and len(self._modules) & (len(self._modules) - 1) == 0:
+            self._modules = [(s, r) for s, r in self._modules if r() is not None]
+
+    @staticmethod
+    def _live(entries) -> list:
+        return [obj for _, ref in entries if (obj := ref()) is not None]
+
+    def _note_optimizer(self, optimizer, constructed=False) -> None:
+        if not constructed:
+            if any(ref() is optimizer for _, ref in self._optimizers):
+                return
+            self._optimizers.append((self._next_seq(), weakref.ref(optimizer)))
+            return
+        index = [ref() for _, ref in self._optimizers].index(optimizer)
+        if self._resume is not None and not self._applied:
+            saved = self._resume["optimizers"]
+            if index >= len(saved):
+                raise UnresumableScript(
+                    f"optimizer #{index + 1} ({type(optimizer).__name__}) was not in the "
+                    f"checkpoint, which has {len(saved)}; the script builds objects differently")
+            mine = self._optimizer_shape(optimizer)
+            if saved[index]["shape"] != mine:
+                raise UnresumableScript(
+                    f"optimizer #{index + 1} differs from the checkpoint: recorded "
+                    f"{saved[index]['shape']}, built now {mine}")
+
+    @staticmethod
+    def _optimizer_shape(optimizer) -> list:
+        return [type(optimizer).__qualname__] + [
+            [list(p.shape) for p in group["params"]] for group in optimizer.param_groups]
+
+    def _note_scheduler(self, scheduler, constructed=False) -> None:
+        if not constructed:
+            if any(ref() is scheduler for _, ref in self._schedulers):
+                return
+            self._schedulers.append((self._next_seq(), weakref.ref(scheduler)))
+            return
+        if self._resume is not None and not self._applied:
+            index = [ref() for _, ref in self._schedulers].index(scheduler)
+            saved = self._resume["schedulers"]
+            if index >= len(saved) or saved[index]["class"] != type(scheduler).__qualname__:
+                raise UnresumableScript(
+                    f"LR scheduler #{index + 1} ({type(scheduler).__name__}) does not match the "
+                    f"checkpoint's {[s['class'] for s in saved]}")
+
+    def _note_loader(self, loader, constructed=False) -> None:
+        if not constructed:
+            return
+        record = _LoaderRecord(self._next_seq(), loader)
+        self._loaders.append(record)
+        if type(loader).__iter__ is not self._patched_iter:
+            self._reasons.append(f"DataLoader subclass {type(loader).__name__} overrides "
+                                 f"__iter__, so its position cannot be tracked")
+        if loader.persistent_workers and loader.num_workers > 0:
+            self._reasons.append("a DataLoader uses persistent_workers=True: its workers' RNG "
+                                 "carries over between epochs and cannot be fast-forwarded")
+        if self._resume is not None and not self._applied:
+            index = len(self._loaders) - 1
+            saved = self._resume["loaders"]
+            if index >= len(saved):
+                raise UnresumableScript(
+                    f"DataLoader #{index + 1} was not in the checkpoint ({len(saved)} loaders)")
+            if saved[index]["fingerprint"] != record.fingerprint:
+                raise UnresumableScript(
+                    f"DataLoader #{index + 1} differs from the checkpoint (dataset length, "
+                    f"batch size, workers...): recorded {saved[index]['fingerprint']}, built "
+                    f"now {record.fingerprint}")
+
+    # ----------------------------------------------------------------- the training loop
+
+    def _loader_iter(self, loader, original_iter):
+        record = next((r for r in self._loaders if r.ref() is loader), None)
+        if record is None:  # built before install(), or __init__ bypassed
+            record = _LoaderRecord(self._next_seq(), loader)
+            self._loaders.append(record)
+        if self._pending is not None:
+            self._pending["boundary"] = True
+        index = len(record.epochs)
+        record.epochs.append([0, False])
+        if self._resume is not None and not self._applied:
+            return self._resumed_iter(record, index, loader, original_iter)
+        record.pre_epoch_rng = _rng_state()
+        record.pre_epoch_generators = [g.get_state() for g in _loader_generators(loader)]
+        iterator = _TrackedIterator(self, record, index, original_iter(loader))
+        record.live_iterator = weakref.ref(iterator)
+        return iterator
+
+    def _empty_iter(self, record, index):
+        iterator = _TrackedIterator(self, record, index, iter(()))
+        record.live_iterator = weakref.ref(iterator)
+        return iterator
+
+    def _resumed_iter(self, record, index, loader, original_iter):
+        saved_loaders = self._resume["loaders"]
+        loader_index = self._loaders.index(record)
+        saved = saved_loaders[loader_index]
+        saved_epochs = saved["epochs"]
+        is_apply_point = (loader_index == self._resume["active_loader"]
+                          and index == len(saved_epochs) - 1)
+        if is_apply_point:
+            return self._apply(record, index, loader, original_iter)
+        if index < len(saved_epochs) and saved_epochs[index][1]:
+            record.epochs[index] = list(saved_epochs[index])
+            return self._empty_iter(record, index)
+        if index < len(saved_epochs) and saved["batches"] is not None \
+                and saved_epochs[index][0] >= saved["batches"]:
+            record.epochs[index] = list(saved_epochs[index])
+            return self._empty_iter(record, index)
+        if loader_index == self._resume["active_loader"] and index >= len(saved_epochs):
+            raise UnresumableScript(
+                f"the resumed script iterated DataLoader #{loader_index + 1} more often "
+                f"({index + 1}) than recorded at the cut ({len(saved_epochs)}) before reaching "
+                f"the cut; its loop does not replay the same way")
+        # an epoch the script abandoned early (e.g. next(iter(loader))), or one started later:
+        # give the real thing; whatever it feeds is overwritten at the apply point
+        record.pre_epoch_rng = _rng_state()
+        iterator = _TrackedIterator(self, record, index, original_iter(loader))
+        record.live_iterator = weakref.ref(iterator)
+        return iterator
+
+    def _before_fetch(self, record) -> None:
+        if self._steps_since_fetch:
+            cycle = tuple(self._steps_since_fetch)
+            if self._cycle is None:
+                self._cycle = cycle
+                if len(self._live(self._optimizers)) > 1:
+                    self.step += 1  # the first iteration, whose cycle was learnt only now
+            elif cycle != self._cycle and len(self._live(self._optimizers)) > 1:
+                self._reasons.append(
+                    f"optimizers stepped in a varying order between batches ({self._cycle} then "
+                    f"{cycle}); the cut iteration cannot be told apart")
+            self._steps_since_fetch = []
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        if pending["boundary"]:
+            return  # epoch-end code runs again on resume; nothing to check
+        self._observed_intervals += 1
+        if not _rng_equal(pending["rng"], _rng_state()):
+            self._reasons.append(
+                "the script draws random numbers between optimizer.step() and the next batch; "
+                "those draws cannot be replayed (move them before step() or into the dataset)")
+        replay = []
+        for sched, before in pending["schedulers"]:
+            delta = (_scheduler_counter(sched) or 0) - (before or 0)
+            if delta and isinstance(sched, lr_scheduler.ReduceLROnPlateau):
+                self._reasons.append("ReduceLROnPlateau.step(metric) is called between "
+                                     "optimizer.step() and the next batch; cannot replay it")
+            replay.append(delta)
+        if self._replay is None:
+            self._replay = replay
+        elif replay != self._replay:
+            self._reasons.append(
+                f"LR schedulers step a varying number of times between optimizer.step() and the "
+                f"next batch ({self._replay} then {replay}); the cut iteration cannot be replayed")
+        if not any(replay):
+            for optimizer, before in pending["hyperparams"]:
+                if _hyperparams(optimizer) != before:
+                    self._reasons.append(
+                        "optimizer hyper-parameters change between optimizer.step() and the next "
+                        "batch without an LR scheduler; use a torch LR scheduler or change them "
+                        "before step()")
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if not self._applied:
+            raise UnresumableScript(
+                "the resumed script called optimizer.step() before it reached the DataLoader "
+                "epoch that was in progress at the cut; its loop does not replay the same way")
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        optimizers = self._live(self._optimizers)
+        index = next((i for i, o in enumerate(optimizers) if o is optimizer), -1)
+        self._steps_since_fetch.append(index)
+        if len(optimizers) > 1 and tuple(self._steps_since_fetch) != self._cycle:
+            return  # the iteration's cycle of optimizer steps is not complete (or not known)
+        self.step += 1
+        schedulers = self._top_level_schedulers()
+        self._pending = {"boundary": False, "rng": _rng_state(),
+                         "schedulers": [(s, _scheduler_counter(s)) for s in schedulers],
+                         "hyperparams": [(o, _hyperparams(o)) for o in optimizers]}
+        for fn in list(self._listeners):
+            fn(self.step)
+
+    def _top_level_schedulers(self) -> list:
+        live = self._live(self._schedulers)
+        inner = {id(s) for outer in live for s in getattr(outer, "_schedulers", ()) or ()}
+        return [s for s in live if id(s) not in inner]
+
+    # ----------------------------------------------------------------- collect / apply
+
+    def _roots(self) -> list:
+        live = self._live(self._modules)
+        children = {id(child) for m in live for child in m.children()}
+        return [m for m in live if id(m) not in children and _has_state(m)]
+
+    def _param_names(self, roots) -> dict:
+        names = {}
+        for i, root in enumerate(roots):
+            for name, p in root.named_parameters(remove_duplicate=True):
+                names.setdefault(id(p), f"{i}:{name}")
+        return names
+
+    def _collect(self) -> dict:
+        roots = self._roots()
+        names = self._param_names(roots)
+        optimizers = self._live(self._optimizers)
+        schedulers = self._top_level_schedulers()
+        active = self._loaders.index(self._active_loader)
+        loaders = []
+        for record in self._loaders:
+            loader = record.ref()
+            loaders.append({
+                "fingerprint": record.fingerprint, "epochs": [list(e) for e in record.epochs],
+                "batches": record.fingerprint["batches"], "pre_epoch_rng": record.pre_epoch_rng,
+                "pre_epoch_generators": record.pre_epoch_generators,
+                "generators": [g.get_state() for g in _loader_generators(loader)]
+                if loader is not None else []})
+        return {
+            "format": FORMAT, "engine": ENGINE, "step": self.step, "rank": self.rank,
+            "world_size": self.world_size,
+            "modules": [{"fingerprint": _module_fingerprint(m), "state": m.state_dict(),
+                         "training": [sub.training for sub in m.modules()]} for m in roots],
+            "optimizers": [{"shape": self._optimizer_shape(o),
+                            "params": [[names.get(id(p), "?") for p in g["params"]]
+                                       for g in o.param_groups],
+                            "state": o.state_dict()} for o in optimizers],
+            "schedulers": [{"class": type(s).__qualname__, "state": s.state_dict()}
+                           for s in self._live(self._schedulers)],
+            "top_level_schedulers": [self._live(self._schedulers).index(s) for s in schedulers],
+            "replay": self._replay or [0] * len(schedulers),
+            "cycle": self._cycle, "observed_intervals": self._observed_intervals,
+            "loaders": loaders, "active_loader": active, "rng": _rng_state(),
+        }
+
+    def _load_resume(self, resume_dir: Path) -> dict:
+        rank_dir = resume_dir / RANK_DIR.format(rank=self.rank)
+        try:
+            manifest = store.read_manifest(rank_dir)
+        except store.CheckpointError as exc:
+            raise UnresumableScript(f"cannot resume rank {self.rank} from {resume_dir}: {exc}") \
+                from None
+        if manifest.get("engine") != ENGINE:
+            raise UnresumableScript(f"{rank_dir} was written by engine "
+                                    f"{manifest.get('engine')!r}, not {ENGINE!r}")
+        if manifest.get("world_size") != self.world_size:
+            raise UnresumableScript(
+                f"checkpoint {rank_dir} has world size {manifest.get('world_size')}, this job "
+                f"runs {self.world_size}; the framework engine keeps the world size fixed")
+        entry = manifest["files"].get(STATE_FILE)
+        if entry is None:
+            raise UnresumableScript(f"{rank_dir / store.MANIFEST_NAME} lists no {STATE_FILE}")
+        # Hash on a second thread while torch.load parses the same file (both release the GIL).
+        failure: list = []
+
+        def check():
+            try:
+                store.verify_file(rank_dir / STATE_FILE, entry)
+            except store.CheckpointError as exc:
+                failure.append(exc)
+        checker = threading.Thread(target=check, name="framework-sha256")
+        checker.start()
+        try:
+            state = torch.load(rank_dir / STATE_FILE, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            checker.join()
+            if failure:
+                raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
+            raise UnresumableScript(f"cannot read {rank_dir / STATE_FILE}: {exc}") from None
+        checker.join()
+        if failure:
+            raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
+        if state.get("format") != FORMAT or state.get("step") != manifest.get("step"):
+            raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
+        return state
+
+    def _apply(self, record, index, loader, original_iter):
+        saved = self._resume
+        roots = self._roots()
+        if len(roots) != len(saved["modules"]):
+            raise UnresumableScript(
+                f"the resumed script holds {len(roots)} models with state at the cut position, "
+                f"the checkpoint has {len(saved['modules'])}")
+        for i, (module, entry) in enumerate(zip(roots, saved["modules"])):
+            mine = _module_fingerprint(module)
+            if mine != entry["fingerprint"]:
+                raise UnresumableScript(
+                    f"model #{i + 1} differs from the checkpoint: recorded "
+                    f"{entry['fingerprint'][:4]}..., built now {mine[:4]}...")
+        optimizers = self._live(self._optimizers)
+        names = self._param_names(roots)
+        if len(optimizers) != len(saved["optimizers"]):
+            raise UnresumableScript(f"{len(optimizers)} optimizers built, the checkpoint has "
+                                    f"{len(saved['optimizers'])}")
+        for i, (optimizer, entry) in enumerate(zip(optimizers, saved["optimizers"])):
+            mine = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
+            if mine != entry["params"]:
+                raise UnresumableScript(
+                    f"optimizer #{i + 1} optimizes different parameters than at the cut "
+                    f"(built in a different order?): recorded {entry['params']}, now {mine}")
+        schedulers = self._live(self._schedulers)
+        if [type(s).__qualname__ for s in schedulers] != [s["class"] for s in
+                                                          saved["schedulers"]]:
+            raise UnresumableScript("the LR schedulers differ from the checkpoint's")
+        for module, entry in zip(roots, saved["modules"]):
+            module.load_state_dict(entry["state"], strict=True)
+            for sub, training in zip(module.modules(), entry["training"]):
+                sub.training = training
+        for optimizer, entry in zip(optimizers, saved["optimizers"]):
+            optimizer.load_state_dict(entry["state"])
+        for scheduler, entry in zip(schedulers, saved["schedulers"]):
+            scheduler.load_state_dict(entry["state"])
+        top = [schedulers[i] for i in saved["top_level_schedulers"]]
+        for scheduler, count in zip(top, saved["replay"]):
+            for _ in range(count):
+                scheduler.step()
+        # this loader's epoch in progress: same RNG before it, same iterator, same batches
+        loader_state = saved["loaders"][self._loaders.index(record)]
+        position = loader_state["epochs"][index][0]
+        _set_rng_state(loader_state["pre_epoch_rng"])
+        for gen, gen_state in zip(_loader_generators(loader), loader_state["pre_epoch_generators"]):
+            gen.set_state(gen_state)
+        record.pre_epoch_rng = loader_state["pre_epoch_rng"]
+        record.pre_epoch_generators = loader_state["pre_epoch_generators"]
+        if loader_state["batches"] is not None and position >= loader_state["batches"]:
+            inner = iter(())
+        else:
+            inner = original_iter(loader)
+            for skipped in range(position):
+                try:
+                    next(inner)
+                except StopIteration:
+                    raise UnresumableScript(
+                        f"the DataLoader ran out after {skipped} batches while skipping the "
+                        f"{position} consumed before the cut") from None
+        record.epochs[index] = [position, False]
+        for other, other_state in zip(self._loaders, saved["loaders"]):
+            other_loader = other.ref()
+            if other_loader is not None:
+                for gen, gen_state in zip(_loader_generators(other_loader),
+                                          other_state["generators"]):
+                    gen.set_state(gen_state)
+        _set_rng_state(saved["rng"])
+        self.step = saved["step"]
+        self._cycle = tuple(saved["cycle"]) if saved["cycle"] is not None else None
+        self._replay = list(saved["replay"])
+        self._observed_intervals = saved["observed_intervals"]
+        self._active_loader = record
+        self._applied = True
+        self._resume = None
+        iterator = _TrackedIterator(self, record, index, inner)
+        record.live_iterator = weakref.ref(iterator)
+        return iterator
+
+    def _complain_if_never_applied(self) -> None:
+        if not self._applied:
+            sys.stderr.write(
+                "runtime.framework: the resumed script ended without reaching the DataLoader "
+                "epoch that was in progress at the cut; its state was NOT restored. Refusing "
+                "to report success.\n")
+            sys.stderr.flush()
+            os._exit(EXIT_NEVER_APPLIED)
