@@ -4,7 +4,7 @@ Protocol: one JSON object per connection, one line each way. Requests:
     {"cmd": "progress"}
     {"cmd": "checkpoint", "at_step": optional int, "timeout_s": optional float}
     {"cmd": "stop", "at_step": optional int, "timeout_s": optional float}   checkpoint, then exit
-    {"cmd": "resize", "devices": int, "timeout_s": optional float}
+    {"cmd": "resize", "devices": int, "at_step": optional int, "timeout_s": optional float}
 Every answer has "ok" (bool); on failure "error" says why in words a person can act on.
 """
 import json
@@ -88,10 +88,11 @@ class JobControl:
         return self._call({"cmd": "stop", "at_step": at_step, "timeout_s": timeout_s},
                           timeout_s + 30)
 
-    def resize(self, devices, *, timeout_s=600):
-        """Maps the W ranks onto `devices` devices (must divide W) at the next step boundary."""
-        return self._call({"cmd": "resize", "devices": int(devices), "timeout_s": timeout_s},
-                          timeout_s + 30)
+    def resize(self, devices, *, at_step=None, timeout_s=600):
+        """Maps the W ranks onto `devices` devices (must divide W) at the next step boundary
+        (or after step at_step); returns {"step", "devices", "device_map", "seconds"}."""
+        return self._call({"cmd": "resize", "devices": int(devices), "at_step": at_step,
+                           "timeout_s": timeout_s}, timeout_s + 30)
 
     def is_running(self):
         try:

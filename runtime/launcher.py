@@ -156,6 +156,7 @@ class Launcher:
             "steps_per_s": ranks_view.get("steps_per_s"), "world_size": self.world_size,
             "devices": self.devices, "device_map": self.device_map,
             "last_checkpoint": self.last_checkpoint, "updated_unix": time.time(),
+            "rank_pids": [r.pid for r in self.ranks], "spool": str(self.spool),
         }
 
     def write_progress(self):
@@ -335,14 +336,14 @@ class Launcher:
                 raise LaunchError("ranks did not exit after a stop")
             time.sleep(POLL_S)
 
-    def do_resize(self, devices, timeout_s=600):
+    def do_resize(self, devices, *, at_step=None, timeout_s=600):
         try:
             mapping = splice.device_map(world_size=self.world_size, devices=int(devices))
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
         began = time.monotonic()
-        request, step, reports, errors = self.request_cut("resize", timeout_s=timeout_s,
-                                                          devices=mapping)
+        request, step, reports, errors = self.request_cut("resize", at_step=at_step,
+                                                          timeout_s=timeout_s, devices=mapping)
         if errors:
             raise LaunchError("resize failed: " + "; ".join(f"rank {k}: {v}" for k, v in errors.items()))
         self.devices = int(devices)
@@ -420,7 +421,8 @@ class Launcher:
         if cmd == "resize":
             if "devices" not in request:
                 return {"ok": False, "error": "resize needs 'devices'"}
-            return self.do_resize(request["devices"], timeout_s=timeout_s)
+            return self.do_resize(request["devices"], at_step=request.get("at_step"),
+                                  timeout_s=timeout_s)
         return {"ok": False, "error": f"unknown command {cmd!r}; use progress, checkpoint, "
                                       "stop or resize"}
 

@@ -90,11 +90,20 @@ class RankRuntime:
             self.report(request, step, "error", error=f"unknown cut action {action!r}")
             return
         if self.engine == "framework":
-            self.tracker.save(request["staging_dir"])
-            # Everyone has written before anyone reports "saved" (the launcher commits then).
-            vpg.meta_allreduce([0])
+            try:
+                self.tracker.save(request["staging_dir"])
+                error = None
+            except Exception as exc:  # framework.UnresumableScript and I/O errors alike
+                error = f"{type(exc).__name__}: {exc}"
+            # Everyone has written before anyone reports "saved" (the launcher commits then),
+            # and if one rank could not save, no rank stops.
+            (failures,) = vpg.meta_allreduce([1 if error else 0])
             sys.stdout.flush()
             sys.stderr.flush()
+            if failures:
+                self.report(request, step, "error",
+                            error=error or f"{failures} other rank(s) could not save")
+                return
             self.report(request, step, "saved")
             if action == "stop":
                 group = vpg.current_group()

@@ -42,13 +42,27 @@ def device_map(*, world_size, devices, cores=None):
     }
 
 
-def pin_process_threads(cores, pid="self"):
-    """Sets the CPU affinity of every thread of a process (os.sched_setaffinity on a pid
+def _own_namespace_tid(task_dir):
+    """Returns a thread's id as seen from the caller's PID namespace.
+
+    /proc may be the host's procfs while a rank runs in its own PID namespace (CRIU engine):
+    its task list then shows host tids, but sched_setaffinity wants namespace-local ones. The
+    last NSpid field is the id in the innermost namespace, which is the caller's.
+    """
+    with open(os.path.join(task_dir, "status")) as handle:
+        for line in handle:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return int(os.path.basename(task_dir))
+
+
+def pin_process_threads(cores):
+    """Sets the CPU affinity of every thread of this process (os.sched_setaffinity on a pid
     only moves that one thread, and torch and gloo run threads of their own)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for name in os.listdir("/proc/self/task"):
         try:
-            os.sched_setaffinity(int(tid), cores)
-        except ProcessLookupError:  # the thread ended meanwhile
+            os.sched_setaffinity(_own_namespace_tid(f"/proc/self/task/{name}"), cores)
+        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
             pass
 
 

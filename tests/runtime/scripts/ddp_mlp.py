@@ -1,6 +1,6 @@
 """An ordinary DDP training script: nothing in it knows about Meridian.
 
-Usage: ddp_mlp.py OUT_PATH [--steps N] [--step-sleep S]
+Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S]
 W ranks from the torchrun-style environment; a small MLP with dropout, Adam, a shuffling
 DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the final parameters
 and optimizer state to OUT_PATH.
@@ -31,7 +31,7 @@ class NoisyPoints(Dataset):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
 
@@ -44,24 +44,19 @@ def main():
     sampler = DistributedSampler(NoisyPoints(), shuffle=True, seed=7)
     loader = DataLoader(NoisyPoints(), batch_size=16, sampler=sampler)
     loss_fn = nn.BCEWithLogitsLoss()
-    step, epoch = 0, 0
-    while step < args.steps:
+    for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
             loss = loss_fn(ddp(x), y)
             loss.backward()
             optimizer.step()
-            step += 1
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if step >= args.steps:
-                break
-        epoch += 1
     if rank == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    "optimizer": optimizer.state_dict(), "steps": step}, args.out)
-    print(f"rank {rank} done after {step} steps", flush=True)
+                    "optimizer": optimizer.state_dict()}, args.out)
+    print(f"rank {rank} done after {args.epochs} epochs", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """An ordinary single-process training script (no torch.distributed at all).
 
-Usage: single_mlp.py OUT_PATH [--steps N] [--step-sleep S]
+Usage: single_mlp.py OUT_PATH [--epochs E] [--step-sleep S]
 """
 import argparse
 import time
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
 
@@ -23,20 +23,16 @@ def main():
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
     model = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Dropout(0.1), nn.Linear(24, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    step = 0
-    while step < args.steps:
+    for epoch in range(args.epochs):
         for xb, yb in loader:
             xb = xb + 0.05 * torch.randn_like(xb)  # random augmentation
             optimizer.zero_grad()
             nn.functional.mse_loss(model(xb), yb).backward()
             optimizer.step()
-            step += 1
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if step >= args.steps:
-                break
     torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optimizer": optimizer.state_dict(), "steps": step}, args.out)
+                "optimizer": optimizer.state_dict()}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""Proofs: an unmodified script is preempted, migrated, resized and killed, and still ends
+bit-for-bit where an uninterrupted run ends (torch.equal on every parameter and optimizer
+tensor). Each case runs with each engine where it applies."""
+import os
+import random
+import shutil
+
+import pytest
+
+from runtime_helpers import (DDP_ARGS, DDP_SCRIPT, SINGLE_ARGS, SINGLE_SCRIPT, Job, assert_same_state,
+                      kill_ranks, needs_criu, reference_state, unique_id)
+
+pytestmark = [pytest.mark.runtime, pytest.mark.slow]
+
+ENGINES = [pytest.param("criu", marks=[pytest.mark.criu, needs_criu]), "framework"]
+KINDS = {"ddp": (DDP_SCRIPT, 4, DDP_ARGS, 40), "single": (SINGLE_SCRIPT, 1, SINGLE_ARGS, 36)}
+SEED = 20261129
+
+
+@pytest.mark.parametrize("kind", ["ddp", "single"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_preempt_at_a_random_step_and_resume(engine, kind, tmp_path, jobs, reference_tmp):
+    script, ranks, args, steps = KINDS[kind]
+    expected = reference_state(kind, reference_tmp)
+    at_step = random.Random(f"{SEED}-{engine}-{kind}").randint(3, steps - 5)
+    out = tmp_path / "out.pt"
+    job_id = unique_id("preempt")
+    node = tmp_path / "node"
+    first = Job(node, ranks=ranks, script=script, out=out, script_args=args, engine=engine,
+                job_id=job_id)
+    jobs.append(first)
+    first.wait_ready()
+    answer = first.control.stop(at_step=at_step)
+    assert answer["step"] == at_step and answer["engine"] == engine
+    first.finish(75)
+    assert not out.exists(), "the stopped job must not have reached the end of the script"
+
+    second = Job(node, ranks=ranks, script=script, out=out, script_args=args, engine=engine,
+                 job_id=job_id, resume=True)
+    jobs.append(second)
+    second.finish(0)
+    assert_same_state(expected, out)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_migrate_to_another_node_directory(engine, tmp_path, jobs, reference_tmp, _spool_root):
+    expected = reference_state("ddp", reference_tmp)
+    out = tmp_path / "out.pt"
+    job_id = unique_id("migrate")
+    store = tmp_path / "shared-store"  # a shared filesystem both nodes see
+    node_a, node_b = tmp_path / "node-a" / "job", tmp_path / "node-b" / "job"
+    first = Job(node_a, ranks=4, script=DDP_SCRIPT, out=out, script_args=DDP_ARGS,
+                engine=engine, store=store, job_id=job_id)
+    jobs.append(first)
+    first.wait_ready()
+    stopped = first.control.stop(at_step=13)
+    first.finish(75)
+    # Node A is gone: its job directory and its spool with it.
+    shutil.rmtree(node_a)
+    shutil.rmtree(_spool_root / job_id)
+
+    second = Job(node_b, ranks=4, script=DDP_SCRIPT, out=out, script_args=DDP_ARGS,
+                 engine=engine, store=store, job_id=job_id, resume=True)
+    jobs.append(second)
+    second.finish(0)
+    assert_same_state(expected, out)
+    events = (node_b / "events.jsonl").read_text()
+    assert '"restored"' in events and stopped["checkpoint"] in events
+    assert f'"engine": "{engine}"' in events
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigkill_every_rank_restores_from_last_checkpoint(engine, tmp_path, jobs, reference_tmp):
+    expected = reference_state("ddp", reference_tmp)
+    out = tmp_path / "out.pt"
+    job_id = unique_id("kill")
+    node = tmp_path / "node"
+    # A sleep per step (part of the user's script) leaves time to kill between checkpoints.
+    args = DDP_ARGS + ["--step-sleep", "0.15"]
+    first = Job(node, ranks=4, script=DDP_SCRIPT, out=out, script_args=args, engine=engine,
+                job_id=job_id)
+    jobs.append(first)
+    first.wait_ready()
+    assert first.control.checkpoint(at_step=8)["step"] == 8
+    last = first.control.checkpoint(at_step=17)
+    assert last["step"] == 17
+    progress = first.wait_step(20)
+    assert progress["step"] < 40
+    kill_ranks(progress["rank_pids"])
+    first.finish(1)
+    assert not out.exists()
+
+    second = Job(node, ranks=4, script=DDP_SCRIPT, out=out, script_args=args, engine=engine,
+                 job_id=job_id, resume=True)
+    jobs.append(second)
+    second.finish(0)
+    assert_same_state(expected, out)
+    events = (node / "events.jsonl").read_text().splitlines()
+    restored = [e for e in events if '"restored"' in e]
+    assert len(restored) == 1 and last["checkpoint"] in restored[0]
+
+
+def _cores_of(pid):
+    """Returns the set of cores the main thread of pid may run on (from /proc)."""
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("Cpus_allowed_list:"):
+                cores = set()
+                for part in line.split(":")[1].strip().split(","):
+                    low, _, high = part.partition("-")
+                    cores.update(range(int(low), int(high or low) + 1))
+                return cores
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def test_shrink_4_2_1_and_grow_back_to_4_devices(tmp_path, jobs, reference_tmp):
+    expected = reference_state("ddp", reference_tmp)
+    out = tmp_path / "out.pt"
+    job = Job(tmp_path / "node", ranks=4, script=DDP_SCRIPT, out=out,
+              script_args=DDP_ARGS + ["--step-sleep", "0.05"], engine="auto", devices=4,
+              job_id=unique_id("resize"))
+    jobs.append(job)
+    job.wait_ready()
+    seen_steps = []
+    for devices, at_step in ((2, 6), (1, 14), (4, 24)):
+        answer = job.control.resize(devices, at_step=at_step)
+        assert answer["devices"] == devices and answer["step"] == at_step
+        seen_steps.append(answer["step"])
+        progress = job.control.progress()
+        assert progress["devices"] == devices
+        device_map = progress["device_map"]
+        assert len(set(device_map["ranks"].values())) == devices
+        for rank, pid in enumerate(progress["rank_pids"]):
+            device = device_map["ranks"][str(rank)]
+            assert _cores_of(pid) == set(device_map["devices"][str(device)]), \
+                f"rank {rank} is not pinned to device {device}'s cores"
+    job.finish(0)
+    assert seen_steps == [6, 14, 24]
+    assert_same_state(expected, out)
