@@ -283,12 +283,14 @@ def synthetic_fleet(n_accelerators: int, devices_per_node: int = 8, nodes_per_ra
                     n_types: int = 1) -> Accelerators:
     """Returns a uniform fleet of n_accelerators as arrays (no Python loop per device).
 
-    Types are assigned per cluster round-robin when n_types > 1; every device is healthy and free.
+    Types alternate per cluster when n_types > 1 (per rack in fleets with fewer clusters than
+    types, per node below that); every device is healthy and free.
     """
     i = np.arange(n_accelerators, dtype=np.int64)
     node = i // devices_per_node
     rack = node // nodes_per_rack
     cluster = rack // racks_per_cluster
     region = cluster // clusters_per_region
-    type_id = (cluster % n_types).astype(np.int16)
+    unit = cluster if cluster[-1] + 1 >= n_types else rack if rack[-1] + 1 >= n_types else node
+    type_id = (unit % n_types).astype(np.int16)
     return Accelerators(type_id=type_id, node=node, rack=rack, cluster=cluster, region=region)

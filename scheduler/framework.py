@@ -9,7 +9,8 @@
   5. resize      grow elastic jobs into the devices still idle (work conservation)
   6. defragment  a gang that fails only because free devices are scattered gets a node or
                  rack freed by migrating small jobs
-  7. plan        order the decisions (releases before starts) and give every pending job a
+  7. plan        list the decisions in the order made (a release always precedes the start
+                 that uses its devices) and give every pending job a
                  wait reason and its place in line
 
 Phases 4 and 6 run inline for the job at the head of the line (as kueue does), so that a
@@ -28,7 +29,7 @@ from scheduler.plan import Plan, Start, WaitReason
 from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
 from scheduler.plugins import quota as quota_plugin
-from scheduler.snapshot import PENDING, Snapshot
+from scheduler.snapshot import PENDING, TIER_NAMES, Snapshot, allowed_counts
 from scheduler.state import WorkingState
 
 PHASES = ("1. snapshot", "2. order", "3. place", "4. preempt", "5. resize", "6. defragment", "7. plan")
@@ -76,15 +77,19 @@ DEFAULT_PLUGIN_NAMES = {
     "order": "order.tier_fair_share",
     "quota": "quota.team_borrowing",
     "place": "place.gang_topology",
-    "preempt": None,
-    "resize": None,
-    "defrag": None,
-    "drain": None,
+    "preempt": "preempt.sla_cost_aware",
+    "resize": "resize.grow_into_idle",
+    "defrag": "defrag.free_a_domain",
+    "drain": "drain.move_jobs",
 }
 
 
 class Tick:
-    """The working context of one tick: snapshot, working state, running totals, decisions."""
+    """The working context of one tick: snapshot, working state, running totals, decisions.
+
+    Decisions are recorded in the order the tick makes them; applying them in that order
+    replays exactly the state changes the tick planned on, so a device is never given twice.
+    """
 
     def __init__(self, snapshot: Snapshot, policy: Policy):
         self.snapshot = snapshot
@@ -97,10 +102,18 @@ class Tick:
         self.team_usage = snapshot.team_usage().astype(np.int64)  # [T, K], kept current
         self.borrower = quota_plugin.borrowing_jobs(snapshot, self.state.alloc, self.team_usage)
         self.touched = np.zeros(len(jobs), np.bool_)  # started/moved/resized/preempted this tick
-        self.releases: list = []  # Preempt / shrinking Resize / Migrate off dead nodes
-        self.starts: list = []  # Start / Migrate / growing Resize
-        self.waiting: dict[int, tuple[str, str]] = {}  # job -> (code, reason)
+        self.decisions: list = []  # Start / Preempt / Migrate / Resize, in the order made
+        self.waiting: dict[int, tuple[str, str]] = {}  # pending job -> (code, reason)
+        self.requeued: dict[int, tuple[str, str]] = {}  # job sent back to line -> (code, reason)
         self.line: np.ndarray = np.empty(0, np.int64)  # pending jobs in order
+        self.victims_used = 0  # jobs preempted or shrunk so far (PolicySettings budget)
+        self.migrations_used = 0  # defragmentation moves so far (PolicySettings budget)
+        self.approval_asked: set[int] = set()  # jobs already named in a needs_approval Preempt
+        held = self.state.holder >= 0
+        usable_held = self.state.holder[held & self.state.usable]
+        # devices each job holds that are usable (what preempting it would give back)
+        self.usable_alloc = np.bincount(usable_held, minlength=len(jobs)).astype(np.int64)
+        self._min_count = None
 
     # --- bookkeeping used by every plugin ------------------------------------------------
     def give(self, j: int, devices: np.ndarray) -> None:
@@ -124,58 +137,112 @@ class Tick:
         room = int(self.snapshot.teams.quota[t, k] - self.team_usage[t, k])
         return max(0, d - max(room, 0))
 
+    def mark(self):
+        """Returns a point to roll a tentative step back to (preemption, defragmentation)."""
+        return (self.state.mark(), len(self.decisions), self.team_usage.copy(), self.touched.copy(),
+                self.victims_used, self.migrations_used, dict(self.requeued))
 
-def _timed(timer, seconds, phase):
-    class _Span:
-        def __enter__(self):
-            self.t0 = timer() if timer else 0.0
+    def rollback(self, mark) -> None:
+        state_mark, n_decisions, usage, touched, victims, migrations, requeued = mark
+        self.state.rollback(state_mark)
+        del self.decisions[n_decisions:]
+        self.team_usage, self.touched = usage, touched
+        self.victims_used, self.migrations_used, self.requeued = victims, migrations, requeued
 
-        def __exit__(self, *exc):
-            if timer:
-                seconds[phase] = seconds.get(phase, 0.0) + timer() - self.t0
-    return _Span()
+    # --- small derivations -----------------------------------------------------------------
+    @property
+    def min_count(self) -> np.ndarray:
+        """Returns int64[J]: each job's smallest allowed device count (computed once)."""
+        if self._min_count is None:
+            jobs = self.snapshot.jobs
+            pairs = jobs.world_size.astype(np.int64) * (1 << 32) + jobs.min_devices
+            unique, inverse = np.unique(pairs, return_inverse=True)
+            smallest = np.array([min(allowed_counts(int(p >> 32), int(p & 0xFFFFFFFF))) for p in unique],
+                                np.int64)
+            self._min_count = smallest[inverse] if unique.size else np.zeros(0, np.int64)
+        return self._min_count
+
+    def job_label(self, j: int) -> str:
+        """Returns "job a (Premium)" for reasons."""
+        jobs = self.snapshot.jobs
+        return f"job {jobs.name(j)} ({TIER_NAMES[int(jobs.tier[j])]})"
+
+    def type_name(self, j: int) -> str:
+        return self.snapshot.type_names[int(self.snapshot.jobs.type_id[j])]
+
+    def region_of_job(self, j: int) -> int:
+        """Returns the region of the devices job j holds now (-1 if none)."""
+        devices = self.state.job_devices(j)
+        return int(self.snapshot.accelerators.region[devices[0]]) if devices.size else -1
+
+    def lost_work_seconds(self, jobs_idx: np.ndarray) -> np.ndarray:
+        """Returns device-seconds of progress since the last checkpoint (or start) per job."""
+        jobs = self.snapshot.jobs
+        since = np.maximum(jobs.last_checkpoint_time[jobs_idx], jobs.last_start_time[jobs_idx])
+        age = np.where(np.isfinite(since), np.maximum(self.snapshot.now - since, 0.0), 1e12)
+        return age * self.state.alloc[jobs_idx]
+
+
+class _PhaseTimer:
+    """Adds the time spent inside `with timer.phase(name):` to seconds[name]; free if no timer."""
+
+    def __init__(self, timer):
+        self.timer, self.seconds, self.name, self.t0 = timer, {}, None, 0.0
+
+    def phase(self, name):
+        self.name = name
+        return self
+
+    def __enter__(self):
+        if self.timer:
+            self.t0 = self.timer()
+
+    def __exit__(self, *exc):
+        if self.timer:
+            self.seconds[self.name] = self.seconds.get(self.name, 0.0) + self.timer() - self.t0
 
 
 def schedule(snapshot: Snapshot, policy: Policy | None = None,
              timer: Callable[[], float] | None = None) -> Plan:
     """Returns the Plan for `snapshot`. Pure and deterministic: same snapshot, same plan."""
     policy = policy or Policy.default()
-    seconds: dict[str, float] = {}
+    clock = _PhaseTimer(timer)
 
-    with _timed(timer, seconds, PHASES[0]):
+    with clock.phase(PHASES[0]):
         tick = Tick(snapshot, policy)
 
-    with _timed(timer, seconds, PHASES[2]):
+    with clock.phase(PHASES[2]):
         if policy.drain is not None:
             policy.drain.run(tick)
 
-    with _timed(timer, seconds, PHASES[1]):
+    with clock.phase(PHASES[1]):
         jobs = snapshot.jobs
-        pending = np.flatnonzero((jobs.state == PENDING) & ~tick.touched)
+        # pending jobs, plus running jobs the drain step sent back to line (lost nodes)
+        pending = np.flatnonzero(((jobs.state == PENDING) & ~tick.touched) | (tick.state.alloc == 0))
         tick.line = policy.order.order(tick, pending)
 
     for j in tick.line.tolist():
-        with _timed(timer, seconds, PHASES[2]):
+        with clock.phase(PHASES[2]):
             placed = _admit(tick, j)
         if placed:
             continue
         if policy.preempt is not None:
-            with _timed(timer, seconds, PHASES[3]):
+            with clock.phase(PHASES[3]):
                 if policy.preempt.run(tick, j):
                     continue
         if policy.defrag is not None:
-            with _timed(timer, seconds, PHASES[5]):
+            with clock.phase(PHASES[5]):
                 if policy.defrag.run(tick, j):
                     continue
 
     if policy.resize is not None:
-        with _timed(timer, seconds, PHASES[4]):
+        with clock.phase(PHASES[4]):
             policy.resize.run(tick)
 
-    with _timed(timer, seconds, PHASES[6]):
+    with clock.phase(PHASES[6]):
         plan = _plan(tick)
     if timer:
-        plan = Plan(decisions=plan.decisions, waiting=plan.waiting, phase_seconds=seconds)
+        plan = Plan(decisions=plan.decisions, waiting=plan.waiting, phase_seconds=clock.seconds)
     return plan
 
 
@@ -199,22 +266,27 @@ def _admit(tick: Tick, j: int) -> bool:
     if borrowed:
         code = quota_plugin.REASON_BORROWING
         reason += f"; {borrowed} of them borrowed over the team's quota (reclaimed first)"
-    tick.starts.append(Start(job=j, job_id=int(jobs.ids[j]), devices=tuple(found.devices.tolist()),
+    tick.decisions.append(Start(job=j, job_id=int(jobs.ids[j]), devices=tuple(found.devices.tolist()),
                              code=code, reason=reason, borrowed=borrowed))
     tick.waiting.pop(j, None)
     return True
 
 
 def _plan(tick: Tick) -> Plan:
-    """Returns the Plan: releases first, then starts; wait reasons in line order."""
+    """Returns the Plan: decisions in the order made; every pending job's reason and place."""
     jobs = tick.snapshot.jobs
-    decisions = tuple(tick.releases) + tuple(tick.starts)
     waiting = []
-    place = 0
+    in_line = set()
     for j in tick.line.tolist():
+        in_line.add(j)
         if tick.state.alloc[j] > 0:
             continue
-        place += 1
-        code, reason = tick.waiting.get(j, ("unknown", "not considered this tick"))
-        waiting.append(WaitReason(job=j, job_id=int(jobs.ids[j]), place=place, code=code, reason=reason))
-    return Plan(decisions=decisions, waiting=tuple(waiting))
+        code, reason = tick.waiting.get(j) or tick.requeued.get(j) or ("not considered", "not considered this tick")
+        waiting.append((j, code, reason))
+    # jobs preempted this tick join the end of the line; the next tick orders them
+    for j, (code, reason) in tick.requeued.items():
+        if j not in in_line and tick.state.alloc[j] == 0:
+            waiting.append((j, code, reason))
+    return Plan(decisions=tuple(tick.decisions),
+                waiting=tuple(WaitReason(job=j, job_id=int(jobs.ids[j]), place=i + 1, code=code, reason=reason)
+                              for i, (j, code, reason) in enumerate(waiting)))

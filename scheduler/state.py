@@ -8,6 +8,8 @@ impossible) can be rolled back.
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from scheduler.snapshot import (
@@ -98,6 +100,28 @@ class WorkingState:
                                  minlength=self.n_entities[level] * self.k)
             self.capacity.append(counts.reshape(self.n_entities[level], self.k))
 
+        # entities of each level per region, for region-restricted searches
+        self.region_entities = []
+        n_regions = self.n_entities[LEVEL_REGION]
+        for level in LEVELS:
+            order = np.argsort(self.entity_region[level], kind="stable")
+            starts = np.searchsorted(self.entity_region[level][order], np.arange(n_regions + 1))
+            self.region_entities.append([order[starts[r]:starts[r + 1]] for r in range(n_regions)])
+        # scalar lookups in Python lists: faster than numpy item access in per-node loops
+        self._entity_list = [e.tolist() for e in self.node_entity]
+        # best-fit buckets for one-node placement: _buckets[k][c] is a heap of nodes that had
+        # c free devices of type k when pushed; stale entries are dropped when seen
+        node_free = self.free_count[LEVEL_NODE]
+        self.max_node_free = [int(self.capacity[LEVEL_NODE][:, k].max(initial=0)) for k in range(self.k)]
+        self._buckets = []
+        for k in range(self.k):
+            col = node_free[:, k]
+            buckets = [[] for _ in range(self.max_node_free[k] + 1)]
+            nodes = np.flatnonzero(col > 0)
+            for c in np.unique(col[nodes]).tolist():
+                buckets[c] = np.flatnonzero(col == c).tolist()  # ascending: a valid heap
+            self._buckets.append(buckets)
+
         # per-job device lists: built once from the snapshot, overridden when a job changes
         held = self.holder >= 0
         order = np.flatnonzero(held)[np.argsort(self.holder[held], kind="stable")]
@@ -113,13 +137,13 @@ class WorkingState:
         devs = self._changed.get(j)
         if devs is not None:
             return devs
-        return np.sort(self._job_order[self._job_start[j]:self._job_start[j + 1]])
+        return self._job_order[self._job_start[j]:self._job_start[j + 1]]  # ascending already
 
     def max_free(self, level: int, k: int, region: int | None = None) -> int:
         """Returns the most free devices of type k that one entity of `level` has together."""
         col = self.free_count[level][:, k]
         if region is not None:
-            col = col[self.entity_region[level] == region]
+            col = col[self.region_entities[level][region]]
         return int(col.max()) if col.size else 0
 
     def region_free(self, k: int) -> np.ndarray:
@@ -158,7 +182,26 @@ class WorkingState:
             col = np.where(blocked_nodes, 0, col)
         return col
 
+    def _best_node(self, k: int, d: int) -> int | None:
+        """Returns the node with the fewest free devices of type k that are >= d, lowest id."""
+        col = self.free_count[LEVEL_NODE][:, k]
+        buckets = self._buckets[k]
+        for c in range(d, len(buckets)):
+            heap = buckets[c]
+            while heap and col[heap[0]] != c:
+                heapq.heappop(heap)
+            if heap:
+                return heap[0]
+        return None
+
     def _find_at(self, level, k, d, region, blocked_nodes, prefer_nodes):
+        if level == LEVEL_NODE and d > self.max_node_free[k]:
+            return None
+        if level == LEVEL_NODE and region is None and blocked_nodes is None and prefer_nodes is None:
+            node = self._best_node(k, d)
+            if node is None:
+                return None
+            return Placement(self._pick_devices([node], [d], k), LEVEL_NODE)
         if blocked_nodes is None:
             col = self.free_count[level][:, k]
         elif level == LEVEL_NODE:
@@ -167,10 +210,11 @@ class WorkingState:
             node_col = self._node_free(k, blocked_nodes)
             col = np.bincount(self.node_entity[level], weights=node_col,
                               minlength=self.n_entities[level]).astype(np.int64)
-        fits = col >= d
         if region is not None:
-            fits &= self.entity_region[level] == region
-        cand = np.flatnonzero(fits)
+            scope = self.region_entities[level][region]
+            cand = scope[col[scope] >= d]
+        else:
+            cand = np.flatnonzero(col >= d)
         if cand.size == 0:
             return None
         if prefer_nodes is not None and level == LEVEL_NODE:
@@ -179,38 +223,54 @@ class WorkingState:
                 cand = preferred
         entity = int(cand[np.argmin(col[cand])])
         if level == LEVEL_NODE:
-            nodes, takes = np.array([entity]), np.array([d])
+            return Placement(self._pick_devices([entity], [d], k), LEVEL_NODE)
+        start, end = self.entity_node_start[level][entity:entity + 2]
+        nodes = self.nodes_by_entity[level][start:end]
+        node_free = self._node_free(k, blocked_nodes)[nodes]
+        keep = node_free > 0
+        nodes, node_free = nodes[keep], node_free[keep]
+        if prefer_nodes is not None:
+            order = np.lexsort((nodes, -node_free, ~prefer_nodes[nodes]))
         else:
-            start, end = self.entity_node_start[level][entity:entity + 2]
-            nodes = self.nodes_by_entity[level][start:end]
-            node_free = self._node_free(k, blocked_nodes)[nodes]
-            keep = node_free > 0
-            nodes, node_free = nodes[keep], node_free[keep]
-            if prefer_nodes is not None:
-                order = np.lexsort((nodes, -node_free, ~prefer_nodes[nodes]))
-            else:
-                order = np.lexsort((nodes, -node_free))
-            nodes, node_free = nodes[order], node_free[order]
-            before = np.cumsum(node_free) - node_free
-            used = before < d
-            nodes, node_free, before = nodes[used], node_free[used], before[used]
-            takes = np.minimum(node_free, d - before)
-        return Placement(self._pick_devices(nodes, takes, k), level)
+            order = np.lexsort((nodes, -node_free))
+        nodes, node_free = nodes[order], node_free[order]
+        before = np.cumsum(node_free) - node_free
+        used = before < d
+        nodes, node_free, before = nodes[used], node_free[used], before[used]
+        takes = np.minimum(node_free, d - before)
+        return Placement(self._pick_devices(nodes.tolist(), takes.tolist(), k), level)
 
     def _pick_devices(self, nodes, takes, k) -> np.ndarray:
         picked = []
-        for node, take in zip(nodes.tolist(), takes.tolist()):
+        for node, take in zip(nodes, takes):
             start, end = self.node_device_start[node], self.node_device_start[node + 1]
             devs = self.devices_by_node[start:end]
             devs = devs[self.free[devs] & (self.type_id[devs] == k)]
             picked.append(devs[:take])
+        if len(picked) == 1:
+            return np.sort(picked[0])
         return np.sort(np.concatenate(picked)) if picked else np.empty(0, np.int64)
 
     # --- changing ----------------------------------------------------------------------
     def _count(self, devs: np.ndarray, sign: int) -> None:
+        """Adds sign per device to the free counts of its node, rack, cluster and region."""
+        if devs.size == 0:
+            return
         nodes, types = self.node[devs], self.type_id[devs]
-        for level in LEVELS:
-            np.add.at(self.free_count[level], (self.node_entity[level][nodes], types), sign)
+        if nodes.min() == nodes.max() and types.min() == types.max():
+            groups = [(int(nodes[0]), int(types[0]), int(devs.size))]
+        else:
+            keys, counts = np.unique(nodes * self.k + types, return_counts=True)
+            groups = [(key // self.k, key % self.k, c) for key, c in zip(keys.tolist(), counts.tolist())]
+        node_free = self.free_count[LEVEL_NODE]
+        for node, k, c in groups:
+            delta = sign * c
+            new = int(node_free[node, k]) + delta
+            node_free[node, k] = new
+            for level in (LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION):
+                self.free_count[level][self._entity_list[level][node], k] += delta
+            if new > 0:
+                heapq.heappush(self._buckets[k][new], node)
 
     def allocate(self, j: int, devs: np.ndarray) -> None:
         """Gives free devices `devs` to job j (adding to what it holds)."""
@@ -223,7 +283,7 @@ class WorkingState:
         self.holder[devs] = j
         self.free[devs] = False
         self._count(devs, -1)
-        self._changed[j] = np.union1d(self.job_devices(j), devs)
+        self._changed[j] = np.sort(np.concatenate((self.job_devices(j), devs)))
         self.alloc[j] += devs.size
 
     def release(self, j: int, devs: np.ndarray) -> None:
@@ -238,7 +298,9 @@ class WorkingState:
         back = devs[self.usable[devs]]
         self.free[back] = True
         self._count(back, +1)
-        self._changed[j] = np.setdiff1d(self.job_devices(j), devs)
+        current = self.job_devices(j)
+        self._changed[j] = (np.empty(0, np.int64) if devs.size == current.size
+                            else current[~np.isin(current, devs)])
         self.alloc[j] -= devs.size
 
     def mark(self) -> int:

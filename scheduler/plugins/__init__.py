@@ -10,7 +10,7 @@ Steps and their interface (called by scheduler.framework.schedule):
   defrag   .run(tick, j) -> True if j was placed after moving small jobs away
   drain    .run(tick) -> moves jobs off lost/draining nodes and drained regions
 """
-from scheduler.plugins import order, placement, quota
+from scheduler.plugins import defrag, drain, order, placement, preemption, quota, resize
 
 REGISTRY = {
     order.NAME: order.TierFairShareOrder,
@@ -18,4 +18,8 @@ REGISTRY = {
     order.LeastAttainedServiceOrder.NAME: order.LeastAttainedServiceOrder,
     quota.NAME: quota.TeamQuota,
     placement.NAME: placement.GangPlacement,
+    preemption.NAME: preemption.SlaPreemption,
+    resize.NAME: resize.GrowIntoIdle,
+    defrag.NAME: defrag.FreeADomain,
+    drain.NAME: drain.DrainAndMove,
 }
