@@ -1,0 +1,121 @@
+"""Command line: replay a trace under several policies, print a table, write an HTML report.
+
+    python -m scheduler.sim                                   # full Philly, all four policies
+    python -m scheduler.sim --days 7 --start-day 20 --policies fifo,meridian --report r.html
+    python -m scheduler.sim --synthetic 1000000 --fleet planet-100000 --policies fifo
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+
+from . import POLICY_NAMES, make_policy
+from .costs import CostModel
+from .engine import Engine
+from .fleet import FleetError, by_name
+from .metrics import format_table
+from .trace import PHILLY_CSV, TraceError, load_philly, synthetic
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m scheduler.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=os.environ.get("MERIDIAN_PHILLY_TRACE", str(PHILLY_CSV)),
+                   help="Philly-format CSV (default: ../shared/traces/philly/philly_jobs.csv "
+                        "or $MERIDIAN_PHILLY_TRACE)")
+    p.add_argument("--synthetic", type=int, metavar="JOBS",
+                   help="replay a synthetic trace of JOBS jobs drawn from the Philly distribution")
+    p.add_argument("--load", type=float, default=0.8,
+                   help="offered load of the synthetic trace, as a fraction of the fleet (0.8)")
+    p.add_argument("--fleet", default="philly", help="philly (default), philly-full, planet-<devices>")
+    p.add_argument("--policies", default=",".join(POLICY_NAMES),
+                   help=f"comma-separated, from {','.join(POLICY_NAMES)}")
+    p.add_argument("--start-day", type=float, default=None, help="window start, days from the trace start")
+    p.add_argument("--days", type=float, default=None, help="window length in days")
+    p.add_argument("--max-jobs", type=int, default=None, help="keep only the first N jobs of the window")
+    p.add_argument("--tick", type=float, default=60.0, help="scheduling interval in seconds (60)")
+    p.add_argument("--seed", type=int, default=0, help="seeds tiers, checkpoint sizes, failures (0)")
+    p.add_argument("--failures-mtbf-days", type=float, default=None,
+                   help="enable node failures: mean days between failures per node")
+    p.add_argument("--repair-hours", type=float, default=1.0, help="node repair time (1 h)")
+    p.add_argument("--splice-efficiency", type=float, default=None)
+    p.add_argument("--spread-efficiency", type=float, default=None)
+    p.add_argument("--report", metavar="HTML", help="write the Plotly report here")
+    p.add_argument("--json", metavar="PATH", help="write the summaries as JSON here")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    command = "python -m scheduler.sim " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    try:
+        fleet = by_name(args.fleet)
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        for n in names:
+            if n not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {n!r}; choose from {', '.join(POLICY_NAMES)}")
+        started = time.perf_counter()
+        if args.synthetic:
+            trace = synthetic(args.synthetic, fleet.n_devices, load=args.load, seed=args.seed)
+        else:
+            trace = load_philly(args.trace, seed=args.seed)
+        if args.start_day is not None or args.days is not None or args.max_jobs is not None:
+            start = (args.start_day or 0.0) * 86400.0
+            end = start + args.days * 86400.0 if args.days is not None else None
+            trace = trace.window(start, end, args.max_jobs)
+        load_s = time.perf_counter() - started
+        changes = {}
+        if args.failures_mtbf_days:
+            changes["node_mtbf_s"] = args.failures_mtbf_days * 86400.0
+        changes["node_repair_s"] = args.repair_hours * 3600.0
+        if args.splice_efficiency is not None:
+            changes["splice_efficiency"] = args.splice_efficiency
+        if args.spread_efficiency is not None:
+            changes["spread_efficiency"] = args.spread_efficiency
+        costs = dataclasses.replace(CostModel(), **changes)
+    except (TraceError, FleetError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    print(f"trace {trace.name}: {len(trace)} jobs, {trace.gpu_seconds / 3600:.0f} GPU-hours, "
+          f"loaded in {load_s:.1f} s; fleet {fleet.name}: {fleet.n_devices} devices on "
+          f"{fleet.n_nodes} nodes; tick {args.tick:g} s; seed {args.seed}", flush=True)
+    results, summaries = [], []
+    for name in names:
+        policy = make_policy(name)
+        result = Engine(trace, fleet, policy, costs=costs, tick_s=args.tick, seed=args.seed).run()
+        summary = result.summary()
+        extra = ""
+        if name == "meridian":
+            summary["core_calls"] = policy.plans
+            summary["core_s"] = policy.core_seconds
+            summary["approval_requests"] = policy.approval_requests
+            extra = (f", core called {policy.plans} times ({policy.core_seconds:.1f} s), "
+                     f"{policy.approval_requests} approval requests not granted")
+        print(f"  {name}: {result.wall_s:.1f} s wall, {result.passes} passes, "
+              f"{result.decisions} decisions, {result.failures} node failures{extra}", flush=True)
+        results.append(result)
+        summaries.append(summary)
+    print()
+    print(format_table(summaries, markdown=args.markdown))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"command": command, "trace": trace.name, "fleet": fleet.name,
+                       "devices": fleet.n_devices, "summaries": summaries}, handle, indent=1)
+    if args.report:
+        from .report import write_report
+
+        path = write_report(results, args.report, title=f"Meridian simulator: {trace.name} on {fleet.name}",
+                            command=command)
+        print(f"\nreport written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
