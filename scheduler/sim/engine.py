@@ -69,7 +69,9 @@ class Policy:
 
 class Engine:
     def __init__(self, trace, fleet, policy, costs=None, tick_s=60.0, seed=0, until=None,
-                 sample_s=None):
+                 sample_s=None, failures=None):
+        """`failures`: an optional list of (time, node) node failures to use instead of the
+        seeded random ones (maintenance plans, tests)."""
         self.trace = trace
         self.fleet = fleet
         self.policy = policy
@@ -147,6 +149,13 @@ class Engine:
         self.rng = np.random.default_rng([seed, 7004])
         mtbf = self.costs.node_mtbf_s
         self.fleet_failure_rate = (fleet.n_nodes / mtbf) if mtbf else 0.0
+        self.scripted_failures = None
+        if failures is not None:
+            self.scripted_failures = sorted((float(t), int(node)) for t, node in failures)
+            for _, node in self.scripted_failures:
+                if not 0 <= node < fleet.n_nodes:
+                    raise ValueError(f"scripted failure names node {node}; the fleet has {fleet.n_nodes}")
+            self.scripted_failures.reverse()  # pop() takes the earliest
         self.next_failure = self._draw_failure(0.0)
         self.failures = 0
 
@@ -247,6 +256,8 @@ class Engine:
             self.last_sample = self.now
 
     def _draw_failure(self, after):
+        if self.scripted_failures is not None:
+            return self.scripted_failures[-1][0] if self.scripted_failures else math.inf
         if not self.fleet_failure_rate:
             return math.inf
         return after + self.rng.exponential(1.0 / self.fleet_failure_rate)
@@ -282,7 +293,10 @@ class Engine:
         self._mark_dirty()
 
     def _fail_node(self):
-        node = int(self.rng.integers(self.fleet.n_nodes))
+        if self.scripted_failures is not None:
+            node = self.scripted_failures.pop()[1]
+        else:
+            node = int(self.rng.integers(self.fleet.n_nodes))
         self.next_failure = self._draw_failure(self.now)
         if not self.node_healthy[node]:
             return
