@@ -7,8 +7,8 @@ must hold its accelerator type, be in one region (a gang never spans regions), a
   - of a lower tier than the preemptor.
 Within a region, actions are taken in this order until enough devices are free:
   1. reclaim borrowed devices (preempt borrowers, least lost work first);
-  2. shrink elastic victims to their smallest allowed count (splicing: no work is lost),
-     Basic before Standard, biggest release first;
+  2. shrink elastic victims (splicing: no work is lost), Basic before Standard, biggest
+     possible release first, each to the largest allowed count that still frees enough;
   3. preempt victims, Basic before Standard, least lost work first (device-seconds since
      the last checkpoint), then smallest checkpoint.
 The region needing the fewest preemptions, then the least lost work, wins.
@@ -81,7 +81,7 @@ class SlaPreemption:
                                  f"making room needs more victims than the per-tick budget of "
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
-        self._apply(tick, j, actions, rows)
+        self._apply(tick, j, actions, rows, region, need)
         placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
@@ -209,22 +209,29 @@ class SlaPreemption:
         return int(hit_region[best]), [int(r) for r in rows]
 
     # --- acting ---------------------------------------------------------------------------
-    def _apply(self, tick, j: int, actions: dict, rows: list) -> None:
-        """Shrinks and preempts the chosen victims, in order, recording the decisions."""
+    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int) -> None:
+        """Shrinks and preempts the chosen victims in order, each only as far as still needed."""
         jobs = tick.snapshot.jobs
+        k = int(jobs.type_id[j])
         preempted = {int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK}
         for r in rows:
+            missing = need - int(tick.state.region_free(k)[region])
+            if missing <= 0:
+                break
             v, group = int(actions["job"][r]), int(actions["group"][r])
             devices = tick.state.job_devices(v)
-            if group == GROUP_SHRINK:
-                if v in preempted:
-                    continue
-                keep = self._keep_after_shrink(tick, v, int(devices.size - actions["release"][r]))
+            if group == GROUP_SHRINK and v not in preempted:
+                have = devices.size
+                smaller = [c for c in jobs.allowed_counts(v) if c < have]
+                enough = [c for c in smaller if have - c >= missing]
+                keep_count = max(enough) if enough else min(smaller)
+                keep = self._keep_after_shrink(tick, v, keep_count)
                 tick.take(v, np.setdiff1d(devices, keep))
                 tick.decisions.append(Resize(
                     job=v, job_id=int(jobs.ids[v]), devices=tuple(keep.tolist()), code=REASON_SHRUNK,
-                    reason=f"shrunk from {devices.size} to {keep.size} devices for {tick.job_label(j)}"))
-            else:
+                    reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}"))
+                tick.victims_used += 1
+            elif group != GROUP_SHRINK:
                 tick.take(v, devices)
                 code = REASON_RECLAIMED if group == GROUP_RECLAIM else REASON_PREEMPTED
                 why = ("borrowed devices reclaimed by team " + tick.snapshot.teams.names[int(jobs.team[j])]
@@ -235,7 +242,7 @@ class SlaPreemption:
                     reason=f"{why}; least lost work among candidates; resumes from its checkpoint",
                     released=tuple(devices.tolist())))
                 tick.requeued[v] = (code, f"{why}; back in line, resumes from step {step} or later")
-            tick.victims_used += 1
+                tick.victims_used += 1
 
     @staticmethod
     def _keep_after_shrink(tick, v: int, keep_count: int) -> np.ndarray:

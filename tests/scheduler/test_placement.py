@@ -1,0 +1,107 @@
+"""Gang placement: all devices at once, packed node > rack > cluster > region, never across regions."""
+import pytest
+
+import scheduler
+from scheduler import NODE_DRAINING, PREMIUM, SPREAD_NODE, Start
+from scheduler.builders import make_fleet, make_job, make_snapshot
+
+
+def starts(snap):
+    plan = scheduler.schedule(snap)
+    return {snap.jobs.name(d.job): d for d in plan.decisions if isinstance(d, Start)}, plan
+
+
+def nodes_of(snap, devices):
+    return sorted({int(snap.accelerators.node[d]) for d in devices})
+
+
+def regions_of(snap, devices):
+    return sorted({int(snap.accelerators.region[d]) for d in devices})
+
+
+# fleet "two racks": region eu, 1 cluster, 2 racks x 2 nodes x 4 devices: nodes 0,1 (rack 0), 2,3 (rack 1)
+TWO_RACKS = dict(clusters=1, racks=2, nodes=2, devices=4)
+
+CASES = [
+    pytest.param([make_job("p").tier(PREMIUM).ranks(2).on_devices(0, 1)], make_job("g").ranks(2),
+                 {"nodes": [0], "level": "node"}, id="best-fit-picks-the-fullest-node-that-fits"),
+    pytest.param([], make_job("g").ranks(4), {"nodes": [0], "level": "node"}, id="one-node-when-it-fits"),
+    pytest.param([make_job("p").tier(PREMIUM).ranks(1).on_devices(0)], make_job("g").ranks(8),
+                 {"nodes": [2, 3], "level": "rack"}, id="one-rack-when-no-node-fits"),
+    pytest.param([make_job("p").tier(PREMIUM).ranks(1).on_devices(0),
+                  make_job("q").tier(PREMIUM).ranks(1).on_devices(8)], make_job("g").ranks(12),
+                 {"nodes": [0, 1, 2, 3], "level": "cluster"}, id="one-cluster-when-no-rack-fits"),
+    pytest.param([make_job("p").tier(PREMIUM).ranks(8).on_devices(*range(8))],
+                 make_job("g").ranks(8).elastic(2), {"nodes": [2, 3], "count": 8},
+                 id="elastic-takes-its-largest-count-that-fits"),
+    pytest.param([make_job("p").tier(PREMIUM).ranks(12).on_devices(*range(12))],
+                 make_job("g").ranks(8).elastic(2), {"nodes": [3], "count": 4},
+                 id="elastic-settles-for-a-smaller-divisor"),
+]
+
+
+@pytest.mark.parametrize("running, job, expected", CASES)
+def test_it_places_gangs_tightly(running, job, expected):
+    builder = make_snapshot().fleet(make_fleet().region("eu", **TWO_RACKS))
+    for r in running:
+        builder.job(r)
+    snap = builder.job(job).build()
+    found, plan = starts(snap)
+    start = found["g"]
+    assert nodes_of(snap, start.devices) == expected["nodes"]
+    if "level" in expected:
+        assert f"on one {expected['level']}" in start.reason
+    if "count" in expected:
+        assert len(start.devices) == expected["count"]
+
+
+def test_it_never_spans_regions_and_says_how_much_is_free_together():
+    snap = (make_snapshot()
+            .fleet(make_fleet().region("eu", nodes=1, devices=4).region("us", nodes=1, devices=4))
+            .job(make_job("g").ranks(8)).build())
+    found, plan = starts(snap)
+    assert found == {}
+    assert plan.waiting[0].reason.startswith("needs 8 H100-80GB in one region; at most 4 free together")
+
+
+def test_it_looks_at_every_region():
+    snap = (make_snapshot()
+            .fleet(make_fleet().region("eu", nodes=1, devices=4).region("us", nodes=2, devices=4))
+            .job(make_job("p").tier(PREMIUM).ranks(4).on_devices(0, 1, 2, 3))
+            .job(make_job("g").ranks(8)).build())
+    found, _ = starts(snap)
+    assert regions_of(snap, found["g"].devices) == [1]
+    assert "in us" in found["g"].reason
+
+
+def test_it_gives_a_gang_nothing_rather_than_part():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4))
+            .job(make_job("g").ranks(8)).job(make_job("small").ranks(2)).build())
+    found, plan = starts(snap)
+    assert list(found) == ["small"]
+    assert [snap.jobs.name(w.job) for w in plan.waiting] == ["g"]
+
+
+def test_it_skips_unhealthy_devices_and_draining_nodes():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=3, devices=2))
+            .unhealthy(0).node(1, NODE_DRAINING)
+            .job(make_job("g").ranks(2)).build())
+    found, _ = starts(snap)
+    assert nodes_of(snap, found["g"].devices) == [2]
+
+
+def test_a_job_pinned_to_one_node_waits_rather_than_spread():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4))
+            .job(make_job("p").tier(PREMIUM).ranks(2).on_devices(0, 1))
+            .job(make_job("q").tier(PREMIUM).ranks(2).on_devices(4, 5))
+            .job(make_job("g").ranks(4).spread(SPREAD_NODE)).build())
+    found, plan = starts(snap)
+    assert "g" not in found
+    assert plan.waiting[0].reason.startswith("needs 4 H100-80GB in one node; at most 2 free together")
+
+
+def test_a_type_with_no_devices_says_so():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=2))
+            .types("H100-80GB", "MI300X").job(make_job("g").type("MI300X")).build())
+    _, plan = starts(snap)
+    assert plan.waiting[0].reason.startswith("no usable MI300X in the fleet")
