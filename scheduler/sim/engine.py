@@ -69,7 +69,7 @@ class Policy:
 
 class Engine:
     def __init__(self, trace, fleet, policy, costs=None, tick_s=60.0, seed=0, until=None,
-                 sample_s=None, failures=None):
+                 sample_s=None, failures=None, progress=None, progress_every_s=60.0):
         """`failures`: an optional list of (time, node) node failures to use instead of the
         seeded random ones (maintenance plans, tests)."""
         self.trace = trace
@@ -81,6 +81,8 @@ class Engine:
         self.tick_s = float(tick_s)
         self.seed = seed
         self.until = until
+        self.progress = progress  # callable(line) for a progress line every progress_every_s of wall time
+        self.progress_every_s = progress_every_s
         self.sample_s = float(sample_s if sample_s is not None else max(tick_s, 60.0))
 
         n = len(trace)
@@ -200,7 +202,18 @@ class Engine:
         n = self.n_jobs
         submit = self.submit
         inf = math.inf
+        next_report = started + self.progress_every_s
+        events = 0
         while True:
+            events += 1
+            if self.progress is not None and events % 1024 == 0 and time.perf_counter() >= next_report:
+                next_report = time.perf_counter() + self.progress_every_s
+                done = n - self.next_arrival + (self.next_arrival - len(self.pending) - len(self.running))
+                self.progress(
+                    f"[{self.policy.name}] wall {time.perf_counter() - started:7.0f} s  sim day "
+                    f"{self.now / 86400:7.2f}  arrived {self.next_arrival}/{n}  finished "
+                    f"{done - (n - self.next_arrival)}  running {len(self.running)}  pending "
+                    f"{len(self.pending)}  passes {self.passes}  policy {self.policy_seconds:.0f} s")
             t_heap = self.heap[0][0] if self.heap else inf
             t_arr = submit[self.next_arrival] if self.next_arrival < n else inf
             t_fail = self.next_failure
