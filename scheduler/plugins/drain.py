@@ -10,7 +10,8 @@ held) devices and their users expect them to keep running.
     cut, restore elsewhere). If there is no room it keeps running where it is and is tried
     again next tick (draining waits for room; it never kills).
 New devices are searched in the job's own region first, then in every other region (a move
-across clusters and regions), with the job's allowed counts, largest first.
+across clusters and regions), with the job's allowed counts up to its current size, largest
+first (a move may shrink an elastic job; it never grows one).
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class DrainAndMove:
         snap, jobs = tick.snapshot, tick.snapshot.jobs
         old = tick.state.job_devices(j)
         home = int(snap.accelerators.region[old[0]])
-        counts = jobs.allowed_counts(j)
+        # its current size or smaller: moving is not the moment to grow (the resize step grows)
+        counts = tuple(c for c in jobs.allowed_counts(j) if c <= old.size) or jobs.allowed_counts(j)[-1:]
         cause = self._cause(tick, j)
         placement = tick.policy.place.place(tick, j, counts, region=home)
         if placement is None:
