@@ -31,6 +31,7 @@ that would resume wrong.  See docs/runtime-framework.md for the full list.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import hashlib
 import io
 import json
@@ -158,22 +159,58 @@ def _loader_generators(loader) -> list:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it (torch.save writes sequentially)."""
+    """A write-only file that sha256-hashes what passes through it. torch.save hands tensor
+    storages over as one large buffer each: those are hashed on a helper thread while the same
+    buffer is written to the file (both release the GIL), so hashing costs little extra time.
+    Small writes (zip headers, the pickle) are gathered into one buffer."""
+
+    PARALLEL_MIN_BYTES = 1 << 20
 
     def __init__(self, f):
         self._f = f
         self.digest = hashlib.sha256()
         self.size = 0
+        self._small = bytearray()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def writable(self):
         return True
 
+    def _write_all(self, view) -> None:
+        while view.nbytes:
+            written = self._f.write(view)
+            view = view[written:]
+
+    def _flush_small(self) -> None:
+        if self._small:
+            self.digest.update(self._small)
+            self._write_all(memoryview(self._small))
+            self._small = bytearray()
+
     def write(self, b):
         view = memoryview(b).cast("B")
-        self.digest.update(view)
-        self._f.write(view)
-        self.size += view.nbytes
-        return view.nbytes
+        n = view.nbytes
+        self.size += n
+        if n < self.PARALLEL_MIN_BYTES:
+            self._small += view
+            if len(self._small) >= self.PARALLEL_MIN_BYTES:
+                self._flush_small()
+            return n
+        self._flush_small()
+        hashed = self._pool.submit(self.digest.update, view)
+        try:
+            self._write_all(view)
+        finally:
+            hashed.result()  # the buffer may be reused once write() returns
+        return n
+
+    def flush(self):
+        self._flush_small()
+
+    def close(self):
+        self._flush_small()
+        self._pool.shutdown()
+        super().close()
 
 
 class _LoaderRecord:
@@ -312,7 +349,10 @@ class FrameworkTracker:
         try:
             with open(tmp / STATE_FILE, "wb", buffering=0) as f:
                 writer = _HashingWriter(f)
-                torch.save(state, io.BufferedWriter(writer, buffer_size=8 << 20))
+                try:
+                    torch.save(state, writer)
+                finally:
+                    writer.close()
                 os.fsync(f.fileno())
             files = {STATE_FILE: {"size": writer.size, "sha256": writer.digest.hexdigest()}}
             store.write_manifest(tmp, files, engine=ENGINE, step=self.step, rank=self.rank,
@@ -587,7 +627,8 @@ class FrameworkTracker:
         children = {id(child) for m in live for child in m.children()}
         return [m for m in live if id(m) not in children and _has_state(m)]
 
-    def _param_names(self, roots) -> dict:
+    @staticmethod
+    def _param_names(roots) -> dict:
         names = {}
         for i, root in enumerate(roots):
             for name, p in root.named_parameters(remove_duplicate=True):
@@ -667,9 +708,12 @@ class FrameworkTracker:
             raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
         return state
 
-    def _apply(self, record, index, loader, original_iter):
-        saved = self._resume
-        roots = self._roots()
+    @staticmethod
+    def apply_states(saved: dict, roots: list, optimizers: list, schedulers: list) -> None:
+        """Checks the live models / optimizers / schedulers against a loaded checkpoint (order
+        and fingerprint) and loads their states; replays the scheduler steps the script makes
+        between optimizer.step() and the next batch. Raises UnresumableScript on a mismatch
+        before changing anything."""
         if len(roots) != len(saved["modules"]):
             raise UnresumableScript(
                 f"the resumed script holds {len(roots)} models with state at the cut position, "
@@ -680,8 +724,7 @@ class FrameworkTracker:
                 raise UnresumableScript(
                     f"model #{i + 1} differs from the checkpoint: recorded "
                     f"{entry['fingerprint'][:4]}..., built now {mine[:4]}...")
-        optimizers = self._live(self._optimizers)
-        names = self._param_names(roots)
+        names = FrameworkTracker._param_names(roots)
         if len(optimizers) != len(saved["optimizers"]):
             raise UnresumableScript(f"{len(optimizers)} optimizers built, the checkpoint has "
                                     f"{len(saved['optimizers'])}")
@@ -691,7 +734,6 @@ class FrameworkTracker:
                 raise UnresumableScript(
                     f"optimizer #{i + 1} optimizes different parameters than at the cut "
                     f"(built in a different order?): recorded {entry['params']}, now {mine}")
-        schedulers = self._live(self._schedulers)
         if [type(s).__qualname__ for s in schedulers] != [s["class"] for s in
                                                           saved["schedulers"]]:
             raise UnresumableScript("the LR schedulers differ from the checkpoint's")
@@ -707,6 +749,11 @@ class FrameworkTracker:
         for scheduler, count in zip(top, saved["replay"]):
             for _ in range(count):
                 scheduler.step()
+
+    def _apply(self, record, index, loader, original_iter):
+        saved = self._resume
+        self.apply_states(saved, self._roots(), self._live(self._optimizers),
+                          self._live(self._schedulers))
         # this loader's epoch in progress: same RNG before it, same iterator, same batches
         loader_state = saved["loaders"][self._loaders.index(record)]
         position = loader_state["epochs"][index][0]
