@@ -294,3 +294,21 @@ class PreemptionRequest(models.Model):
 
     def is_expired(self, now):
         return self.state == self.State.PENDING and now >= self.expires_at
+
+
+class ControlLoopLease(models.Model):
+    """One row per periodic control-loop duty ("tick"): who leads it and until when.
+
+    Claimed with a conditional update (jobs.tick.tick_lease_claim), so with any number of
+    Celery workers and beats one caller at a time runs the tick, on SQLite and PostgreSQL.
+    `last_tick_at` is when the last tick applied its plan: device-time accrues from there.
+    """
+
+    name = models.CharField(max_length=64, primary_key=True)
+    holder = models.CharField(max_length=128, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    last_tick_at = models.DateTimeField(null=True, blank=True)
+    last_tick_stats = models.JSONField(default=dict, blank=True)
+
+    def __str__(self):
+        return f"{self.name} held by {self.holder or 'nobody'}"

@@ -1,0 +1,10 @@
+from django.urls import path
+
+from fleet import agent_apis
+
+urlpatterns = [
+    path("register/", agent_apis.NodeRegisterApi.as_view(), name="api-agent-register"),
+    path("heartbeat/", agent_apis.NodeHeartbeatApi.as_view(), name="api-agent-heartbeat"),
+    path("desired/", agent_apis.NodeDesiredStateApi.as_view(), name="api-agent-desired"),
+    path("nodes/<int:node_id>/desired/", agent_apis.NodeDesiredStateApi.as_view(), name="api-agent-node-desired"),
+]

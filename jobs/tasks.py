@@ -1,0 +1,50 @@
+"""Celery tasks of the control loop. Thin: ids in, a service call, a small dict out.
+
+  jobs.tasks.scheduler_tick          beat, every MERIDIAN_TICK_SECONDS: jobs.tick.tick_run
+                                     (lost-node sweep, preemption expiry, move timeouts,
+                                     snapshot -> plan -> apply, one leader at a time)
+  jobs.tasks.node_lost_sweep         the heartbeat-loss sweep alone (also run inside every tick)
+  jobs.tasks.preemption_expiry       expires approval requests past their deadline
+  jobs.tasks.workflow_timeouts       ends stuck preemptions / migrations / resizes
+"""
+import logging
+
+from celery import shared_task
+from django.db import transaction
+from django.utils import timezone
+
+logger = logging.getLogger(__name__)
+
+
+@shared_task(name="jobs.tasks.scheduler_tick", ignore_result=True)
+def scheduler_tick():
+    from jobs.tick import tick_run
+
+    result = tick_run()
+    if result.ran:
+        counts = {k: v for k, v in result.counts.items() if v}
+        if counts:
+            logger.info("tick: %s in %.3f s", counts, result.seconds.get("total", 0.0))
+    return result.as_dict()
+
+
+@shared_task(name="jobs.tasks.node_lost_sweep", ignore_result=True)
+def node_lost_sweep():
+    from jobs.tick import node_lost_sweep as sweep
+
+    with transaction.atomic():
+        return sweep(now=timezone.now())
+
+
+@shared_task(name="jobs.tasks.preemption_expiry", ignore_result=True)
+def preemption_expiry():
+    from jobs.services import preemption_expire_due
+
+    return preemption_expire_due()
+
+
+@shared_task(name="jobs.tasks.workflow_timeouts", ignore_result=True)
+def workflow_timeouts():
+    from jobs.workflows import workflow_timeouts_sweep
+
+    return workflow_timeouts_sweep()

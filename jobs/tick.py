@@ -1,0 +1,484 @@
+"""The control loop's tick: selectors build the Snapshot from the database, the scheduler core
+returns a Plan, services apply it in one transaction.
+
+    tick_run(now=None) -> TickResult        the whole tick (what the Celery task calls)
+    snapshot_build(now=...) -> SnapshotIndex the read half (selectors), also for the bench
+    plan_apply(index=..., plan=..., now=...) the write half (services), inside the caller's transaction
+
+How the database maps onto the core's model:
+  * Jobs in pending / preempted are PENDING; in scheduled / running they are RUNNING and hold
+    the accelerators their Replica rows point at.
+  * Jobs in the middle of a move (preempting, migrating, resizing) are left out of the tick:
+    the agents are still acting on them. Their devices are shown to the core as unhealthy, so
+    nothing else lands on them until the move finishes (jobs/workflows.py).
+  * A node whose agent missed heartbeats is LOST (node_lost_sweep); the core moves its jobs,
+    which restart from their last checkpoint.
+  * An approved PreemptionRequest decided after the job's last start sets preemption_approved.
+
+Applying the plan (all in one transaction, with JobEvents):
+  Start        pending/preempted -> scheduled, replicas on the devices (rank_layout)
+  Preempt      running -> preempting, replicas released: the node's agent stops the job with a
+               checkpoint and reports it (-> preempted); scheduled -> pending; a job on a lost
+               node -> preempted at once (it restarts from its last checkpoint)
+  Preempt needing approval: preemption_request_create (idempotent; nothing else happens)
+  Migrate      live: running -> migrating, replicas on the new devices; the old node stops it
+               with a checkpoint, then the new node restores it. From a checkpoint (lost node):
+               running -> migrating -> running on the new devices at once
+  Resize       running -> resizing, replicas re-laid on the new devices; the agent splices
+  waiting      wait_reason and queue_position written to every waiting job
+
+Policy knobs come from the environment so tests and the demo can use short times:
+  MERIDIAN_MIN_RUN_SECONDS (default 600), MERIDIAN_STANDARD_SLA_FLOOR (0.70),
+  MERIDIAN_NODE_LOST_AFTER_SECONDS (30), MERIDIAN_JOB_MAX_SPREAD ("node": the meridian-run
+  launcher runs all of a job's ranks on one host; "region" for hollow/scale runs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+import scheduler
+from fleet.models import Accelerator, Node
+from jobs.models import ControlLoopLease, Job, JobEvent, PreemptionRequest, Replica, Team
+from jobs.services import job_event_add, job_transition, preemption_request_create
+
+logger = logging.getLogger(__name__)
+S = Job.State
+
+TICK_LEASE = "scheduler-tick"
+TICK_LEASE_SECONDS = 60.0
+RUNNING_STATES = (S.SCHEDULED, S.RUNNING)
+MOVING_STATES = (S.PREEMPTING, S.MIGRATING, S.RESIZING)
+WAITING_STATES = (S.PENDING, S.PREEMPTED)
+SPREADS = {"node": scheduler.SPREAD_NODE, "rack": scheduler.SPREAD_RACK,
+           "cluster": scheduler.SPREAD_CLUSTER, "region": scheduler.SPREAD_REGION}
+NODE_STATUS = {Node.State.READY: scheduler.NODE_READY, Node.State.DRAINING: scheduler.NODE_DRAINING,
+               Node.State.LOST: scheduler.NODE_LOST}
+TIERS = {"premium": scheduler.PREMIUM, "standard": scheduler.STANDARD, "basic": scheduler.BASIC}
+_HOLDER = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _env_float(name, default):
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def policy_settings():
+    """Returns the PolicySettings of this deployment (environment overrides, see module doc)."""
+    return scheduler.PolicySettings(
+        min_run_seconds=_env_float("MERIDIAN_MIN_RUN_SECONDS", 600.0),
+        standard_sla_floor=_env_float("MERIDIAN_STANDARD_SLA_FLOOR", 0.70),
+    )
+
+
+def job_max_spread():
+    name = os.environ.get("MERIDIAN_JOB_MAX_SPREAD", "node").strip().lower()
+    if name not in SPREADS:
+        raise ValueError(f"MERIDIAN_JOB_MAX_SPREAD={name!r}; choose one of {', '.join(SPREADS)}")
+    return SPREADS[name]
+
+
+def node_lost_after():
+    return timedelta(seconds=_env_float("MERIDIAN_NODE_LOST_AFTER_SECONDS", 30.0))
+
+
+# --- the lease: one leader per tick -----------------------------------------------------------
+
+
+def tick_lease_claim(*, now, holder=_HOLDER, seconds=TICK_LEASE_SECONDS, name=TICK_LEASE):
+    """Returns True when `holder` now leads `name` (until now + seconds), False if another does.
+
+    A conditional UPDATE that only one caller can win (healthchecks' sendalerts): the row is
+    free when its lease expired or the same holder renews it.
+    """
+    ControlLoopLease.objects.get_or_create(name=name)
+    updated = ControlLoopLease.objects.filter(
+        Q(expires_at__isnull=True) | Q(expires_at__lt=now) | Q(holder=holder), name=name
+    ).update(holder=holder, expires_at=now + timedelta(seconds=seconds))
+    return updated == 1
+
+
+def tick_lease_release(*, holder=_HOLDER, name=TICK_LEASE):
+    ControlLoopLease.objects.filter(name=name, holder=holder).update(holder="", expires_at=None)
+
+
+# --- selectors: the snapshot ----------------------------------------------------------------
+
+
+@dataclass
+class SnapshotIndex:
+    """The Snapshot plus the maps back to database ids that applying a plan needs."""
+
+    snapshot: scheduler.Snapshot
+    accelerator_ids: np.ndarray  # int64[N]: Accelerator.pk of snapshot device i
+    accelerator_node_ids: np.ndarray  # int64[N]: Node.pk of device i
+    job_rows: list  # dicts of the Job rows in snapshot order
+    region_ids: list  # Region.pk of snapshot region index r
+    seconds: dict = field(default_factory=dict)
+
+
+def _index(values):
+    """Returns (codes, uniques): codes[i] = position of values[i] in uniques (first-seen order)."""
+    uniques, codes = {}, []
+    for v in values:
+        codes.append(uniques.setdefault(v, len(uniques)))
+    return np.asarray(codes, np.int32), list(uniques)
+
+
+def snapshot_build(*, now):
+    """Returns a SnapshotIndex of the fleet and the unfinished jobs at `now` (aware datetime).
+
+    A handful of queries whatever the fleet's size (values_list, no model instances per device).
+    """
+    t0 = time.perf_counter()
+    nodes = list(Node.objects.order_by("id").values_list("id", "cluster_id", "cluster__region_id", "rack", "state"))
+    node_pos = {row[0]: i for i, row in enumerate(nodes)}
+    acc = Accelerator.objects.order_by("id").values_list("id", "node_id", "type", "healthy")
+    acc_ids, acc_node, acc_type, acc_healthy = (list(x) for x in zip(*acc)) if acc.exists() else ([], [], [], [])
+    jobs = list(
+        Job.objects.exclude(state__in=Job.TERMINAL_STATES).order_by("id").values(
+            "id", "team_id", "tier", "accelerator_type", "world_size", "min_devices", "state",
+            "submitted_at", "attained_device_seconds", "ideal_device_seconds", "last_checkpoint_at",
+            "last_checkpoint_step", "checkpoint_bytes", "last_started_at", "name", "device_count",
+        )
+    )
+    held = Replica.objects.filter(device__isnull=False).exclude(job__state__in=Job.TERMINAL_STATES)
+    holders = list(held.values_list("device_id", "job_id", "job__state").distinct())
+    approved_since = dict(
+        PreemptionRequest.objects.filter(state=PreemptionRequest.State.APPROVED)
+        .values_list("job_id", "decided_at")
+    )
+    teams = list(Team.objects.order_by("id").values_list("id", "name", "quotas"))
+    t1 = time.perf_counter()
+
+    type_codes, type_names = _index(acc_type)
+    type_pos = {name: i for i, name in enumerate(type_names)}
+    for row in jobs:
+        if row["accelerator_type"] not in type_pos:
+            type_pos[row["accelerator_type"]] = len(type_names)
+            type_names.append(row["accelerator_type"])
+    node_idx = np.asarray([node_pos[n] for n in acc_node], np.int32)
+    node_cluster = np.asarray([r[1] for r in nodes], np.int64)
+    node_region = np.asarray([r[2] for r in nodes], np.int64)
+    cluster_codes, _ = _index(node_cluster.tolist())
+    region_codes, region_ids = _index(node_region.tolist())
+    rack_codes, _ = _index([(r[1], r[3]) for r in nodes])
+    node_status = np.asarray([NODE_STATUS[r[4]] for r in nodes], np.int8)
+
+    moving = [r for r in jobs if r["state"] in MOVING_STATES]
+    in_tick = [r for r in jobs if r["state"] not in MOVING_STATES]
+    job_pos = {r["id"]: j for j, r in enumerate(in_tick)}
+    acc_pos = {a: i for i, a in enumerate(acc_ids)}
+    holder = np.full(len(acc_ids), -1, np.int32)
+    healthy = np.asarray(acc_healthy, bool) if acc_ids else np.zeros(0, bool)
+    held_count = np.zeros(len(in_tick), np.int64)
+    for device_id, job_id, state in holders:
+        i = acc_pos.get(device_id)
+        if i is None:
+            continue
+        if state in RUNNING_STATES and job_id in job_pos:
+            holder[i] = job_pos[job_id]
+            held_count[job_pos[job_id]] += 1
+        elif state in MOVING_STATES:
+            healthy[i] = False  # busy with a move; nobody else may land here yet
+
+    team_pos = {t[0]: i for i, t in enumerate(teams)}
+    quota = np.zeros((len(teams), len(type_names)), np.int64)
+    for i, (_tid, _name, quotas) in enumerate(teams):
+        for type_name, amount in (quotas or {}).items():
+            if type_name in type_pos:
+                quota[i, type_pos[type_name]] = int(amount)
+    spread = job_max_spread()
+    epoch = lambda dt: dt.timestamp() if dt else float("-inf")  # noqa: E731
+    rows = []
+    for j, r in enumerate(in_tick):
+        running = r["state"] in RUNNING_STATES and held_count[j] > 0
+        approved_at = approved_since.get(r["id"])
+        rows.append(scheduler.JobRow(
+            id=r["id"], team=team_pos[r["team_id"]], tier=TIERS[r["tier"]],
+            type_id=type_pos[r["accelerator_type"]], world_size=r["world_size"],
+            min_devices=r["min_devices"], state=scheduler.RUNNING if running else scheduler.PENDING,
+            submit_time=r["submitted_at"].timestamp(),
+            attained_device_seconds=r["attained_device_seconds"],
+            ideal_device_seconds=r["ideal_device_seconds"],
+            last_checkpoint_time=epoch(r["last_checkpoint_at"]),
+            last_checkpoint_step=r["last_checkpoint_step"] or 0,
+            checkpoint_bytes=r["checkpoint_bytes"], last_start_time=epoch(r["last_started_at"]),
+            preemption_approved=bool(approved_at and (r["last_started_at"] is None
+                                                      or approved_at >= r["last_started_at"])),
+            max_spread=spread, name=f"#{r['id']} {r['name']}",
+        ))
+    snap = scheduler.Snapshot(
+        accelerators=scheduler.Accelerators(
+            type_id=type_codes, node=node_idx, rack=rack_codes[node_idx] if len(node_idx) else [],
+            cluster=cluster_codes[node_idx] if len(node_idx) else [],
+            region=region_codes[node_idx] if len(node_idx) else [], healthy=healthy, holder=holder),
+        jobs=scheduler.Jobs.from_rows(rows),
+        teams=scheduler.Teams(names=[t[1] for t in teams], quota=quota),
+        now=now.timestamp(), type_names=type_names, node_status=node_status,
+        settings=policy_settings(), node_names=tuple(r[0] for r in nodes),
+    )
+    t2 = time.perf_counter()
+    return SnapshotIndex(
+        snapshot=snap, accelerator_ids=np.asarray(acc_ids, np.int64),
+        accelerator_node_ids=np.asarray(acc_node, np.int64), job_rows=in_tick + moving,
+        region_ids=region_ids, seconds={"snapshot_queries": t1 - t0, "snapshot_arrays": t2 - t1},
+    )
+
+
+# --- services: applying the plan ----------------------------------------------------------------
+
+
+def _place_replicas(*, job, device_ids):
+    """Points the job's W replicas at `device_ids` (accelerator pks) by rank_layout; returns rows written."""
+    layout = scheduler.rank_layout(device_ids, job.world_size)
+    replicas = list(Replica.objects.filter(job_id=job.pk).order_by("rank"))
+    for replica in replicas:
+        replica.device_id = layout[replica.rank]
+    Replica.objects.bulk_update(replicas, ["device"], batch_size=1000)
+    return len(replicas)
+
+
+def _nodes_of(index, devices):
+    return sorted({int(index.accelerator_node_ids[d]) for d in devices})
+
+
+def plan_apply(*, index, plan, now):
+    """Applies `plan` (made from `index`) to the database; returns {"rows": n, "counts": {...}}.
+
+    Call inside a transaction. A decision whose job moved meanwhile (StaleJobState) is skipped
+    and logged: the next tick decides again from fresh state (level-triggered).
+    """
+    from jobs.services import IllegalTransition
+
+    snap = index.snapshot
+    rows = 0
+    counts = {"start": 0, "preempt": 0, "approval": 0, "migrate": 0, "resize": 0, "skipped": 0}
+    job_ids = [d.job_id for d in plan.decisions]
+    jobs = Job.objects.in_bulk(job_ids)
+    for decision in plan.decisions:
+        job = jobs.get(decision.job_id)
+        if job is None:
+            continue
+        try:
+            if isinstance(decision, scheduler.Start):
+                devices = [int(index.accelerator_ids[d]) for d in decision.devices]
+                region = index.region_ids[int(snap.accelerators.region[decision.devices[0]])]
+                job = job_transition(job=job, to=S.SCHEDULED, reason=decision.reason, now=now,
+                                     extra={"code": decision.code})
+                rows += _place_replicas(job=job, device_ids=devices)
+                Job.objects.filter(pk=job.pk).update(device_count=len(devices), region_id=region)
+                job_event_add(job=job, type=JobEvent.Type.PLACED, reason=decision.reason,
+                              extra={"devices": devices, "nodes": _nodes_of(index, decision.devices),
+                                     "resume_step": job.last_checkpoint_step})
+                rows += 3
+                counts["start"] += 1
+            elif isinstance(decision, scheduler.Preempt) and decision.needs_approval:
+                held = snap.allocation_counts()[decision.job]
+                since = snap.now - max(snap.jobs.last_checkpoint_time[decision.job],
+                                       snap.jobs.last_start_time[decision.job])
+                lost = float(held * since) if np.isfinite(since) else 0.0
+                preemption_request_create(job=job, reason=decision.reason, lost_work_seconds=lost,
+                                          extra={"code": decision.code}, now=now)
+                rows += 2
+                counts["approval"] += 1
+            elif isinstance(decision, scheduler.Preempt):
+                rows += _preempt(job=job, decision=decision, now=now)
+                counts["preempt"] += 1
+            elif isinstance(decision, scheduler.Migrate):
+                devices = [int(index.accelerator_ids[d]) for d in decision.devices]
+                region = index.region_ids[int(snap.accelerators.region[decision.devices[0]])]
+                rows += _migrate(job=job, decision=decision, devices=devices, region=region,
+                                 nodes=_nodes_of(index, decision.devices), now=now)
+                counts["migrate"] += 1
+            elif isinstance(decision, scheduler.Resize):
+                devices = [int(index.accelerator_ids[d]) for d in decision.devices]
+                if job.state == S.SCHEDULED:
+                    # not started yet: just lay it out anew
+                    rows += _place_replicas(job=job, device_ids=devices)
+                    Job.objects.filter(pk=job.pk).update(device_count=len(devices))
+                else:
+                    job = job_transition(job=job, to=S.RESIZING, reason=decision.reason, now=now,
+                                         extra={"code": decision.code, "from_devices": job.device_count,
+                                                "to_devices": len(devices)})
+                    rows += _place_replicas(job=job, device_ids=devices)
+                    Job.objects.filter(pk=job.pk).update(device_count=len(devices))
+                rows += 2
+                counts["resize"] += 1
+        except IllegalTransition as exc:
+            logger.info("tick: skipped %s of job %s: %s", decision.kind, decision.job_id, exc)
+            counts["skipped"] += 1
+    rows += _write_waiting(plan=plan)
+    return {"rows": rows, "counts": counts}
+
+
+def _preempt(*, job, decision, now):
+    from scheduler.plugins.drain import REASON_LOST_REQUEUED
+
+    if job.state == S.SCHEDULED:
+        job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now, extra={"code": decision.code})
+        return 2
+    if decision.code == REASON_LOST_REQUEUED:
+        # Its processes died with the node: nothing to checkpoint; it resumes from the last one.
+        job_transition(job=job, to=S.PREEMPTED, reason=decision.reason, now=now, extra={"code": decision.code})
+        return 2
+    job = job_transition(job=job, to=S.PREEMPTING, reason=decision.reason, now=now, extra={"code": decision.code})
+    released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
+    Job.objects.filter(pk=job.pk).update(device_count=0)
+    job_event_add(job=job, type=JobEvent.Type.RELEASED, reason=decision.reason,
+                  extra={"replicas": released, "checkpoint": "the agent stops it at a consistent cut"})
+    return released + 3
+
+
+def _migrate(*, job, decision, devices, region, nodes, now):
+    if job.state == S.SCHEDULED:
+        job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now)
+        job = job_transition(job=job, to=S.SCHEDULED, reason=decision.reason, now=now)
+    else:
+        job = job_transition(job=job, to=S.MIGRATING, reason=decision.reason, now=now,
+                             extra={"code": decision.code, "from_checkpoint": decision.from_checkpoint})
+    rows = _place_replicas(job=job, device_ids=devices)
+    Job.objects.filter(pk=job.pk).update(device_count=len(devices), region_id=region)
+    job_event_add(job=job, type=JobEvent.Type.MIGRATED, reason=decision.reason,
+                  extra={"devices": devices, "nodes": nodes, "from_checkpoint": decision.from_checkpoint,
+                         "restart_step": decision.restart_step})
+    if job.state == S.MIGRATING:
+        if decision.from_checkpoint:
+            # Its old processes are gone: the new node restores the last checkpoint right away.
+            job_transition(job=job, to=S.RUNNING, reason=f"restarting from step {decision.restart_step} "
+                           "on new devices", now=now)
+    return rows + 4
+
+
+def _write_waiting(*, plan):
+    """Writes wait_reason / queue_position of every waiting job; clears them on the others."""
+    waiting = {w.job_id: w for w in plan.waiting}
+    changed = []
+    for job in Job.objects.filter(state__in=WAITING_STATES).only("id", "wait_reason", "queue_position"):
+        w = waiting.get(job.pk)
+        reason, place = (w.reason[:500], w.place) if w else ("", None)
+        if job.wait_reason != reason or job.queue_position != place:
+            job.wait_reason, job.queue_position = reason, place
+            changed.append(job)
+    if changed:
+        Job.objects.bulk_update(changed, ["wait_reason", "queue_position"], batch_size=1000)
+    return len(changed)
+
+
+def accounting_accrue(*, since, now):
+    """Adds device-time up to `now`: attained += devices held * (now - since); ideal += W * the
+    time since `since` or since submission, whichever is later. Returns rows written.
+
+    Jobs that existed at the last tick cost two UPDATE statements whatever their number; only
+    jobs submitted since then are written one by one.
+    """
+    active = Job.objects.exclude(state__in=Job.TERMINAL_STATES)
+    rows = 0
+    if since is not None:
+        seconds = max(0.0, min((now - since).total_seconds(), 300.0))
+        if seconds:
+            rows += active.filter(device_count__gt=0).update(
+                attained_device_seconds=F("attained_device_seconds") + F("device_count") * seconds)
+            rows += active.filter(submitted_at__lte=since).update(
+                ideal_device_seconds=F("ideal_device_seconds") + F("world_size") * seconds)
+        newcomers = active.filter(submitted_at__gt=since)
+    else:
+        newcomers = active
+    for job_id, world_size, submitted_at, ideal in newcomers.values_list(
+            "id", "world_size", "submitted_at", "ideal_device_seconds"):
+        seconds = max(0.0, (now - submitted_at).total_seconds())
+        rows += Job.objects.filter(pk=job_id).update(ideal_device_seconds=ideal + world_size * seconds)
+    return rows
+
+
+def node_lost_sweep(*, now):
+    """Marks ready/draining nodes whose agent missed heartbeats for node_lost_after() as lost.
+
+    Returns the hostnames marked. Nodes that never reported (last_heartbeat null) are left
+    alone: they were created by a fleet description and have no agent yet.
+    """
+    cutoff = now - node_lost_after()
+    stale = Node.objects.filter(last_heartbeat__lt=cutoff).exclude(state=Node.State.LOST)
+    hostnames = list(stale.values_list("hostname", flat=True))
+    if hostnames:
+        Node.objects.filter(hostname__in=hostnames, last_heartbeat__lt=cutoff).update(state=Node.State.LOST)
+        held = Replica.objects.filter(device__node__hostname__in=hostnames).exclude(
+            job__state__in=Job.TERMINAL_STATES).values_list("job_id", flat=True).distinct()
+        for job in Job.objects.filter(pk__in=list(held)):
+            job_event_add(job=job, type=JobEvent.Type.NODE_LOST,
+                          reason=f"node(s) {', '.join(hostnames)} missed heartbeats for "
+                                 f"{node_lost_after().total_seconds():.0f} s")
+        logger.warning("nodes lost (missed heartbeats): %s", ", ".join(hostnames))
+    return hostnames
+
+
+@dataclass
+class TickResult:
+    ran: bool  # False: another worker holds the lease
+    seconds: dict = field(default_factory=dict)  # snapshot, plan, apply, total
+    counts: dict = field(default_factory=dict)
+    rows_written: int = 0
+    devices: int = 0
+    jobs: int = 0
+    lost_nodes: list = field(default_factory=list)
+
+    def as_dict(self):
+        return {"ran": self.ran, "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+                "counts": self.counts, "rows_written": self.rows_written, "devices": self.devices,
+                "jobs": self.jobs, "lost_nodes": self.lost_nodes}
+
+
+def tick_run(*, now=None, holder=_HOLDER):
+    """Runs one tick if this caller wins the lease; returns a TickResult (ran=False otherwise).
+
+    1. sweep lost nodes  2. snapshot (selectors)  3. plan (scheduler.schedule)
+    4. apply (services, one transaction, with accounting)  5. record stats on the lease row.
+    """
+    began = time.perf_counter()
+    now = now or timezone.now()
+    if not tick_lease_claim(now=now, holder=holder):
+        return TickResult(ran=False)
+    try:
+        result = TickResult(ran=True)
+        with transaction.atomic():
+            result.lost_nodes = node_lost_sweep(now=now)
+            from jobs.services import preemption_expire_due
+            from jobs.workflows import workflow_timeouts_sweep
+
+            result.counts["expired_requests"] = preemption_expire_due(now=now)
+            result.counts["timed_out_moves"] = workflow_timeouts_sweep(now=now)
+            lease = ControlLoopLease.objects.get(name=TICK_LEASE)
+            t0 = time.perf_counter()
+            index = snapshot_build(now=now)
+            t1 = time.perf_counter()
+            plan = scheduler.schedule(index.snapshot, timer=time.perf_counter)
+            t2 = time.perf_counter()
+            applied = plan_apply(index=index, plan=plan, now=now)
+            applied["rows"] += accounting_accrue(since=lease.last_tick_at, now=now)
+            t3 = time.perf_counter()
+            result.seconds = {"snapshot": t1 - t0, "plan": t2 - t1, "apply": t3 - t2}
+            result.counts = {**result.counts, **plan.summary(), **{f"applied_{k}": v for k, v in applied["counts"].items()}}
+            result.rows_written = applied["rows"]
+            result.devices = len(index.snapshot.accelerators)
+            result.jobs = len(index.snapshot.jobs)
+            result.seconds["total"] = time.perf_counter() - began
+            ControlLoopLease.objects.filter(name=TICK_LEASE).update(
+                last_tick_at=now, last_tick_stats=result.as_dict())
+        return result
+    finally:
+        tick_lease_release(holder=holder)

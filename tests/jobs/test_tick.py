@@ -1,0 +1,215 @@
+"""The tick against the database: selectors build the snapshot, the core plans, services apply.
+
+Agents are played by calling the same service their heartbeat API calls (node_report_apply)."""
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from fleet.agent_services import node_register
+from fleet.models import Node
+from jobs.models import Job, JobEvent, PreemptionRequest, Replica
+from jobs.services import job_submit, preemption_approve, preemption_deny
+from jobs.tick import snapshot_build, tick_lease_claim, tick_lease_release, tick_run
+from jobs.workflows import node_desired_state, node_report_apply
+
+S = Job.State
+ENROLL = "test-enrollment-token"
+
+
+@pytest.fixture(autouse=True)
+def short_policy(monkeypatch):
+    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
+    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
+    monkeypatch.setenv("MERIDIAN_NODE_LOST_AFTER_SECONDS", "30")
+
+
+def make_node(hostname, devices=2, region="eu", cluster="c1"):
+    node, _token = node_register(enrollment=ENROLL, hostname=hostname, region=region, cluster=cluster,
+                                 devices=[{"type": "CPU"}] * devices)
+    return node
+
+
+def nodes_of(job):
+    return set(Replica.objects.filter(job=job, device__isnull=False).values_list("device__node__hostname", flat=True))
+
+
+def report(node, job, state, *, step=10, checkpoint_step=None, devices=None, now=None):
+    entry = {"job_id": job.pk, "state": state, "step": step, "devices": devices or job.device_count}
+    if checkpoint_step is not None:
+        entry["checkpoint"] = {"step": checkpoint_step, "uri": f"file:///ckpt/{job.pk}/{checkpoint_step}",
+                               "bytes": 100, "engine": "framework"}
+    return node_report_apply(node=node, report={"jobs": [entry], "telemetry": {"utilization": 0.5}}, now=now)
+
+
+@pytest.mark.django_db
+def test_a_pending_job_is_scheduled_then_runs_when_its_agent_reports(alice, team_a, job_spec):
+    node = make_node("n1")
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=2, min_devices=2, tier="basic"))
+
+    result = tick_run()
+
+    job.refresh_from_db()
+    assert result.ran and result.counts["start"] == 1
+    assert job.state == S.SCHEDULED and job.device_count == 2 and nodes_of(job) == {"n1"}
+    desired = node_desired_state(node=node)
+    assert [(e["job_id"], e["action"], e["devices"]) for e in desired["jobs"]] == [(job.pk, "run", 2)]
+    report(node, job, "running")
+    job.refresh_from_db()
+    assert job.state == S.RUNNING and job.progress_step == 10
+
+
+@pytest.mark.django_db
+def test_waiting_jobs_get_their_reason_and_place_in_line(alice, team_a, job_spec):
+    make_node("n1", devices=1)
+    first = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="a", world_size=1, min_devices=1, tier="standard"))
+    second = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b", world_size=1, min_devices=1, tier="standard"))
+    third = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="c", world_size=1, min_devices=1, tier="standard"))
+
+    tick_run()
+
+    rows = {j.pk: j for j in Job.objects.all()}
+    assert rows[first.pk].state == S.SCHEDULED
+    assert rows[second.pk].queue_position == 1 and rows[third.pk].queue_position == 2
+    assert rows[second.pk].wait_reason and rows[third.pk].wait_reason
+
+
+@pytest.mark.django_db
+def test_a_premium_job_preempts_a_basic_one_which_resumes_after_its_checkpoint(alice, team_a, job_spec):
+    n1 = make_node("n1", devices=1)
+    n2 = make_node("n2", devices=1)
+    basic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b1", world_size=1, min_devices=1, tier="basic"))
+    basic2 = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b2", world_size=1, min_devices=1, tier="basic"))
+    tick_run()
+    for job in (basic, basic2):
+        job.refresh_from_db()
+        node = n1 if nodes_of(job) == {"n1"} else n2
+        report(node, job, "running")
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+
+    tick_run()
+
+    premium.refresh_from_db()
+    victims = [j for j in Job.objects.filter(pk__in=[basic.pk, basic2.pk]) if j.state == S.PREEMPTING]
+    assert len(victims) == 1 and premium.state == S.SCHEDULED
+    victim = victims[0]
+    victim_node = Node.objects.get(hostname=next(iter(nodes_of(premium))))
+    assert victim.device_count == 0 and nodes_of(victim) == set()
+    # Until the victim's checkpoint is stored it is not given new devices.
+    tick_run()
+    victim.refresh_from_db()
+    assert victim.state == S.PREEMPTING
+    # Its node's agent stops it at a consistent cut and reports the checkpoint.
+    result = report(victim_node, victim, "stopped", step=42, checkpoint_step=42)
+    victim.refresh_from_db()
+    assert result["accepted"] == [victim.pk]
+    assert victim.state == S.PREEMPTED and victim.last_checkpoint_step == 42
+    assert victim.queue_position == 1 or victim.queue_position is None
+    assert JobEvent.objects.filter(job=victim, type=JobEvent.Type.CHECKPOINTED).exists()
+
+
+@pytest.mark.django_db
+def test_preempting_a_standard_job_below_its_sla_waits_for_approval(alice, carol, team_a, job_spec, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_STANDARD_SLA_FLOOR", "1.0")  # any Standard job is below its floor
+    n1 = make_node("n1", devices=1)
+    standard = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="s", world_size=1, min_devices=1, tier="standard"))
+    t0 = timezone.now()
+    tick_run(now=t0)
+    standard.refresh_from_db()
+    report(n1, standard, "running")
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+
+    tick_run(now=t0 + timedelta(seconds=5))
+    tick_run(now=t0 + timedelta(seconds=10))
+
+    standard.refresh_from_db()
+    premium.refresh_from_db()
+    requests = list(PreemptionRequest.objects.filter(job=standard))
+    assert standard.state == S.RUNNING and premium.state == S.PENDING
+    assert len(requests) == 1 and requests[0].state == PreemptionRequest.State.PENDING
+    preemption_deny(request=requests[0], by=carol, note="keep it")
+    tick_run(now=t0 + timedelta(seconds=15))
+    standard.refresh_from_db()
+    assert standard.state == S.RUNNING
+    again = PreemptionRequest.objects.get(job=standard, state=PreemptionRequest.State.PENDING)
+    preemption_approve(request=again, by=carol)
+    tick_run(now=t0 + timedelta(seconds=20))
+    standard.refresh_from_db()
+    premium.refresh_from_db()
+    assert standard.state == S.PREEMPTING and premium.state == S.SCHEDULED
+
+
+@pytest.mark.django_db
+def test_a_node_that_misses_heartbeats_is_lost_and_its_job_restarts_elsewhere(alice, team_a, job_spec):
+    n1 = make_node("n1", devices=1)
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1, tier="basic"))
+    t0 = timezone.now()
+    tick_run(now=t0)
+    job.refresh_from_db()
+    report(n1, job, "running", checkpoint_step=7, now=t0)
+    n2 = make_node("n2", devices=1)
+    node_report_apply(node=n2, report={"jobs": []}, now=t0 + timedelta(seconds=60))
+
+    result = tick_run(now=t0 + timedelta(seconds=61))
+
+    job.refresh_from_db()
+    assert result.lost_nodes == ["n1"]
+    assert Node.objects.get(hostname="n1").state == Node.State.LOST
+    assert job.state == S.RUNNING and nodes_of(job) == {"n2"}
+    assert JobEvent.objects.filter(job=job, type=JobEvent.Type.NODE_LOST).exists()
+    assert JobEvent.objects.filter(job=job, type=JobEvent.Type.MIGRATED).exists()
+    assert node_desired_state(node=n2)["jobs"][0]["last_checkpoint_step"] == 7
+
+
+@pytest.mark.django_db
+def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back(alice, team_a, job_spec):
+    node = make_node("n1", devices=2)
+    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
+    tick_run()
+    elastic.refresh_from_db()
+    report(node, elastic, "running", devices=2)
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+
+    tick_run()
+
+    elastic.refresh_from_db()
+    premium.refresh_from_db()
+    assert elastic.state == S.RESIZING and elastic.device_count == 1
+    assert premium.state == S.SCHEDULED
+    report(node, elastic, "running", devices=1)
+    elastic.refresh_from_db()
+    assert elastic.state == S.RUNNING
+    report(node, premium, "finished")
+    tick_run()
+    elastic.refresh_from_db()
+    assert elastic.state == S.RESIZING and elastic.device_count == 2
+    report(node, elastic, "running", devices=2)
+    elastic.refresh_from_db()
+    assert elastic.state == S.RUNNING and elastic.resize_count == 2
+
+
+@pytest.mark.django_db
+def test_only_one_caller_leads_the_tick_at_a_time():
+    now = timezone.now()
+    assert tick_lease_claim(now=now, holder="worker-1")
+    assert not tick_lease_claim(now=now, holder="worker-2")
+    assert not tick_run(now=now, holder="worker-2").ran
+    tick_lease_release(holder="worker-1")
+    assert tick_lease_claim(now=now, holder="worker-2")
+    # an expired lease can be taken over (its holder died mid-tick)
+    assert tick_lease_claim(now=now + timedelta(minutes=5), holder="worker-3")
+
+
+@pytest.mark.django_db
+def test_the_snapshot_hides_jobs_in_the_middle_of_a_move(alice, team_a, job_spec):
+    node = make_node("n1", devices=2)
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=2, min_devices=2, tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    report(node, job, "running")
+    Job.objects.filter(pk=job.pk).update(state=S.MIGRATING)
+
+    index = snapshot_build(now=timezone.now())
+
+    assert len(index.snapshot.jobs) == 0
+    assert not index.snapshot.accelerators.healthy.any()
