@@ -155,9 +155,8 @@ def celery_url_from_redis_url(redis_url):
 
 
 CELERY_BROKER_URL = celery_url_from_redis_url(REDIS_URL)
-CELERY_RESULT_BACKEND = (
-    REDIS_URL.replace("unix://", "socket://", 1) if REDIS_URL.startswith("unix://") else REDIS_URL
-)
+# Celery's Redis result backend reads the same spelling as the broker.
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -235,6 +234,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = BASE_DIR / "staticfiles"
+MERIDIAN_SERVE_STATIC = os.environ.get("MERIDIAN_SERVE_STATIC", "1") == "1"
 
 # --- production profile ------------------------------------------------------------------
 if PRODUCTION:

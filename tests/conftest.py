@@ -105,3 +105,25 @@ def submit(job_spec):
         return job_submit(team=team, submitted_by=user, spec=job_spec(**overrides))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """Returns a Redis URL for tests: $REDIS_URL when set (CI's real Redis, or the one
+    `./meridian test` started), else a private redis-server on a unix socket for the session."""
+    import os
+
+    from portal.private_redis import PrivateRedis
+
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    # tmp_path_factory paths can exceed the 107-byte socket limit; use a short one.
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="mr-")
+    with PrivateRedis(f"{directory}/redis.sock") as redis:
+        yield redis.url
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,282 @@
+"""Runs Meridian embedded, or its tests, from one command (the `./meridian` script).
+
+    python -m portal.launch run [--demo-workload] [--port N] [--synthetic-fleet]
+    python -m portal.launch test [pytest args...]
+
+`run` starts a private Redis (unless REDIS_URL is set), migrates, seeds the demo fleet
+and users, then supervises daphne (ASGI), a Celery worker and Celery beat, plus any
+processes that embedded hooks add; Ctrl-C (or SIGTERM) stops everything, children first.
+
+Embedded hooks: a module listed in EMBEDDED_HOOKS that exists is imported and its
+`processes(context: LaunchContext) -> list[ProcessSpec]` is called after the
+database is ready; the node agents (issue 5) join the run this way, from
+`agent/embedded.py`, without editing this file.
+
+No Django import at module level: this process only supervises; Django runs in the
+children (manage.py, daphne, celery).
+"""
+import argparse
+import importlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from portal.private_redis import PrivateRedis, PrivateRedisError
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_HOOKS = ("agent.embedded",)
+DEMO_LOGINS = (
+    ("alice", "alice-demo-pass", "member of Team A: submits jobs"),
+    ("bob", "bob-demo-pass", "member of Team A"),
+    ("charlie", "charlie-demo-pass", "member of Team B: sees nothing of Team A's"),
+    ("carol", "carol-demo-pass", "capacity manager of Teams A and B: approves preemptions"),
+    ("admin", "admin-demo-pass", "global admin (also /admin/)"),
+)
+STOP_TIMEOUT = 15.0
+
+
+@dataclass
+class ProcessSpec:
+    """One supervised child. `ready_url` (optional) is polled before the banner prints."""
+
+    name: str
+    argv: list
+    env: dict = field(default_factory=dict)
+    cwd: Path = ROOT
+
+
+@dataclass
+class LaunchContext:
+    root: Path
+    python: str
+    data_dir: Path
+    url: str
+    env: dict
+    demo_workload: bool
+    handled: set = field(default_factory=set)
+
+    def manage(self, *args):
+        """Runs `manage.py args` with the run's environment; returns its stdout or raises."""
+        result = subprocess.run(
+            [self.python, str(self.root / "manage.py"), *args],
+            env=self.env, cwd=self.root, capture_output=True, text=True,
+        )
+        if result.returncode != 0:
+            raise LaunchError(f"manage.py {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
+        return result.stdout
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    """Starts children in their own process groups, prefixes their output, stops them all."""
+
+    def __init__(self):
+        self.children = []  # (spec, Popen)
+        self.stopping = threading.Event()
+
+    def start(self, spec, base_env):
+        env = {**base_env, **spec.env}
+        process = subprocess.Popen(
+            spec.argv, cwd=spec.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
+        )
+        threading.Thread(target=self._pump, args=(spec.name, process), daemon=True).start()
+        self.children.append((spec, process))
+        return process
+
+    @staticmethod
+    def _pump(name, process):
+        for line in process.stdout:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+    def first_exited(self):
+        for spec, process in self.children:
+            if process.poll() is not None:
+                return spec, process.returncode
+        return None
+
+    def stop_all(self):
+        self.stopping.set()
+        for spec, process in reversed(self.children):
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for spec, process in reversed(self.children):
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"[meridian] {spec.name} did not stop in {STOP_TIMEOUT:.0f} s; killing it", flush=True)
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+
+
+def _port_is_free(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_for_port(port, *, process, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.5)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def _base_env(data_dir):
+    env = dict(os.environ)
+    env["MERIDIAN_DATA_DIR"] = str(data_dir)
+    env["DJANGO_SETTINGS_MODULE"] = "portal.settings"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _bin(name):
+    return str(Path(sys.executable).parent / name)
+
+
+def run(args):
+    data_dir = Path(os.environ.get("MERIDIAN_DATA_DIR") or ROOT / "data").resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = args.port or int(os.environ.get("PORT", "8000"))
+    if not _port_is_free(port):
+        raise LaunchError(f"port {port} on 127.0.0.1 is in use; choose another: PORT={port + 1} ./meridian run")
+    env = _base_env(data_dir)
+    redis = None
+    supervisor = Supervisor()
+    stop_requested = threading.Event()
+
+    def on_signal(signum, frame):
+        stop_requested.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if not os.environ.get("REDIS_URL"):
+            redis = PrivateRedis(data_dir / "redis.sock").start()
+            env["REDIS_URL"] = redis.url
+            print(f"[meridian] private Redis on {redis.socket_path}", flush=True)
+        context = LaunchContext(
+            root=ROOT, python=sys.executable, data_dir=data_dir, url=f"http://127.0.0.1:{port}",
+            env=env, demo_workload=args.demo_workload,
+        )
+        print("[meridian] migrating the database", flush=True)
+        context.manage("migrate", "--noinput", "-v", "0")
+        seed_args = ["demo_seed"] + (["--synthetic-fleet"] if args.synthetic_fleet else [])
+        print("[meridian] " + context.manage(*seed_args).strip().replace("\n", "\n[meridian] "), flush=True)
+
+        specs = [
+            ProcessSpec("web", [_bin("daphne"), "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]),
+            ProcessSpec("worker", [_bin("celery"), "-A", "portal", "worker", "--loglevel", "INFO",
+                                   "--concurrency", "2", "--hostname", f"meridian-{port}@%h"]),
+            ProcessSpec("beat", [_bin("celery"), "-A", "portal", "beat", "--loglevel", "INFO",
+                                 "--schedule", str(data_dir / "celerybeat-schedule")]),
+        ]
+        for hook in EMBEDDED_HOOKS:
+            if importlib.util.find_spec(hook.rsplit(".", 1)[0]) and importlib.util.find_spec(hook):
+                specs += importlib.import_module(hook).processes(context)
+        for spec in specs:
+            supervisor.start(spec, env)
+        if not _wait_for_port(port, process=supervisor.children[0][1], timeout=60):
+            raise LaunchError("the web server did not start; see the [web] lines above")
+        if args.demo_workload and "demo_workload" not in context.handled:
+            print("[meridian] --demo-workload needs the node agents (agent/embedded.py), which this build "
+                  "does not have yet; starting without a demo workload", flush=True)
+        _print_banner(context.url)
+        while not stop_requested.is_set():
+            exited = supervisor.first_exited()
+            if exited:
+                spec, code = exited
+                raise LaunchError(f"{spec.name} exited with code {code}; stopping everything")
+            stop_requested.wait(0.5)
+        print("\n[meridian] stopping", flush=True)
+        return 0
+    finally:
+        supervisor.stop_all()
+        if redis is not None:
+            redis.stop()
+
+
+def _print_banner(url):
+    lines = [
+        "",
+        f"  Meridian is running at {url}/",
+        f"  API docs: {url}/api/docs/   admin: {url}/admin/",
+        "  Demo logins (local demo only):",
+        *[f"    {user:<8} {password:<18} {role}" for user, password, role in DEMO_LOGINS],
+        "  Press Ctrl-C to stop.",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def test(pytest_args):
+    """Runs pytest with a private Redis (unless REDIS_URL is set) and a throwaway data dir."""
+    env = dict(os.environ)
+    scratch = Path(tempfile.mkdtemp(prefix="meridian-test-"))
+    env.setdefault("MERIDIAN_DATA_DIR", str(scratch / "data"))
+    redis = None
+    try:
+        if not env.get("REDIS_URL"):
+            redis = PrivateRedis(scratch / "redis.sock").start()
+            env["REDIS_URL"] = redis.url
+        print(f"[meridian] tests with REDIS_URL={env['REDIS_URL']} "
+              f"DATABASE_URL={env.get('DATABASE_URL', '(SQLite in memory)')}", flush=True)
+        return subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
+    finally:
+        if redis is not None:
+            redis.stop()
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["test"]:
+        # Everything after "test" goes to pytest untouched (argparse would eat "-m", "-k"...).
+        return test(argv[1:])
+    parser = argparse.ArgumentParser(prog="meridian")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run Meridian embedded")
+    run_parser.add_argument("--demo-workload", action="store_true", help="start small real training jobs of every tier")
+    run_parser.add_argument("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default $PORT or 8000)")
+    run_parser.add_argument("--synthetic-fleet", action="store_true",
+                            help="also seed a synthetic 2,048-GPU fleet (no agents) for the heatmap")
+    commands.add_parser("test", help="run the test suite (arguments go to pytest)")
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (LaunchError, PrivateRedisError) as error:
+        print(f"[meridian] error: {error}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
