@@ -1,0 +1,100 @@
+"""Per-step overhead of meridian-run (virtual group + consistent-cut barrier) vs plain torch.
+
+    .venv/bin/python bench/runtime_overhead.py [--ranks 2] [--steps 300] [--repeats 5]
+
+Runs the same DDP script (bench/runtime_scripts/timed_ddp.py, a 3x512 MLP, Adam) W ways:
+plain torch (W processes, gloo, torchrun-style env, one intra-op thread each), and under
+meridian-run with each engine (the rank processes then also run the cut's meta-allreduce after
+every step). Prints the median step time over the steady state (first 20% of steps dropped),
+the median over repeats, and the overhead vs plain torch.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "runtime_scripts", "timed_ddp.py")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_plain(ranks, out, script_args):
+    port = free_port()
+    processes = []
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        processes.append(subprocess.Popen([sys.executable, SCRIPT, out] + script_args, env=env))
+    codes = [p.wait() for p in processes]
+    if any(codes):
+        raise SystemExit(f"plain torch run failed: exit codes {codes}")
+
+
+def run_meridian(ranks, out, script_args, engine, workdir):
+    job_id = f"bench-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, MERIDIAN_SPOOL_ROOT=os.path.join(workdir, "spool"))
+    code = subprocess.call([sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks),
+                            "--engine", engine, "--job-id", job_id,
+                            "--job-dir", os.path.join(workdir, job_id), SCRIPT, out] + script_args,
+                           cwd=ROOT, env=env)
+    if code:
+        raise SystemExit(f"meridian-run ({engine}) failed with exit code {code}")
+
+
+def steady_median(out):
+    with open(out) as handle:
+        times = json.load(handle)["step_s"]
+    return statistics.median(times[len(times) // 5:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--engines", default="framework,criu")
+    options = parser.parse_args()
+    script_args = ["--steps", str(options.steps), "--width", str(options.width)]
+    sys.path.insert(0, ROOT)
+    from runtime import criu
+    engines = [e for e in options.engines.split(",") if e]
+    if "criu" in engines and not criu.check_available()[0]:
+        print(f"(criu row skipped: {criu.check_available()[1]})")
+        engines.remove("criu")
+    variants = ["plain torch (gloo)"] + [f"meridian-run, {e} engine" for e in engines]
+    results = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(prefix="meridian-bench-") as workdir:
+        for repeat in range(options.repeats):
+            # Interleave variants so drift in machine load hits all of them alike.
+            for variant in variants:
+                out = os.path.join(workdir, f"out-{repeat}-{len(results[variant])}-{variant[:5]}.json")
+                if variant.startswith("plain"):
+                    run_plain(options.ranks, out, script_args)
+                else:
+                    run_meridian(options.ranks, out, script_args, variant.split(", ")[1].split()[0],
+                                 workdir)
+                results[variant].append(steady_median(out))
+    base = statistics.median(results[variants[0]])
+    print(f"\nW={options.ranks} ranks, 3x{options.width} MLP + Adam, {options.steps} steps, "
+          f"{options.repeats} repeats; median of per-run steady-state medians")
+    print(f"{'variant':<32} {'ms/step':>9} {'min':>8} {'max':>8} {'overhead':>9}")
+    for variant in variants:
+        values = results[variant]
+        median = statistics.median(values)
+        print(f"{variant:<32} {median * 1e3:9.3f} {min(values) * 1e3:8.3f} "
+              f"{max(values) * 1e3:8.3f} {100 * (median / base - 1):8.1f}%")
+
+
+if __name__ == "__main__":
+    main()
