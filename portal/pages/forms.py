@@ -1,0 +1,76 @@
+"""Forms of the dashboard pages. They parse what a person types (args as a shell line,
+env as KEY=VALUE lines) into a job spec; jobs.services.job_submit validates it, and
+its ValidationError is put back on the form, at the field it names."""
+import shlex
+
+from django import forms
+
+from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+from jobs.models import Tier
+
+
+class JobSubmitForm(forms.Form):
+    team = forms.ChoiceField()
+    name = forms.CharField(max_length=200, help_text="A short label, e.g. resnet50-imagenet.")
+    entrypoint = forms.CharField(max_length=1000, help_text="The script or module to run, e.g. train.py.")
+    args = forms.CharField(required=False, help_text='Arguments as on a shell line, e.g. --epochs 3 --lr "0.1"')
+    world_size = forms.IntegerField(label="W (logical ranks)", initial=4, help_text="Never changes, whatever the devices.")
+    min_devices = forms.IntegerField(initial=1, help_text="Fewest devices it may run on; must divide W.")
+    tier = forms.ChoiceField(choices=Tier.choices, initial=Tier.STANDARD)
+    accelerator_type = forms.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES)
+    total_steps = forms.IntegerField(required=False, help_text="Optional; lets the page show progress as a fraction.")
+    env = forms.CharField(
+        required=False, widget=forms.Textarea(attrs={"rows": 3}), help_text="One KEY=VALUE per line."
+    )
+
+    def __init__(self, *args, teams, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teams = {str(team.pk): team for team in teams}
+        self.fields["team"].choices = [(str(team.pk), team.name) for team in teams]
+        if len(teams) == 1:
+            self.fields["team"].initial = str(teams[0].pk)
+
+    def clean_args(self):
+        try:
+            return shlex.split(self.cleaned_data["args"] or "")
+        except ValueError as error:
+            raise forms.ValidationError(f"could not split the arguments like a shell would: {error}")
+
+    def clean_env(self):
+        env = {}
+        for number, line in enumerate((self.cleaned_data["env"] or "").splitlines(), start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if "=" not in line:
+                raise forms.ValidationError(f"line {number} ({line!r}) is not KEY=VALUE")
+            key, value = line.split("=", 1)
+            env[key.strip()] = value
+        return env
+
+    def team_chosen(self):
+        return self.teams[self.cleaned_data["team"]]
+
+    def spec(self):
+        """Returns the job spec dict for jobs.services.job_submit."""
+        data = self.cleaned_data
+        spec = {field: data[field] for field in ("name", "entrypoint", "args", "world_size", "min_devices", "tier", "accelerator_type", "env")}
+        if data.get("total_steps") is not None:
+            spec["total_steps"] = data["total_steps"]
+        return spec
+
+    def add_service_errors(self, error):
+        """Puts a service ValidationError on the fields it names (unknown names on the form)."""
+        if hasattr(error, "message_dict"):
+            for field, messages in error.message_dict.items():
+                target = field if field in self.fields else None
+                for message in messages:
+                    self.add_error(target, message)
+        else:
+            for message in error.messages:
+                self.add_error(None, message)
+
+
+class PreemptionDecisionForm(forms.Form):
+    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("deny", "Deny")])
+    note = forms.CharField(required=False, max_length=2000, widget=forms.Textarea(attrs={"rows": 2}))

@@ -1,0 +1,100 @@
+/* Fleet page: heatmap with drill-down, capacity by type, nodes needing attention; live. */
+(function () {
+  "use strict";
+  var data = JSON.parse(document.getElementById("fleet-data").textContent);
+  var metricSelect = document.getElementById("metric");
+  var heatmapDiv = document.getElementById("heatmap");
+  var state = {draws: 0, data: data};
+  window.meridianFleet = state;
+
+  function pct(v) { return v === null || v === undefined ? "—" : Math.round(v * 100) + "%"; }
+  function esc(s) { var d = document.createElement("div"); d.textContent = s == null ? "" : String(s); return d.innerHTML; }
+
+  function drawHeatmap() {
+    var h = data.heatmap;
+    var metric = metricSelect.value;
+    var cells = h.y.length * h.x.length;
+    var trace = {
+      type: "heatmap", z: h[metric], x: h.x, y: h.y, text: h.text,
+      hovertemplate: "%{text}<br>" + (metric === "allocated" ? "allocated" : "used") + ": %{z:.0%}<extra></extra>",
+      zmin: 0, zmax: 1, xgap: 2, ygap: 2, hoverongaps: false,
+      colorscale: metric === "allocated" ? "Blues" : "Greens",
+      colorbar: {tickformat: ".0%", thickness: 12}
+    };
+    if (cells <= 128) { trace.texttemplate = "%{z:.0%}"; }
+    var layout = {
+      title: {text: h.title, font: {size: 14}},
+      margin: {l: h.level === "fleet" ? 110 : 40, r: 10, t: 36, b: 30},
+      height: Math.max(240, Math.min(720, 26 * h.y.length + 110)),
+      xaxis: {type: "category", showticklabels: h.level === "fleet"},
+      yaxis: {type: "category", autorange: "reversed", showticklabels: h.level === "fleet"}
+    };
+    Plotly.react(heatmapDiv, [trace], layout, {displayModeBar: false, responsive: true});
+  }
+
+  function drawBreadcrumbs() {
+    var nav = document.getElementById("breadcrumbs");
+    nav.innerHTML = data.heatmap.breadcrumbs.map(function (b, i, all) {
+      var label = esc(b.label);
+      return i === all.length - 1 ? "<strong>" + label + "</strong>" : '<a href="?' + esc(b.query) + '">' + label + "</a>";
+    }).join(" › ");
+  }
+
+  function drawTotals() {
+    var t = data.totals;
+    document.getElementById("total-accelerators").textContent = t.accelerators;
+    document.getElementById("total-allocated").textContent = t.allocated;
+    document.getElementById("total-free").textContent = t.free;
+    document.getElementById("total-nodes").textContent =
+      t.nodes_by_state.ready + " / " + t.nodes_by_state.draining + " / " + t.nodes_by_state.lost;
+  }
+
+  function drawByType() {
+    var types = data.by_type.map(function (r) { return r.type; });
+    Plotly.react("by-type-chart", [
+      {type: "bar", name: "allocated", x: types, y: data.by_type.map(function (r) { return r.allocated; }), marker: {color: "#2357d9"}},
+      {type: "bar", name: "free", x: types, y: data.by_type.map(function (r) { return r.free; }), marker: {color: "#8fd19e"}},
+      {type: "bar", name: "unavailable", x: types, y: data.by_type.map(function (r) { return r.unavailable; }), marker: {color: "#c9ced8"}}
+    ], {barmode: "stack", height: 220, margin: {l: 50, r: 10, t: 10, b: 30}, legend: {orientation: "h"}},
+    {displayModeBar: false, responsive: true});
+    document.querySelector("#by-type-table tbody").innerHTML = data.by_type.map(function (r) {
+      return "<tr><td>" + esc(r.type) + "</td><td>" + r.accelerators + "</td><td>" + r.allocated + "</td><td>" + r.free +
+        "</td><td>" + r.unavailable + "</td><td>" + pct(r.allocated_fraction) + "</td><td>" + pct(r.used_fraction) + "</td></tr>";
+    }).join("") || '<tr><td colspan="7" class="muted">No accelerators registered.</td></tr>';
+  }
+
+  function drawAttention() {
+    document.getElementById("attention-total").textContent = "(" + data.attention_total + ")";
+    document.querySelector("#attention-table tbody").innerHTML = data.attention.map(function (n) {
+      return '<tr><td><a href="?node=' + n.id + '">' + esc(n.hostname) + "</a></td><td>" + esc(n.cluster__region__name + "/" + n.cluster__name) +
+        '</td><td><span class="state state-' + esc(n.state) + '">' + esc(n.state) + "</span></td><td>" + esc(n.last_heartbeat || "never") + "</td></tr>";
+    }).join("") || '<tr><td colspan="4" class="muted">All nodes are ready.</td></tr>';
+  }
+
+  function drawAll() {
+    drawHeatmap(); drawBreadcrumbs(); drawTotals(); drawByType(); drawAttention();
+    state.draws += 1;
+    state.data = data;
+    document.body.dataset.fleetRenderedAt = String(Date.now());
+  }
+
+  metricSelect.addEventListener("change", drawHeatmap);
+  drawAll();
+  heatmapDiv.on("plotly_click", function (event) {
+    var point = event.points && event.points[0];
+    if (!point || !data.heatmap.drill) { return; }
+    var index = point.pointIndex || point.pointNumber;  // [row, column]
+    var id = data.heatmap.ids[index[0]][index[1]];
+    if (id !== null && id !== undefined) { location.search = "?" + data.heatmap.drill + "=" + id; }
+  });
+
+  var refresh = MeridianLive.refresher(function () {
+    return MeridianLive.fetchJson(MeridianLive.withParam(location.href, "format", "json")).then(function (fresh) {
+      data = fresh;
+      drawAll();
+    });
+  });
+  MeridianLive.start(["fleet"], function (message) {
+    if (message.type === "subscribed" || message.type === "fleet.changed" || message.type === "jobs.job_updated") { refresh(); }
+  });
+})();
