@@ -18,7 +18,7 @@
       type: "heatmap", z: h[metric], x: h.x, y: h.y, text: h.text,
       hovertemplate: "%{text}<br>" + (metric === "allocated" ? "allocated" : "used") + ": %{z:.0%}<extra></extra>",
       zmin: 0, zmax: 1, xgap: 2, ygap: 2, hoverongaps: false,
-      colorscale: metric === "allocated" ? "Blues" : "Greens",
+      colorscale: metric === "allocated" ? [[0, "#eef2fa"], [1, "#1d47b8"]] : [[0, "#eef7ef"], [1, "#1f6f3a"]],
       colorbar: {tickformat: ".0%", thickness: 12}
     };
     if (cells <= 128) { trace.texttemplate = "%{z:.0%}"; }
