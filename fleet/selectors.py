@@ -1,6 +1,7 @@
 """Selectors: reads of the fleet. Everything here aggregates in the database; nothing
 loops over devices in Python, so a 100k-accelerator fleet costs a few queries."""
-from django.db.models import Avg, Count, Q
+from django.db.models import Avg, Count, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce
 
 from fleet.models import Accelerator, Node, node_token_hash
 
@@ -20,9 +21,12 @@ def node_list(*, filters=None):
     """Returns nodes with their cluster/region and device counts, filtered by any of
     region (name), cluster (id), state."""
     filters = filters or {}
+    # Correlated subqueries, not Count() over a join: the page's COUNT(*) then skips them
+    # (Django strips unused non-aggregate annotations), and only the page's rows pay.
+    per_node = Accelerator.objects.filter(node=OuterRef("pk")).order_by().values("node")
     nodes = Node.objects.select_related("cluster", "cluster__region").annotate(
-        accelerator_count=Count("accelerators", distinct=True),
-        healthy_count=Count("accelerators", filter=Q(accelerators__healthy=True), distinct=True),
+        accelerator_count=Coalesce(Subquery(per_node.annotate(n=Count("id")).values("n")), 0),
+        healthy_count=Coalesce(Subquery(per_node.filter(healthy=True).annotate(n=Count("id")).values("n")), 0),
     )
     if filters.get("region"):
         nodes = nodes.filter(cluster__region__name=filters["region"])
