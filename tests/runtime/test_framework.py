@@ -4,6 +4,7 @@ parameters, optimizer and scheduler state equal (torch.equal) to an uninterrupte
 Scripts that cannot be resumed correctly must be refused, never resumed wrong."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from runtime import framework
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "framework_scripts"
@@ -192,26 +195,44 @@ def test_optimizers_built_in_another_order_are_refused(tmp_path):
     _refused(proc, "optimizer #1 differs from the checkpoint")
 
 
-def test_a_world_size_mismatch_is_refused(tmp_path, checkpoint_at_8):
-    proc = _run(MLP, ["--out", tmp_path / "o.pt"], MERIDIAN_RESUME=checkpoint_at_8,
-                WORLD_SIZE=2, RANK=0)
-    _refused(proc, "has world size 1, this job runs 2")
+def test_a_world_size_mismatch_is_refused(checkpoint_at_8):
+    with pytest.raises(framework.UnresumableScript, match="has world size 1, this job runs 2"):
+        framework.FrameworkTracker(rank=0, world_size=2, resume_dir=checkpoint_at_8)
 
 
 def test_a_missing_rank_is_refused(tmp_path, checkpoint_at_8):
-    proc = _run(MLP, ["--out", tmp_path / "o.pt"], MERIDIAN_RESUME=tmp_path / "nothing-here")
-    _refused(proc, "rank-0")
+    with pytest.raises(framework.UnresumableScript, match="rank-0.*missing"):
+        framework.FrameworkTracker(rank=0, world_size=1, resume_dir=tmp_path / "nothing-here")
+    # a rank whose folder was not copied along
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_at_8, ckpt)
+    os.rename(ckpt / "rank-0", ckpt / "rank-7")
+    with pytest.raises(framework.UnresumableScript, match="rank-0"):
+        framework.FrameworkTracker(rank=0, world_size=1, resume_dir=ckpt)
 
 
 def test_a_corrupt_rank_file_is_refused_naming_the_file(tmp_path, checkpoint_at_8):
-    import shutil
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint_at_8, ckpt)
     state = ckpt / "rank-0" / "state.pt"
     payload = bytearray(state.read_bytes())
     payload[len(payload) // 2] ^= 0xFF
     state.write_bytes(bytes(payload))
+    with pytest.raises(framework.UnresumableScript, match="state.pt is corrupt: sha256"):
+        framework.FrameworkTracker(rank=0, world_size=1, resume_dir=ckpt)
+    # and the process path says so before the script runs
     _refused(_run(MLP, ["--out", tmp_path / "o.pt"], MERIDIAN_RESUME=ckpt), "state.pt")
+
+
+def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path, checkpoint_at_8):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_at_8, ckpt)
+    manifest = ckpt / "rank-0" / "MANIFEST.json"
+    fields = json.loads(manifest.read_text())
+    fields["engine"] = "criu"
+    manifest.write_text(json.dumps(fields))
+    with pytest.raises(framework.UnresumableScript, match="engine 'criu'"):
+        framework.FrameworkTracker(rank=0, world_size=1, resume_dir=ckpt)
 
 
 def test_random_draws_between_step_and_the_next_batch_refuse_the_checkpoint(tmp_path):
