@@ -16,7 +16,8 @@ starts, elastic jobs grow: the most placement work), and a "contended" fleet (~9
 pending Premium/Standard jobs shrink and preempt Basic ones: the victim-selection path).
 
 Printed per row: accelerators, jobs running / pending, tick median ms over 5 ticks of the
-same snapshot, decisions per second, peak memory of one tick (tracemalloc), and at the end
+same snapshot (wall clock, and CPU time of this process: on a shared machine the CPU time is
+the steadier measure of "one core"), decisions per second, peak memory of one tick (tracemalloc), and at the end
 the fitted exponent of tick time vs accelerators (1.0 = linear) for the mixed rows.
 """
 from __future__ import annotations
@@ -182,16 +183,21 @@ def _ranges(size: np.ndarray) -> np.ndarray:
 
 
 def measure(snapshot: Snapshot, repeats: int = 5):
-    times, plan = [], None
+    """Returns (median wall s, median CPU s, plan, peak traced bytes, median seconds per phase)."""
+    walls, cpus, phases, plan = [], [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        plan = schedule(snapshot)
-        times.append(time.perf_counter() - t0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = schedule(snapshot, timer=time.perf_counter)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        phases.append(plan.phase_seconds)
     tracemalloc.start()
     schedule(snapshot)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return statistics.median(times), plan, peak
+    names = sorted({name for p in phases for name in p})
+    phase_median = {name: statistics.median(p.get(name, 0.0) for p in phases) for name in names}
+    return statistics.median(walls), statistics.median(cpus), plan, peak, phase_median
 
 
 def main(argv=None) -> int:
@@ -207,11 +213,11 @@ def main(argv=None) -> int:
     trace = load_trace(args.trace)
     print(f"job mix: {trace[3]}")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, one core, median of 5 ticks\n")
-    header = (f"{'fleet':<10} {'accelerators':>12} {'running':>8} {'pending':>8} {'tick ms':>9} "
+    header = (f"{'fleet':<10} {'accelerators':>12} {'running':>8} {'pending':>8} {'tick ms':>9} {'cpu ms':>8} "
               f"{'busy':>5} {'decisions':>9} {'decisions/s':>11} {'peak MiB':>9}  plan")
     print(header)
     print("-" * len(header))
-    fit_x, fit_y = [], []
+    fit_x, fit_y, phase_rows = [], [], []
     for n in sizes:
         for label, busy in (("mixed", None), ("contended", 0.98)):
             if busy is not None and args.no_contended:
@@ -220,15 +226,19 @@ def main(argv=None) -> int:
             running = int((snap.jobs.state == RUNNING).sum())
             pending = len(snap.jobs) - running
             busy_pct = 100.0 * np.count_nonzero(snap.accelerators.holder >= 0) / n
-            median, plan, peak = measure(snap)
+            median, cpu, plan, peak, phase_median = measure(snap)
             summary = plan.summary()
             decisions = len(plan.decisions)
-            print(f"{label:<10} {n:>12,} {running:>8,} {pending:>8,} {median * 1000:>9.1f} {busy_pct:>4.0f}% {decisions:>9,} "
+            print(f"{label:<10} {n:>12,} {running:>8,} {pending:>8,} {median * 1000:>9.1f} {cpu * 1000:>8.1f} {busy_pct:>4.0f}% {decisions:>9,} "
                   f"{decisions / median:>11,.0f} {peak / 2**20:>9.1f}  "
                   + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+            phase_rows.append((label, n, phase_median))
             if busy is None:
                 fit_x.append(np.log(n))
                 fit_y.append(np.log(median))
+    print("\nmedian ms per phase (Plan.phase_seconds; 4 and 6 run inline for the head of the line):")
+    for label, n, phase_median in phase_rows:
+        print(f"  {label:<10} {n:>10,}  " + "  ".join(f"{k} {v * 1000:.0f}" for k, v in phase_median.items()))
     if len(fit_x) >= 2:
         slope = np.polyfit(fit_x, fit_y, 1)[0]
         print(f"\nfitted exponent of tick time vs accelerators (mixed rows): {slope:.2f} (1.0 = linear)")

@@ -280,7 +280,6 @@ class PolicySettings:
     allow_borrowing: bool = True  # a team may exceed its quota on idle devices (first reclaimed)
     max_preemptions_per_tick: int = 256  # victims (preempted + shrunk) at most per tick
     max_defrag_migrations_per_tick: int = 16  # jobs moved to defragment, at most per tick
-    max_victim_scan: int = 4096  # candidate victims examined per preemptor and region, at most
 
     def __post_init__(self):
         if not 0.0 <= self.standard_sla_floor <= 1.0:

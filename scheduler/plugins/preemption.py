@@ -41,6 +41,15 @@ REASON_BUDGET_SPENT = "preemption budget spent"  # wait reason: PolicySettings.m
 GROUP_RECLAIM, GROUP_SHRINK, GROUP_PREEMPT, GROUP_APPROVAL = 0, 1, 2, 3
 
 
+def _job_regions(tick, cand: np.ndarray) -> np.ndarray:
+    """Returns the region of each job in `cand` (jobs never span regions), from the tick's holders."""
+    holder = tick.state.holder
+    held = np.flatnonzero(holder >= 0)
+    region = np.full(tick.state.n_jobs, -1, np.int64)
+    region[holder[held]] = tick.snapshot.accelerators.region[held]
+    return region[cand]
+
+
 class SlaPreemption:
     """Finds the cheapest set of shrinks/preemptions that makes a job fit, and applies it."""
 
@@ -81,7 +90,7 @@ class SlaPreemption:
                                  f"making room needs more victims than the per-tick budget of "
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
-        self._apply(tick, j, actions, rows, region, need)
+        n_pre, n_shrink = self._apply(tick, j, actions, rows, region, need)
         placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
@@ -89,8 +98,6 @@ class SlaPreemption:
                                  "preemption frees room in the region but not within one "
                                  + ("node", "rack", "cluster", "region")[int(jobs.max_spread[j])])
         tick.give(j, placement.devices)
-        n_pre = sum(1 for r in rows if actions["group"][r] != GROUP_SHRINK)
-        n_shrink = len(rows) - n_pre
         tick.decisions.append(Start(
             job=j, job_id=int(jobs.ids[j]), devices=tuple(placement.devices.tolist()),
             code=REASON_PLACED_BY_PREEMPTION,
@@ -100,113 +107,118 @@ class SlaPreemption:
         return True
 
     # --- computing (no side effects) -------------------------------------------------------
-    def _actions(self, tick, j: int):
-        """Returns the candidate actions against other jobs as arrays, or None if there are none."""
-        snap, jobs, settings = tick.snapshot, tick.snapshot.jobs, tick.snapshot.settings
-        state = tick.state
-        k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        held = np.flatnonzero((state.alloc > 0) & (tick.usable_alloc > 0))
-        cand = held[(jobs.type_id[held] == k) & ~tick.touched[held]]
-        reclaim = tick.borrower[cand] & (jobs.team[cand] != team)
-        lower = jobs.tier[cand] > tier
-        cand, reclaim = cand[reclaim | lower], reclaim[reclaim | lower]
-        if cand.size == 0:
-            return None
-        if cand.size > settings.max_victim_scan:
-            # keep the cheapest (lowest tier first, least lost work) to bound the work per preemptor
-            cost = tick.lost_work_seconds(cand)
-            keep = np.lexsort((cost, -jobs.tier[cand]))[:settings.max_victim_scan]
-            keep.sort()
-            cand, reclaim = cand[keep], reclaim[keep]
-        c_tier = jobs.tier[cand]
+    @staticmethod
+    def _candidates(tick, k: int) -> dict:
+        """Returns per-tick facts about the jobs holding type k, in two presorted orders.
+
+        Computed once per type and tick; a call then only masks out jobs touched since (a
+        touched job is never a victim again in the same tick) and those the preemptor may not
+        take, which keeps each preemptor's cost linear with a small constant.
+        """
+        cache = tick.__dict__.setdefault("_preemption_candidates", {})
+        if k in cache:
+            return cache[k]
+        snap, jobs, settings, state = tick.snapshot, tick.snapshot.jobs, tick.snapshot.settings, tick.state
+        cand = np.flatnonzero((state.alloc > 0) & (tick.usable_alloc > 0) & (jobs.type_id == k) & ~tick.touched)
+        tier = jobs.tier[cand].astype(np.int64)
         ideal = jobs.ideal_device_seconds[cand]
         fraction = np.where(ideal > 0, jobs.attained_device_seconds[cand] / np.where(ideal > 0, ideal, 1), 1.0)
-        approved = jobs.preemption_approved[cand]
-        needs_approval = ~approved & ((c_tier == PREMIUM) | ((c_tier == STANDARD) &
-                                                             (fraction < settings.standard_sla_floor)))
-        recent = (snap.now - jobs.last_start_time[cand]) < settings.min_run_seconds
-        alloc = state.alloc[cand]
-        usable = tick.usable_alloc[cand]
-        region = self._regions(tick, cand)
-        lost = tick.lost_work_seconds(cand)
-        ckpt = jobs.checkpoint_bytes[cand].astype(np.float64)
-        # smallest allowed count of each candidate: the largest divisor-gap shrink possible
-        min_count = tick.min_count[cand]
+        facts = dict(
+            job=cand, tier=tier, team=jobs.team[cand], borrower=tick.borrower[cand],
+            needs_approval=~jobs.preemption_approved[cand] & (
+                (tier == PREMIUM) | ((tier == STANDARD) & (fraction < settings.standard_sla_floor))),
+            recent=(snap.now - jobs.last_start_time[cand]) < settings.min_run_seconds,
+            usable=tick.usable_alloc[cand],
+            shrink=np.minimum(state.alloc[cand] - tick.min_count[cand], tick.usable_alloc[cand]),
+            region=_job_regions(tick, cand),
+            lost=tick.lost_work_seconds(cand),
+            ckpt=jobs.checkpoint_bytes[cand].astype(np.float64),
+        )
+        ids = jobs.ids[cand]
+        # preemption order: Basic first, least lost work, smallest checkpoint, id
+        by_cost = np.lexsort((ids, facts["ckpt"], facts["lost"], -tier))
+        # shrink order: Basic first, biggest release first, id
+        by_release = np.lexsort((ids, -facts["shrink"], -tier))
+        cache[k] = ({name: col[by_cost] for name, col in facts.items()},
+                    {name: col[by_release] for name, col in facts.items()})
+        return cache[k]
 
-        rows = []
-        # 0. reclaim borrowed (whole job), unless that needs an approval
-        g0 = reclaim & ~needs_approval & ~recent
-        rows.append((cand[g0], np.full(g0.sum(), GROUP_RECLAIM), usable[g0], lost[g0], region[g0], c_tier[g0], ckpt[g0]))
-        # 1. shrink elastic lower-tier jobs (no approval needed, not borrowers)
-        shrinkable = ~reclaim & ~needs_approval & (alloc > min_count)
-        release = np.minimum(alloc - min_count, usable)
-        g1 = shrinkable & (release > 0)
-        rows.append((cand[g1], np.full(g1.sum(), GROUP_SHRINK), release[g1], -release[g1].astype(np.float64),
-                     region[g1], c_tier[g1], ckpt[g1]))
-        # 2. preempt lower-tier jobs: what a shrink did not already release
-        g2 = ~reclaim & ~needs_approval & ~recent
-        rest = usable - np.where(g1, release, 0)
-        rows.append((cand[g2], np.full(g2.sum(), GROUP_PREEMPT), rest[g2], lost[g2], region[g2], c_tier[g2], ckpt[g2]))
-        # 3. preemptions that need an approval
-        g3 = needs_approval & ~recent
-        rows.append((cand[g3], np.full(g3.sum(), GROUP_APPROVAL), usable[g3], lost[g3], region[g3], c_tier[g3], ckpt[g3]))
-        cols = [np.concatenate([r[i] for r in rows]) for i in range(7)]
-        names = ("job", "group", "release", "cost", "region", "tier", "ckpt")
-        actions = dict(zip(names, cols))
-        keep = actions["release"] > 0
-        if not keep.any():
+    def _actions(self, tick, j: int):
+        """Returns the candidate actions for job j as arrays sorted by (region, group, cost),
+        or None if there are none."""
+        jobs = tick.snapshot.jobs
+        k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
+        by_cost, by_release = self._candidates(tick, k)
+        if by_cost["job"].size == 0:
             return None
-        return {name: col[keep] for name, col in actions.items()}
-
-    @staticmethod
-    def _regions(tick, cand: np.ndarray) -> np.ndarray:
-        """Returns the region of each candidate job (vectorised over the devices they hold)."""
-        if not hasattr(tick, "_job_region"):
-            holder = tick.state.holder
-            held = np.flatnonzero(holder >= 0)
-            region = np.full(tick.state.n_jobs, -1, np.int64)
-            region[holder[held]] = tick.snapshot.accelerators.region[held]
-            tick._job_region = region  # untouched jobs keep their region all tick
-        return tick._job_region[cand]
+        # groups 0 (reclaim borrowed), 2 (preempt), 3 (needs approval), in cost order
+        live = ~tick.touched[by_cost["job"]]
+        reclaim = by_cost["borrower"] & (by_cost["team"] != team)
+        lower = by_cost["tier"] > tier
+        base = live & (reclaim | lower) & ~by_cost["recent"]
+        protected = by_cost["needs_approval"]
+        group = np.where(protected, GROUP_APPROVAL, np.where(reclaim, GROUP_RECLAIM, GROUP_PREEMPT))
+        pick = np.flatnonzero(base)
+        # group 1 (shrink), in release order
+        live_b = ~tick.touched[by_release["job"]]
+        shrinkable = (live_b & (by_release["tier"] > tier) & ~(by_release["borrower"] & (by_release["team"] != team))
+                      & ~by_release["needs_approval"] & (by_release["shrink"] > 0))
+        pick_b = np.flatnonzero(shrinkable)
+        if pick.size == 0 and pick_b.size == 0:
+            return None
+        # a preemption after a shrink of the same job releases only what the shrink left
+        shrunk_first = (group == GROUP_PREEMPT) & (by_cost["tier"] > tier) & (by_cost["shrink"] > 0)
+        release = np.where(shrunk_first, by_cost["usable"] - by_cost["shrink"], by_cost["usable"])
+        actions = {
+            "job": np.concatenate((by_cost["job"][pick], by_release["job"][pick_b])),
+            "group": np.concatenate((group[pick], np.full(pick_b.size, GROUP_SHRINK))),
+            "release": np.concatenate((release[pick], by_release["shrink"][pick_b])),
+            "cost": np.concatenate((by_cost["lost"][pick], np.zeros(pick_b.size))),
+            "region": np.concatenate((by_cost["region"][pick], by_release["region"][pick_b])),
+        }
+        keep = actions["release"] > 0
+        key = actions["region"] * 4 + actions["group"]
+        order = np.argsort(key[keep].astype(np.int32), kind="stable")  # stable: keeps cost order
+        rows = np.flatnonzero(keep)[order]
+        if rows.size == 0:
+            return None
+        return {name: col[rows] for name, col in actions.items()}
 
     def _choose(self, tick, j: int, actions: dict, need: int, with_approval: bool):
-        """Returns (region, action rows in order) of the cheapest way to free `need`, or None."""
+        """Returns (region, action rows in order) of the cheapest way to free `need`, or None.
+
+        `actions` are sorted by (region, group, cost); the region needing the fewest
+        preemptions, then the least lost work, then the fewest actions, wins.
+        """
         k = int(tick.snapshot.jobs.type_id[j])
-        sel = np.ones(actions["job"].size, np.bool_) if with_approval else actions["group"] != GROUP_APPROVAL
-        idx = np.flatnonzero(sel)
+        idx = np.arange(actions["job"].size) if with_approval else \
+            np.flatnonzero(actions["group"] != GROUP_APPROVAL)
         if idx.size == 0:
             return None
         region = actions["region"][idx]
         free = tick.state.region_free(k)
-        order = np.lexsort((actions["job"][idx], actions["ckpt"][idx], actions["cost"][idx],
-                            -actions["tier"][idx], actions["group"][idx], region))
-        idx, region = idx[order], region[order]
         release = actions["release"][idx]
         is_preempt = (actions["group"][idx] != GROUP_SHRINK).astype(np.int64)
         lost = np.where(is_preempt == 1, actions["cost"][idx], 0.0)
-        cum = np.cumsum(release)
-        cum_pre = np.cumsum(is_preempt)
-        cum_lost = np.cumsum(lost)
         first = np.r_[True, region[1:] != region[:-1]]
         start = np.maximum.accumulate(np.where(first, np.arange(idx.size), 0))
 
         def within_region(c):  # running totals restarted at each region's first row
+            c = np.cumsum(c)
             return c - np.where(start > 0, c[start - 1], 0)
 
-        freed = within_region(cum)
-        reached = freed + free[region] >= need
+        reached = within_region(release) + free[region] >= need
         if not reached.any():
             return None
         hit = np.flatnonzero(reached)
         hit_region, first_hit = np.unique(region[hit], return_index=True)
         ends = hit[first_hit]
-        n_pre = within_region(cum_pre)[ends]
-        lost_total = within_region(cum_lost)[ends]
+        n_pre = within_region(is_preempt)[ends]
+        lost_total = within_region(lost)[ends]
         n_rows = ends - start[ends] + 1
         best = np.lexsort((hit_region, n_rows, lost_total, n_pre))[0]
         end = int(ends[best])
-        rows = idx[int(start[end]):end + 1]
-        return int(hit_region[best]), [int(r) for r in rows]
+        return int(hit_region[best]), [int(r) for r in idx[int(start[end]):end + 1]]
 
     # --- acting ---------------------------------------------------------------------------
     def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int) -> None:
@@ -214,6 +226,7 @@ class SlaPreemption:
         jobs = tick.snapshot.jobs
         k = int(jobs.type_id[j])
         preempted = {int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK}
+        n_pre = n_shrink = 0
         for r in rows:
             missing = need - int(tick.state.region_free(k)[region])
             if missing <= 0:
@@ -231,6 +244,7 @@ class SlaPreemption:
                     job=v, job_id=int(jobs.ids[v]), devices=tuple(keep.tolist()), code=REASON_SHRUNK,
                     reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}"))
                 tick.victims_used += 1
+                n_shrink += 1
             elif group != GROUP_SHRINK:
                 tick.take(v, devices)
                 code = REASON_RECLAIMED if group == GROUP_RECLAIM else REASON_PREEMPTED
@@ -243,6 +257,8 @@ class SlaPreemption:
                     released=tuple(devices.tolist())))
                 tick.requeued[v] = (code, f"{why}; back in line, resumes from step {step} or later")
                 tick.victims_used += 1
+                n_pre += 1
+        return n_pre, n_shrink
 
     @staticmethod
     def _keep_after_shrink(tick, v: int, keep_count: int) -> np.ndarray:

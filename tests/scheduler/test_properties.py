@@ -68,16 +68,22 @@ def snapshots(draw):
     tier = rng.choice([PREMIUM, STANDARD, BASIC], n_jobs)
     jtype = rng.integers(0, n_types, n_jobs)
     now = 100_000.0
+    spread = rng.choice([0, 1, 2, 3, 3, 3, 3, 3], n_jobs)
     holder = np.full(n_dev, -1, np.int32)
     state = np.zeros(n_jobs, np.int8)
-    dev_type, dev_region = np.asarray(type_id), np.asarray(region)
+    dev_type = np.asarray(type_id)
+    levels = (np.asarray(node), np.asarray(rack), np.asarray(cluster), np.asarray(region))
     for j in range(n_jobs):
         if rng.random() < 0.6:
+            # a running job on a valid set: an allowed count, one region, within its max_spread
             counts = allowed_counts(int(world[j]), int(min_dev[j]))
             c = int(rng.choice(counts))
-            r = int(rng.integers(0, n_regions))
-            free = np.flatnonzero((holder == -1) & (dev_type == jtype[j]) & (dev_region == r))
-            if free.size >= c:
+            column = levels[int(spread[j])]
+            ok = (holder == -1) & (dev_type == jtype[j])
+            entities, sizes = np.unique(column[ok], return_counts=True)
+            entities = entities[sizes >= c]
+            if entities.size:
+                free = np.flatnonzero(ok & (column == rng.choice(entities)))
                 holder[rng.choice(free, c, replace=False)] = j
                 state[j] = RUNNING
     acc = Accelerators(type_id=type_id, node=node, rack=rack, cluster=cluster, region=region,
@@ -91,7 +97,7 @@ def snapshots(draw):
         checkpoint_bytes=rng.integers(0, 10**10, n_jobs),
         last_start_time=np.where(state == RUNNING, now - rng.random(n_jobs) * 2000, -np.inf),
         preemption_approved=rng.random(n_jobs) < 0.15,
-        max_spread=rng.choice([0, 1, 2, 3, 3, 3, 3, 3], n_jobs))
+        max_spread=spread)
     teams = Teams(names=[f"t{i}" for i in range(n_teams)], quota=quota, decayed_usage=decayed)
     policy_settings = PolicySettings(min_run_seconds=float(rng.choice([0, 600, 1200])),
                                      allow_borrowing=bool(rng.random() < 0.7),
