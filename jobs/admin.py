@@ -2,7 +2,7 @@
 state read-only so nobody bypasses the state machine)."""
 from django.contrib import admin
 
-from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team
+from jobs.models import Checkpoint, ControlLoopLease, Job, JobEvent, Membership, PreemptionRequest, Replica, Team
 
 
 class MembershipInline(admin.TabularInline):
@@ -79,3 +79,15 @@ class PreemptionRequestAdmin(admin.ModelAdmin):
     list_select_related = ["job", "decided_by"]
     # Decisions go through the approvals API/page so permissions and events apply.
     readonly_fields = ["state", "decided_by", "decided_at"]
+
+
+@admin.register(ControlLoopLease)
+class ControlLoopLeaseAdmin(admin.ModelAdmin):
+    """Read-only: the lease is claimed by conditional updates in jobs.tick; editing it by
+    hand could let two ticks apply plans at once."""
+
+    list_display = ["name", "holder", "expires_at", "last_tick_at"]
+    readonly_fields = ["name", "holder", "expires_at", "last_tick_at", "last_tick_stats"]
+
+    def has_add_permission(self, request):
+        return False
