@@ -17,6 +17,7 @@ the job's index. Which rank runs on which of those devices is the runtime's busi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -219,6 +220,7 @@ class Jobs:
         return dataclasses.replace(self, **changes)
 
 
+@functools.lru_cache(maxsize=4096)
 def allowed_counts(world_size: int, min_devices: int) -> tuple[int, ...]:
     """Returns the divisors of world_size that are >= min_devices, largest first.
 

@@ -100,6 +100,13 @@ class WorkingState:
                                  minlength=self.n_entities[level] * self.k)
             self.capacity.append(counts.reshape(self.n_entities[level], self.k))
 
+        self._node_device_start_list = self.node_device_start.tolist()
+        by_node_type = self.type_id[self.devices_by_node]
+        by_node_node = self.node[self.devices_by_node]
+        mixed = (by_node_type[1:] != by_node_type[:-1]) & (by_node_node[1:] == by_node_node[:-1])
+        single = np.ones(n_nodes, np.bool_)
+        single[by_node_node[1:][mixed]] = False
+        self._node_single_type = single.tolist()  # one accelerator type on the node
         # entities of each level per region, for region-restricted searches
         self.region_entities = []
         n_regions = self.n_entities[LEVEL_REGION]
@@ -159,7 +166,8 @@ class WorkingState:
         `max_level`. At each level it picks the entity with the fewest free devices that
         still fit (best fit, so big holes stay big), lowest index on ties; within a rack,
         cluster or region it fills the fullest-free nodes first. `region` restricts the
-        search; `blocked_nodes` (bool per node) are skipped.
+        search; `blocked_nodes` (bool per node) are skipped; `prefer_nodes` (node ids) are
+        tried first at the node level and filled first within a rack, cluster or region.
         """
         if d <= 0:
             return Placement(np.empty(0, np.int64), LEVEL_NODE)
@@ -218,7 +226,7 @@ class WorkingState:
         if cand.size == 0:
             return None
         if prefer_nodes is not None and level == LEVEL_NODE:
-            preferred = cand[prefer_nodes[cand]]
+            preferred = cand[np.isin(cand, prefer_nodes)]
             if preferred.size:
                 cand = preferred
         entity = int(cand[np.argmin(col[cand])])
@@ -230,7 +238,7 @@ class WorkingState:
         keep = node_free > 0
         nodes, node_free = nodes[keep], node_free[keep]
         if prefer_nodes is not None:
-            order = np.lexsort((nodes, -node_free, ~prefer_nodes[nodes]))
+            order = np.lexsort((nodes, -node_free, ~np.isin(nodes, prefer_nodes)))
         else:
             order = np.lexsort((nodes, -node_free))
         nodes, node_free = nodes[order], node_free[order]
@@ -241,14 +249,18 @@ class WorkingState:
         return Placement(self._pick_devices(nodes.tolist(), takes.tolist(), k), level)
 
     def _pick_devices(self, nodes, takes, k) -> np.ndarray:
+        """Returns the first `take` free devices of type k on each node, ascending."""
         picked = []
+        starts = self._node_device_start_list
         for node, take in zip(nodes, takes):
-            start, end = self.node_device_start[node], self.node_device_start[node + 1]
-            devs = self.devices_by_node[start:end]
-            devs = devs[self.free[devs] & (self.type_id[devs] == k)]
+            devs = self.devices_by_node[starts[node]:starts[node + 1]]
+            if self._node_single_type[node]:
+                devs = devs[self.free[devs]]
+            else:
+                devs = devs[self.free[devs] & (self.type_id[devs] == k)]
             picked.append(devs[:take])
         if len(picked) == 1:
-            return np.sort(picked[0])
+            return picked[0]  # devices_by_node is ascending within a node
         return np.sort(np.concatenate(picked)) if picked else np.empty(0, np.int64)
 
     # --- changing ----------------------------------------------------------------------
@@ -257,7 +269,7 @@ class WorkingState:
         if devs.size == 0:
             return
         nodes, types = self.node[devs], self.type_id[devs]
-        if nodes.min() == nodes.max() and types.min() == types.max():
+        if devs.size == 1 or ((nodes == nodes[0]).all() and (types == types[0]).all()):
             groups = [(int(nodes[0]), int(types[0]), int(devs.size))]
         else:
             keys, counts = np.unique(nodes * self.k + types, return_counts=True)

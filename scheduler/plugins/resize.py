@@ -85,7 +85,5 @@ class GrowIntoIdle:
             use = (before < extra) & (own_free > 0)
             takes = np.minimum(own_free[use], extra - before[use])
             return state._pick_devices(nodes[use].tolist(), takes.tolist(), k)
-        prefer = np.zeros(state.n_nodes, np.bool_)
-        prefer[nodes] = True
-        found = state.find(k, extra, SPREAD_REGION, region=region, prefer_nodes=prefer)
+        found = state.find(k, extra, SPREAD_REGION, region=region, prefer_nodes=nodes)
         return None if found is None else found.devices
