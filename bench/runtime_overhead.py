@@ -28,13 +28,17 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def run_plain(ranks, out, script_args):
-    port = free_port()
+def run_plain(ranks, out, script_args, pinned=False, script=SCRIPT, store_port=None):
+    port = store_port or free_port()
+    cores = sorted(os.sched_getaffinity(0))
     processes = []
     for rank in range(ranks):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        processes.append(subprocess.Popen([sys.executable, SCRIPT, out] + script_args, env=env))
+        command = [sys.executable, script, out] + script_args
+        if pinned:  # the same placement meridian-run gives rank r with --devices W
+            command = ["taskset", "-c", str(cores[rank % len(cores)])] + command
+        processes.append(subprocess.Popen(command, env=env))
     codes = [p.wait() for p in processes]
     if any(codes):
         raise SystemExit(f"plain torch run failed: exit codes {codes}")
@@ -72,7 +76,8 @@ def main():
     if "criu" in engines and not criu.check_available()[0]:
         print(f"(criu row skipped: {criu.check_available()[1]})")
         engines.remove("criu")
-    variants = ["plain torch (gloo)"] + [f"meridian-run, {e} engine" for e in engines]
+    variants = ["plain torch (gloo)", "plain torch, pinned like meridian"] + \
+        [f"meridian-run, {e} engine" for e in engines]
     results = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="meridian-bench-") as workdir:
         for repeat in range(options.repeats):
@@ -80,7 +85,7 @@ def main():
             for variant in variants:
                 out = os.path.join(workdir, f"out-{repeat}-{len(results[variant])}-{variant[:5]}.json")
                 if variant.startswith("plain"):
-                    run_plain(options.ranks, out, script_args)
+                    run_plain(options.ranks, out, script_args, pinned="pinned" in variant)
                 else:
                     run_meridian(options.ranks, out, script_args, variant.split(", ")[1].split()[0],
                                  workdir)
@@ -94,6 +99,29 @@ def main():
         median = statistics.median(values)
         print(f"{variant:<32} {median * 1e3:9.3f} {min(values) * 1e3:8.3f} "
               f"{max(values) * 1e3:8.3f} {100 * (median / base - 1):8.1f}%")
+
+
+    micro(options)
+
+
+def micro(options):
+    """Second table: the collectives alone, interleaved inside the same processes."""
+    import torch.distributed as dist
+    floats = sum(p for p in [64 * options.width + options.width, 2 * (options.width ** 2 + options.width),
+                             options.width + 1])
+    server = dist.TCPStore("127.0.0.1", 0, options.ranks, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="meridian-micro-") as workdir:
+        out = os.path.join(workdir, "micro.json")
+        run_plain(options.ranks, out, ["--floats", str(floats), "--iters", "300"],
+                  script=os.path.join(ROOT, "bench", "runtime_scripts", "collective_micro.py"),
+                  store_port=server.port)
+        with open(out) as handle:
+            medians = json.load(handle)
+    print(f"\ncollectives alone, W={options.ranks}, one DDP bucket of {floats} float32 "
+          f"(the MLP's gradients), 300 interleaved iterations, medians")
+    print(f"{'collective':<34} {'ms':>8}")
+    for name, seconds in medians.items():
+        print(f"{name:<34} {seconds * 1e3:8.3f}")
 
 
 if __name__ == "__main__":

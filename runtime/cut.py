@@ -3,13 +3,16 @@
 Singularity's barrier. After every optimizer step (a step listener of the tracker) each rank
 contributes two numbers to a tiny meta-allreduce through the inner group:
 
-    need  1 when this rank has seen a pending cut request whose at_step has been reached
+    need  1 when this rank has seen a pending cut request that is due at the next step
     ack   the request id this rank acknowledges (0 when need is 0)
 
-Since all ranks take part in the same allreduce after the same step, they all see the same
-sums: if any rank needs the barrier, every rank cuts right after this step, and all agree on
-the request (ack / need is the id; the launcher issues one request at a time, so a mismatch is
-reported as an error rather than guessed). Integer sums are exact in any order.
+The allreduce is started after step s and waited for after step s+1, so it travels while step
+s+1 computes (a synchronous one costs a round trip per step). Since all ranks take part in the
+same allreduce, they all see the same sums: if any rank needed the barrier, every rank cuts
+right after step s+1, and all agree on the request (ack / need is the id; the launcher issues one
+request at a time, so a mismatch is reported as an error rather than guessed). Integer sums are
+exact in any order. A request with at_step=k cuts after step k (after step 2 at the earliest),
+or as soon as possible when it arrives later.
 
 Requests reach the ranks through ``<spool>/request.json``; reading it costs one stat() per step
 unless it changed. A single-process job needs no allreduce: its cut is local.
@@ -24,13 +27,13 @@ from runtime import vpg
 class CutBarrier:
     """A step listener; calls on_cut(request, step) on every rank at the same step."""
 
-    def __init__(self, *, spool, on_cut, every=1):
+    def __init__(self, *, spool, on_cut):
         self.request_path = pathlib.Path(spool) / "request.json"
         self.on_cut = on_cut
-        self.every = max(1, int(every))
         self.handled_id = 0
         self._seen_stat = None
         self._request = None
+        self._pending = None
 
     def _pending_request(self, *, force=False):
         try:
@@ -47,17 +50,29 @@ class CutBarrier:
         return request
 
     def __call__(self, step):
-        if step % self.every:
-            return
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            need_sum, ack_sum = pending.wait()
+            if need_sum:
+                self._cut(need_sum, ack_sum, step)
+                return
         request = self._pending_request()
-        need = 1 if request is not None and step >= int(request.get("at_step") or 0) else 0
-        need_sum, ack_sum = vpg.meta_allreduce([need, int(request["id"]) if need else 0])
-        if need_sum == 0:
-            return
+        due = request is not None and step + 1 >= int(request.get("at_step") or 0)
+        self._pending = vpg.meta_allreduce_async([1 if due else 0,
+                                                  int(request["id"]) if due else 0])
+
+    def drain(self):
+        """Waits for the in-flight meta-allreduce (before the inner group closes at the end)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _cut(self, need_sum, ack_sum, step):
         if ack_sum % need_sum:
             raise RuntimeError(f"consistent cut: ranks acknowledged different requests "
                                f"(sum of ids {ack_sum} over {need_sum} ranks)")
         request_id = ack_sum // need_sum
+        request = self._pending_request()
         if request is None or int(request["id"]) != request_id:
             request = self._pending_request(force=True)
         if request is None or int(request["id"]) != request_id:

@@ -190,7 +190,8 @@ def main(argv=None):
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())
     tracker.add_step_listener(runtime.on_step)
-    tracker.add_step_listener(cut.CutBarrier(spool=spool, on_cut=runtime.on_cut))
+    barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut)
+    tracker.add_step_listener(barrier)
 
     script = os.path.abspath(options.script)
     sys.argv = [script] + list(options.args)
@@ -202,6 +203,8 @@ def main(argv=None):
     spool_files.write_json_atomic(os.path.join(rank_dir, "finished.json"),
                                   {"rank": rank, "step": tracker.step})
     group = vpg.current_group()
+    if group is not None and group.inner is not None:
+        barrier.drain()
     if group is not None:
         group.close_inner()
     sys.stdout.flush()

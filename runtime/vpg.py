@@ -121,6 +121,12 @@ class VirtualProcessGroup(dist.ProcessGroup):
         return self.inner
 
     def close_inner(self):
+        # An in-flight meta-allreduce keeps the old communicator (and its sockets) alive, and
+        # every rank started it: finish it first.
+        pending = _state.get("pending_meta")
+        if pending is not None:
+            pending.wait()
+            _state["pending_meta"] = None
         if self.inner is not None:
             self.inner.close()
             self.inner = None
@@ -218,6 +224,37 @@ def meta_allreduce(values):
     finally:
         group._hooks.after_collective()
     return tensor.tolist()
+
+
+class _Pending:
+    """An in-flight meta-allreduce; wait() returns the summed values."""
+
+    def __init__(self, tensor, work, hooks):
+        self.tensor, self.work, self.hooks = tensor, work, hooks
+
+    def wait(self):
+        if self.work is not None:
+            self.hooks.before_collective()
+            try:
+                self.work.wait()
+            finally:
+                self.hooks.after_collective()
+            self.work = None
+        return self.tensor.tolist()
+
+
+def meta_allreduce_async(values):
+    """Starts the same sum as meta_allreduce without waiting; returns a handle with wait().
+
+    Lets the cut's flags travel while the next step computes (the barrier decides one step
+    later). Every rank must wait() its handle before the inner group is closed."""
+    group = _state["group"]
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if group is None or group._world_size == 1:
+        return _Pending(tensor, None, None)
+    handle = _Pending(tensor, group.ensure_inner().pg.allreduce([tensor]), group._hooks)
+    _state["pending_meta"] = handle
+    return handle
 
 
 def current_group():
