@@ -129,6 +129,7 @@ class SnapshotIndex:
     accelerator_node_ids: np.ndarray  # int64[N]: Node.pk of device i
     job_rows: list  # dicts of the Job rows in snapshot order
     region_ids: list  # Region.pk of snapshot region index r
+    hostnames: dict = field(default_factory=dict)  # Node.pk -> hostname
     seconds: dict = field(default_factory=dict)
 
 
@@ -146,7 +147,8 @@ def snapshot_build(*, now):
     A handful of queries whatever the fleet's size (values_list, no model instances per device).
     """
     t0 = time.perf_counter()
-    nodes = list(Node.objects.order_by("id").values_list("id", "cluster_id", "cluster__region_id", "rack", "state"))
+    nodes = list(Node.objects.order_by("id").values_list("id", "cluster_id", "cluster__region_id", "rack", "state",
+                                                         "hostname"))
     node_pos = {row[0]: i for i, row in enumerate(nodes)}
     acc = Accelerator.objects.order_by("id").values_list("id", "node_id", "type", "healthy")
     acc_ids, acc_node, acc_type, acc_healthy = (list(x) for x in zip(*acc)) if acc.exists() else ([], [], [], [])
@@ -237,7 +239,7 @@ def snapshot_build(*, now):
     return SnapshotIndex(
         snapshot=snap, accelerator_ids=np.asarray(acc_ids, np.int64),
         accelerator_node_ids=np.asarray(acc_node, np.int64), job_rows=in_tick + moving,
-        region_ids=region_ids, seconds={"snapshot_queries": t1 - t0, "snapshot_arrays": t2 - t1},
+        region_ids=region_ids, hostnames={r[0]: r[5] for r in nodes}, seconds={"snapshot_queries": t1 - t0, "snapshot_arrays": t2 - t1},
     )
 
 
@@ -255,7 +257,8 @@ def _place_replicas(*, job, device_ids):
 
 
 def _nodes_of(index, devices):
-    return sorted({int(index.accelerator_node_ids[d]) for d in devices})
+    """Returns the hostnames of the nodes holding snapshot devices `devices`."""
+    return sorted({index.hostnames[int(index.accelerator_node_ids[d])] for d in devices})
 
 
 def plan_apply(*, index, plan, now):

@@ -1,0 +1,94 @@
+"""The agent's HTTP client for the control plane's agent API (/api/agent/), with retries.
+
+Every call retries transient failures (connection errors, timeouts, 5xx, 429) with exponential
+backoff and full jitter (delay = uniform(0, min(cap, base * 2**attempt))), so a thousand agents
+coming back after an outage do not knock the control plane over in step. A 401 (unknown or
+revoked token) raises TokenRejected at once: the caller re-registers; other 4xx raise
+ControlPlaneError with the server's message.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import requests
+
+log = logging.getLogger("agent.client")
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane refused a request (4xx) or could not be reached within the retries."""
+
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        self.status = status
+
+
+class TokenRejected(ControlPlaneError):
+    """401: the node token is unknown or revoked."""
+
+
+def backoff_delay(attempt, *, base=0.5, cap=30.0, rng=random):
+    """Returns seconds to wait before retry `attempt` (0-based): full jitter, capped."""
+    return rng.uniform(0.0, min(cap, base * (2 ** attempt)))
+
+
+class ControlPlaneClient:
+    def __init__(self, url, *, token=None, timeout_s=30.0, retries=6, backoff_cap_s=30.0, session=None):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_cap_s = backoff_cap_s
+        self.session = session or requests.Session()
+
+    def _request(self, method, path, *, json=None, auth=None, retries=None):
+        url = f"{self.url}/api/agent/{path}"
+        headers = {"Authorization": auth or f"Node {self.token}"}
+        retries = self.retries if retries is None else retries
+        last = None
+        for attempt in range(retries + 1):
+            try:
+                response = self.session.request(method, url, json=json, headers=headers, timeout=self.timeout_s)
+            except requests.RequestException as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 300:
+                    return response.json()
+                detail = _detail(response)
+                if response.status_code == 401:
+                    raise TokenRejected(f"{method} {path}: 401 {detail}", 401)
+                if response.status_code < 500 and response.status_code != 429:
+                    raise ControlPlaneError(f"{method} {path}: {response.status_code} {detail}", response.status_code)
+                last = f"{response.status_code} {detail}"
+            if attempt < retries:
+                delay = backoff_delay(attempt, cap=self.backoff_cap_s)
+                log.warning("%s %s failed (%s); retry %d/%d in %.1f s", method, path, last, attempt + 1, retries, delay)
+                time.sleep(delay)
+        raise ControlPlaneError(f"{method} {path}: gave up after {retries + 1} attempts: {last}")
+
+    def register(self, *, enrollment_token, hostname, region, cluster, devices, rack="", agent_version=""):
+        """Returns {"node_id", "token", "heartbeat_seconds"}; remembers the token."""
+        answer = self._request("POST", "register/", auth=f"Enroll {enrollment_token}", json={
+            "hostname": hostname, "region": region, "cluster": cluster, "rack": rack,
+            "devices": devices, "agent_version": agent_version})
+        self.token = answer["token"]
+        return answer
+
+    def heartbeat(self, *, telemetry, jobs, retries=None):
+        """Returns {"accepted", "rejected", "desired", "heartbeat_seconds"}."""
+        return self._request("POST", "heartbeat/", json={"telemetry": telemetry, "jobs": jobs}, retries=retries)
+
+    def desired(self):
+        return self._request("GET", "desired/")
+
+
+def _detail(response):
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300]
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return str(body)[:300]

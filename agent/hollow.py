@@ -1,0 +1,173 @@
+"""Hollow nodes (like Kubemark): N simulated nodes in one process, for scale tests.
+
+Each hollow node registers like a real one (its own token), heartbeats with telemetry, fetches
+its desired state and "runs" its jobs by a model instead of processes: a job on d devices
+advances `steps_per_device_second * d` steps per second, checkpoints every
+`checkpoint_every_s`, stops with a checkpoint when it is no longer desired, and finishes at the
+job's total_steps (from its args `--steps N` when given). Everything it sends goes through the
+same agent API as a real agent.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected
+
+log = logging.getLogger("agent.hollow")
+
+
+def total_steps_of(entry):
+    args = [str(a) for a in entry.get("args", [])]
+    for flag in ("--steps", "--total-steps"):
+        if flag in args and args.index(flag) + 1 < len(args):
+            try:
+                return int(args[args.index(flag) + 1])
+            except ValueError:
+                return None
+    return None
+
+
+class HollowJob:
+    def __init__(self, entry, now):
+        self.job_id = int(entry["job_id"])
+        self.devices = int(entry["devices"])
+        self.step = float(entry.get("last_checkpoint_step") or 0)
+        self.total_steps = total_steps_of(entry)
+        self.checkpointed_at = now
+        self.checkpoint = None
+        self.state = "running"
+
+
+class HollowNode:
+    def __init__(self, hostname, *, devices, device_type, client, steps_per_device_second=1.0,
+                 checkpoint_every_s=60.0):
+        self.hostname = hostname
+        self.devices = devices
+        self.device_type = device_type
+        self.client = client
+        self.rate = steps_per_device_second
+        self.checkpoint_every_s = checkpoint_every_s
+        self.jobs: dict[int, HollowJob] = {}
+        self.last_beat = None
+
+    def register(self, enrollment_token, region, cluster):
+        self.client.register(enrollment_token=enrollment_token, hostname=self.hostname, region=region,
+                             cluster=cluster, devices=[{"type": self.device_type}] * self.devices,
+                             agent_version="meridian-agent/hollow")
+
+    def _advance(self, now):
+        dt = 0.0 if self.last_beat is None else now - self.last_beat
+        self.last_beat = now
+        for job in self.jobs.values():
+            if job.state != "running":
+                continue
+            job.step += self.rate * job.devices * dt
+            if job.total_steps is not None and job.step >= job.total_steps:
+                job.step = float(job.total_steps)
+                job.state = "finished"
+            elif now - job.checkpointed_at >= self.checkpoint_every_s:
+                self._checkpoint(job, now)
+
+    def _checkpoint(self, job, now):
+        job.checkpointed_at = now
+        step = int(job.step)
+        job.checkpoint = {"step": step, "uri": f"hollow://{self.hostname}/{job.job_id}/{step}",
+                          "bytes": 1 << 20, "engine": "framework"}
+
+    def observed(self):
+        out = []
+        for job in self.jobs.values():
+            entry = {"job_id": job.job_id, "state": job.state, "step": int(job.step), "devices": job.devices,
+                     "steps_per_s": self.rate * job.devices}
+            if job.checkpoint:
+                entry["checkpoint"] = job.checkpoint
+            out.append(entry)
+        return out
+
+    def telemetry(self):
+        busy = sum(j.devices for j in self.jobs.values() if j.state == "running")
+        utilization = min(1.0, busy / max(1, self.devices))
+        return {"utilization": utilization, "memory_used_gb": None}
+
+    def beat(self, now=None):
+        """One heartbeat: advance the model, report, reconcile. Returns the number of jobs reported."""
+        now = time.monotonic() if now is None else now
+        self._advance(now)
+        observed = self.observed()
+        answer = self.client.heartbeat(telemetry=self.telemetry(), jobs=observed, retries=2)
+        accepted = set(answer.get("accepted", []))
+        for job_id in list(self.jobs):
+            if self.jobs[job_id].state in ("finished", "stopped") and job_id in accepted:
+                del self.jobs[job_id]
+        desired = {int(e["job_id"]): e for e in answer["desired"]["jobs"]}
+        for job_id, job in self.jobs.items():
+            if job.state == "running" and job_id not in desired:
+                self._checkpoint(job, now)  # stop at a consistent cut
+                job.state = "stopped"
+            elif job.state == "running" and int(desired[job_id]["devices"]) != job.devices:
+                job.devices = int(desired[job_id]["devices"])  # resize
+        for job_id, entry in desired.items():
+            if job_id not in self.jobs and entry.get("action") == "run":
+                self.jobs[job_id] = HollowJob(entry, now)
+        return len(observed)
+
+
+class HollowFleet:
+    """N hollow nodes heartbeating through a thread pool. run() loops until stop_event."""
+
+    def __init__(self, options, stop_event, *, nodes_per_cluster=64, clusters_per_region=4):
+        self.options = options
+        self.stop_event = stop_event
+        self.interval = options.interval or 10.0
+        self.local = threading.local()
+        self.nodes = []
+        for i in range(options.hollow):
+            client = ControlPlaneClient(options.control_plane, session=requests.Session(), retries=3)
+            node = HollowNode(f"{options.hollow_prefix}-{i:06d}", devices=options.hollow_devices,
+                              device_type=options.hollow_type, client=client,
+                              checkpoint_every_s=options.checkpoint_every)
+            cluster = i // nodes_per_cluster
+            node.region = f"{options.hollow_prefix}-r{cluster // clusters_per_region}"
+            node.cluster = f"{options.hollow_prefix}-c{cluster}"
+            self.nodes.append(node)
+        self.stats = {"heartbeats": 0, "failures": 0, "jobs_reported": 0}
+
+    def register_all(self, threads=None):
+        with ThreadPoolExecutor(threads or self.options.hollow_threads) as pool:
+            list(pool.map(lambda n: n.register(self.options.enroll_token, n.region, n.cluster), self.nodes))
+
+    def beat_all(self, threads=None):
+        """One heartbeat from every node; returns (seconds, failures)."""
+        began = time.perf_counter()
+        failures = 0
+
+        def one(node):
+            try:
+                return node.beat()
+            except (TokenRejected, ControlPlaneError) as exc:
+                log.warning("%s: heartbeat failed: %s", node.hostname, exc)
+                return None
+
+        with ThreadPoolExecutor(threads or self.options.hollow_threads) as pool:
+            for result in pool.map(one, self.nodes):
+                if result is None:
+                    failures += 1
+                else:
+                    self.stats["jobs_reported"] += result
+        self.stats["heartbeats"] += len(self.nodes) - failures
+        self.stats["failures"] += failures
+        return time.perf_counter() - began, failures
+
+    def run(self):
+        self.register_all()
+        log.info("%d hollow nodes registered", len(self.nodes))
+        while not self.stop_event.is_set():
+            seconds, failures = self.beat_all()
+            log.info("%d heartbeats in %.2f s (%d failed)", len(self.nodes), seconds, failures)
+            self.stop_event.wait(max(0.0, self.interval - seconds))
+        return 0

@@ -1,0 +1,165 @@
+"""meridian-agent: the node agent. No Django: it talks to the control plane over HTTP only.
+
+    meridian-agent --control-plane URL (--enroll-token T | --token NODE_TOKEN)
+                   [--devices auto|cpu:N] [--hostname H] [--region R] [--cluster C] [--rack K]
+                   [--work-dir DIR] [--engine auto|criu|framework] [--checkpoint-every S]
+    meridian-agent --control-plane URL --enroll-token T --hollow N [--devices cpu:8 | --hollow-type H100-80GB]
+
+--enroll-token registers the node (hostname, devices) and stores the node token it gets in
+<work dir>/node-token (mode 600); a restarted agent reuses it and registers again only when the
+control plane answers 401. --token uses a node token issued by `manage.py fleet_node_token`
+for a node already described in the database.
+
+Environment: MERIDIAN_CONTROL_PLANE, MERIDIAN_AGENT_ENROLL_TOKEN, MERIDIAN_AGENT_TOKEN,
+MERIDIAN_AGENT_WORK_DIR stand in for the flags.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+
+from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected, backoff_delay
+from agent.devices import DeviceError, Devices, hostname_default
+
+log = logging.getLogger("agent")
+AGENT_VERSION = "meridian-agent/0.1"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="meridian-agent", description="Meridian node agent")
+    p.add_argument("--control-plane", default=os.environ.get("MERIDIAN_CONTROL_PLANE"),
+                   help="control plane base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--enroll-token", default=os.environ.get("MERIDIAN_AGENT_ENROLL_TOKEN"),
+                   help="enrollment token (MERIDIAN_AGENT_ENROLLMENT_TOKEN of the control plane)")
+    p.add_argument("--token", default=os.environ.get("MERIDIAN_AGENT_TOKEN"),
+                   help="a node token issued by `manage.py fleet_node_token` (instead of enrolling)")
+    p.add_argument("--devices", default="auto", help="auto (NVML) or cpu:N")
+    p.add_argument("--hostname", default=None)
+    p.add_argument("--region", default="local")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--rack", default="")
+    p.add_argument("--work-dir", default=os.environ.get("MERIDIAN_AGENT_WORK_DIR"),
+                   help="job directories, spool and the node token (default ./meridian-agent-<hostname>)")
+    p.add_argument("--engine", default="auto", choices=["auto", "criu", "framework"],
+                   help="checkpoint engine for meridian-run")
+    p.add_argument("--checkpoint-every", type=float, default=60.0,
+                   help="seconds between periodic checkpoints of each running job (0 = never)")
+    p.add_argument("--interval", type=float, default=None,
+                   help="heartbeat seconds (default: what the control plane says)")
+    p.add_argument("--workload-root", default=None, help="relative entrypoints resolve here (default cwd)")
+    p.add_argument("--hollow", type=int, default=0, help="simulate N nodes in this process (scale tests)")
+    p.add_argument("--hollow-type", default="CPU", help="accelerator type of hollow nodes")
+    p.add_argument("--hollow-devices", type=int, default=8, help="devices per hollow node")
+    p.add_argument("--hollow-prefix", default="hollow", help="hostname prefix of hollow nodes")
+    p.add_argument("--hollow-threads", type=int, default=16, help="concurrent heartbeats of hollow nodes")
+    p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
+    options = p.parse_args(argv)
+    if not options.control_plane:
+        p.error("--control-plane URL is required (or MERIDIAN_CONTROL_PLANE)")
+    if not options.token and not options.enroll_token:
+        p.error("pass --enroll-token (to register this node) or --token (a node token)")
+    return options
+
+
+class Agent:
+    def __init__(self, options, stop_event):
+        from agent.node import NodeReconciler
+
+        self.options = options
+        self.stop_event = stop_event
+        self.hostname = options.hostname or hostname_default()
+        self.work_dir = pathlib.Path(options.work_dir or f"meridian-agent-{self.hostname}").absolute()
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.devices = Devices(options.devices)
+        self.client = ControlPlaneClient(options.control_plane)
+        self.token_path = self.work_dir / "node-token"
+        self.interval = options.interval or 5.0
+        self.reconciler = NodeReconciler(self.work_dir, engine=options.engine,
+                                         checkpoint_every_s=options.checkpoint_every,
+                                         workload_root=options.workload_root)
+        self.desired_jobs = []
+
+    def register(self):
+        if self.options.token and not self.options.enroll_token:
+            self.client.token = self.options.token
+            return
+        answer = self.client.register(
+            enrollment_token=self.options.enroll_token, hostname=self.hostname, region=self.options.region,
+            cluster=self.options.cluster, rack=self.options.rack, devices=self.devices.describe(),
+            agent_version=AGENT_VERSION)
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(answer["token"])
+        if not self.options.interval:
+            self.interval = float(answer.get("heartbeat_seconds") or self.interval)
+        log.info("registered %s as node %s with %d device(s)", self.hostname, answer["node_id"], self.devices.count)
+
+    def start(self):
+        saved = self.token_path.read_text().strip() if self.token_path.exists() else ""
+        if saved:
+            self.client.token = saved
+        else:
+            self.register()
+
+    def beat(self):
+        telemetry = self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs))
+        observed = self.reconciler.observed()
+        try:
+            answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
+        except TokenRejected:
+            if not self.options.enroll_token:
+                raise
+            log.warning("node token rejected; registering again")
+            self.register()
+            answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
+        if not self.options.interval and answer.get("heartbeat_seconds"):
+            self.interval = float(answer["heartbeat_seconds"])
+        self.reconciler.forget_reported(set(answer.get("accepted", [])))
+        for rejected in answer.get("rejected", []):
+            log.warning("control plane rejected the report on job %s: %s", rejected.get("job_id"), rejected.get("error"))
+        self.desired_jobs = answer["desired"]["jobs"]
+        self.reconciler.reconcile(self.desired_jobs)
+
+    def run(self):
+        self.start()
+        failures = 0
+        while not self.stop_event.is_set():
+            began = time.monotonic()
+            try:
+                self.beat()
+                failures = 0
+                wait = self.interval
+            except ControlPlaneError as exc:
+                failures += 1
+                wait = max(self.interval, backoff_delay(failures, base=1.0, cap=60.0))
+                log.warning("heartbeat failed (%s); next try in %.1f s", exc, wait)
+            self.stop_event.wait(max(0.0, wait - (time.monotonic() - began)))
+        return 0
+
+
+def main(argv=None):
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=options.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop_event = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: stop_event.set())
+    try:
+        if options.hollow:
+            from agent.hollow import HollowFleet
+
+            return HollowFleet(options, stop_event).run()
+        return Agent(options, stop_event).run()
+    except (DeviceError, ControlPlaneError) as exc:
+        print(f"meridian-agent: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The reconciler of one real node: drives the runtime (meridian-run) toward the desired state.
+
+Level-triggered: every heartbeat the agent reports what it observes and receives what it
+should run; `reconcile(desired)` then
+  1. stops (checkpoint at a consistent cut, then exit) every local job that is not desired here;
+  2. resizes a running job whose desired device count differs (replica splicing);
+  3. launches desired jobs that are not running, once no stop is in progress on the node,
+     restoring the newest checkpoint of the job's store when it has one;
+  4. checkpoints running jobs every `checkpoint_every_s`.
+Slow control calls (stop, checkpoint, resize) run in a thread per job, one at a time per job,
+so the heartbeat never blocks on a barrier.
+
+Everything needed to observe a job is on disk, in its job directory under <work dir>/j/:
+launcher.json (pid), progress.json (step), events.jsonl (checkpoints, stopped/finished/failed),
+control.sock. A restarted agent re-adopts the launchers still running there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+from runtime.control import JobControl, JobControlError
+
+log = logging.getLogger("agent.node")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TERMINAL_EVENTS = {"finished": "finished", "stopped": "stopped", "failed": "failed"}
+
+
+def read_json(path, default=None):
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def read_events(job_dir):
+    try:
+        lines = (pathlib.Path(job_dir) / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line while the launcher writes it
+    return events
+
+
+def pid_alive(pid):
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as dead
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class LocalJob:
+    """One launcher this agent started or adopted."""
+
+    def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0):
+        self.job_id = int(job_id)
+        self.job_dir = pathlib.Path(job_dir)
+        self.popen = popen
+        self.pid = pid or (popen.pid if popen else None)
+        self.devices = devices
+        self.world_size = world_size
+        self.control = JobControl(self.job_dir)
+        self.busy = None  # name of the control call in flight ("stop", "checkpoint", "resize")
+        self.stop_requested = False
+        self.last_checkpoint_at = time.monotonic()
+        self.error = None
+        self.reported_final = False
+
+    def alive(self):
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return pid_alive(self.pid)
+
+    def outcome(self):
+        """Returns None while running, else "finished" / "stopped" / "failed"."""
+        if self.alive():
+            return None
+        for event in reversed(read_events(self.job_dir)):
+            if event.get("event") in TERMINAL_EVENTS:
+                return TERMINAL_EVENTS[event["event"]]
+        return "failed"
+
+    def last_checkpoint(self):
+        for event in reversed(read_events(self.job_dir)):
+            if event.get("event") == "checkpoint" and event.get("checkpoint"):
+                return {"step": event.get("step"), "uri": event["checkpoint"], "bytes": event.get("bytes") or 0,
+                        "engine": event.get("engine") or "framework"}
+        return None
+
+    def observed(self):
+        progress = read_json(self.job_dir / "progress.json", {}) or {}
+        outcome = self.outcome()
+        entry = {"job_id": self.job_id, "state": outcome or ("running" if progress.get("state") == "running"
+                                                             else "starting"),
+                 "step": progress.get("step"), "steps_per_s": progress.get("steps_per_s"),
+                 "devices": progress.get("devices") or self.devices, "engine": progress.get("engine")}
+        checkpoint = self.last_checkpoint()
+        if checkpoint:
+            entry["checkpoint"] = checkpoint
+        if outcome == "failed":
+            entry["error"] = self.error or self.failure_text()
+            entry["exit_code"] = self.popen.returncode if self.popen is not None else None
+        return entry
+
+    def failure_text(self):
+        for event in reversed(read_events(self.job_dir)):
+            if event.get("event") == "failed":
+                return str(event.get("error"))[:2000]
+        try:
+            tail = (self.job_dir / "launcher.err").read_text(errors="replace")[-2000:]
+        except OSError:
+            tail = ""
+        return "the launcher exited without saying why" + (f":\n{tail}" if tail else "")
+
+
+class NodeReconciler:
+    def __init__(self, work_dir, *, engine="auto", checkpoint_every_s=60.0, workload_root=None,
+                 python=sys.executable):
+        self.work_dir = pathlib.Path(work_dir).absolute()
+        self.jobs_dir = self.work_dir / "j"
+        self.spool_root = self.work_dir / "spool"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.spool_root.mkdir(parents=True, exist_ok=True)
+        self.engine = engine
+        self.checkpoint_every_s = checkpoint_every_s
+        self.workload_root = pathlib.Path(workload_root or os.getcwd()).absolute()
+        self.python = python
+        self.jobs: dict[int, LocalJob] = {}
+        self.lock = threading.Lock()
+        self.adopt()
+
+    # --- adoption ------------------------------------------------------------------------------
+    def adopt(self):
+        """Re-adopts launchers still running in job dirs (after an agent restart)."""
+        for job_dir in sorted(self.jobs_dir.iterdir()):
+            info = read_json(job_dir / "launcher.json") or read_json(job_dir / "agent.json")
+            meta = read_json(job_dir / "agent.json") or {}
+            if not info or not pid_alive(info.get("pid")):
+                continue
+            job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
+            self.jobs[job_id] = LocalJob(job_id, job_dir, pid=info["pid"], devices=meta.get("devices", 0),
+                                         world_size=meta.get("world_size", 0))
+            log.info("re-adopted job %s (pid %s) in %s", job_id, info["pid"], job_dir)
+
+    # --- observation ---------------------------------------------------------------------------
+    def observed(self):
+        with self.lock:
+            return [job.observed() for job in self.jobs.values()]
+
+    def busy_device_indices(self, desired_jobs):
+        return sorted({i for entry in desired_jobs for i in entry.get("device_indices", [])
+                       if int(entry["job_id"]) in self.jobs})
+
+    def forget_reported(self, accepted_ids):
+        """Drops jobs whose final state the control plane has accepted."""
+        with self.lock:
+            for job_id in list(self.jobs):
+                job = self.jobs[job_id]
+                if job_id in accepted_ids and job.outcome() is not None and job.busy is None:
+                    del self.jobs[job_id]
+
+    # --- reconcile ------------------------------------------------------------------------------
+    def reconcile(self, desired_jobs):
+        desired = {int(e["job_id"]): e for e in desired_jobs}
+        with self.lock:
+            for job_id, job in list(self.jobs.items()):
+                if job.outcome() is not None:
+                    continue
+                if job_id not in desired and not job.stop_requested and job.busy is None:
+                    self._call(job, "stop")
+            stopping = any(j.stop_requested and j.outcome() is None for j in self.jobs.values())
+            for job_id, entry in desired.items():
+                job = self.jobs.get(job_id)
+                if entry.get("action") != "run":
+                    continue
+                if job is not None and job.outcome() is None:
+                    if job.stop_requested or not (job.job_dir / "control.sock").exists():
+                        continue  # stopping, or its launcher is not serving commands yet
+                    if int(entry["devices"]) != job.devices and job.busy is None:
+                        self._call(job, "resize", int(entry["devices"]))
+                    elif (job.busy is None and self.checkpoint_every_s > 0
+                          and time.monotonic() - job.last_checkpoint_at > self.checkpoint_every_s):
+                        self._call(job, "checkpoint")
+                    continue
+                if job is not None and job.outcome() in ("finished", "failed") and not job.reported_final:
+                    continue  # report the outcome before anything else
+                if stopping:
+                    continue  # its devices may still be held by a job that is stopping
+                self.launch(entry)
+
+    def _call(self, job, action, *args):
+        job.busy = action
+        if action == "stop":
+            job.stop_requested = True
+
+        def run():
+            try:
+                if action == "stop":
+                    job.control.stop(timeout_s=300)
+                elif action == "checkpoint":
+                    job.control.checkpoint(timeout_s=300)
+                elif action == "resize":
+                    answer = job.control.resize(args[0], timeout_s=300)
+                    job.devices = int(answer["devices"])
+                    self._write_meta(job)
+            except (JobControlError, OSError, ValueError) as exc:
+                if job.alive():
+                    log.warning("job %s: %s failed: %s", job.job_id, action, exc)
+                if action == "stop" and job.alive():
+                    job.stop_requested = False  # retried on the next reconcile
+            finally:
+                job.last_checkpoint_at = time.monotonic()
+                job.busy = None
+
+        threading.Thread(target=run, daemon=True, name=f"job{job.job_id}-{action}").start()
+
+    def _write_meta(self, job):
+        (job.job_dir / "agent.json").write_text(json.dumps({
+            "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid}))
+
+    def launch(self, entry):
+        job_id = int(entry["job_id"])
+        store = pathlib.Path(entry["store"])
+        store.mkdir(parents=True, exist_ok=True)
+        resume = any(p.name.startswith("ckpt-") and (p / "MANIFEST.json").exists() for p in store.iterdir())
+        generation = 1 + sum(1 for p in self.jobs_dir.glob(f"{job_id}.*"))
+        job_dir = self.jobs_dir / f"{job_id}.{generation}"
+        job_dir.mkdir(parents=True)
+        entrypoint = pathlib.Path(entry["entrypoint"])
+        if not entrypoint.is_absolute():
+            entrypoint = self.workload_root / entrypoint
+        command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry["world_size"]),
+                   "--devices", str(entry["devices"]), "--engine", self.engine, "--job-dir", str(job_dir),
+                   "--job-id", f"j{job_id}-{generation}-{os.getpid()}", "--store", str(store)]
+        if resume:
+            command.append("--resume")
+        command += [str(entrypoint)] + [str(a) for a in entry.get("args", [])]
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in (entry.get("env") or {}).items()})
+        env["MERIDIAN_SPOOL_ROOT"] = str(self.spool_root)
+        env["MERIDIAN_JOB_ID"] = str(job_id)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        with open(job_dir / "launcher.err", "wb") as err:
+            # A session of its own: the job outlives an agent restart (and is re-adopted).
+            popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        job = LocalJob(job_id, job_dir, popen=popen, devices=int(entry["devices"]),
+                       world_size=int(entry["world_size"]))
+        self._write_meta(job)
+        self.jobs[job_id] = job
+        log.info("job %s: launched %s on %s device(s)%s", job_id, entrypoint.name, entry["devices"],
+                 " (restoring its newest checkpoint)" if resume else "")
+
+    def shutdown(self):
+        """Leaves the jobs running (a restarted agent re-adopts them); reaps nothing."""

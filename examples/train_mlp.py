@@ -1,0 +1,67 @@
+"""A tiny, ordinary PyTorch training script (nothing in it knows about Meridian).
+
+    train_mlp.py [--out PATH] [--epochs E] [--step-sleep S] [--samples N]
+
+W ranks from the torchrun-style environment (gloo; W=1 works too): a small MLP with dropout,
+Adam, a shuffling DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the
+final parameters and optimizer state to --out. Meridian's runtime preempts, moves and resizes
+it transparently; its final parameters equal an uninterrupted run's.
+"""
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class NoisyPoints(Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x.sum(dim=1, keepdim=True) > 0).float()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]  # random augmentation
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend work per step")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    data = NoisyPoints(args.samples)
+    sampler = DistributedSampler(data, shuffle=True, seed=7)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    loss_fn = nn.BCEWithLogitsLoss()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+    if rank == 0 and args.out:
+        torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "optimizer": optimizer.state_dict()}, args.out)
+    print(f"rank {rank} done after {args.epochs} epochs", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

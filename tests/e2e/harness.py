@@ -1,0 +1,276 @@
+"""The end-to-end stack, for real: a private Redis, daphne (the ASGI app), a Celery worker and
+Celery beat, node agents (agent.main) that run jobs through the real runtime (meridian-run,
+framework engine). Talks to it only through the HTTP API, as users and agents do.
+
+Everything lives in one temp dir (SQLite file, Redis socket, agents' work dirs, the checkpoint
+store, training outputs) and is torn down by `ControlPlane.stop()`, which also kills (by pid)
+any launcher or rank process an agent left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+BIN = pathlib.Path(sys.executable).parent
+ENROLL = "e2e-enrollment-token"
+TRAIN = "examples/train_mlp.py"
+PASSWORDS = {"alice": "alice-demo-pass", "carol": "carol-demo-pass", "admin": "admin-demo-pass"}
+ENGINE = "framework"  # explicit: the e2e tests exercise the framework checkpoint engine
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(what, predicate, *, timeout, interval=0.25, on_timeout=None):
+    """Returns predicate()'s first truthy value; fails with `what` (and diagnostics) after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = on_timeout() if on_timeout else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{extra}")
+        time.sleep(interval)
+
+
+class ControlPlane:
+    def __init__(self, base_dir, *, env=None):
+        self.dir = pathlib.Path(base_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.processes = {}
+        self.agents = {}
+        self.redis = None
+        self.env = dict(os.environ)
+        self.env.update({
+            "MERIDIAN_DATA_DIR": str(self.dir / "data"),
+            "DATABASE_URL": f"sqlite:///{self.dir / 'data' / 'db.sqlite3'}",
+            "DJANGO_SETTINGS_MODULE": "portal.settings",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+            "MERIDIAN_AGENT_ENROLLMENT_TOKEN": ENROLL,
+            "MERIDIAN_TICK_SECONDS": "1",
+            "MERIDIAN_AGENT_HEARTBEAT_SECONDS": "1",
+            "MERIDIAN_MIN_RUN_SECONDS": "0",
+            "MERIDIAN_NODE_LOST_AFTER_SECONDS": "8",
+            "MERIDIAN_WORKFLOW_TIMEOUT_SECONDS": "120",
+            "MERIDIAN_CHECKPOINT_STORE": str(self.dir / "store"),
+            "MERIDIAN_LOG_LEVEL": "INFO",
+            "OMP_NUM_THREADS": "1",
+        })
+        self.env.pop("MERIDIAN_PROFILE", None)
+        self.env.update(env or {})
+        self.tokens = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self, *, template_db=None):
+        (self.dir / "data").mkdir(parents=True, exist_ok=True)
+        if not self.env.get("REDIS_URL"):
+            from portal.private_redis import PrivateRedis
+
+            self.redis = PrivateRedis(self.dir / "redis.sock").start()
+            self.env["REDIS_URL"] = self.redis.url
+        db = self.dir / "data" / "db.sqlite3"
+        if template_db:
+            shutil.copyfile(template_db, db)
+        else:
+            prepare_database(self.env)
+        self._spawn("web", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "portal.asgi:application"])
+        self._spawn("worker", [str(BIN / "celery"), "-A", "portal", "worker", "--loglevel", "INFO", "--pool", "solo",
+                               "--hostname", f"e2e-{self.port}@%h"])
+        self._spawn("beat", [str(BIN / "celery"), "-A", "portal", "beat", "--loglevel", "INFO",
+                             "--schedule", str(self.dir / "data" / "beat-schedule")])
+        poll("the web server", self._answers, timeout=90, on_timeout=self.logs)
+        return self
+
+    def _answers(self):
+        try:
+            return requests.get(f"{self.url}/api/schema/", timeout=5).status_code < 500 or True
+        except requests.RequestException:
+            return False
+
+    def _spawn(self, name, argv, *, env=None):
+        log = open(self.dir / f"{name}.log", "ab")
+        process = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.processes[name] = process
+        return process
+
+    def start_agent(self, hostname, *, devices=1, region="r1", cluster="c1", checkpoint_every=3.0):
+        work_dir = self.dir / "agents" / hostname
+        argv = [PYTHON, "-m", "agent.main", "--control-plane", self.url, "--enroll-token", ENROLL,
+                "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", region, "--cluster", cluster,
+                "--work-dir", str(work_dir), "--engine", ENGINE, "--checkpoint-every", str(checkpoint_every),
+                "--interval", "1", "--workload-root", str(ROOT)]
+        process = self._spawn(f"agent-{hostname}", argv)
+        self.agents[hostname] = (process, work_dir)
+        poll(f"agent {hostname} to register", lambda: (work_dir / "node-token").exists(), timeout=60,
+             on_timeout=lambda: self.logs(f"agent-{hostname}"))
+        return process
+
+    def kill_agent(self, hostname):
+        """SIGKILLs the agent process only (its jobs' launchers live in their own sessions)."""
+        process, _ = self.agents[hostname]
+        process.kill()
+        process.wait(timeout=10)
+
+    def job_pids(self, hostname=None):
+        """Returns pids of launchers and ranks started by agents (all, or one agent's)."""
+        pids = set()
+        for name, (_process, work_dir) in self.agents.items():
+            if hostname and name != hostname:
+                continue
+            for job_dir in (work_dir / "j").glob("*") if (work_dir / "j").exists() else []:
+                for file in ("launcher.json", "progress.json"):
+                    try:
+                        info = json.loads((job_dir / file).read_text())
+                    except (OSError, ValueError):
+                        continue
+                    pids.update(p for p in [info.get("pid")] + list(info.get("rank_pids") or []) if p)
+        return pids
+
+    def kill_job_processes(self, hostname=None):
+        for pid in self.job_pids(hostname):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self):
+        for name, process in list(self.processes.items()):
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait(timeout=10)
+        self.kill_job_processes()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def logs(self, *names, tail=3000):
+        out = []
+        for path in sorted(self.dir.glob("*.log")):
+            if names and path.stem not in names:
+                continue
+            out.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}")
+        return "\n".join(out)
+
+    # --- the user API ------------------------------------------------------------------------------
+    def token(self, user):
+        if user not in self.tokens:
+            answer = requests.post(f"{self.url}/api/auth/token/", data={"username": user, "password": PASSWORDS[user]},
+                                   timeout=30)
+            answer.raise_for_status()
+            self.tokens[user] = answer.json()["token"]
+        return self.tokens[user]
+
+    def api(self, method, path, *, user="alice", **kwargs):
+        response = requests.request(method, f"{self.url}/api/{path}", headers={"Authorization": f"Token {self.token(user)}"},
+                                    timeout=30, **kwargs)
+        return response
+
+    def submit(self, *, name, tier, world_size=1, min_devices=None, epochs=6, step_sleep=0.0, out=None, samples=256):
+        args = ["--epochs", str(epochs), "--samples", str(samples)]
+        if step_sleep:
+            args += ["--step-sleep", str(step_sleep)]
+        if out:
+            args += ["--out", str(out)]
+        spec = {"name": name, "tier": tier, "accelerator_type": "CPU", "world_size": world_size,
+                "min_devices": min_devices or world_size, "entrypoint": TRAIN, "args": args}
+        response = self.api("POST", "jobs/", json=spec)
+        assert response.status_code == 201, response.text
+        return response.json()["id"]
+
+    def job(self, job_id):
+        response = self.api("GET", f"jobs/{job_id}/", user="admin")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def events(self, job_id):
+        response = self.api("GET", f"jobs/{job_id}/events/?page_size=500", user="admin")
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return body["results"] if isinstance(body, dict) and "results" in body else body
+
+    def wait_state(self, job_id, states, *, timeout=180):
+        states = {states} if isinstance(states, str) else set(states)
+        return poll(f"job {job_id} to reach {sorted(states)}",
+                    lambda: (lambda j: j if j["state"] in states else None)(self.job(job_id)),
+                    timeout=timeout, on_timeout=lambda: self.diagnose(job_id))
+
+    def diagnose(self, *job_ids):
+        text = []
+        for job_id in job_ids:
+            try:
+                job = self.job(job_id)
+                text.append(json.dumps({k: job.get(k) for k in ("id", "name", "state", "wait_reason",
+                                                                 "progress_step", "last_checkpoint_step")}))
+                text += [f"  {e.get('type')} {e.get('from_state')}->{e.get('to_state')} {e.get('reason')}"
+                         for e in self.events(job_id)]
+            except Exception as exc:  # noqa: BLE001 - diagnostics only
+                text.append(f"could not read job {job_id}: {exc}")
+        return "\n".join(text) + "\n" + self.logs(tail=2500)
+
+    def nodes_of(self, job_id):
+        """Returns the hostnames the job was placed on, in order, from its placed/migrated events."""
+        hosts = []
+        for event in self.events(job_id):
+            if event.get("type") in ("placed", "migrated"):
+                hosts += (event.get("extra_data") or {}).get("nodes") or []
+        return hosts
+
+
+def prepare_database(env):
+    """Migrates the SQLite file named by env's DATABASE_URL and seeds the demo cast (no fleet)."""
+    for argv in ([PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"],
+                 [PYTHON, "manage.py", "shell", "-c", "from jobs.demo_cast import cast_create; cast_create()"]):
+        result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[1:3])} failed:\n{result.stdout}{result.stderr}")
+
+
+def load_state(path):
+    import torch
+
+    return torch.load(path, weights_only=False)
+
+
+def assert_same_parameters(expected_path, actual_path):
+    import torch
+
+    expected, actual = load_state(expected_path), load_state(actual_path)
+    assert expected["params"].keys() == actual["params"].keys()
+    for name, tensor in expected["params"].items():
+        assert torch.equal(tensor, actual["params"][name]), f"parameter {name} differs"
+    for index, state in expected["optimizer"]["state"].items():
+        for key, value in state.items():
+            other = actual["optimizer"]["state"][index][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, \
+                f"optimizer state {index}.{key} differs"

@@ -1,0 +1,133 @@
+"""End to end: real Redis, daphne, Celery worker and beat, node agents, the real runtime (framework
+checkpoint engine, named explicitly in harness.ENGINE) on CPU slots. Every wait polls with a
+deadline. Each test starts its own control plane from a migrated template database."""
+import json
+import pathlib
+
+import pytest
+from harness import assert_same_parameters, poll
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def restored_steps(plane, hostname):
+    """Returns the steps at which launchers on `hostname` restored a checkpoint (from their events)."""
+    steps = []
+    jobs_dir = plane.agents[hostname][1] / "j"
+    for events in sorted(jobs_dir.glob("*/events.jsonl")) if jobs_dir.exists() else []:
+        for line in events.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "restored":
+                steps.append((events.parent.name, event["step"]))
+    return steps
+
+
+def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identical_results(stack):
+    plane = stack()
+    plane.start_agent("n1", devices=1)
+    plane.start_agent("n2", devices=1)
+    out = pathlib.Path(plane.dir)
+    basic = {name: plane.submit(name=name, tier="basic", epochs=8, step_sleep=0.1, out=out / f"{name}.pt")
+             for name in ("basic-a", "basic-b")}
+    for job_id in basic.values():
+        poll(f"job {job_id} to run 20 steps", lambda j=job_id: plane.job(j)["progress_step"] >= 20,
+             timeout=180, on_timeout=lambda: plane.diagnose(*basic.values()))
+
+    premium = plane.submit(name="premium", tier="premium", epochs=24, step_sleep=0.1)
+    plane.wait_state(premium, "running", timeout=120)
+
+    victims = [j for j in basic.values() if plane.job(j)["preemption_count"] >= 1]
+    assert len(victims) == 1, plane.diagnose(premium, *basic.values())
+    victim = victims[0]
+    other = next(j for j in basic.values() if j != victim)
+    assert plane.job(victim)["state"] in {"preempting", "preempted"}
+    for job_id in (victim, other, premium):
+        plane.wait_state(job_id, "succeeded", timeout=300)
+
+    victim_job = plane.job(victim)
+    hosts = plane.nodes_of(victim)
+    assert len(hosts) == 2 and hosts[0] != hosts[1], plane.diagnose(victim)
+    assert plane.nodes_of(premium) == [hosts[0]]  # it took the victim's device
+    assert plane.job(other)["preemption_count"] == 0
+    # The victim restored the checkpoint it took when it was stopped, on the other node.
+    checkpointed = [e for e in plane.events(victim) if e["type"] == "checkpointed"]
+    assert checkpointed and victim_job["last_checkpoint_step"] >= 20
+    restored = restored_steps(plane, hosts[1])
+    assert restored and restored[-1][1] >= 20, restored
+    assert_same_parameters(out / f"{plane.job(other)['name']}.pt", out / f"{victim_job['name']}.pt")
+
+
+def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(stack):
+    # Any Standard job that waited even a moment is below a 0.99 floor: the preemption needs approval.
+    plane = stack(env={"MERIDIAN_STANDARD_SLA_FLOOR": "0.99"})
+    plane.start_agent("n1", devices=1)
+    standard = plane.submit(name="standard", tier="standard", epochs=14, step_sleep=0.1)
+    poll("the standard job to run", lambda: plane.job(standard)["progress_step"] >= 10, timeout=180,
+         on_timeout=lambda: plane.diagnose(standard))
+    premium = plane.submit(name="premium", tier="premium", epochs=2)
+
+    def pending_request():
+        body = plane.api("GET", "preemptions/?state=pending", user="carol").json()
+        rows = [r for r in body.get("results", body) if (r["job"]["id"] if isinstance(r["job"], dict) else r["job"]) == standard]
+        return rows[0] if rows else None
+
+    request = poll("a preemption request for the standard job", pending_request, timeout=60,
+                   on_timeout=lambda: plane.diagnose(standard, premium))
+
+    def still_running_after(steps_from, steps):
+        job = plane.job(standard)
+        assert job["state"] == "running", plane.diagnose(standard, premium)
+        assert plane.job(premium)["state"] == "pending"
+        return job["progress_step"] >= steps_from + steps
+
+    # Nothing happens while nobody decides: the standard job keeps training.
+    base = plane.job(standard)["progress_step"]
+    poll("the standard job to keep training", lambda: still_running_after(base, 15), timeout=120)
+    assert "approval" in plane.job(premium)["wait_reason"]
+
+    # alice (a member, not a capacity manager) may not approve.
+    assert plane.api("POST", f"preemptions/{request['id']}/approve/", user="alice", json={}).status_code in (403, 404)
+    denied = plane.api("POST", f"preemptions/{request['id']}/deny/", user="carol", json={"note": "deadline today"})
+    assert denied.status_code == 200, denied.text
+    base = plane.job(standard)["progress_step"]
+    poll("the denied job to keep training", lambda: still_running_after(base, 15), timeout=120)
+
+    again = poll("the next request", lambda: (lambda r: r if r and r["id"] != request["id"] else None)(pending_request()),
+                 timeout=60)
+    approved = plane.api("POST", f"preemptions/{again['id']}/approve/", user="carol", json={"note": "ok"})
+    assert approved.status_code == 200, approved.text
+    plane.wait_state(premium, "succeeded", timeout=180)
+    finished = plane.wait_state(standard, "succeeded", timeout=240)
+    assert finished["preemption_count"] == 1
+    types = [e["type"] for e in plane.events(standard)]
+    assert types.count("preemption_requested") >= 2 and "preemption_denied" in types and "preemption_approved" in types
+
+
+def test_a_killed_agent_loses_its_node_and_its_job_resumes_from_its_last_checkpoint_elsewhere(stack):
+    plane = stack()
+    plane.start_agent("n1", devices=1)
+    out = pathlib.Path(plane.dir)
+    job = plane.submit(name="survivor", tier="basic", epochs=8, step_sleep=0.1, out=out / "survivor.pt")
+    poll("a checkpoint past step 20", lambda: (plane.job(job)["last_checkpoint_step"] or 0) >= 20, timeout=180,
+         on_timeout=lambda: plane.diagnose(job))
+    plane.start_agent("n2", devices=1)
+    first_host = plane.nodes_of(job)[0]
+    assert first_host == "n1"
+
+    # The node dies: its agent is SIGKILLed, and so are the job's processes on it.
+    plane.kill_agent("n1")
+    plane.kill_job_processes("n1")
+    checkpoint_step = plane.job(job)["last_checkpoint_step"]
+
+    poll("the job to run on n2", lambda: plane.nodes_of(job)[-1:] == ["n2"], timeout=120,
+         on_timeout=lambda: plane.diagnose(job))
+    types = [e["type"] for e in plane.events(job)]
+    assert "node_lost" in types and "migrated" in types
+    plane.wait_state(job, "succeeded", timeout=240)
+    restored = restored_steps(plane, "n2")
+    assert restored and restored[0][1] == checkpoint_step, (restored, checkpoint_step)
+    # Nothing lost: the same result as an uninterrupted run of the same script.
+    reference = plane.submit(name="reference", tier="basic", epochs=8, out=out / "reference.pt")
+    plane.wait_state(reference, "succeeded", timeout=240)
+    assert plane.job(reference)["preemption_count"] == 0
+    assert_same_parameters(out / "reference.pt", out / "survivor.pt")
