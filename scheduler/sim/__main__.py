@@ -98,7 +98,7 @@ def main(argv=None):
             summary["approval_requests"] = policy.approval_requests
             extra = (f", core called {policy.plans} times ({policy.core_seconds:.1f} s), "
                      f"{policy.approval_requests} approval requests not granted")
-        print(f"  {name}: {result.wall_s:.1f} s wall, {result.passes} passes, "
+        print(f"  {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, {result.passes} passes, "
               f"{result.decisions} decisions, {result.failures} node failures{extra}", flush=True)
         results.append(result)
         summaries.append(summary)

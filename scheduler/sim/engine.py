@@ -199,6 +199,7 @@ class Engine:
         from .metrics import SimResult  # local: metrics imports nothing from here at load
 
         started = time.perf_counter()
+        cpu_started = time.process_time()
         n = self.n_jobs
         submit = self.submit
         inf = math.inf
@@ -239,7 +240,9 @@ class Engine:
                 break
         self._advance(self.now)
         self._sample(force=True)
-        return SimResult.from_engine(self, time.perf_counter() - started)
+        result = SimResult.from_engine(self, time.perf_counter() - started)
+        result.cpu_s = time.process_time() - cpu_started
+        return result
 
     def _tick_ceil(self, t):
         if self.tick_s <= 0:

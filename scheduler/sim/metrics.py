@@ -52,6 +52,7 @@ class SimResult:
     decisions: int
     policy_s: float
     failures: int
+    cpu_s: float = float("nan")  # process CPU seconds of the run (wall_s counts waiting for a core)
 
     @classmethod
     def from_engine(cls, e, wall_s):
@@ -98,6 +99,7 @@ class SimResult:
             "lost_work_device_s": float((self.lost_work * self.ranks).sum()),
             "passes": self.passes,
             "wall_s": self.wall_s,
+            "cpu_s": self.cpu_s,
             "policy_s": self.policy_s,
         }
         delivered = self.delivered_fraction()
@@ -148,6 +150,7 @@ COLUMNS = [
     ("sla_basic", "SLA basic", "{:.1%}"),
     ("avg_queue_premium_s", "prem queue h", "h"),
     ("wall_s", "wall s", "{:.1f}"),
+    ("cpu_s", "cpu s", "{:.1f}"),
 ]
 
 
