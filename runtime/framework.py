@@ -296,6 +296,8 @@ class FrameworkTracker:
         self._observed_intervals = 0
         self._handles: list = []
         self._originals: list = []
+        self._tensors_seq = -1
+        self._tensors: list = []
         self._resume = None
         self._applied = resume_dir is None
         if resume_dir is not None:
@@ -595,6 +597,25 @@ class FrameworkTracker:
                         "batch without an LR scheduler; use a torch LR scheduler or change them "
                         "before step()")
 
+        tensors, versions = pending["versions"]
+        if [t._version for t in tensors] != versions:
+            self._reasons.append(
+                "model parameters or buffers are modified between optimizer.step() and the next "
+                "batch (an EMA or weight update after step()?); that update would be lost")
+
+    def _state_tensors(self) -> list:
+        """Parameters and buffers of the models, cached until a module is built."""
+        if self._tensors_seq != self._seq:
+            self._tensors_seq = self._seq
+            self._tensors = [t for root in self._roots()
+                             for t in (*root.parameters(), *root.buffers())]
+        return self._tensors
+
+    def _state_versions(self) -> tuple:
+        # Every in-place change bumps a tensor's version counter: cheap change detection.
+        tensors = self._state_tensors()
+        return tensors, [t._version for t in tensors]
+
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self._applied:
             raise UnresumableScript(
@@ -611,7 +632,8 @@ class FrameworkTracker:
         schedulers = self._top_level_schedulers()
         self._pending = {"boundary": False, "rng": _rng_state(),
                          "schedulers": [(s, _scheduler_counter(s)) for s in schedulers],
-                         "hyperparams": [(o, _hyperparams(o)) for o in optimizers]}
+                         "hyperparams": [(o, _hyperparams(o)) for o in optimizers],
+                         "versions": self._state_versions()}
         for fn in list(self._listeners):
             fn(self.step)
 

@@ -103,9 +103,10 @@ def _preempt_and_resume(tmp_path, script, args, cut_step, **env):
     (2 * STEPS_PER_EPOCH, ("--sched", "step")),    # ... at an epoch boundary
     (STEPS_PER_EPOCH + 1, ("--workers", "2")),     # worker processes' augmentation RNG
     (8, ("--two-optimizers",)),                    # several optimizers, stepped in turn
+    (10, ("--ema", "before-step")),                # a deepcopy'd EMA model is state too
 ], ids=["cut-2", "cut-6-epoch-end", "cut-23-last-but-one", "per-step-sched-cut-9",
         "per-step-sched-cut-12-epoch-end", "workers-2-cut-7-epoch-start",
-        "two-optimizers-cut-8"])
+        "two-optimizers-cut-8", "ema-deepcopy-cut-10"])
 def test_single_process_script_resumes_bit_exactly(tmp_path, uninterrupted, cut_step, args):
     expected = uninterrupted(*args)
     out, final_step = _preempt_and_resume(tmp_path, MLP, args, cut_step)
@@ -240,6 +241,12 @@ def test_random_draws_between_step_and_the_next_batch_refuse_the_checkpoint(tmp_
                 TEST_SAVE_DIR=tmp_path / "ckpt")
     _refused(proc, "draws random numbers between optimizer.step() and the next batch")
     assert not (tmp_path / "ckpt" / "rank-0").exists()
+
+
+def test_a_model_update_between_step_and_the_next_batch_refuses_the_checkpoint(tmp_path):
+    proc = _run(MLP, ["--out", tmp_path / "o.pt", "--ema", "after-step"], TEST_CUT_STEP=5,
+                TEST_SAVE_DIR=tmp_path / "ckpt")
+    _refused(proc, "modified between optimizer.step() and the next batch")
 
 
 def test_a_cut_at_the_first_step_is_refused_until_the_loop_was_observed(tmp_path):

@@ -2,6 +2,7 @@
 Dropout, AdamW, an LR scheduler, a shuffling DataLoader with random augmentation drawn from
 torch, numpy and python RNGs. Options exist only so the tests can vary it."""
 import argparse
+import copy
 import random
 
 import numpy as np
@@ -19,6 +20,7 @@ parser.add_argument("--sched", choices=["epoch", "step"], default="epoch")
 parser.add_argument("--two-optimizers", action="store_true")
 parser.add_argument("--swap-optimizers", action="store_true")
 parser.add_argument("--rng-after-step", action="store_true")
+parser.add_argument("--ema", choices=["none", "before-step", "after-step"], default="none")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -65,10 +67,19 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=1 if args.s
                                             else 5, gamma=0.7)
 loader = DataLoader(Noisy(args.n), batch_size=16, shuffle=True, num_workers=args.workers)
 loss_fn = nn.CrossEntropyLoss()
+ema = copy.deepcopy(model) if args.ema != "none" else None
+
+
+def ema_update():
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.mul_(0.9).add_(p, alpha=0.1)
 
 for epoch in range(args.epochs):
     model.train()
     for x, y in loader:
+        if args.ema == "before-step":
+            ema_update()
         for opt in optimizers:
             opt.zero_grad()
         loss = loss_fn(model(x), y)
@@ -77,6 +88,8 @@ for epoch in range(args.epochs):
             opt.step()
         if args.sched == "step":
             scheduler.step()
+        if args.ema == "after-step":
+            ema_update()
         if args.rng_after_step:
             torch.rand(1)
     if args.sched == "epoch":
@@ -85,5 +98,5 @@ for epoch in range(args.epochs):
     with torch.no_grad():
         model(torch.ones(4, 8))
 
-torch.save({"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
+torch.save({"model": model.state_dict(), "ema": ema.state_dict() if ema else None, "optimizers": [o.state_dict() for o in optimizers],
             "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, args.out)
