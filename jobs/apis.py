@@ -20,7 +20,7 @@ from jobs.selectors import (
     preemption_list_visible,
     team_ids_for_user,
     team_list_for_user,
-    team_usage,
+    team_usage_many,
 )
 from jobs.services import (
     job_cancel,
@@ -187,12 +187,15 @@ class TeamListApi(APIView):
             return self.context["roles"].get(team.pk)
 
         def get_usage(self, team) -> dict:
-            return team_usage(team=team)
+            return self.context["usage"][team.pk]
 
     @extend_schema(responses={200: OutputSerializer(many=True)}, summary="Your teams, roles, quotas and usage")
     def get(self, request):
         roles = dict(Membership.objects.filter(user_id=request.user.pk).values_list("team_id", "role"))
-        return paginate(self, team_list_for_user(user=request.user).order_by("name"), self.OutputSerializer, context={"roles": roles})
+        paginator = MeridianPagination()
+        teams = paginator.paginate_queryset(team_list_for_user(user=request.user).order_by("name"), request, view=self)
+        context = {"roles": roles, "usage": team_usage_many(teams=teams)}
+        return paginator.get_paginated_response(self.OutputSerializer(teams, many=True, context=context).data)
 
 
 @extend_schema_serializer(component_name="PreemptionRequest")

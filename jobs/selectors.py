@@ -83,27 +83,35 @@ def preemption_list_approved():
     ).select_related("job")
 
 
+def team_usage_many(*, teams):
+    """Returns {team_id: team_usage(team)} for several teams in one query."""
+    rows = (
+        Job.objects.filter(team__in=teams)
+        .exclude(state__in=Job.TERMINAL_STATES)
+        .values("team_id", "accelerator_type")
+        .annotate(claimed=Sum("min_devices"), in_use=Sum("device_count"), jobs=Count("id"))
+    )
+    usage = {
+        team.pk: {t: {"quota": int(q), "claimed": 0, "devices_in_use": 0, "jobs": 0} for t, q in team.quotas.items()}
+        for team in teams
+    }
+    quotas = {team.pk: team for team in teams}
+    for row in rows:
+        entry = usage[row["team_id"]].setdefault(
+            row["accelerator_type"],
+            {"quota": quotas[row["team_id"]].quota_for(row["accelerator_type"]), "claimed": 0, "devices_in_use": 0, "jobs": 0},
+        )
+        entry.update(claimed=row["claimed"] or 0, devices_in_use=row["in_use"] or 0, jobs=row["jobs"])
+    return usage
+
+
 def team_usage(*, team):
     """Returns {accelerator_type: {"quota", "claimed", "devices_in_use", "jobs"}} for the team.
 
     claimed = sum of min_devices over unfinished jobs (what quota limits);
     devices_in_use = devices under its jobs now.
     """
-    rows = (
-        Job.objects.filter(team=team)
-        .exclude(state__in=Job.TERMINAL_STATES)
-        .values("accelerator_type")
-        .annotate(claimed=Sum("min_devices"), in_use=Sum("device_count"), jobs=Count("id"))
-    )
-    usage = {
-        t: {"quota": int(q), "claimed": 0, "devices_in_use": 0, "jobs": 0} for t, q in team.quotas.items()
-    }
-    for row in rows:
-        entry = usage.setdefault(
-            row["accelerator_type"], {"quota": team.quota_for(row["accelerator_type"]), "claimed": 0, "devices_in_use": 0, "jobs": 0}
-        )
-        entry.update(claimed=row["claimed"] or 0, devices_in_use=row["in_use"] or 0, jobs=row["jobs"])
-    return usage
+    return team_usage_many(teams=[team])[team.pk]
 
 
 def job_state_counts(*, user=None):
