@@ -217,7 +217,7 @@ def main(argv=None) -> int:
               f"{'busy':>5} {'decisions':>9} {'decisions/s':>11} {'peak MiB':>9}  plan")
     print(header)
     print("-" * len(header))
-    fit_x, fit_y, phase_rows = [], [], []
+    fit_x, fit_y, fit_cpu, phase_rows = [], [], [], []
     for n in sizes:
         for label, busy in (("mixed", None), ("contended", 0.98)):
             if busy is not None and args.no_contended:
@@ -236,12 +236,15 @@ def main(argv=None) -> int:
             if busy is None:
                 fit_x.append(np.log(n))
                 fit_y.append(np.log(median))
+                fit_cpu.append(np.log(cpu))
     print("\nmedian ms per phase (Plan.phase_seconds; 4 and 6 run inline for the head of the line):")
     for label, n, phase_median in phase_rows:
         print(f"  {label:<10} {n:>10,}  " + "  ".join(f"{k} {v * 1000:.0f}" for k, v in phase_median.items()))
     if len(fit_x) >= 2:
         slope = np.polyfit(fit_x, fit_y, 1)[0]
-        print(f"\nfitted exponent of tick time vs accelerators (mixed rows): {slope:.2f} (1.0 = linear)")
+        slope_cpu = np.polyfit(fit_x, fit_cpu, 1)[0]
+        print(f"\nfitted exponent of tick time vs accelerators (mixed rows): wall {slope:.2f}, "
+              f"cpu {slope_cpu:.2f} (1.0 = linear)")
     return 0
 
 

@@ -56,3 +56,65 @@ def test_validate_names_a_job_spanning_regions():
     snap = Snapshot(accelerators=acc, jobs=jobs, teams=Teams(names=["t"]), now=0, type_names=["X"])
     with pytest.raises(SnapshotError, match="spans regions"):
         snap.validate()
+
+
+def test_apply_plan_refuses_a_device_given_twice():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=2))
+            .job(make_job("a").ranks(2)).job(make_job("b").ranks(2)).build())
+    bad = scheduler.Plan(decisions=(
+        scheduler.Start(job=0, job_id=1, devices=(0, 1), code="x", reason="x"),
+        scheduler.Start(job=1, job_id=2, devices=(0, 1), code="x", reason="x")))
+    with pytest.raises(scheduler.PlanConflict, match="held by job index 0"):
+        scheduler.apply_plan(snap, bad, now=1.0)
+
+
+def test_apply_plan_refuses_part_of_a_gang():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4))
+            .job(make_job("a").ranks(4)).build())
+    bad = scheduler.Plan(decisions=(scheduler.Start(job=0, job_id=1, devices=(0, 1, 2), code="x", reason="x"),))
+    with pytest.raises(scheduler.PlanConflict, match="not an allowed count"):
+        scheduler.apply_plan(snap, bad, now=1.0)
+
+
+def test_apply_plan_skips_preemptions_waiting_for_approval():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=2))
+            .job(make_job("a").ranks(2).running(2)).build())
+    plan = scheduler.Plan(decisions=(scheduler.Preempt(job=0, job_id=1, code="x", reason="x", needs_approval=True),))
+    assert scheduler.apply_plan(snap, plan, now=1.0).allocation_counts().tolist() == [2]
+
+
+def test_a_timer_gives_seconds_per_phase_and_no_timer_gives_none():
+    ticks = iter(range(1000))
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=2))
+            .job(make_job("a").ranks(2)).build())
+    timed = scheduler.schedule(snap, timer=lambda: float(next(ticks)))
+    assert set(timed.phase_seconds) >= {"1. snapshot", "2. order", "3. place", "7. plan"}
+    assert all(v > 0 for v in timed.phase_seconds.values())
+    assert scheduler.schedule(snap).phase_seconds == {}
+
+
+def test_policy_names_unknown_plugins_clearly():
+    with pytest.raises(KeyError, match="known plugins"):
+        scheduler.Policy.from_names(order="order.lottery")
+    assert scheduler.Policy.from_names(preempt=None).preempt is None
+
+
+def test_rank_layout_puts_ranks_sharing_a_device_next_to_each_other():
+    assert scheduler.rank_layout((10, 11), 4) == (10, 10, 11, 11)
+    with pytest.raises(ValueError, match="cannot evenly run"):
+        scheduler.rank_layout((1, 2, 3), 4)
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param(dict(holder=[0, -1]), "holds 1 devices, not one of its allowed counts", id="partial-gang"),
+    pytest.param(dict(type_id=[0, 1]), "holds a device of another type", id="wrong-type"),
+    pytest.param(dict(holder=[5, 5]), "outside the job table", id="unknown-job"),
+])
+def test_validate_names_what_is_wrong(change, message):
+    columns = dict(type_id=[0, 0], node=[0, 0], rack=[0, 0], cluster=[0, 0], region=[0, 0], holder=[0, 0])
+    columns.update(change)
+    jobs = Jobs(ids=[1], team=[0], tier=[BASIC], type_id=[0], world_size=[2], state=[1])
+    snap = Snapshot(accelerators=Accelerators(**columns), jobs=jobs, teams=Teams(names=["t"]), now=0,
+                    type_names=["X", "Y"])
+    with pytest.raises(SnapshotError, match=message):
+        snap.validate()
