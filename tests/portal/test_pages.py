@@ -300,3 +300,21 @@ def test_static_files_are_served(client_for, alice):
     response = client_for(alice).get("/static/pages/live.js")
     assert response.status_code == 200
     assert b"MeridianLive" in b"".join(response.streaming_content)
+
+
+def test_the_fleet_overview_agrees_with_fleet_summary(alice, team_a, submit, small_fleet):
+    from fleet.selectors import fleet_summary
+    from portal.pages.selectors import fleet_overview
+
+    fleet_generate(regions=1, clusters=1, nodes=2, devices=2, accelerator_type="H100-80GB", prefix="h")
+    devices = list(small_fleet[:3])
+    place(submit(team_a, alice, world_size=4, min_devices=1), devices)  # 4 ranks on 3 devices: one shared
+    Accelerator.objects.filter(pk=devices[1].pk).update(healthy=False)
+    Node.objects.filter(pk=devices[0].node_id).update(state="draining")
+    Accelerator.objects.filter(type="CPU").update(utilization=0.25)
+    Accelerator.objects.filter(pk=devices[2].pk).update(utilization=None)
+    overview, summary = fleet_overview(), fleet_summary()
+    assert overview["totals"] == summary["totals"]
+    assert overview["clusters"] == summary["clusters"]
+    assert [{k: v for k, v in row.items() if k != "mean_utilization"} for row in overview["by_type"]] == summary["by_type"]
+    assert {row["type"]: row["mean_utilization"] for row in overview["by_type"]} == {"CPU": 0.25, "H100-80GB": None}
