@@ -354,6 +354,31 @@ class Snapshot:
     def replace(self, **changes) -> "Snapshot":
         return dataclasses.replace(self, **changes)
 
+    def without_jobs(self, finished) -> "Snapshot":
+        """Returns this snapshot with the jobs at indices `finished` removed and their devices freed.
+
+        Job indices after the removed ones shift down (holders are renumbered); ids are kept.
+        For callers whose jobs finish between ticks (the simulator, tests).
+        """
+        jobs = self.jobs
+        keep = np.ones(len(jobs), np.bool_)
+        keep[np.asarray(finished, np.int64)] = False
+        new_index = np.cumsum(keep) - 1
+        holder = self.accelerators.holder
+        held = holder >= 0
+        new_holder = np.full(holder.shape, NO_JOB, np.int32)
+        kept_device = held.copy()
+        kept_device[held] = keep[holder[held]]
+        new_holder[kept_device] = new_index[holder[kept_device]]
+        columns = {}
+        for f in dataclasses.fields(Jobs):
+            value = getattr(jobs, f.name)
+            if f.name == "names":
+                columns[f.name] = None if value is None else tuple(v for v, k in zip(value, keep) if k)
+            else:
+                columns[f.name] = value[keep]
+        return self.replace(accelerators=self.accelerators.replace(holder=new_holder), jobs=Jobs(**columns))
+
     # --- validity ------------------------------------------------------------------------
     def validate(self) -> "Snapshot":
         """Returns self if the snapshot is consistent, else raises SnapshotError naming the fault.
