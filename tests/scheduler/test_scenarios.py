@@ -1,6 +1,6 @@
 """Several ticks in a row, applying each plan: the stories the control loop will live through."""
 import scheduler
-from scheduler import BASIC, NODE_LOST, PREMIUM, RUNNING, STANDARD
+from scheduler import BASIC, NODE_LOST, PENDING, PREMIUM, RUNNING, STANDARD
 from scheduler.builders import make_fleet, make_job, make_snapshot
 
 TICK = 30.0
