@@ -8,7 +8,6 @@ never across regions and never looser than the job's `max_spread`. Every region 
 from __future__ import annotations
 
 from scheduler.snapshot import SPREAD_NAMES
-from scheduler.state import LEVEL_REGION
 
 NAME = "place.gang_topology"
 REASON_PLACED = "placed"  # a Start: all devices found at once
@@ -51,7 +50,3 @@ class GangPlacement:
         d = min(counts)
         most = tick.state.max_free(spread, k)
         return f"needs {d} {type_name} in {describe_level(spread)}; at most {most} free together"
-
-
-def smallest_region_level() -> int:
-    return LEVEL_REGION

@@ -90,7 +90,7 @@ class SlaPreemption:
                                  f"making room needs more victims than the per-tick budget of "
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
-        n_pre, n_shrink = self._apply(tick, j, actions, rows, region, need)
+        done = self._apply(tick, j, actions, rows, region, need)
         placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
@@ -102,7 +102,7 @@ class SlaPreemption:
             job=j, job_id=int(jobs.ids[j]), devices=tuple(placement.devices.tolist()),
             code=REASON_PLACED_BY_PREEMPTION,
             reason=(f"{len(placement)} {tick.type_name(j)} in {snap.region_names[region]} after "
-                    f"preempting {n_pre} and shrinking {n_shrink} lower-priority jobs")))
+                    + ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else ""))))
         tick.waiting.pop(j, None)
         return True
 
@@ -221,12 +221,14 @@ class SlaPreemption:
         return int(hit_region[best]), [int(r) for r in idx[int(start[end]):end + 1]]
 
     # --- acting ---------------------------------------------------------------------------
-    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int) -> None:
-        """Shrinks and preempts the chosen victims in order, each only as far as still needed."""
+    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int) -> list:
+        """Shrinks and preempts the chosen victims in order, each only as far as still needed.
+
+        Returns what was done, one phrase per victim, for the preemptor's reason."""
         jobs = tick.snapshot.jobs
         k = int(jobs.type_id[j])
         preempted = {int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK}
-        n_pre = n_shrink = 0
+        done = []  # "preempting job b (Basic)", for the preemptor's reason
         for r in rows:
             missing = need - int(tick.state.region_free(k)[region])
             if missing <= 0:
@@ -244,11 +246,12 @@ class SlaPreemption:
                     job=v, job_id=int(jobs.ids[v]), devices=tuple(keep.tolist()), code=REASON_SHRUNK,
                     reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}"))
                 tick.victims_used += 1
-                n_shrink += 1
+                done.append(f"shrinking {tick.job_label(v)} to {keep.size}")
             elif group != GROUP_SHRINK:
                 tick.take(v, devices)
                 code = REASON_RECLAIMED if group == GROUP_RECLAIM else REASON_PREEMPTED
-                why = ("borrowed devices reclaimed by team " + tick.snapshot.teams.names[int(jobs.team[j])]
+                why = (f"borrowed devices reclaimed for {tick.job_label(j)} of team "
+                       f"{tick.snapshot.teams.names[int(jobs.team[j])]}, which is within its quota"
                        if group == GROUP_RECLAIM else f"preempted for {tick.job_label(j)}")
                 step = int(jobs.last_checkpoint_step[v])
                 tick.decisions.append(Preempt(
@@ -257,8 +260,9 @@ class SlaPreemption:
                     released=tuple(devices.tolist())))
                 tick.requeued[v] = (code, f"{why}; back in line, resumes from step {step} or later")
                 tick.victims_used += 1
-                n_pre += 1
-        return n_pre, n_shrink
+                verb = "reclaiming borrowed devices from" if group == GROUP_RECLAIM else "preempting"
+                done.append(f"{verb} {tick.job_label(v)}")
+        return done
 
     @staticmethod
     def _keep_after_shrink(tick, v: int, keep_count: int) -> np.ndarray:

@@ -4,7 +4,7 @@ import pytest
 
 import scheduler
 from scheduler import BASIC, PREMIUM, Accelerators, JobRow, Jobs, Snapshot, SnapshotError, Teams
-from scheduler.builders import make_fleet, make_job, make_snapshot, make_team
+from scheduler.builders import make_fleet, make_job, make_snapshot
 
 
 def test_it_builds_the_same_snapshot_from_lists_and_from_arrays():
