@@ -178,7 +178,8 @@ class SlaPreemption:
         }
         keep = actions["release"] > 0
         key = actions["region"] * 4 + actions["group"]
-        order = np.argsort(key[keep].astype(np.int32), kind="stable")  # stable: keeps cost order
+        small = np.int16 if key.size == 0 or key.max() < 32767 else np.int32  # int16: a radix sort
+        order = np.argsort(key[keep].astype(small), kind="stable")  # stable: keeps cost order
         rows = np.flatnonzero(keep)[order]
         if rows.size == 0:
             return None
