@@ -35,7 +35,7 @@ REASON_PREEMPTED = "preempted for a higher tier"  # Preempt of a victim
 REASON_RECLAIMED = "borrowed devices reclaimed"  # Preempt of a borrower
 REASON_NEEDS_APPROVAL = "needs approval"  # Preempt that would break an SLA
 REASON_WAITING_FOR_APPROVAL = "waiting for approval"  # wait reason of the preemptor
-REASON_NOTHING_TO_PREEMPT = "nothing to preempt"  # wait reason: no eligible victims suffice
+REASON_NOTHING_TO_PREEMPT = "nothing to preempt"  # no eligible victims suffice (appended; code stays "no room")
 REASON_BUDGET_SPENT = "preemption budget spent"  # wait reason: PolicySettings.max_preemptions_per_tick
 
 GROUP_RECLAIM, GROUP_SHRINK, GROUP_PREEMPT, GROUP_APPROVAL = 0, 1, 2, 3
@@ -307,6 +307,13 @@ class SlaPreemption:
         return False
 
     def _explain(self, tick, j: int, code: str, why: str) -> bool:
-        base = tick.waiting.get(j, (code, ""))[1]
-        tick.waiting[j] = (code, f"{base}; {why}" if base else why)
+        """Appends why preemption did not help to j's wait reason. Returns False.
+
+        The code stays the placement's ("no room", "over quota") when preemption merely found
+        nothing to take; it becomes REASON_BUDGET_SPENT when that is what stopped it.
+        """
+        base_code, base = tick.waiting.get(j, (code, ""))
+        if code != REASON_NOTHING_TO_PREEMPT:
+            base_code = code
+        tick.waiting[j] = (base_code, f"{base}; {why}" if base else why)
         return False
