@@ -49,6 +49,11 @@ from jobs.demo_cast import cast_create
 from fleet.services import fleet_generate
 cast_create()
 fleet_generate(**{SEED_FLEET!r})
+# One node draining and one lost, as an operator and the heartbeat sweep would leave them,
+# so the fleet page has nodes needing attention.
+from fleet.models import Node
+Node.objects.filter(hostname="demo-r01-c01-n0003").update(state="draining")
+Node.objects.filter(hostname="demo-r01-c00-n0002").update(state="lost")
 """
 
 

@@ -159,8 +159,14 @@ def test_the_heatmap_changes_when_a_job_starts(login, on_server):
     cells_before = page.evaluate("window.meridianFleet.data.heatmap.allocated.flat().reduce((a, v) => a + (v || 0), 0)")
 
     def start_a_job():
+        from fleet.models import Accelerator
+
         job = submit_as_alice({"name": unique("heat"), "tier": "premium", "world_size": 8, "min_devices": 8})
-        job = place_job(job, free_devices(8))
+        devices = free_devices(8)
+        job = place_job(job, devices)
+        # The agents' telemetry (no agent runs here): the ranks keep their devices busy.
+        for i, device in enumerate(devices):
+            Accelerator.objects.filter(pk=device.pk).update(utilization=0.95 - 0.05 * i, memory_used_gb=0)
         return transition(job.pk, "running", "ranks started").pk
 
     job_id = on_server(start_a_job)
@@ -178,7 +184,13 @@ def test_the_heatmap_changes_when_a_job_starts(login, on_server):
     expect(page.locator("#breadcrumbs")).to_contain_text("demo-r00/c00")
     wait_live(page)
 
-    on_server(transition, job_id, "cancelled", "test done")
+    def finish(job_id):
+        from fleet.models import Accelerator
+
+        transition(job_id, "cancelled", "test done")
+        Accelerator.objects.update(utilization=None)
+
+    on_server(finish, job_id)
     page.wait_for_function("window.meridianFleet.data.totals.allocated === %d" % allocated_before)
 
 
