@@ -117,7 +117,13 @@ class VirtualProcessGroup(dist.ProcessGroup):
     # -- lifecycle -------------------------------------------------------------------------
     def ensure_inner(self):
         if self.inner is None:
-            self.inner = self._connect()
+            # Building the group waits for every peer: give the device token away meanwhile,
+            # or a rank sharing this device could never get to its own rendezvous.
+            self._hooks.before_collective()
+            try:
+                self.inner = self._connect()
+            finally:
+                self._hooks.after_collective()
         return self.inner
 
     def close_inner(self):
@@ -142,9 +148,10 @@ class VirtualProcessGroup(dist.ProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------
     def _run(self, fn):
+        inner = self.ensure_inner()
         self._hooks.before_collective()
         try:
-            return fn(self.ensure_inner().pg)
+            return fn(inner.pg)
         finally:
             self._hooks.after_collective()
 
@@ -218,9 +225,10 @@ def meta_allreduce(values):
     tensor = torch.tensor(values, dtype=torch.int64)
     if group is None or group._world_size == 1:
         return tensor.tolist()
+    inner = group.ensure_inner()
     group._hooks.before_collective()
     try:
-        group.ensure_inner().pg.allreduce([tensor]).wait()
+        inner.pg.allreduce([tensor]).wait()
     finally:
         group._hooks.after_collective()
     return tensor.tolist()

@@ -137,3 +137,16 @@ def test_shrink_4_2_1_and_grow_back_to_4_devices(tmp_path, jobs, reference_tmp):
     job.finish(0)
     assert seen_steps == [6, 14, 24]
     assert_same_state(expected, out)
+
+
+def test_four_ranks_started_spliced_on_one_device_then_spread(tmp_path, jobs, reference_tmp):
+    expected = reference_state("ddp", reference_tmp)
+    out = tmp_path / "out.pt"
+    job = Job(tmp_path / "node", ranks=4, script=DDP_SCRIPT, out=out, script_args=DDP_ARGS,
+              engine="framework", devices=1, job_id=unique_id("spliced"))
+    jobs.append(job)
+    job.wait_ready()
+    assert len(set(job.control.progress()["device_map"]["ranks"].values())) == 1
+    assert job.control.resize(2, at_step=12)["step"] == 12
+    job.finish(0)
+    assert_same_state(expected, out)
