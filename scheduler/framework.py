@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from scheduler.plan import Plan, Start, WaitReason
+from scheduler.plan import Plan, Preempt, Start, WaitReason
 from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
 from scheduler.plugins import quota as quota_plugin
@@ -109,6 +109,7 @@ class Tick:
         self.victims_used = 0  # jobs preempted or shrunk so far (PolicySettings budget)
         self.migrations_used = 0  # defragmentation moves so far (PolicySettings budget)
         self.approval_asked: set[int] = set()  # jobs already named in a needs_approval Preempt
+        self.approval_waiters: dict[int, set] = {}  # victim -> jobs waiting for its approval
         held = self.state.holder >= 0
         usable_held = self.state.holder[held & self.state.usable]
         # devices each job holds that are usable (what preempting it would give back)
@@ -235,6 +236,10 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
                 if policy.defrag.run(tick, j):
                     continue
 
+    if tick.decisions and tick.waiting:
+        with clock.phase(PHASES[2]):
+            _backfill(tick)
+
     if policy.resize is not None:
         with clock.phase(PHASES[4]):
             policy.resize.run(tick)
@@ -270,6 +275,36 @@ def _admit(tick: Tick, j: int) -> bool:
                              code=code, reason=reason, borrowed=borrowed))
     tick.waiting.pop(j, None)
     return True
+
+
+def _backfill(tick: Tick) -> None:
+    """Offers devices that preemptions and moves left over to the jobs still waiting, in line order.
+
+    A victim larger than what its preemptor needed leaves devices idle that a job earlier in
+    line could use; without this pass they would idle until the next tick. A job placed here
+    no longer needs the approvals it asked for, so its needs_approval requests are withdrawn
+    unless another waiting job needs the same victim.
+    """
+    free_by_type = tick.state.free_count[3].sum(axis=0)
+    jobs = tick.snapshot.jobs
+    placed = set()
+    for j in tick.line.tolist():
+        if tick.state.alloc[j] > 0 or j not in tick.waiting:
+            continue
+        k = int(jobs.type_id[j])
+        if free_by_type[k] < tick.min_count[j]:
+            continue
+        before = tick.waiting[j]
+        if _admit(tick, j):
+            placed.add(j)
+            free_by_type = tick.state.free_count[3].sum(axis=0)
+        else:
+            tick.waiting[j] = before
+    if placed and tick.approval_waiters:
+        withdrawn = {v for v, waiters in tick.approval_waiters.items() if waiters and waiters <= placed}
+        if withdrawn:
+            tick.decisions = [d for d in tick.decisions
+                              if not (isinstance(d, Preempt) and d.needs_approval and d.job in withdrawn)]
 
 
 def _plan(tick: Tick) -> Plan:

@@ -11,7 +11,11 @@ Within a region, actions are taken in this order until enough devices are free:
      possible release first, each to the largest allowed count that still frees enough;
   3. preempt victims, Basic before Standard, least lost work first (device-seconds since
      the last checkpoint), then smallest checkpoint.
-The region needing the fewest preemptions, then the least lost work, wins.
+The region needing the fewest preemptions, then the least lost work, wins. A gang that fits
+on one node (and needs a preemption, or must stay on one node) also looks for one node that
+preempting whole jobs can free (fewest preemptions, then least lost work) and takes it when it
+needs no more preemptions than the region-wide choice: a gang on one node beats one spread
+over a region.
 
 SLA rules: Premium is never preempted or shrunk unless Jobs.preemption_approved; Standard
 may be while attained/ideal >= PolicySettings.standard_sla_floor (else only with approval);
@@ -26,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.plan import Preempt, Resize, Start
-from scheduler.snapshot import BASIC, PREMIUM, STANDARD, TIER_NAMES
+from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NODE, STANDARD, TIER_NAMES
 
 NAME = "preempt.sla_cost_aware"
 REASON_PLACED_BY_PREEMPTION = "placed by preemption"  # Start after making room
@@ -85,12 +89,21 @@ class SlaPreemption:
                                      f"{need} {tick.type_name(j)} together in one region")
             return self._ask_approval(tick, j, actions, chosen)
         region, rows = chosen
+        k = int(jobs.type_id[j])
+        preempts = any(actions["group"][r] != GROUP_SHRINK for r in rows)
+        node = None
+        if need >= 2 and need <= tick.state.max_node_free[k] and (preempts or jobs.max_spread[j] == SPREAD_NODE):
+            # a gang that fits on one node gets one node if preempting makes that possible
+            on_node = self._choose_node(tick, j, need)
+            n_region = len({int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK})
+            if on_node is not None and (len(on_node[1]) <= n_region or jobs.max_spread[j] == SPREAD_NODE):
+                region, rows, actions, node = on_node
         if tick.victims_used + len(np.unique(actions["job"][rows])) > settings.max_preemptions_per_tick:
             return self._explain(tick, j, REASON_BUDGET_SPENT,
                                  f"making room needs more victims than the per-tick budget of "
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
-        done = self._apply(tick, j, actions, rows, region, need)
+        done = self._apply(tick, j, actions, rows, region, need, node)
         placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
@@ -185,6 +198,71 @@ class SlaPreemption:
             return None
         return {name: col[rows] for name, col in actions.items()}
 
+    @staticmethod
+    def _devices_by_node(tick, k: int) -> dict:
+        """Returns the devices of type-k candidates sorted by (node, victim cost rank), once per tick."""
+        cache = tick.__dict__.setdefault("_preemption_devices", {})
+        if k in cache:
+            return cache[k]
+        by_cost, _ = SlaPreemption._candidates(tick, k)
+        state = tick.state
+        row_of = np.full(state.n_jobs, -1, np.int64)
+        row_of[by_cost["job"]] = np.arange(by_cost["job"].size)
+        devices = np.flatnonzero((state.holder >= 0) & state.usable & (state.type_id == k))
+        rows = row_of[state.holder[devices]]
+        devices, rows = devices[rows >= 0], rows[rows >= 0]
+        nodes = state.node[devices]
+        order = np.lexsort((devices, rows, nodes))
+        nodes, rows = nodes[order], rows[order]
+        first = np.r_[True, (nodes[1:] != nodes[:-1]) | (rows[1:] != rows[:-1])] if rows.size else rows.astype(bool)
+        cache[k] = {"node": nodes, "row": rows, "first": first}
+        return cache[k]
+
+    def _choose_node(self, tick, j: int, need: int):
+        """Returns (region, rows, actions, node) preempting whole jobs to free `need` on one node, or None.
+
+        Among nodes where the idle devices plus those of eligible victims (borrowed or lower
+        tier, no approval needed, not just started) reach `need`, the one needing the fewest
+        preemptions, then the least lost work, wins; victims are taken cheapest first.
+        """
+        jobs, state = tick.snapshot.jobs, tick.state
+        k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
+        by_cost, _ = self._candidates(tick, k)
+        reclaim = by_cost["borrower"] & (by_cost["team"] != team)
+        eligible = (~tick.touched[by_cost["job"]] & (reclaim | (by_cost["tier"] > tier))
+                    & ~by_cost["recent"] & ~by_cost["needs_approval"])
+        devices = self._devices_by_node(tick, k)
+        keep = eligible[devices["row"]]
+        if not keep.any():
+            return None
+        node, row, first = devices["node"][keep], devices["row"][keep], devices["first"][keep]
+        group_first = np.r_[True, node[1:] != node[:-1]]
+        start = np.maximum.accumulate(np.where(group_first, np.arange(node.size), 0))
+
+        def within_node(c):
+            c = np.cumsum(c)
+            return c - np.where(start > 0, c[start - 1], 0)
+
+        reached = state.free_count[0][node, k] + within_node(np.ones(node.size, np.int64)) >= need
+        if not reached.any():
+            return None
+        hit = np.flatnonzero(reached)
+        hit_node, first_hit = np.unique(node[hit], return_index=True)
+        ends = hit[first_hit]
+        n_victims = within_node(first.astype(np.int64))[ends]
+        lost = within_node(np.where(first, by_cost["lost"][row], 0.0))[ends]
+        best = int(ends[np.lexsort((hit_node, lost, n_victims))[0]])
+        segment = np.arange(int(start[best]), best + 1)
+        victims = row[segment[first[segment]]]
+        actions = {
+            "job": by_cost["job"][victims],
+            "group": np.where(reclaim[victims], GROUP_RECLAIM, GROUP_PREEMPT),
+            "release": by_cost["usable"][victims],
+            "cost": by_cost["lost"][victims],
+            "region": by_cost["region"][victims],
+        }
+        return int(state.node_region[node[best]]), list(range(victims.size)), actions, int(node[best])
+
     def _choose(self, tick, j: int, actions: dict, need: int, with_approval: bool):
         """Returns (region, action rows in order) of the cheapest way to free `need`, or None.
 
@@ -222,7 +300,7 @@ class SlaPreemption:
         return int(hit_region[best]), [int(r) for r in idx[int(start[end]):end + 1]]
 
     # --- acting ---------------------------------------------------------------------------
-    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int) -> list:
+    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int, node=None) -> list:
         """Shrinks and preempts the chosen victims in order, each only as far as still needed.
 
         Returns what was done, one phrase per victim, for the preemptor's reason."""
@@ -231,7 +309,8 @@ class SlaPreemption:
         preempted = {int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK}
         done = []  # "preempting job b (Basic)", for the preemptor's reason
         for r in rows:
-            missing = need - int(tick.state.region_free(k)[region])
+            free = tick.state.free_count[0][node, k] if node is not None else tick.state.region_free(k)[region]
+            missing = need - int(free)
             if missing <= 0:
                 break
             v, group = int(actions["job"][r]), int(actions["group"][r])
@@ -288,6 +367,7 @@ class SlaPreemption:
                 continue
             v = int(actions["job"][r])
             names.append(jobs.name(v))
+            tick.approval_waiters.setdefault(v, set()).add(j)
             if v in tick.approval_asked:
                 continue
             tick.approval_asked.add(v)

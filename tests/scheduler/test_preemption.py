@@ -2,7 +2,7 @@
 import pytest
 
 import scheduler
-from scheduler import BASIC, PREMIUM, STANDARD, Preempt, Resize, Start
+from scheduler import BASIC, PREMIUM, SPREAD_NODE, STANDARD, Preempt, Resize, Start
 from scheduler.builders import make_fleet, make_job, make_snapshot, make_team
 
 NOW = 10_000.0
@@ -166,3 +166,33 @@ def test_the_per_tick_preemption_budget_holds():
     got, plan = outcome(builder.build())
     assert len(got["preempt"]) == 2 and len(got["start"]) == 2
     assert any(w.code == "preemption budget spent" for w in plan.waiting)
+
+
+def two_nodes():
+    return make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(NOW)
+
+
+def test_a_gang_gets_one_node_when_that_takes_no_more_preemptions():
+    # node 0: a (1 device, little lost work), b (3, much); node 1: c (1, little), d (3, some)
+    # cheapest two victims overall are a and c (two nodes); freeing one node also takes two: c, d
+    snap = (two_nodes()
+            .job(old(make_job("a").ranks(1).running(1, node=0).checkpoint(NOW - 1)))
+            .job(old(make_job("b").ranks(3).running(3, node=0).checkpoint(NOW - 9000)))
+            .job(old(make_job("c").ranks(1).running(1, node=1).checkpoint(NOW - 1)))
+            .job(old(make_job("d").ranks(3).running(3, node=1).checkpoint(NOW - 100)))
+            .job(make_job("p").tier(PREMIUM).ranks(2)).build())
+    got, plan = outcome(snap)
+    assert sorted(got["preempt"]) == ["c", "d"]
+    start = plan.of_kind(Start)[0]
+    assert {int(snap.accelerators.node[d]) for d in start.devices} == {1}
+
+
+def test_a_job_pinned_to_one_node_preempts_on_one_node():
+    snap = (two_nodes()
+            .job(old(make_job("x").ranks(2).running(2, node=0)))
+            .job(old(make_job("y").ranks(2).running(2, node=1).checkpoint(NOW - 1)))
+            .job(make_job("p").tier(PREMIUM).ranks(4).spread(SPREAD_NODE)).build())
+    got, plan = outcome(snap)
+    assert got["preempt"] == ["y"] and got["start"] == ["p"]  # y lost less work than x
+    start = plan.of_kind(Start)[0]
+    assert {int(snap.accelerators.node[d]) for d in start.devices} == {1}

@@ -175,7 +175,9 @@ def check_tick(snap, plan):
     return after
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: CI runs the same 60 examples every time (no flaky red build); run with a
+# larger max_examples and derandomize=False locally to search further
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(snapshots())
 def test_three_ticks_keep_every_invariant(snap):
     for _ in range(3):
