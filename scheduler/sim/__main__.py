@@ -48,6 +48,8 @@ def build_parser():
     p.add_argument("--report", metavar="HTML", help="write the Plotly report here")
     p.add_argument("--json", metavar="PATH", help="write the summaries as JSON here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--progress", type=float, default=None, metavar="SECONDS",
+                   help="print a progress line to stderr every SECONDS of wall time")
     return p
 
 
@@ -89,7 +91,11 @@ def main(argv=None):
     results, summaries = [], []
     for name in names:
         policy = make_policy(name)
-        result = Engine(trace, fleet, policy, costs=costs, tick_s=args.tick, seed=args.seed).run()
+        progress = None
+        if args.progress:
+            progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        result = Engine(trace, fleet, policy, costs=costs, tick_s=args.tick, seed=args.seed,
+                        progress=progress, progress_every_s=args.progress or 60.0).run()
         summary = result.summary()
         extra = ""
         if name == "meridian":
