@@ -29,7 +29,7 @@ from scheduler.plan import Plan, Preempt, Start, WaitReason
 from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
 from scheduler.plugins import quota as quota_plugin
-from scheduler.snapshot import PENDING, TIER_NAMES, Snapshot, allowed_counts
+from scheduler.snapshot import TIER_NAMES, Snapshot, allowed_counts
 from scheduler.state import WorkingState
 
 PHASES = ("1. snapshot", "2. order", "3. place", "4. preempt", "5. resize", "6. defragment", "7. plan")
@@ -217,9 +217,8 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
             policy.drain.run(tick)
 
     with clock.phase(PHASES[1]):
-        jobs = snapshot.jobs
         # pending jobs, plus running jobs the drain step sent back to line (lost nodes)
-        pending = np.flatnonzero(((jobs.state == PENDING) & ~tick.touched) | (tick.state.alloc == 0))
+        pending = np.flatnonzero(tick.state.alloc == 0)
         tick.line = policy.order.order(tick, pending)
 
     for j in tick.line.tolist():

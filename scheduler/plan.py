@@ -39,6 +39,9 @@ class Preempt:
     job below its attained-fraction floor): the control loop files a PreemptionRequest and
     nothing happens to the job until a capacity manager approves (the next snapshot then
     carries Jobs.preemption_approved). `apply_plan` skips such decisions.
+
+    code "node lost, requeued" is not a checkpoint: the job's node or device died, its
+    processes are gone, and it restarts from its last checkpoint when it is placed again.
     """
 
     job: int
