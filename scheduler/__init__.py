@@ -21,6 +21,7 @@ How to call it:
         print(wait.place, wait.job_id, wait.reason)
     next_snap = scheduler.apply_plan(snap, plan, now=snap.now + 30)   # simulator / tests
 
+Between ticks the caller advances Teams.decayed_usage with scheduler.decay_usage(...).
 Tests build snapshots with scheduler.builders (make_snapshot, make_fleet, make_team, make_job);
 large fleets come from scheduler.builders.synthetic_fleet. Pass timer=time.perf_counter to
 schedule() to get Plan.phase_seconds. The phases and plugins are described in
@@ -29,6 +30,7 @@ scheduler/framework.py and docs/scheduler.md.
 from scheduler.apply import PlanConflict, apply_plan
 from scheduler.framework import PHASES, Policy, schedule
 from scheduler.plan import Migrate, Plan, Preempt, Resize, Start, WaitReason, rank_layout
+from scheduler.plugins.order import decay_usage
 from scheduler.snapshot import (
     BASIC, NODE_DRAINING, NODE_LOST, NODE_READY, PENDING, PREMIUM, RUNNING, SPREAD_CLUSTER,
     SPREAD_NODE, SPREAD_RACK, SPREAD_REGION, STANDARD, UNLIMITED, Accelerators, JobRow, Jobs,
@@ -37,7 +39,7 @@ from scheduler.snapshot import (
 
 __all__ = [
     "schedule", "apply_plan", "Policy", "PHASES", "PlanConflict",
-    "Plan", "Start", "Preempt", "Migrate", "Resize", "WaitReason", "rank_layout",
+    "Plan", "Start", "Preempt", "Migrate", "Resize", "WaitReason", "rank_layout", "decay_usage",
     "Snapshot", "Accelerators", "Jobs", "JobRow", "Teams", "PolicySettings", "SnapshotError",
     "PREMIUM", "STANDARD", "BASIC", "PENDING", "RUNNING", "NODE_READY", "NODE_DRAINING",
     "NODE_LOST", "SPREAD_NODE", "SPREAD_RACK", "SPREAD_CLUSTER", "SPREAD_REGION", "UNLIMITED",

@@ -22,6 +22,22 @@ REASON_FAIR_SHARE = "fair share"  # behind teams with a smaller dominant share
 REASON_AGE = "age"  # behind older jobs of its own team
 
 
+def decay_usage(decayed_usage, devices_held, seconds: float, half_life_seconds: float) -> np.ndarray:
+    """Returns Teams.decayed_usage advanced by `seconds` (for the caller, between ticks).
+
+    decayed_usage: float[T, K] device-seconds; devices_held: [T, K] devices held during those
+    seconds. Old usage decays by 2^(-seconds / half-life); the new usage is added decayed
+    over the interval (exact for constant holdings), so a steady use of u devices converges
+    to u * half_life / ln 2, which dominant_shares turns back into u devices.
+    """
+    if seconds < 0 or half_life_seconds <= 0:
+        raise ValueError("seconds must be >= 0 and the half-life > 0")
+    rate = math.log(2) / half_life_seconds
+    factor = math.exp(-rate * seconds)
+    added = (1.0 - factor) / rate if seconds > 0 else 0.0
+    return np.asarray(decayed_usage, np.float64) * factor + np.asarray(devices_held, np.float64) * added
+
+
 def dominant_shares(tick) -> np.ndarray:
     """Returns float64[T]: each team's dominant share now (current + decayed past, / weight)."""
     snap, settings = tick.snapshot, tick.snapshot.settings

@@ -82,3 +82,14 @@ def test_baseline_orders(order, expected):
             .job(make_job("new-premium").tier(PREMIUM).submitted(9).attained(0.1, 1000))
             .now(10).build())
     assert line(snap, order) == expected
+
+
+def test_decay_usage_converges_to_the_devices_held():
+    import math
+
+    from scheduler.plugins.order import decay_usage
+    usage = 0.0
+    for _ in range(1000):  # 1000 h = ~42 half-lives
+        usage = decay_usage([[usage]], [[8]], seconds=3600.0, half_life_seconds=DAY)[0, 0]
+    assert usage * math.log(2) / DAY == pytest.approx(8.0, rel=1e-3)
+    assert decay_usage([[100.0]], [[0]], seconds=DAY, half_life_seconds=DAY)[0, 0] == pytest.approx(50.0)
