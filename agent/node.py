@@ -85,6 +85,7 @@ class LocalJob:
         self.last_checkpoint_at = time.monotonic()
         self.error = None
         self.reported_final = False
+        self.reported_state = None
 
     def alive(self):
         if self.popen is not None:
@@ -165,7 +166,10 @@ class NodeReconciler:
     # --- observation ---------------------------------------------------------------------------
     def observed(self):
         with self.lock:
-            return [job.observed() for job in self.jobs.values()]
+            entries = [job.observed() for job in self.jobs.values()]
+            for entry in entries:
+                self.jobs[entry["job_id"]].reported_state = entry["state"]
+            return entries
 
     def busy_device_indices(self, desired_jobs):
         return sorted({i for entry in desired_jobs for i in entry.get("device_indices", [])
@@ -176,7 +180,9 @@ class NodeReconciler:
         with self.lock:
             for job_id in list(self.jobs):
                 job = self.jobs[job_id]
-                if job_id in accepted_ids and job.outcome() is not None and job.busy is None:
+                # Only an outcome the control plane has seen: a job that ended after this report
+                # was built is still "running" there, and must be reported once more.
+                if job_id in accepted_ids and job.reported_state in TERMINAL_EVENTS and job.busy is None:
                     del self.jobs[job_id]
 
     # --- reconcile ------------------------------------------------------------------------------
@@ -249,8 +255,12 @@ class NodeReconciler:
         entrypoint = pathlib.Path(entry["entrypoint"])
         if not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
+        # Launch on W devices and splice down to the desired count once the launcher serves
+        # commands (the reconcile loop's resize): meridian-run started directly on fewer devices
+        # than ranks deadlocks in its first rendezvous in this tree (reported to the runtime).
+        launch_devices = int(entry["world_size"])
         command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry["world_size"]),
-                   "--devices", str(entry["devices"]), "--engine", self.engine, "--job-dir", str(job_dir),
+                   "--devices", str(launch_devices), "--engine", self.engine, "--job-dir", str(job_dir),
                    "--job-id", f"j{job_id}-{generation}-{os.getpid()}", "--store", str(store)]
         if resume:
             command.append("--resume")
@@ -264,7 +274,7 @@ class NodeReconciler:
             # A session of its own: the job outlives an agent restart (and is re-adopted).
             popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
                                      stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
-        job = LocalJob(job_id, job_dir, popen=popen, devices=int(entry["devices"]),
+        job = LocalJob(job_id, job_dir, popen=popen, devices=launch_devices,
                        world_size=int(entry["world_size"]))
         self._write_meta(job)
         self.jobs[job_id] = job

@@ -188,6 +188,10 @@ def _observed_apply(*, job, entry, here, node, now):
                 job_event_add(job=job, type=JobEvent.Type.RESTORED, reason="restore handed to the new node",
                               extra={"step": step, "from_node": node.hostname})
         elif state == "finished" and here and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
+            if job.state == S.RESIZING and int(entry.get("devices") or 0) == job.device_count:
+                job_event_add(job=job, type=JobEvent.Type.RESIZED,
+                              reason=f"{job.world_size} ranks on {job.device_count} device(s) on {node.hostname}",
+                              extra={"devices": job.device_count, "step": entry.get("step")})
             if job.state == S.SCHEDULED:
                 job = job_transition(job=job, to=S.RUNNING, now=now, reason=f"ran on {node.hostname}")
             Job.objects.filter(pk=job.pk).update(exit_code=0)

@@ -22,6 +22,18 @@ def restored_steps(plane, hostname):
     return steps
 
 
+def runtime_events(plane, hostname, kind, field):
+    """Returns (job dir, event[field]) for the launcher events of `kind` on `hostname`."""
+    found = []
+    jobs_dir = plane.agents[hostname][1] / "j"
+    for events in sorted(jobs_dir.glob("*/events.jsonl")) if jobs_dir.exists() else []:
+        for line in events.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == kind:
+                found.append((events.parent.name, event[field]))
+    return found
+
+
 def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identical_results(stack):
     plane = stack()
     plane.start_agent("n1", devices=1)
@@ -131,3 +143,36 @@ def test_a_killed_agent_loses_its_node_and_its_job_resumes_from_its_last_checkpo
     plane.wait_state(reference, "succeeded", timeout=240)
     assert plane.job(reference)["preemption_count"] == 0
     assert_same_parameters(out / "reference.pt", out / "survivor.pt")
+
+
+def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back_with_identical_results(stack):
+    plane = stack()
+    plane.start_agent("n1", devices=2)
+    out = pathlib.Path(plane.dir)
+    elastic = plane.submit(name="elastic", tier="basic", world_size=2, min_devices=1, epochs=32, step_sleep=0.1,
+                           out=out / "elastic.pt")
+    poll("the elastic job to run on 2 devices", lambda: plane.job(elastic)["progress_step"] >= 15, timeout=180,
+         on_timeout=lambda: plane.diagnose(elastic))
+    assert plane.job(elastic)["device_count"] == 2
+
+    premium = plane.submit(name="premium", tier="premium", epochs=3, step_sleep=0.1)
+    plane.wait_state(premium, "running", timeout=120)
+    shrunk = plane.job(elastic)
+    assert shrunk["state"] in {"resizing", "running"} and shrunk["device_count"] == 1, plane.diagnose(elastic, premium)
+    assert shrunk["preemption_count"] == 0
+    plane.wait_state(premium, "succeeded", timeout=180)
+    poll("the elastic job to grow back", lambda: plane.job(elastic)["resize_count"] >= 2
+         and plane.job(elastic)["device_count"] == 2, timeout=120, on_timeout=lambda: plane.diagnose(elastic))
+    finished = plane.wait_state(elastic, "succeeded", timeout=240)
+    planned = [e["extra_data"].get("to_devices") for e in plane.events(elastic) if e["to_state"] == "resizing"]
+    assert planned == [1, 2] and finished["preemption_count"] == 0, plane.diagnose(elastic)
+    # The runtime really spliced the 2 ranks onto 1 device and back (its launcher's own events).
+    assert [devices for _dir, devices in runtime_events(plane, "n1", "resize", "devices")] == [1, 2], \
+        plane.diagnose(elastic)
+
+    # The same script run rigidly on 2 devices, never resized, ends with the same parameters.
+    reference = plane.submit(name="reference", tier="basic", world_size=2, min_devices=2, epochs=32,
+                             out=out / "reference.pt")
+    plane.wait_state(reference, "succeeded", timeout=240)
+    assert plane.job(reference)["resize_count"] == 0
+    assert_same_parameters(out / "reference.pt", out / "elastic.pt")
