@@ -48,9 +48,26 @@ def build_parser():
     p.add_argument("--report", metavar="HTML", help="write the Plotly report here")
     p.add_argument("--json", metavar="PATH", help="write the summaries as JSON here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--jobs-csv", metavar="PATH", help="write one row per job and policy here")
     p.add_argument("--progress", type=float, default=None, metavar="SECONDS",
                    help="print a progress line to stderr every SECONDS of wall time")
     return p
+
+
+def write_jobs_csv(results, path):
+    """Writes policy, job, tier, ranks, submit, first_start, finish, duration and the counts
+    of preemptions, migrations, resizes and failure restarts, one row per job and policy."""
+    import csv
+
+    with open(path, "w", newline="") as handle:
+        out = csv.writer(handle)
+        out.writerow(["policy", "job", "tier", "ranks", "submit", "first_start", "finish", "duration",
+                      "preemptions", "migrations", "resizes", "failures"])
+        for r in results:
+            for j in range(r.submit.shape[0]):
+                out.writerow([r.policy, j, int(r.tier[j]), int(r.ranks[j]), f"{r.submit[j]:.1f}",
+                              f"{r.first_start[j]:.1f}", f"{r.finish[j]:.1f}", f"{r.duration[j]:.1f}",
+                              int(r.n_preempt[j]), int(r.n_migrate[j]), int(r.n_resize[j]), int(r.n_fail[j])])
 
 
 def main(argv=None):
@@ -114,6 +131,8 @@ def main(argv=None):
         with open(args.json, "w") as handle:
             json.dump({"command": command, "trace": trace.name, "fleet": fleet.name,
                        "devices": fleet.n_devices, "summaries": summaries}, handle, indent=1)
+    if args.jobs_csv:
+        write_jobs_csv(results, args.jobs_csv)
     if args.report:
         from .report import write_report
 
