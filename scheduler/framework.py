@@ -110,6 +110,8 @@ class Tick:
         self.migrations_used = 0  # defragmentation moves so far (PolicySettings budget)
         self.approval_asked: set[int] = set()  # jobs already named in a needs_approval Preempt
         self.approval_waiters: dict[int, set] = {}  # victim -> jobs waiting for its approval
+        self.releases = 0  # devices released so far (a failed search stays failed until this moves)
+        self.failed: dict[tuple, tuple[int, int, str]] = {}  # search key -> (size, releases, why)
         held = self.state.holder >= 0
         usable_held = self.state.holder[held & self.state.usable]
         # devices each job holds that are usable (what preempting it would give back)
@@ -126,6 +128,7 @@ class Tick:
 
     def take(self, j: int, devices: np.ndarray) -> None:
         """Releases devices from job j and credits its team."""
+        self.releases += 1
         self.state.release(j, devices)
         jobs = self.snapshot.jobs
         self.team_usage[int(jobs.team[j]), int(jobs.type_id[j])] -= len(devices)
@@ -149,6 +152,22 @@ class Tick:
         del self.decisions[n_decisions:]
         self.team_usage, self.touched = usage, touched
         self.victims_used, self.migrations_used, self.requeued = victims, migrations, requeued
+
+    def known_failure(self, key: tuple, size: int) -> str | None:
+        """Returns why a search for `size` under `key` must fail, if an earlier one proved it.
+
+        Within a tick, free devices only shrink and victims only get fewer until something is
+        released, so a search that failed for size d fails for any size >= d until then.
+        """
+        failed = self.failed.get(key)
+        if failed is not None and size >= failed[0] and failed[1] == self.releases:
+            return failed[2]
+        return None
+
+    def remember_failure(self, key: tuple, size: int, why: str) -> None:
+        failed = self.failed.get(key)
+        if failed is None or failed[1] != self.releases or size < failed[0]:
+            self.failed[key] = (size, self.releases, why)
 
     # --- small derivations -----------------------------------------------------------------
     @property

@@ -41,6 +41,10 @@ class FreeADomain:
         if budget <= 0:
             return self._explain(tick, j, "the defragmentation budget of this tick is spent")
         k, d = int(jobs.type_id[j]), min(within)
+        key = (NAME, k, level)
+        known = tick.known_failure(key, d)
+        if known is not None:
+            return self._explain(tick, j, known)
         capacity = state.capacity[level][:, k]
         free = state.free_count[level][:, k]
         region_free = state.free_count[3][:, k]
@@ -55,7 +59,9 @@ class FreeADomain:
              (region_free[entity_region] - free >= deficit)
         entities = np.flatnonzero(ok)
         if entities.size == 0:
-            return self._explain(tick, j, f"no {SPREAD_NAMES[level]} can be freed by moving small jobs")
+            why = f"no {SPREAD_NAMES[level]} can be freed by moving small jobs"
+            tick.remember_failure(key, d, why)
+            return self._explain(tick, j, why)
         entities = entities[np.lexsort((entities, deficit[entities]))][:MAX_ENTITIES_TRIED]
         for e in entities.tolist():
             if self._free_entity(tick, j, level, k, e, int(deficit[e]), movable[entity_of[movable] == e],

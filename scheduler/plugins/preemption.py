@@ -75,18 +75,25 @@ class SlaPreemption:
             return self._explain(tick, j, REASON_BUDGET_SPENT,
                                  f"the preemption budget of {settings.max_preemptions_per_tick} "
                                  f"victims per tick is spent; next tick")
+        need = min(within)
+        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j]))
+        known = tick.known_failure(key, need)
+        if known is not None:
+            return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, known)
         actions = self._actions(tick, j)
         if actions is None:
             who = "borrowed devices" if jobs.tier[j] == BASIC else "lower-tier jobs or borrowed devices"
-            return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, f"no {who} of its type to take")
-        need = min(within)
+            why = f"no {who} of its type to take"
+            tick.remember_failure(key, need, why)
+            return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, why)
         chosen = self._choose(tick, j, actions, need, with_approval=False)
         if chosen is None:
             chosen = self._choose(tick, j, actions, need, with_approval=True)
             if chosen is None:
-                return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
-                                     "shrinking or preempting every eligible job would not free "
-                                     f"{need} {tick.type_name(j)} together in one region")
+                why = ("shrinking or preempting every eligible job would not free "
+                       f"{need} {tick.type_name(j)} together in one region")
+                tick.remember_failure(key, need, why)
+                return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, why)
             return self._ask_approval(tick, j, actions, chosen)
         region, rows = chosen
         k = int(jobs.type_id[j])
