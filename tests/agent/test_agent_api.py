@@ -1,0 +1,112 @@
+"""The agent API: enrollment, per-node tokens, and a node reading and writing only its own state."""
+import pytest
+from rest_framework.test import APIClient
+
+from fleet.models import Node
+from fleet.services import node_token_revoke
+from jobs.models import Job
+from jobs.services import job_submit
+from jobs.tick import tick_run
+
+ENROLL = "enroll-secret"
+DEVICES = [{"type": "CPU"}, {"type": "CPU"}]
+
+
+@pytest.fixture(autouse=True)
+def enrollment(monkeypatch):
+    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
+    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
+
+
+def register(hostname, *, enroll=ENROLL, devices=DEVICES):
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Enroll {enroll}")
+    return client.post("/api/agent/register/", {"hostname": hostname, "region": "eu", "cluster": "c1",
+                                                "devices": devices}, format="json")
+
+
+def as_node(token):
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    return client
+
+
+@pytest.mark.django_db
+def test_registration_with_the_enrollment_token_returns_the_nodes_own_token():
+    response = register("n1")
+
+    assert response.status_code == 201, response.content
+    node = Node.objects.get(hostname="n1")
+    assert response.json()["node_id"] == node.pk and node.accelerators.count() == 2
+    assert node.token_matches(response.json()["token"])
+
+
+@pytest.mark.django_db
+def test_registration_without_or_with_a_wrong_enrollment_token_is_refused():
+    assert register("n1", enroll="guess").status_code == 403
+    assert APIClient().post("/api/agent/register/", {"hostname": "n1"}, format="json").status_code == 401
+    assert not Node.objects.filter(hostname="n1").exists()
+
+
+@pytest.mark.django_db
+def test_registration_is_disabled_without_a_configured_enrollment_token(monkeypatch):
+    monkeypatch.delenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN")
+    response = register("n1", enroll="anything")
+    assert response.status_code == 403 and "MERIDIAN_AGENT_ENROLLMENT_TOKEN" in response.json()["detail"]
+
+
+@pytest.mark.django_db
+def test_a_bad_device_list_is_a_400_naming_the_device():
+    response = register("n1", devices=[{"type": "TPU-9000"}])
+    assert response.status_code == 400 and "TPU-9000" in str(response.json())
+
+
+@pytest.mark.django_db
+def test_heartbeat_with_a_wrong_or_revoked_token_is_a_401():
+    token = register("n1").json()["token"]
+    assert as_node("not-a-token").post("/api/agent/heartbeat/", {"jobs": []}, format="json").status_code == 401
+    assert APIClient().post("/api/agent/heartbeat/", {"jobs": []}, format="json").status_code in (401, 403)
+    node_token_revoke(node=Node.objects.get(hostname="n1"))
+    assert as_node(token).post("/api/agent/heartbeat/", {"jobs": []}, format="json").status_code == 401
+
+
+@pytest.mark.django_db
+def test_registering_again_rotates_the_token():
+    old = register("n1").json()["token"]
+    new = register("n1").json()["token"]
+    assert as_node(old).get("/api/agent/desired/").status_code == 401
+    assert as_node(new).get("/api/agent/desired/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_a_node_reads_only_its_own_desired_state():
+    first = register("n1").json()
+    second = register("n2").json()
+    client = as_node(first["token"])
+    assert client.get(f"/api/agent/nodes/{first['node_id']}/desired/").status_code == 200
+    assert client.get(f"/api/agent/nodes/{second['node_id']}/desired/").status_code == 403
+
+
+@pytest.mark.django_db
+def test_a_node_cannot_report_on_a_job_placed_on_another_node(alice, team_a, job_spec):
+    first = register("n1", devices=[{"type": "CPU"}]).json()
+    second = register("n2", devices=[{"type": "CPU"}]).json()
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1, tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    owner, intruder = (first, second) if job.replicas.first().device.node_id == first["node_id"] else (second, first)
+
+    response = as_node(intruder["token"]).post("/api/agent/heartbeat/", {"jobs": [
+        {"job_id": job.pk, "state": "finished", "step": 99}]}, format="json")
+
+    job.refresh_from_db()
+    assert response.status_code == 200
+    assert response.json()["rejected"][0]["job_id"] == job.pk and response.json()["accepted"] == []
+    assert job.state == Job.State.SCHEDULED and job.progress_step == 0
+    answer = as_node(owner["token"]).post("/api/agent/heartbeat/", {"jobs": [
+        {"job_id": job.pk, "state": "running", "step": 5, "devices": 1}], "telemetry": {"utilization": 0.25}},
+        format="json").json()
+    job.refresh_from_db()
+    assert answer["accepted"] == [job.pk] and job.state == Job.State.RUNNING and job.progress_step == 5
+    assert [e["job_id"] for e in answer["desired"]["jobs"]] == [job.pk]
+    assert Node.objects.get(pk=owner["node_id"]).utilization == 0.25

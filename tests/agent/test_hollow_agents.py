@@ -1,0 +1,57 @@
+"""Hollow agents (the scale-test nodes) against the real agent API on a live server: they
+register, run jobs by their model, get preempted and finish, through the same tick."""
+import argparse
+import threading
+
+import pytest
+
+from agent.hollow import HollowFleet
+from jobs.models import Job
+from jobs.services import job_submit
+from jobs.tick import tick_run
+
+ENROLL = "hollow-enroll"
+
+
+@pytest.fixture(autouse=True)
+def enrollment(monkeypatch):
+    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
+    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
+    monkeypatch.setenv("MERIDIAN_JOB_MAX_SPREAD", "region")
+
+
+def hollow_fleet(url, nodes):
+    options = argparse.Namespace(control_plane=url, enroll_token=ENROLL, hollow=nodes, hollow_type="CPU",
+                                 hollow_devices=2, hollow_prefix="h", hollow_threads=1, interval=1.0,
+                                 checkpoint_every=0.0)
+    return HollowFleet(options, threading.Event())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_hollow_nodes_run_jobs_to_completion_and_yield_to_a_premium_job(live_server, alice, team_a, job_spec):
+    fleet = hollow_fleet(live_server.url, nodes=2)
+    fleet.register_all()
+    for node in fleet.nodes:
+        node.rate = 1000.0  # steps per device-second: the model, not wall time, drives these jobs
+    basics = [job_submit(team=team_a, submitted_by=alice,
+                         spec=job_spec(name=f"b{i}", tier="basic", world_size=2, min_devices=2,
+                                       args=["--steps", "1000000"])) for i in range(2)]
+    tick_run()
+    fleet.beat_all()  # start
+    fleet.beat_all()  # report running
+    assert {j.state for j in Job.objects.filter(pk__in=[b.pk for b in basics])} == {Job.State.RUNNING}
+
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", tier="premium", world_size=2,
+                                                                        min_devices=2, args=["--steps", "10"]))
+    tick_run()
+    fleet.beat_all()  # the victim's node stops it with a checkpoint; the premium starts
+    fleet.beat_all()  # ... and reports both
+    states = sorted(Job.objects.filter(pk__in=[b.pk for b in basics]).values_list("state", flat=True))
+    assert states == [Job.State.PREEMPTED, Job.State.RUNNING]
+    victim = Job.objects.get(pk__in=[b.pk for b in basics], state=Job.State.PREEMPTED)
+    assert victim.last_checkpoint_step > 0
+    fleet.beat_all()  # the premium reaches its 10 steps and finishes
+    fleet.beat_all()  # ... and reports it
+    premium.refresh_from_db()
+    assert premium.state == Job.State.SUCCEEDED
+    assert fleet.stats["failures"] == 0
