@@ -301,11 +301,14 @@ class Engine:
     def _complete(self, j):
         self._settle(j)
         self.done_work[j] = self.work[j]
-        self._release(j, self.now)
+        co = self._release(j, self.now)
         self._set_contrib(j, 0.0)
         self.state[j] = DONE
         self.finish[j] = self.now
         del self.running[j]
+        for other in co:  # a time-sliced partner runs alone from now
+            self._settle(other)
+            self._rerate(other)
         self._mark_dirty()
 
     def _fail_node(self):

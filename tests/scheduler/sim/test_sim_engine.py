@@ -179,3 +179,31 @@ def test_every_job_of_a_busy_trace_finishes_under_every_baseline():
         s = result.summary()
         assert s["util_useful"] <= s["util_allocated"] + 1e-9
         assert math.isfinite(s["p99_jct_s"])
+
+
+def test_gandiva_time_slices_two_jobs_at_half_speed_times_slicing_efficiency():
+    # A (2 ranks, 100 s) runs alone 0..10; B (2 ranks, 100 s) then shares its devices: both run
+    # at 0.5 x 0.97 = 0.485. A's last 90 s take 90 / 0.485 s; B has done 90 s by then and
+    # finishes its last 10 s alone.
+    from scheduler.sim.baselines import Gandiva
+
+    trace = make_jobs([(0, 100, 2), (10, 100, 2)])
+    result = run(trace, fleet_module.uniform(1, 2), Gandiva())
+    a_end = 10 + 90 / 0.485
+    assert result.first_start.tolist() == [0.0, 10.0]
+    assert result.finish[0] == pytest.approx(a_end)
+    assert result.finish[1] == pytest.approx(a_end + 10)
+
+
+def test_gandiva_moves_a_time_sliced_job_onto_devices_that_free_up():
+    # A on node 0, C on node 1, B time-slices A from t=2. C ends at 51: B migrates to node 1
+    # (checkpoint 5 + restore 7 = 12 s) and runs alone from 63; A runs alone from 51.
+    from scheduler.sim.baselines import Gandiva
+
+    trace = make_jobs([(0, 1000, 2), (1, 50, 2), (2, 1000, 2)])
+    result = run(trace, fleet_module.uniform(2, 2), Gandiva())
+    shared = 49 * 0.485
+    assert result.n_migrate.tolist() == [0, 0, 1]
+    assert result.finish[1] == pytest.approx(51.0)
+    assert result.finish[0] == pytest.approx(51 + (1000 - 2 - shared))
+    assert result.finish[2] == pytest.approx(63 + (1000 - shared))
