@@ -303,8 +303,16 @@ class Launcher:
                     # CRIU restores open files only at the same path and size: carry the logs.
                     shutil.copyfile(spool_files.rank_dir(self.spool, rank) / "out.log",
                                     logs / f"rank{rank}.log")
-                for process in self.ranks:  # serially: parallel dumps race inside CRIU
-                    criu.dump(process.pid, staging / f"rank{process.rank}", leave_running=not stop)
+                try:
+                    for process in self.ranks:  # serially: parallel dumps race inside CRIU
+                        criu.dump(process.pid, staging / f"rank{process.rank}",
+                                  leave_running=not stop)
+                except RuntimeError as exc:
+                    if stop:  # some ranks may be dumped (gone) already: the job cannot go on
+                        self.kill_all()
+                        raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
+                    self.resume_ranks(request["id"])  # a failed dump leaves the rank running
+                    raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
                 if not stop:
                     self.resume_ranks(request["id"])
             else:
@@ -381,12 +389,10 @@ class Launcher:
             self.fresh_spool()
             self.spawn_ranks(resume_dir=ref.path)
         else:
-            # Move the images onto this node (copied and sha256-checked), put the rank logs back
-            # at their paths and sizes, then restore each rank into a new PID namespace.
-            local = self.job_dir / "restore" / ref.path.name
-            if local.exists():
-                shutil.rmtree(local)
-            self.store.restore(ref, dest=local)
+            # The store was verified above (sha256 of every image); CRIU only reads the images,
+            # so they are restored straight from it (a shared filesystem on a fleet). Put the rank
+            # logs back at their paths and sizes, then restore each rank into a new PID namespace.
+            local = ref.path
             self.fresh_spool()
             for rank in range(self.world_size):
                 shutil.copyfile(local / "logs" / f"rank{rank}.log",
@@ -396,7 +402,6 @@ class Launcher:
                 self.ranks.append(RankProcess(rank, pid))
             self._last_id = int(meta["request_id"])
             self.resume_ranks(int(meta["request_id"]))
-            shutil.rmtree(local, ignore_errors=True)
         self.event("restored", step=ref.step, checkpoint=ref.uri,
                    seconds=round(time.monotonic() - began, 4))
         return ref
@@ -464,11 +469,16 @@ class Launcher:
             else:
                 try:
                     result = self.execute(request)
-                except LaunchError as exc:
-                    result = {"ok": False, "error": str(exc)}
-                    if self.state == "stopping" or any(r.poll() not in (None, 0) for r in self.ranks):
+                except Exception as exc:  # noqa: BLE001 - the client must always get an answer
+                    # A refused or failed checkpoint/resize is an answer, not the job's end,
+                    # unless a rank is gone.
+                    error = str(exc) if isinstance(exc, LaunchError) else f"{type(exc).__name__}: {exc}"
+                    result = {"ok": False, "error": error}
+                    self.event(f"{request.get('cmd')}_failed", error=error)
+                    if any(r.poll() not in (None, 0) for r in self.ranks):
                         answer.put(result)
-                        raise
+                        raise LaunchError(f"{request.get('cmd')} failed and the job cannot go on: "
+                                          f"{error}") from None
                 answer.put(result)
                 if request.get("cmd") == "stop" and result.get("ok"):
                     self.state = "stopped"
@@ -531,8 +541,14 @@ def parse_args(argv):
     return options
 
 
+def _terminate(signum, frame):
+    raise LaunchError(f"terminated by signal {signum}; ranks killed, no checkpoint taken")
+
+
 def main(argv=None):
     options = parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGTERM (an agent giving the devices back) ends the job like a failure: ranks are killed.
+    signal.signal(signal.SIGTERM, _terminate)
     launcher = None
     try:
         launcher = Launcher(options)

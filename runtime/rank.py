@@ -134,6 +134,7 @@ class RankRuntime:
         self.slot.acquire()
         if group is not None:
             group.ensure_inner()
+        self._progress_at = 0.0  # report the first step after a resume at once
 
 
 def main(argv=None):

@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
 DDP_SCRIPT = SCRIPTS / "ddp_mlp.py"
 SINGLE_SCRIPT = SCRIPTS / "single_mlp.py"
+COUNTER_SCRIPT = SCRIPTS / "counter_loop.py"
 DDP_ARGS = ["--epochs", "10"]       # W=4: 4 batches per epoch and rank -> 40 optimizer steps
 SINGLE_ARGS = ["--epochs", "3"]     # 12 batches per epoch -> 36 optimizer steps
 JOB_TIMEOUT_S = 240

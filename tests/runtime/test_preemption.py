@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from runtime_helpers import (DDP_ARGS, DDP_SCRIPT, SINGLE_ARGS, SINGLE_SCRIPT, Job, assert_same_state,
+from runtime.control import JobControlError
+from runtime_helpers import (COUNTER_SCRIPT, DDP_ARGS, DDP_SCRIPT, SINGLE_ARGS, SINGLE_SCRIPT, Job, assert_same_state,
                       kill_ranks, needs_criu, reference_state, unique_id)
 
 pytestmark = [pytest.mark.runtime, pytest.mark.slow]
@@ -75,16 +76,18 @@ def test_sigkill_every_rank_restores_from_last_checkpoint(engine, tmp_path, jobs
     out = tmp_path / "out.pt"
     job_id = unique_id("kill")
     node = tmp_path / "node"
-    # A sleep per step (part of the user's script) leaves time to kill between checkpoints.
-    args = DDP_ARGS + ["--step-sleep", "0.15"]
+    # A sleep per step (part of the user's script, 40 steps: 20 s) leaves time to take two
+    # checkpoints and kill between them; the ranks keep training while a checkpoint is committed,
+    # so the second one is taken as soon as possible rather than at a fixed step.
+    args = DDP_ARGS + ["--step-sleep", "0.5"]
     first = Job(node, ranks=4, script=DDP_SCRIPT, out=out, script_args=args, engine=engine,
                 job_id=job_id)
     jobs.append(first)
     first.wait_ready()
-    assert first.control.checkpoint(at_step=8)["step"] == 8
-    last = first.control.checkpoint(at_step=17)
-    assert last["step"] == 17
-    progress = first.wait_step(20)
+    assert first.control.checkpoint(at_step=4)["step"] == 4
+    last = first.control.checkpoint()
+    assert 4 < last["step"] < 38
+    progress = first.wait_step(last["step"] + 2)
     assert progress["step"] < 40
     kill_ranks(progress["rank_pids"])
     first.finish(1)
@@ -150,3 +153,16 @@ def test_four_ranks_started_spliced_on_one_device_then_spread(tmp_path, jobs, re
     assert job.control.resize(2, at_step=12)["step"] == 12
     job.finish(0)
     assert_same_state(expected, out)
+
+
+def test_framework_engine_refuses_a_script_it_cannot_resume_and_the_job_goes_on(tmp_path, jobs):
+    out = tmp_path / "out.pt"
+    job = Job(tmp_path / "node", ranks=1, script=COUNTER_SCRIPT, out=out, engine="framework",
+              job_id=unique_id("refuse"))
+    jobs.append(job)
+    job.wait_ready()
+    with pytest.raises(JobControlError, match="DataLoader"):
+        job.control.stop(at_step=5)
+    job.finish(0)
+    assert out.exists()
+    assert not list((tmp_path / "node" / "checkpoints").glob("ckpt-*"))
