@@ -50,6 +50,8 @@ class Preempt:
     reason: str
     needs_approval: bool = False
     released: tuple = ()  # the devices it held (empty when needs_approval; nothing is released)
+    for_job: int = -1  # index of the job the devices are taken for; -1 = none (lost node)
+    for_job_id: int = -1  # that job's caller id (what a PreemptionRequest records)
     kind = "preempt"
 
 
@@ -86,6 +88,8 @@ class Resize:
     code: str
     reason: str
     borrowed: int = 0  # devices of the new set over the team's quota (grows only)
+    for_job: int = -1  # shrinks: index of the job the devices are taken for; -1 for grows
+    for_job_id: int = -1  # that job's caller id
     kind = "resize"
 
 

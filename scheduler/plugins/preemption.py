@@ -331,7 +331,8 @@ class SlaPreemption:
                 tick.take(v, np.setdiff1d(devices, keep))
                 tick.decisions.append(Resize(
                     job=v, job_id=int(jobs.ids[v]), devices=tuple(keep.tolist()), code=REASON_SHRUNK,
-                    reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}"))
+                    reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}",
+                    for_job=j, for_job_id=int(jobs.ids[j])))
                 tick.victims_used += 1
                 done.append(f"shrinking {tick.job_label(v)} to {keep.size}")
             elif group != GROUP_SHRINK:
@@ -344,7 +345,7 @@ class SlaPreemption:
                 tick.decisions.append(Preempt(
                     job=v, job_id=int(jobs.ids[v]), code=code,
                     reason=f"{why}; least lost work among candidates; resumes from its checkpoint",
-                    released=tuple(devices.tolist())))
+                    released=tuple(devices.tolist()), for_job=j, for_job_id=int(jobs.ids[j])))
                 tick.requeued[v] = (code, f"{why}; back in line, resumes from step {step} or later")
                 tick.victims_used += 1
                 verb = "reclaiming borrowed devices from" if group == GROUP_RECLAIM else "preempting"
@@ -387,7 +388,7 @@ class SlaPreemption:
                        f"below the {floor:.0%} floor")
             tick.decisions.append(Preempt(
                 job=v, job_id=int(jobs.ids[v]), code=REASON_NEEDS_APPROVAL, needs_approval=True,
-                reason=f"{tick.job_label(j)} needs its devices; {why}"))
+                reason=f"{tick.job_label(j)} needs its devices; {why}", for_job=j, for_job_id=int(jobs.ids[j])))
         base = tick.waiting.get(j, (REASON_WAITING_FOR_APPROVAL, ""))[1]
         why = "waiting for approval to preempt job " + ", ".join(names)
         tick.waiting[j] = (REASON_WAITING_FOR_APPROVAL, f"{base}; {why}" if base else why)

@@ -110,6 +110,7 @@ def test_the_preemptor_waits_for_approval_and_says_for_whom():
     _, plan = outcome(snap)
     approval = plan.decisions[0]
     assert approval.needs_approval and approval.released == ()
+    assert approval.for_job == 1  # the Premium job that needs the devices
     assert "Standard at 50% of its ideal device-time, below the 70% floor" in approval.reason
     assert plan.wait_reason(1).code == "waiting for approval"
     assert plan.wait_reason(1).reason.endswith("waiting for approval to preempt job std")
@@ -196,3 +197,11 @@ def test_a_job_pinned_to_one_node_preempts_on_one_node():
     assert got["preempt"] == ["y"] and got["start"] == ["p"]  # y lost less work than x
     start = plan.of_kind(Start)[0]
     assert {int(snap.accelerators.node[d]) for d in start.devices} == {1}
+
+
+def test_victims_name_the_job_they_make_room_for():
+    snap = (one_node().job(old(make_job("e").ranks(4).elastic(1).running(4)))
+            .job(make_job("p").tier(PREMIUM).ranks(2).id(77)).build())
+    _, plan = outcome(snap)
+    shrink = plan.of_kind(Resize)[0]
+    assert (shrink.for_job, shrink.for_job_id) == (1, 77)
