@@ -296,7 +296,8 @@ class FrameworkTracker:
         self._observed_intervals = 0
         self._handles: list = []
         self._originals: list = []
-        self._tensors_seq = -1
+        self._tensors_upto = 0
+        self._tensors_dirty = True
         self._tensors: list = []
         self._resume = None
         self._applied = resume_dir is None
@@ -435,6 +436,8 @@ class FrameworkTracker:
         self._modules.append((self._next_seq(), weakref.ref(module)))
         if len(self._modules) > 1024 and len(self._modules) & (len(self._modules) - 1) == 0:
             self._modules = [(s, r) for s, r in self._modules if r() is not None]
+            self._tensors_upto = len(self._modules)
+            self._tensors_dirty = True
 
     @staticmethod
     def _live(entries) -> list:
@@ -481,6 +484,12 @@ class FrameworkTracker:
     def _note_loader(self, loader, constructed=False) -> None:
         if not constructed:
             return
+        count = len(self._loaders)
+        for old in self._loaders if count & (count - 1) == 0 else ():
+            # a loader built per step must not keep its RNG copies forever
+            if old.pre_epoch_rng is not None and old.ref() is None:
+                old.pre_epoch_rng = None
+                old.pre_epoch_generators = []
         record = _LoaderRecord(self._next_seq(), loader)
         self._loaders.append(record)
         if type(loader).__iter__ is not self._patched_iter:
@@ -508,8 +517,6 @@ class FrameworkTracker:
         if record is None:  # built before install(), or __init__ bypassed
             record = _LoaderRecord(self._next_seq(), loader)
             self._loaders.append(record)
-        if self._pending is not None:
-            self._pending["boundary"] = True
         index = len(record.epochs)
         record.epochs.append([0, False])
         if self._resume is not None and not self._applied:
@@ -569,8 +576,9 @@ class FrameworkTracker:
         if pending is None:
             return
         self._pending = None
-        if pending["boundary"]:
-            return  # epoch-end code runs again on resume; nothing to check
+        # The stretch from step() to this fetch is code that a resume does not run again. (At an
+        # epoch's end the fetch that raises StopIteration closes it, so per-epoch code after the
+        # loop, which a resume does run, is never counted here.)
         self._observed_intervals += 1
         if not _rng_equal(pending["rng"], _rng_state()):
             self._reasons.append(
@@ -604,9 +612,13 @@ class FrameworkTracker:
                 "batch (an EMA or weight update after step()?); that update would be lost")
 
     def _state_tensors(self) -> list:
-        """Parameters and buffers of the models, cached until a module is built."""
-        if self._tensors_seq != self._seq:
-            self._tensors_seq = self._seq
+        """Parameters and buffers of the models. Recomputed only when a module with state was
+        built since the last call (scripts often build a stateless loss module every step)."""
+        new = self._modules[self._tensors_upto:]
+        self._tensors_upto = len(self._modules)
+        if self._tensors_dirty or any((m := ref()) is not None and _has_state(m)
+                                      for _, ref in new):
+            self._tensors_dirty = False
             self._tensors = [t for root in self._roots()
                              for t in (*root.parameters(), *root.buffers())]
         return self._tensors
@@ -630,7 +642,7 @@ class FrameworkTracker:
             return  # the iteration's cycle of optimizer steps is not complete (or not known)
         self.step += 1
         schedulers = self._top_level_schedulers()
-        self._pending = {"boundary": False, "rng": _rng_state(),
+        self._pending = {"rng": _rng_state(),
                          "schedulers": [(s, _scheduler_counter(s)) for s in schedulers],
                          "hyperparams": [(o, _hyperparams(o)) for o in optimizers],
                          "versions": self._state_versions()}

@@ -231,6 +231,29 @@ def _hash_in_place(path: Path) -> dict:
     return {"size": size, "sha256": digest}
 
 
+def _hashes_from_engine_manifests(root: Path) -> dict:
+    """Returns {relative path: entry} from the manifests an engine wrote inside a staging
+    folder (e.g. the framework engine's ``rank-<r>/MANIFEST.json``), whose sha256 were computed
+    from the bytes as they were written. Reusing them saves reading the checkpoint a second
+    time; restores still check every file, so a file damaged after it was written is caught."""
+    known = {}
+    for manifest_path in root.rglob(MANIFEST_NAME):
+        if manifest_path.parent == root:
+            continue
+        try:
+            manifest = read_manifest(manifest_path.parent)
+        except CheckpointError:
+            continue  # not ours or damaged: those files are hashed the slow way
+        prefix = manifest_path.parent.relative_to(root).as_posix()
+        for rel, entry in manifest["files"].items():
+            if isinstance(entry, dict) and isinstance(entry.get("size"), int) \
+                    and isinstance(entry.get("sha256"), str):
+                known[f"{prefix}/{rel}"] = entry
+        with open(manifest_path, "rb+") as f:
+            os.fsync(f.fileno())
+    return known
+
+
 def _walk_files(root: Path):
     """Yields (relative posix path, absolute path) for every regular file under root, sorted.
     Refuses symlinks and special files: a checkpoint must be self-contained."""
@@ -297,8 +320,13 @@ class CheckpointStore:
                 src = Path(source).absolute()
                 if src.parent == self.root and src.name.startswith(STAGING_PREFIX):
                     os.rename(src, tmp)
+                    known = _hashes_from_engine_manifests(tmp)
                     for rel, full in _walk_files(tmp):
-                        files[rel] = _hash_in_place(full)
+                        entry = known.get(rel)
+                        if entry is not None and entry["size"] == full.stat().st_size:
+                            files[rel] = {"size": entry["size"], "sha256": entry["sha256"]}
+                        else:
+                            files[rel] = _hash_in_place(full)
                 else:
                     tmp.mkdir()
                     for rel, full in _walk_files(src):

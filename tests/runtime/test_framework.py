@@ -243,6 +243,12 @@ def test_random_draws_between_step_and_the_next_batch_refuse_the_checkpoint(tmp_
     assert not (tmp_path / "ckpt" / "rank-0").exists()
 
 
+def test_evaluation_with_a_dataloader_between_step_and_the_next_batch_is_refused(tmp_path):
+    proc = _run(MLP, ["--out", tmp_path / "o.pt", "--eval-after-step"], TEST_CUT_STEP=5,
+                TEST_SAVE_DIR=tmp_path / "ckpt")
+    _refused(proc, "draws random numbers between optimizer.step() and the next batch")
+
+
 def test_a_model_update_between_step_and_the_next_batch_refuses_the_checkpoint(tmp_path):
     proc = _run(MLP, ["--out", tmp_path / "o.pt", "--ema", "after-step"], TEST_CUT_STEP=5,
                 TEST_SAVE_DIR=tmp_path / "ckpt")

@@ -161,3 +161,34 @@ def test_empty_and_symlinked_sources_are_refused(store, tmp_path):
     assert store.list() == []
     with pytest.raises(CheckpointMissing, match="nothere"):
         store.commit([tmp_path / "nothere"], step=1, engine="criu")
+
+
+def test_a_staging_folder_reuses_the_hashes_its_engine_wrote_and_restore_still_checks(store):
+    from runtime.store import write_manifest
+    staging = store.staging_dir()
+    rank = staging / "rank-0"
+    rank.mkdir()
+    (rank / "state.pt").write_bytes(b"written by the engine")
+    digest, size = sha256_file(rank / "state.pt")
+    write_manifest(rank, {"state.pt": {"size": size, "sha256": digest}}, engine="framework")
+    ref = store.commit(staging, step=3, engine="framework")
+    assert read_manifest(ref.path)["files"]["rank-0/state.pt"]["sha256"] == digest
+    assert store.latest_good() == ref
+    # a byte flipped after the engine hashed it is caught on restore
+    (ref.path / "rank-0" / "state.pt").write_bytes(b"written by the engind")
+    with pytest.raises(CheckpointCorrupt, match="rank-0/state.pt"):
+        store.verify(ref)
+
+
+def test_a_staging_file_whose_size_disagrees_with_its_engine_manifest_is_hashed_afresh(store):
+    from runtime.store import write_manifest
+    staging = store.staging_dir()
+    (staging / "state.pt").write_bytes(b"final bytes")
+    write_manifest(staging / ".", {}, engine="criu")  # a top-level manifest is ignored
+    sub = staging / "rank-1"
+    sub.mkdir()
+    (sub / "a").write_bytes(b"new content, longer")
+    write_manifest(sub, {"a": {"size": 3, "sha256": "0" * 64}}, engine="framework")
+    ref = store.commit(staging, step=1, engine="framework")
+    assert read_manifest(ref.path)["files"]["rank-1/a"]["sha256"] == sha256_file(ref.path / "rank-1" / "a")[0]
+    store.verify(ref)

@@ -20,6 +20,7 @@ parser.add_argument("--sched", choices=["epoch", "step"], default="epoch")
 parser.add_argument("--two-optimizers", action="store_true")
 parser.add_argument("--swap-optimizers", action="store_true")
 parser.add_argument("--rng-after-step", action="store_true")
+parser.add_argument("--eval-after-step", action="store_true")
 parser.add_argument("--ema", choices=["none", "before-step", "after-step"], default="none")
 args = parser.parse_args()
 
@@ -92,6 +93,10 @@ for epoch in range(args.epochs):
             ema_update()
         if args.rng_after_step:
             torch.rand(1)
+        if args.eval_after_step:  # evaluation inside the loop: its loader draws a base seed
+            with torch.no_grad():
+                for x_eval, _ in DataLoader(Noisy(16), batch_size=8):
+                    model(x_eval)
     if args.sched == "epoch":
         scheduler.step()
     model.eval()
