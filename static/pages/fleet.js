@@ -94,6 +94,10 @@
       drawAll();
     });
   });
+  // Telemetry (actually-used) arrives continuously from the agents and is not pushed
+  // message by message; a visible fleet page also refetches on this slow beat.
+  var TELEMETRY_REFRESH_MS = 15000;
+  setInterval(function () { if (document.visibilityState === "visible") { refresh(); } }, TELEMETRY_REFRESH_MS);
   MeridianLive.start(["fleet"], function (message) {
     if (message.type === "subscribed" || message.type === "fleet.changed" || message.type === "jobs.job_updated") { refresh(); }
   });
