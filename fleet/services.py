@@ -5,12 +5,13 @@ import time
 from dataclasses import dataclass
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import connection, transaction
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
 from fleet.models import Accelerator, Cluster, Node, Region, node_token_hash
 
 BULK_BATCH_SIZE = 5000
+ANALYZE_AFTER_ROWS = 10_000
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,20 @@ class FleetLoadResult:
     nodes: int
     accelerators: int
     seconds: float
+
+
+def fleet_tables_analyze():
+    """Refreshes the planner's statistics of the fleet tables after a bulk load.
+
+    Without it PostgreSQL plans the first queries on 100k fresh rows as if the tables were
+    empty (seen: 440 ms instead of 0.1 ms for a filtered accelerator page)."""
+    tables = [model._meta.db_table for model in (Region, Cluster, Node, Accelerator)]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("ANALYZE " + ", ".join(tables))
+        elif connection.vendor == "sqlite":
+            for table in tables:
+                cursor.execute(f"ANALYZE {table}")
 
 
 def node_token_issue(*, node):
@@ -121,6 +136,8 @@ def fleet_load(*, description):
                     ]
                 Accelerator.objects.bulk_create(new_devices, batch_size=BULK_BATCH_SIZE)
                 created["accelerators"] += len(new_devices)
+    if created["accelerators"] >= ANALYZE_AFTER_ROWS:
+        fleet_tables_analyze()
     return FleetLoadResult(**created, seconds=time.perf_counter() - started)
 
 
@@ -180,6 +197,7 @@ def fleet_generate(
                 total_devices += nodes * devices
                 if progress:
                     progress(total_devices)
+    fleet_tables_analyze()
     return FleetLoadResult(
         regions=regions,
         clusters=regions * clusters,
