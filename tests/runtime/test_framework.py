@@ -101,11 +101,12 @@ def _preempt_and_resume(tmp_path, script, args, cut_step, **env):
     (MLP_STEPS - 1, ()),                           # one step before the end
     (9, ("--sched", "step")),                      # per-iteration scheduler: replayed
     (2 * STEPS_PER_EPOCH, ("--sched", "step")),    # ... at an epoch boundary
-    (STEPS_PER_EPOCH + 1, ("--workers", "2")),     # worker processes' augmentation RNG
+    (STEPS_PER_EPOCH + 1, ("--workers", "2", "--loader-generator")),  # workers' RNG, seeded
+                                                   # loader generator
     (8, ("--two-optimizers",)),                    # several optimizers, stepped in turn
     (10, ("--ema", "before-step")),                # a deepcopy'd EMA model is state too
 ], ids=["cut-2", "cut-6-epoch-end", "cut-23-last-but-one", "per-step-sched-cut-9",
-        "per-step-sched-cut-12-epoch-end", "workers-2-cut-7-epoch-start",
+        "per-step-sched-cut-12-epoch-end", "workers-2-generator-cut-7-epoch-start",
         "two-optimizers-cut-8", "ema-deepcopy-cut-10"])
 def test_single_process_script_resumes_bit_exactly(tmp_path, uninterrupted, cut_step, args):
     expected = uninterrupted(*args)

@@ -21,6 +21,7 @@ parser.add_argument("--two-optimizers", action="store_true")
 parser.add_argument("--swap-optimizers", action="store_true")
 parser.add_argument("--rng-after-step", action="store_true")
 parser.add_argument("--eval-after-step", action="store_true")
+parser.add_argument("--loader-generator", action="store_true")
 parser.add_argument("--ema", choices=["none", "before-step", "after-step"], default="none")
 args = parser.parse_args()
 
@@ -66,7 +67,8 @@ else:
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)]
 scheduler = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=1 if args.sched == "epoch"
                                             else 5, gamma=0.7)
-loader = DataLoader(Noisy(args.n), batch_size=16, shuffle=True, num_workers=args.workers)
+loader = DataLoader(Noisy(args.n), batch_size=16, shuffle=True, num_workers=args.workers,
+                    generator=torch.Generator().manual_seed(2) if args.loader_generator else None)
 loss_fn = nn.CrossEntropyLoss()
 ema = copy.deepcopy(model) if args.ema != "none" else None
 
