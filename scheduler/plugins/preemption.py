@@ -11,11 +11,12 @@ Within a region, actions are taken in this order until enough devices are free:
      possible release first, each to the largest allowed count that still frees enough;
   3. preempt victims, Basic before Standard, least lost work first (device-seconds since
      the last checkpoint), then smallest checkpoint.
-The region needing the fewest preemptions, then the least lost work, wins. A gang that fits
-on one node (and needs a preemption, or must stay on one node) also looks for one node that
-preempting whole jobs can free (fewest preemptions, then least lost work) and takes it when it
-needs no more preemptions than the region-wide choice: a gang on one node beats one spread
-over a region.
+The region needing the fewest preemptions, then the least lost work, wins. A gang of two or
+more devices that needs a preemption also looks for one node, else one rack, else one
+cluster that preempting whole jobs can free (fewest preemptions, then least lost work) and
+takes the tightest such place that needs no more preemptions than the region-wide choice: a
+packed gang beats a spread one. A job whose max_spread is tighter than a region only takes
+victims within one node / rack / cluster (as its spread allows).
 
 SLA rules: Premium is never preempted or shrunk unless Jobs.preemption_approved; Standard
 may be while attained/ideal >= PolicySettings.standard_sla_floor (else only with approval);
@@ -30,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.plan import Preempt, Resize, Start
-from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NODE, STANDARD, TIER_NAMES
+from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NAMES, SPREAD_REGION, STANDARD, TIER_NAMES
+from scheduler.state import LEVEL_CLUSTER
 
 NAME = "preempt.sla_cost_aware"
 REASON_PLACED_BY_PREEMPTION = "placed by preemption"  # Start after making room
@@ -97,20 +99,32 @@ class SlaPreemption:
             return self._ask_approval(tick, j, actions, chosen)
         region, rows = chosen
         k = int(jobs.type_id[j])
+        spread = int(jobs.max_spread[j])
         preempts = any(actions["group"][r] != GROUP_SHRINK for r in rows)
-        node = None
-        if need >= 2 and need <= tick.state.max_node_free[k] and (preempts or jobs.max_spread[j] == SPREAD_NODE):
-            # a gang that fits on one node gets one node if preempting makes that possible
-            on_node = self._choose_node(tick, j, need)
+        must = spread < SPREAD_REGION  # victims anywhere in the region would not do
+        scope = None
+        if (need >= 2 and preempts) or must:
+            # a gang gets one node, else one rack, else one cluster if preempting whole jobs
+            # there takes no more preemptions than the region-wide choice (or if it must)
             n_region = len({int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK})
-            if on_node is not None and (len(on_node[1]) <= n_region or jobs.max_spread[j] == SPREAD_NODE):
-                region, rows, actions, node = on_node
+            for level in range(0, min(spread, LEVEL_CLUSTER) + 1):
+                if need > int(tick.state.capacity[level][:, k].max(initial=0)):
+                    continue
+                found = self._choose_in_one(tick, j, need, level)
+                if found is not None and (must or len(found[1]) <= n_region):
+                    region, rows, actions, scope = found
+                    break
+            else:
+                if must:
+                    return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
+                                         f"preempting could not free {need} {tick.type_name(j)} "
+                                         f"within one {SPREAD_NAMES[spread]}")
         if tick.victims_used + len(np.unique(actions["job"][rows])) > settings.max_preemptions_per_tick:
             return self._explain(tick, j, REASON_BUDGET_SPENT,
                                  f"making room needs more victims than the per-tick budget of "
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
-        done = self._apply(tick, j, actions, rows, region, need, node)
+        done = self._apply(tick, j, actions, rows, region, need, scope)
         placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
@@ -206,11 +220,12 @@ class SlaPreemption:
         return {name: col[rows] for name, col in actions.items()}
 
     @staticmethod
-    def _devices_by_node(tick, k: int) -> dict:
-        """Returns the devices of type-k candidates sorted by (node, victim cost rank), once per tick."""
+    def _devices_by_entity(tick, k: int, level: int) -> dict:
+        """Returns the devices of type-k candidates sorted by (entity of `level`, victim cost
+        rank), with a flag on each victim's first device per entity; once per tick."""
         cache = tick.__dict__.setdefault("_preemption_devices", {})
-        if k in cache:
-            return cache[k]
+        if (k, level) in cache:
+            return cache[(k, level)]
         by_cost, _ = SlaPreemption._candidates(tick, k)
         state = tick.state
         row_of = np.full(state.n_jobs, -1, np.int64)
@@ -218,19 +233,21 @@ class SlaPreemption:
         devices = np.flatnonzero((state.holder >= 0) & state.usable & (state.type_id == k))
         rows = row_of[state.holder[devices]]
         devices, rows = devices[rows >= 0], rows[rows >= 0]
-        nodes = state.node[devices]
-        order = np.lexsort((devices, rows, nodes))
-        nodes, rows = nodes[order], rows[order]
-        first = np.r_[True, (nodes[1:] != nodes[:-1]) | (rows[1:] != rows[:-1])] if rows.size else rows.astype(bool)
-        cache[k] = {"node": nodes, "row": rows, "first": first}
-        return cache[k]
+        entity = state.node_entity[level][state.node[devices]]
+        order = np.lexsort((devices, rows, entity))
+        entity, rows = entity[order], rows[order]
+        first = (np.r_[True, (entity[1:] != entity[:-1]) | (rows[1:] != rows[:-1])] if rows.size
+                 else np.zeros(0, np.bool_))
+        cache[(k, level)] = {"entity": entity, "row": rows, "first": first}
+        return cache[(k, level)]
 
-    def _choose_node(self, tick, j: int, need: int):
-        """Returns (region, rows, actions, node) preempting whole jobs to free `need` on one node, or None.
+    def _choose_in_one(self, tick, j: int, need: int, level: int):
+        """Returns (region, rows, actions, (level, entity)) preempting whole jobs to free
+        `need` devices within one node / rack / cluster, or None.
 
-        Among nodes where the idle devices plus those of eligible victims (borrowed or lower
-        tier, no approval needed, not just started) reach `need`, the one needing the fewest
-        preemptions, then the least lost work, wins; victims are taken cheapest first.
+        Among entities where the idle devices plus those of eligible victims (borrowed or
+        lower tier, no approval needed, not just started) reach `need`, the one needing the
+        fewest preemptions, then the least lost work, wins; victims go cheapest first.
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
@@ -238,27 +255,27 @@ class SlaPreemption:
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
         eligible = (~tick.touched[by_cost["job"]] & (reclaim | (by_cost["tier"] > tier))
                     & ~by_cost["recent"] & ~by_cost["needs_approval"])
-        devices = self._devices_by_node(tick, k)
+        devices = self._devices_by_entity(tick, k, level)
         keep = eligible[devices["row"]]
         if not keep.any():
             return None
-        node, row, first = devices["node"][keep], devices["row"][keep], devices["first"][keep]
-        group_first = np.r_[True, node[1:] != node[:-1]]
-        start = np.maximum.accumulate(np.where(group_first, np.arange(node.size), 0))
+        entity, row, first = devices["entity"][keep], devices["row"][keep], devices["first"][keep]
+        group_first = np.r_[True, entity[1:] != entity[:-1]]
+        start = np.maximum.accumulate(np.where(group_first, np.arange(entity.size), 0))
 
-        def within_node(c):
+        def within_entity(c):
             c = np.cumsum(c)
             return c - np.where(start > 0, c[start - 1], 0)
 
-        reached = state.free_count[0][node, k] + within_node(np.ones(node.size, np.int64)) >= need
+        reached = state.free_count[level][entity, k] + within_entity(np.ones(entity.size, np.int64)) >= need
         if not reached.any():
             return None
         hit = np.flatnonzero(reached)
-        hit_node, first_hit = np.unique(node[hit], return_index=True)
+        hit_entity, first_hit = np.unique(entity[hit], return_index=True)
         ends = hit[first_hit]
-        n_victims = within_node(first.astype(np.int64))[ends]
-        lost = within_node(np.where(first, by_cost["lost"][row], 0.0))[ends]
-        best = int(ends[np.lexsort((hit_node, lost, n_victims))[0]])
+        n_victims = within_entity(first.astype(np.int64))[ends]
+        lost = within_entity(np.where(first, by_cost["lost"][row], 0.0))[ends]
+        best = int(ends[np.lexsort((hit_entity, lost, n_victims))[0]])
         segment = np.arange(int(start[best]), best + 1)
         victims = row[segment[first[segment]]]
         actions = {
@@ -268,7 +285,8 @@ class SlaPreemption:
             "cost": by_cost["lost"][victims],
             "region": by_cost["region"][victims],
         }
-        return int(state.node_region[node[best]]), list(range(victims.size)), actions, int(node[best])
+        chosen = int(entity[best])
+        return int(state.entity_region[level][chosen]), list(range(victims.size)), actions, (level, chosen)
 
     def _choose(self, tick, j: int, actions: dict, need: int, with_approval: bool):
         """Returns (region, action rows in order) of the cheapest way to free `need`, or None.
@@ -307,7 +325,7 @@ class SlaPreemption:
         return int(hit_region[best]), [int(r) for r in idx[int(start[end]):end + 1]]
 
     # --- acting ---------------------------------------------------------------------------
-    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int, node=None) -> list:
+    def _apply(self, tick, j: int, actions: dict, rows: list, region: int, need: int, scope=None) -> list:
         """Shrinks and preempts the chosen victims in order, each only as far as still needed.
 
         Returns what was done, one phrase per victim, for the preemptor's reason."""
@@ -316,7 +334,9 @@ class SlaPreemption:
         preempted = {int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK}
         done = []  # "preempting job b (Basic)", for the preemptor's reason
         for r in rows:
-            free = tick.state.free_count[0][node, k] if node is not None else tick.state.region_free(k)[region]
+            # scope = (level, entity) when room is made within one node / rack / cluster
+            free = (tick.state.free_count[scope[0]][scope[1], k] if scope is not None
+                    else tick.state.region_free(k)[region])
             missing = need - int(free)
             if missing <= 0:
                 break

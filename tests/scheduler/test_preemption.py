@@ -2,7 +2,7 @@
 import pytest
 
 import scheduler
-from scheduler import BASIC, PREMIUM, SPREAD_NODE, STANDARD, Preempt, Resize, Start
+from scheduler import BASIC, PREMIUM, SPREAD_NODE, SPREAD_RACK, STANDARD, Preempt, Resize, Start
 from scheduler.builders import make_fleet, make_job, make_snapshot, make_team
 
 NOW = 10_000.0
@@ -205,3 +205,28 @@ def test_victims_name_the_job_they_make_room_for():
     _, plan = outcome(snap)
     shrink = plan.of_kind(Resize)[0]
     assert (shrink.for_job, shrink.for_job_id) == (1, 77)
+
+
+def test_a_gang_of_a_rack_gets_one_rack_when_that_takes_no_more_preemptions():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", racks=2, nodes=2, devices=4)).now(NOW)
+            .job(old(make_job("a").ranks(4).running(4, node=0).checkpoint(NOW - 1)))
+            .job(old(make_job("b").ranks(4).running(4, node=1).checkpoint(NOW - 100)))
+            .job(old(make_job("c").ranks(4).running(4, node=2).checkpoint(NOW - 2)))
+            .job(old(make_job("d").ranks(4).running(4, node=3).checkpoint(NOW - 50)))
+            .job(make_job("p").tier(PREMIUM).ranks(8)).build())
+    got, plan = outcome(snap)
+    assert sorted(got["preempt"]) == ["c", "d"]  # not the two cheapest (a, c) in two racks
+    start = plan.of_kind(Start)[0]
+    assert {int(snap.accelerators.rack[d]) for d in start.devices} == {1}
+
+
+def test_a_job_pinned_to_a_rack_never_takes_victims_across_racks():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", racks=2, nodes=1, devices=4)).now(NOW)
+            .job(old(make_job("a").ranks(2).running(2, node=0)))
+            .job(make_job("keep").tier(PREMIUM).ranks(2).running(2, node=0))
+            .job(old(make_job("c").ranks(2).running(2, node=1)))
+            .job(make_job("keep2").tier(PREMIUM).ranks(2).running(2, node=1))
+            .job(make_job("p").tier(PREMIUM).ranks(4).spread(SPREAD_RACK)).build())
+    got, plan = outcome(snap)
+    assert got["preempt"] == [] and got["start"] == []  # a and c would free 4, but in two racks
+    assert "preempting could not free 4 H100-80GB within one rack" in plan.wait_reason(4).reason
