@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.plan import Migrate, Plan, Preempt, Resize, Start
+from scheduler.plugins.drain import REASON_LOST_REQUEUED as LOST_CODE
 from scheduler.snapshot import NO_JOB, NODE_READY, PENDING, RUNNING, Snapshot
 
 
@@ -21,15 +22,18 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
     """Returns a new Snapshot with the plan's decisions applied in order and `now` set.
 
     Start / Migrate set the job RUNNING with last_start_time = now; Preempt sets it PENDING
-    and clears its approval; Resize changes its devices only. Preemptions that need approval
-    change nothing (they wait for a capacity manager). Progress (attained service,
-    checkpoints) is the caller's to account.
+    and clears its approval; Resize changes its devices only. A Preempt, a live Migrate and a
+    Resize checkpoint at a consistent cut, so they set last_checkpoint_time = now (the step is
+    the caller's to record); a restart from checkpoint (lost node) does not. Preemptions that
+    need approval change nothing (they wait for a capacity manager). Progress (attained
+    service) is the caller's to account.
     """
     acc, jobs = snapshot.accelerators, snapshot.jobs
     holder = acc.holder.astype(np.int32).copy()
     state = jobs.state.copy()
     last_start = jobs.last_start_time.copy()
     approved = jobs.preemption_approved.copy()
+    checkpointed = jobs.last_checkpoint_time.copy()
     usable = acc.healthy & (snapshot.node_status[acc.node] == NODE_READY) & \
         ~snapshot.region_drained[acc.region]
 
@@ -67,6 +71,8 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
             holder[holder == j] = NO_JOB
             state[j] = PENDING
             approved[j] = False
+            if decision.code != LOST_CODE:
+                checkpointed[j] = now
             continue
         devices = np.asarray(decision.devices, dtype=np.int64)
         if isinstance(decision, Start):
@@ -84,6 +90,8 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
             check_new(decision, devices, j, kept=np.empty(0, np.int64))  # all must be usable
             holder[devices] = j
             last_start[j] = now
+            if not decision.from_checkpoint:
+                checkpointed[j] = now
         elif isinstance(decision, Resize):
             if state[j] != RUNNING:
                 raise PlanConflict(f"{decision}: job is not running")
@@ -93,9 +101,11 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
             holder[current] = NO_JOB
             check_new(decision, devices, j, kept=current)
             holder[devices] = j
+            checkpointed[j] = now
         else:
             raise PlanConflict(f"unknown decision {decision!r}")
 
     new_acc = acc.replace(holder=holder)
-    new_jobs = jobs.replace(state=state, last_start_time=last_start, preemption_approved=approved)
+    new_jobs = jobs.replace(state=state, last_start_time=last_start, preemption_approved=approved,
+                            last_checkpoint_time=checkpointed)
     return snapshot.replace(accelerators=new_acc, jobs=new_jobs, now=now)

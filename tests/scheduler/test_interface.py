@@ -118,3 +118,12 @@ def test_validate_names_what_is_wrong(change, message):
                     type_names=["X", "Y"])
     with pytest.raises(SnapshotError, match=message):
         snap.validate()
+
+
+def test_apply_plan_records_the_checkpoint_a_preemption_takes():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=2)).now(5000.0)
+            .job(make_job("b").ranks(2).running(2).started(0).checkpoint(100.0))
+            .job(make_job("p").tier(PREMIUM).ranks(2)).build())
+    after = scheduler.apply_plan(snap, scheduler.schedule(snap), now=5030.0).validate()
+    assert after.jobs.last_checkpoint_time.tolist()[0] == 5030.0
+    assert after.jobs.state.tolist() == [0, 1]
