@@ -301,7 +301,7 @@ class ControlLoopLease(models.Model):
 
     Claimed with a conditional update (jobs.tick.tick_lease_claim), so with any number of
     Celery workers and beats one caller at a time runs the tick, on SQLite and PostgreSQL.
-    `last_tick_at` is when the last tick applied its plan: device-time accrues from there.
+    `last_tick_at` is when a tick last accrued device-time (jobs.tick.accounting_period).
     """
 
     name = models.CharField(max_length=64, primary_key=True)

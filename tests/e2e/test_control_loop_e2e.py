@@ -70,10 +70,14 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identic
 
 
 def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(stack):
-    # Any Standard job that waited even a moment is below a 0.99 floor: the preemption needs approval.
+    # The standard job first waits behind a premium one, so its attained fraction of ideal
+    # device-time stays well below a 0.99 floor while it runs: preempting it needs approval.
     plane = stack(env={"MERIDIAN_STANDARD_SLA_FLOOR": "0.99"})
     plane.start_agent("n1", devices=1)
+    first = plane.submit(name="premium-first", tier="premium", epochs=4, step_sleep=0.1)
+    plane.wait_state(first, "running", timeout=120)
     standard = plane.submit(name="standard", tier="standard", epochs=14, step_sleep=0.1)
+    plane.wait_state(first, "succeeded", timeout=180)
     poll("the standard job to run", lambda: plane.job(standard)["progress_step"] >= 10, timeout=180,
          on_timeout=lambda: plane.diagnose(standard))
     premium = plane.submit(name="premium", tier="premium", epochs=2)

@@ -22,6 +22,7 @@ def short_policy(monkeypatch):
     monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
     monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
     monkeypatch.setenv("MERIDIAN_NODE_LOST_AFTER_SECONDS", "30")
+    monkeypatch.setenv("MERIDIAN_ACCOUNTING_SECONDS", "0")
 
 
 def make_node(hostname, devices=2, region="eu", cluster="c1"):
