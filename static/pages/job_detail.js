@@ -14,7 +14,7 @@
       x: segments.map(function (s) { return Math.max(new Date(s.end) - new Date(s.start), 500); }),
       y: segments.map(function (s) { return s.lane; }),
       text: segments.map(function (s) { return s.label; }),
-      textposition: "inside", insidetextanchor: "start",
+      textposition: "inside", insidetextanchor: "start", textangle: 0,
       marker: {color: segments.map(function (s) { return s.color; })},
       hovertemplate: "%{text}<br>%{base|%H:%M:%S} → +%{x}ms<extra></extra>"
     };

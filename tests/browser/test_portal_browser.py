@@ -94,6 +94,7 @@ def test_a_submitter_submits_a_job_and_watches_it_appear_and_its_timeline_change
     labels = form.evaluate("window.meridianJob.data.timeline.segments.map(s => s.lane + ':' + s.label)")
     assert [label for label in labels if label.startswith("state:")] == ["state:pending", "state:scheduled", "state:running"]
     expect(form.locator('#job-events tr[data-event-type="state_changed"]')).to_have_count(2)
+    form.screenshot(path=str(artifacts_dir() / "job.png"), full_page=True)
 
     on_server(transition, job_id, "cancelled", "test done")
     expect(form.get_by_test_id("job-state")).to_have_text("cancelled")
@@ -130,6 +131,7 @@ def test_a_capacity_manager_approves_a_preemption_and_sees_the_job_move(login, o
     expect(pending).to_contain_text("480 device-s (300 steps)")
     expect(pending).to_contain_text("0.600")
 
+    carol.screenshot(path=str(artifacts_dir() / "approvals.png"), full_page=True)
     pending.locator("textarea[name=note]").fill("approved for the premium launch")
     pending.get_by_test_id("approve").click()
     trail = carol.locator(f'#trail-table tr[data-request-id="{request_id}"]')
