@@ -3,11 +3,12 @@
 How to call it:
 
     import scheduler
-    from scheduler.snapshot import Accelerators, Jobs, Teams, Snapshot, PolicySettings
+    from scheduler import BASIC, Accelerators, JobRow, Jobs, PolicySettings, Snapshot, Teams
 
     snap = Snapshot(
         accelerators=Accelerators(type_id=[...], node=[...], rack=[...], cluster=[...],
                                   region=[...], healthy=[...], holder=[...]),  # lists or arrays
+        # (or Accelerators.from_rows([AcceleratorRow(type_id=0, node=3, ...), ...]))
         jobs=Jobs.from_rows([JobRow(id=7, team=0, tier=BASIC, type_id=0, world_size=8), ...]),
         teams=Teams(names=["vision"], quota=[[64]]),
         now=1_764_000_000.0,                     # seconds; the core never reads a clock
@@ -33,14 +34,14 @@ from scheduler.plan import Migrate, Plan, Preempt, Resize, Start, WaitReason, ra
 from scheduler.plugins.order import decay_usage
 from scheduler.snapshot import (
     BASIC, NODE_DRAINING, NODE_LOST, NODE_READY, PENDING, PREMIUM, RUNNING, SPREAD_CLUSTER,
-    SPREAD_NODE, SPREAD_RACK, SPREAD_REGION, STANDARD, UNLIMITED, Accelerators, JobRow, Jobs,
+    SPREAD_NODE, SPREAD_RACK, SPREAD_REGION, STANDARD, UNLIMITED, AcceleratorRow, Accelerators, JobRow, Jobs,
     PolicySettings, Snapshot, SnapshotError, Teams,
 )
 
 __all__ = [
     "schedule", "apply_plan", "Policy", "PHASES", "PlanConflict",
     "Plan", "Start", "Preempt", "Migrate", "Resize", "WaitReason", "rank_layout", "decay_usage",
-    "Snapshot", "Accelerators", "Jobs", "JobRow", "Teams", "PolicySettings", "SnapshotError",
+    "Snapshot", "Accelerators", "AcceleratorRow", "Jobs", "JobRow", "Teams", "PolicySettings", "SnapshotError",
     "PREMIUM", "STANDARD", "BASIC", "PENDING", "RUNNING", "NODE_READY", "NODE_DRAINING",
     "NODE_LOST", "SPREAD_NODE", "SPREAD_RACK", "SPREAD_CLUSTER", "SPREAD_REGION", "UNLIMITED",
 ]

@@ -98,11 +98,33 @@ class Accelerators:
         object.__setattr__(self, "healthy", _filled(self.healthy, True, np.bool_, n, "healthy"))
         object.__setattr__(self, "holder", _filled(self.holder, NO_JOB, np.int32, n, "holder"))
 
+    @classmethod
+    def from_rows(cls, rows: Iterable["AcceleratorRow"]) -> "Accelerators":
+        """Returns the columnar Accelerators for a list of AcceleratorRow (one pass per field)."""
+        rows = list(rows)
+        column = lambda name: [getattr(r, name) for r in rows]  # noqa: E731
+        return cls(type_id=column("type_id"), node=column("node"), rack=column("rack"),
+                   cluster=column("cluster"), region=column("region"), healthy=column("healthy"),
+                   holder=column("holder"))
+
     def __len__(self) -> int:
         return int(self.type_id.shape[0])
 
     def replace(self, **changes) -> "Accelerators":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class AcceleratorRow:
+    """One accelerator as plain Python values (`Accelerators.from_rows([...])`)."""
+
+    type_id: int  # index into Snapshot.type_names
+    node: int  # node index (into Snapshot.node_status)
+    rack: int  # rack / NVLink domain index
+    cluster: int  # cluster index
+    region: int  # region index (into Snapshot.region_names)
+    healthy: bool = True  # False = never given to a job
+    holder: int = NO_JOB  # index of the job holding it (its row in Jobs), NO_JOB if free
 
 
 @dataclass(frozen=True)

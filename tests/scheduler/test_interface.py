@@ -127,3 +127,12 @@ def test_apply_plan_records_the_checkpoint_a_preemption_takes():
     after = scheduler.apply_plan(snap, scheduler.schedule(snap), now=5030.0).validate()
     assert after.jobs.last_checkpoint_time.tolist()[0] == 5030.0
     assert after.jobs.state.tolist() == [0, 1]
+
+
+def test_it_builds_accelerators_from_rows_like_from_columns():
+    from scheduler import AcceleratorRow
+    rows = [AcceleratorRow(type_id=0, node=0, rack=0, cluster=0, region=0),
+            AcceleratorRow(type_id=0, node=1, rack=0, cluster=0, region=0, healthy=False, holder=0)]
+    acc = Accelerators.from_rows(rows)
+    assert acc.node.tolist() == [0, 1] and acc.healthy.tolist() == [True, False]
+    assert acc.holder.tolist() == [-1, 0]
