@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
-from jobs.models import Job, Membership, Tier
+from jobs.models import Job, JobEvent, Membership, Tier
 from jobs.selectors import (
     job_event_list,
     job_get_visible,
@@ -40,6 +40,9 @@ from portal.pages.selectors import (
 )
 
 JOB_LIST_LIMIT = 200
+# Agents report progress every few seconds: those events feed the progress fields, not the
+# timeline, and the events table shows the newest of the rest.
+JOB_EVENTS_SHOWN = 200
 
 
 def _int_param(request, name):
@@ -123,7 +126,7 @@ def _visible_job_or_404(request, job_id):
 
 
 def _job_detail_data(job):
-    events = list(job_event_list(job=job))
+    events = list(job_event_list(job=job).exclude(type=JobEvent.Type.PROGRESS))
     position, position_source = job_place_in_line(job=job)
     return events, {
         "job": {
@@ -152,13 +155,13 @@ def job_detail_page(request, job_id):
     job = _visible_job_or_404(request, job_id)
     events, data = _job_detail_data(job)
     if request.GET.get("format") == "json":
-        data["events_html"] = render(request, "pages/_job_events.html", {"events": events}).content.decode()
+        data["events_html"] = render(request, "pages/_job_events.html", {"events": events[-JOB_EVENTS_SHOWN:]}).content.decode()
         data["summary_html"] = render(request, "pages/_job_summary.html", {"job": job, "data": data["job"]}).content.decode()
         return JsonResponse(data)
     return render(
         request,
         "pages/job_detail.html",
-        {**_nav_context(request), "page": "jobs", "job": job, "events": events, "data": data},
+        {**_nav_context(request), "page": "jobs", "job": job, "events": events[-JOB_EVENTS_SHOWN:], "data": data},
     )
 
 

@@ -318,3 +318,18 @@ def test_the_fleet_overview_agrees_with_fleet_summary(alice, team_a, submit, sma
     assert overview["clusters"] == summary["clusters"]
     assert [{k: v for k, v in row.items() if k != "mean_utilization"} for row in overview["by_type"]] == summary["by_type"]
     assert {row["type"]: row["mean_utilization"] for row in overview["by_type"]} == {"CPU": 0.25, "H100-80GB": None}
+
+
+def test_progress_reports_stay_out_of_the_timeline_and_the_events_table(client_for, alice, team_a, submit):
+    job = submit(team_a, alice)
+    JobEvent.objects.bulk_create([JobEvent(job=job, type=JobEvent.Type.PROGRESS, extra_data={"step": i}) for i in range(300)])
+    data = client_for(alice).get(reverse("pages:job-detail", args=[job.pk]) + "?format=json").json()
+    assert 'data-event-type="progress"' not in data["events_html"]
+    assert data["events_html"].count("<tr") == 1  # submitted
+
+
+def test_the_job_list_says_why_a_waiting_job_waits(client_for, alice, team_a, submit):
+    job = submit(team_a, alice)
+    Job.objects.filter(pk=job.pk).update(queue_position=3, wait_reason="needs 2 CPU devices; 1 free")
+    content = client_for(alice).get(reverse("pages:job-list")).content.decode()
+    assert "#3 in line: needs 2 CPU devices; 1 free" in content
