@@ -58,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--hollow-devices", type=int, default=8, help="devices per hollow node")
     p.add_argument("--hollow-prefix", default="hollow", help="hostname prefix of hollow nodes")
     p.add_argument("--hollow-threads", type=int, default=16, help="concurrent heartbeats of hollow nodes")
+    p.add_argument("--stop-jobs-on-exit", action="store_true",
+                   help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
     p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
     options = p.parse_args(argv)
     if not options.control_plane:
@@ -140,6 +142,8 @@ class Agent:
                 wait = max(self.interval, backoff_delay(failures, base=1.0, cap=60.0))
                 log.warning("heartbeat failed (%s); next try in %.1f s", exc, wait)
             self.stop_event.wait(max(0.0, wait - (time.monotonic() - began)))
+        if self.options.stop_jobs_on_exit:
+            self.reconciler.kill_all()
         return 0
 
 

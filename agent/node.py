@@ -281,5 +281,19 @@ class NodeReconciler:
         log.info("job %s: launched %s on %s device(s)%s", job_id, entrypoint.name, entry["devices"],
                  " (restoring its newest checkpoint)" if resume else "")
 
-    def shutdown(self):
-        """Leaves the jobs running (a restarted agent re-adopts them); reaps nothing."""
+    def kill_all(self):
+        """Kills every launcher and rank this agent runs (by pid): for an embedded run whose
+        Ctrl-C must not leave training processes behind. A real node's agent leaves its jobs
+        running instead, for the next agent to re-adopt."""
+        import signal
+
+        with self.lock:
+            for job in self.jobs.values():
+                progress = read_json(job.job_dir / "progress.json", {}) or {}
+                for pid in [job.pid] + list(progress.get("rank_pids") or []):
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError, TypeError, ValueError):
+                        pass
+                if job.popen is not None:
+                    job.popen.wait(timeout=10)

@@ -43,8 +43,8 @@ def parse_args():
     p.add_argument("--db", default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DB))
     p.add_argument("--redis", default=os.environ.get("BENCH_REDIS_URL", DEFAULT_REDIS))
     p.add_argument("--ticks", type=int, default=3)
-    p.add_argument("--heartbeat-nodes", type=int, default=2000)
-    p.add_argument("--http-threads", type=int, default=16)
+    p.add_argument("--heartbeat-nodes", type=int, default=1000)
+    p.add_argument("--http-threads", type=int, default=8)
     return p.parse_args()
 
 
@@ -238,7 +238,7 @@ def run_size(n, args, rng, data_dir):
     placement, placement_wall, placement_rows = timed_tick(now)
     # The agents report their jobs running (what their first heartbeats do), in bulk here.
     Job.objects.filter(state=Job.State.SCHEDULED).update(state=Job.State.RUNNING, last_started_at=now)
-    env = dict(os.environ)
+    env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # daphne's thread pool must not hoard connections
     daphne, url = start_daphne(env)
     try:
         telemetry_before = table_bytes("fleet_node", "fleet_accelerator")
