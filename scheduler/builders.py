@@ -97,7 +97,7 @@ class JobBuilder:
         self.fields = dict(name=name, team=None, tier=BASIC, type=None, world_size=1, min_devices=0,
                            submit_time=0.0, attained=0.0, ideal=0.0, last_checkpoint_time=-np.inf,
                            last_checkpoint_step=0, checkpoint_bytes=0, last_start_time=-np.inf,
-                           approved=False, max_spread=SPREAD_REGION, running=None, node=None,
+                           approved=False, denied=False, max_spread=SPREAD_REGION, running=None, node=None,
                            devices=None, id=None)
 
     def _set(self, **kw) -> "JobBuilder":
@@ -125,6 +125,7 @@ class JobBuilder:
 
     def started(self, at: float): return self._set(last_start_time=at)
     def approved(self, yes: bool = True): return self._set(approved=yes)
+    def denied(self, yes: bool = True): return self._set(denied=yes)
     def spread(self, max_spread: int): return self._set(max_spread=max_spread)
 
     def running(self, devices: int, node: int | None = None):
@@ -215,7 +216,7 @@ class SnapshotBuilder:
         node_of_device = np.asarray(cols["node"], np.int64)
         rows = {k: [] for k in ("ids", "team", "tier", "type_id", "world_size", "min_devices", "state",
                                 "submit_time", "attained", "ideal", "ckpt_time", "ckpt_step",
-                                "ckpt_bytes", "start", "approved", "spread", "names")}
+                                "ckpt_bytes", "start", "approved", "denied", "spread", "names")}
         for index, job in enumerate(self._jobs):
             f = job.fields
             type_name = f["type"] or (types[0] if types else DEFAULT_TYPE)
@@ -250,6 +251,7 @@ class SnapshotBuilder:
             rows["ckpt_bytes"].append(f["checkpoint_bytes"])
             rows["start"].append(f["last_start_time"])
             rows["approved"].append(f["approved"])
+            rows["denied"].append(f["denied"])
             rows["spread"].append(f["max_spread"])
             rows["names"].append(f["name"])
         jobs = Jobs(ids=rows["ids"], team=rows["team"], tier=rows["tier"], type_id=rows["type_id"],
@@ -258,6 +260,7 @@ class SnapshotBuilder:
                     ideal_device_seconds=rows["ideal"], last_checkpoint_time=rows["ckpt_time"],
                     last_checkpoint_step=rows["ckpt_step"], checkpoint_bytes=rows["ckpt_bytes"],
                     last_start_time=rows["start"], preemption_approved=rows["approved"],
+                    preemption_denied=rows["denied"],
                     max_spread=rows["spread"], names=rows["names"])
         acc = Accelerators(type_id=cols["type_id"], node=cols["node"], rack=cols["rack"],
                            cluster=cols["cluster"], region=cols["region"], healthy=healthy, holder=holder)

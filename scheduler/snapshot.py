@@ -150,6 +150,7 @@ class JobRow:
     checkpoint_bytes: int = 0  # size of the last checkpoint in bytes (cost of moving it)
     last_start_time: float = float("-inf")  # s; when it last (re)started on devices
     preemption_approved: bool = False  # a capacity manager approved preempting/shrinking it
+    preemption_denied: bool = False  # a capacity manager denied it (and the denial still holds)
     max_spread: int = SPREAD_REGION  # loosest topology level its devices may span
     name: str | None = None  # for reasons only ("job a"); defaults to the id
 
@@ -177,6 +178,7 @@ class Jobs:
     checkpoint_bytes: np.ndarray = None  # int64[J]: bytes of the last checkpoint
     last_start_time: np.ndarray = None  # float64[J]: s, last (re)start; -inf = never
     preemption_approved: np.ndarray = None  # bool[J]: an approval to preempt/shrink it was granted
+    preemption_denied: np.ndarray = None  # bool[J]: a denial holds: never a victim, never asked about
     max_spread: np.ndarray = None  # int8[J]: SPREAD_NODE .. SPREAD_REGION; default SPREAD_REGION
     names: tuple | None = None  # optional display names, for reasons only
 
@@ -200,6 +202,8 @@ class Jobs:
         set_("checkpoint_bytes", _filled(self.checkpoint_bytes, 0, np.int64, n, "checkpoint_bytes"))
         set_("preemption_approved", _filled(self.preemption_approved, False, np.bool_, n,
                                             "preemption_approved"))
+        set_("preemption_denied", _filled(self.preemption_denied, False, np.bool_, n,
+                                          "preemption_denied"))
         set_("max_spread", _filled(self.max_spread, SPREAD_REGION, np.int8, n, "max_spread"))
         if self.names is not None:
             names = tuple(str(x) for x in self.names)
@@ -223,7 +227,8 @@ class Jobs:
             last_checkpoint_time=column("last_checkpoint_time"),
             last_checkpoint_step=column("last_checkpoint_step"),
             checkpoint_bytes=column("checkpoint_bytes"), last_start_time=column("last_start_time"),
-            preemption_approved=column("preemption_approved"), max_spread=column("max_spread"),
+            preemption_approved=column("preemption_approved"),
+            preemption_denied=column("preemption_denied"), max_spread=column("max_spread"),
             names=names,
         )
 

@@ -75,6 +75,7 @@ class FreeADomain:
         held = held[(jobs.type_id[held] == k) & (state.alloc[held] < d)
                     & (tick.usable_alloc[held] == state.alloc[held])
                     & ((jobs.tier[held] != PREMIUM) | jobs.preemption_approved[held])
+                    & ~jobs.preemption_denied[held]
                     & (snap.now - jobs.last_start_time[held] >= snap.settings.min_run_seconds)]
         return held[self._job_entity(tick, level)[held] >= 0]
 

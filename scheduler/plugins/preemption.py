@@ -22,7 +22,8 @@ SLA rules: Premium is never preempted or shrunk unless Jobs.preemption_approved;
 may be while attained/ideal >= PolicySettings.standard_sla_floor (else only with approval);
 Basic freely. If the only way to fit needs an approval, the plan carries Preempt decisions
 with needs_approval=True for those victims (nothing else happens) and the job waits for the
-approval. No thrash: a job (re)started less than PolicySettings.min_run_seconds ago is not
+approval. A job whose preemption a capacity manager denied (Jobs.preemption_denied) is
+neither a victim nor asked about again while the denial holds. No thrash: a job (re)started less than PolicySettings.min_run_seconds ago is not
 preempted (it may still be shrunk). The preemptor never borrows by preempting: a job whose
 team would go over quota fits only into idle devices.
 """
@@ -153,7 +154,8 @@ class SlaPreemption:
         if k in cache:
             return cache[k]
         snap, jobs, settings, state = tick.snapshot, tick.snapshot.jobs, tick.snapshot.settings, tick.state
-        cand = np.flatnonzero((state.alloc > 0) & (tick.usable_alloc > 0) & (jobs.type_id == k) & ~tick.touched)
+        cand = np.flatnonzero((state.alloc > 0) & (tick.usable_alloc > 0) & (jobs.type_id == k) & ~tick.touched
+                              & ~jobs.preemption_denied)
         tier = jobs.tier[cand].astype(np.int64)
         ideal = jobs.ideal_device_seconds[cand]
         fraction = np.where(ideal > 0, jobs.attained_device_seconds[cand] / np.where(ideal > 0, ideal, 1), 1.0)

@@ -79,6 +79,14 @@ CASES = [
         make_job("premium").tier(PREMIUM).ranks(4),
         {"start": ["premium"], "preempt": ["standard-low"]}, id="approved-standard-is-preempted"),
     pytest.param(
+        [old(make_job("standard-low").tier(STANDARD).ranks(4).running(4).attained(0.5).denied())],
+        make_job("premium").tier(PREMIUM).ranks(4),
+        {}, id="a-denied-job-is-not-asked-about-again"),
+    pytest.param(
+        [old(make_job("basic-denied").tier(BASIC).ranks(4).running(4).denied())],
+        make_job("premium").tier(PREMIUM).ranks(4),
+        {}, id="a-denied-job-is-not-preempted"),
+    pytest.param(
         [make_job("basic-just-started").tier(BASIC).ranks(4).running(4).started(NOW - 60)],
         make_job("premium").tier(PREMIUM).ranks(4),
         {}, id="no-thrash-recently-started-is-not-preempted"),

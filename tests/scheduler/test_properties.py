@@ -12,6 +12,7 @@ applying each plan, and checks after every tick:
     (a job whose node or device died is restarted, not preempted: that is allowed);
   - no job started less than min_run_seconds ago is preempted (same exception);
   - Standard below its floor is preempted only with an approval;
+  - a job whose preemption was denied is neither preempted, shrunk nor asked about;
   - quotas hold except for borrowing the plan states (Start/Resize.borrowed);
   - every pending job has exactly one wait reason, places are 1..n;
   - work conservation: no waiting job (region-wide, not just preempted) has its smallest
@@ -97,6 +98,7 @@ def snapshots(draw):
         checkpoint_bytes=rng.integers(0, 10**10, n_jobs),
         last_start_time=np.where(state == RUNNING, now - rng.random(n_jobs) * 2000, -np.inf),
         preemption_approved=rng.random(n_jobs) < 0.15,
+        preemption_denied=rng.random(n_jobs) < 0.1,
         max_spread=spread)
     teams = Teams(names=[f"t{i}" for i in range(n_teams)], quota=quota, decayed_usage=decayed)
     policy_settings = PolicySettings(min_run_seconds=float(rng.choice([0, 600, 1200])),
@@ -135,6 +137,8 @@ def check_tick(snap, plan):
             if isinstance(d, (Start, Resize)):
                 borrowed[jobs.team[j], jobs.type_id[j]] += d.borrowed
         protected = jobs.tier[j] == PREMIUM and not jobs.preemption_approved[j]
+        if isinstance(d, Preempt) and j not in dead or (isinstance(d, Resize) and len(d.devices) < alloc_before[j]):
+            assert not jobs.preemption_denied[j], f"a denied job was touched: {d}"
         if isinstance(d, Preempt) and not d.needs_approval and j not in dead:
             assert not protected, f"Premium preempted without approval: {d}"
             assert snap.now - jobs.last_start_time[j] >= s.min_run_seconds, f"thrash: {d}"
