@@ -637,6 +637,10 @@ class FrameworkTracker:
     def _post_step(self, optimizer, args, kwargs) -> None:
         optimizers = self._live(self._optimizers)
         index = next((i for i, o in enumerate(optimizers) if o is optimizer), -1)
+        if index < 0:
+            self._reasons.append(
+                f"optimizer {type(optimizer).__name__} was built without "
+                f"torch.optim.Optimizer.__init__ (or before install()); its state is not tracked")
         self._steps_since_fetch.append(index)
         if len(optimizers) > 1 and tuple(self._steps_since_fetch) != self._cycle:
             return  # the iteration's cycle of optimizer steps is not complete (or not known)
