@@ -60,7 +60,6 @@ def median_time(fn, repeats, before=None):
 def bench_case(tracker, layers, repeats, workdir):
     model, optimizer = build(layers)
     params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-    counter = iter(range(10 ** 6))
     ours_dir = workdir / "ours"
     base_path = workdir / "baseline.pt"
 
@@ -80,7 +79,6 @@ def bench_case(tracker, layers, repeats, workdir):
     save_base = median_time(baseline_save, repeats)
     size_ours = sum(p.stat().st_size for p in ours_dir.rglob("*") if p.is_file())
     size_base = base_path.stat().st_size
-    next(counter)
 
     def ours_restore():
         loaded = framework.FrameworkTracker(rank=0, world_size=1, resume_dir=ours_dir)
@@ -102,6 +100,18 @@ def bench_case(tracker, layers, repeats, workdir):
             "restore_ours": restore_ours, "restore_base": restore_base}
 
 
+def sha256_gbps():
+    """The machine's sha256 speed right now: on a shared, loaded machine it explains the ratio
+    (the engine hashes on a second thread, which only helps when a core is free)."""
+    import hashlib
+    payload = os.urandom(64 << 20)
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    for _ in range(4):
+        digest.update(payload)
+    return 4 * len(payload) / (time.perf_counter() - start) / 1e9
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -113,6 +123,7 @@ def main():
     workdir = Path(tempfile.mkdtemp(prefix="meridian-bench-ckpt-", dir=args.dir))
     cases = [1] if args.skip_large else [1, 10]
     rows = []
+    hash_before, load_before = sha256_gbps(), os.getloadavg()[0]
     try:
         for layers in cases:
             rows.append(bench_case(tracker, layers, args.repeats, workdir))
@@ -120,6 +131,8 @@ def main():
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads={torch.get_num_threads()}, "
           f"medians of {args.repeats}, dir={args.dir or tempfile.gettempdir()}")
+    print(f"machine load: loadavg {load_before:.1f} -> {os.getloadavg()[0]:.1f}; sha256 "
+          f"{hash_before:.2f} -> {sha256_gbps():.2f} GB/s on one thread")
     header = (f"{'model':<20} {'ckpt size':>10} {'torch.save':>10} {'save':>8} {'torch.save':>11}"
               f" {'ratio':>6} {'restore':>8} {'torch.load':>11} {'ratio':>6}")
     print(header)

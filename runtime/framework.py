@@ -34,7 +34,6 @@ import atexit
 import concurrent.futures
 import hashlib
 import io
-import json
 import os
 import random
 import shutil
