@@ -126,6 +126,20 @@ class Plan:
                 return w
         return None
 
+    def as_records(self) -> list[dict]:
+        """Returns the decisions then the wait reasons as plain dicts (JSON-ready: ints, strings,
+        lists), e.g. for JobEvent.extra_data or a log line. Each has "kind" and "job_id"."""
+        records = []
+        for d in self.decisions:
+            record = {"kind": d.kind}
+            for name, value in vars(d).items():
+                record[name] = list(value) if isinstance(value, tuple) else value
+            records.append(record)
+        for w in self.waiting:
+            records.append({"kind": "wait", "job": w.job, "job_id": w.job_id, "place": w.place,
+                            "code": w.code, "reason": w.reason})
+        return records
+
     def summary(self) -> dict:
         """Returns counts per decision kind plus "waiting" (for logs and the bench)."""
         counts = {"start": 0, "preempt": 0, "migrate": 0, "resize": 0, "approval": 0}

@@ -136,3 +136,13 @@ def test_it_builds_accelerators_from_rows_like_from_columns():
     acc = Accelerators.from_rows(rows)
     assert acc.node.tolist() == [0, 1] and acc.healthy.tolist() == [True, False]
     assert acc.holder.tolist() == [-1, 0]
+
+
+def test_plan_records_are_plain_json():
+    import json
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=2))
+            .job(make_job("a").ranks(2)).job(make_job("b").ranks(2)).build())
+    records = scheduler.schedule(snap).as_records()
+    assert [r["kind"] for r in records] == ["start", "wait"]
+    assert records[0]["devices"] == [0, 1] and records[1]["place"] == 1
+    assert json.loads(json.dumps(records)) == records
