@@ -396,6 +396,7 @@ class FrameworkTracker:
         for cls in _SCHEDULER_CLASSES:
             wrap_init(cls, self._note_scheduler)
         wrap_init(DataLoader, self._note_loader)
+        wrap_init(torch.amp.GradScaler, self._note_grad_scaler)
         original_iter = DataLoader.__dict__["__iter__"]
 
         def __iter__(loader):
@@ -479,6 +480,13 @@ class FrameworkTracker:
                 raise UnresumableScript(
                     f"LR scheduler #{index + 1} ({type(scheduler).__name__}) does not match the "
                     f"checkpoint's {[s['class'] for s in saved]}")
+
+    def _note_grad_scaler(self, scaler, constructed=False) -> None:
+        # scaler.update() runs after step(), so its state at the cut is one update behind, and
+        # the update depends on that step's inf checks: it cannot be replayed. Refuse.
+        if constructed and scaler.is_enabled():
+            self._reasons.append("the script uses an enabled torch.amp.GradScaler, whose "
+                                 "update() after step() the framework engine cannot replay")
 
     def _note_loader(self, loader, constructed=False) -> None:
         if not constructed:

@@ -1,0 +1,131 @@
+"""Framework engine refusals that need no second process: the tracker is installed in the test
+process for one test and removed afterwards."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from runtime import framework
+
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture
+def tracker():
+    installed = framework.install(rank=0, world_size=1)
+    try:
+        yield installed
+    finally:
+        installed._unpatch()
+
+
+def _setup():
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    return model, optimizer, data
+
+
+def _train_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def _two_steps(model, optimizer, loader):
+    iterator = iter(loader)
+    for _ in range(2):
+        x, y = next(iterator)
+        _train_step(model, optimizer, x, y)
+    next(iterator)  # closes the second step's interval
+    return iterator
+
+
+def test_an_ordinary_loop_is_resumable_and_saves(tracker, tmp_path):
+    model, optimizer, data = _setup()
+    _two_steps(model, optimizer, DataLoader(data, batch_size=2, shuffle=True))
+    tracker.check_resumable()
+    rank_dir = tracker.save(tmp_path / "ck")
+    assert rank_dir.name == "rank-0" and (rank_dir / "state.pt").is_file()
+    assert tracker.step == 2
+    with pytest.raises(FileExistsError):
+        tracker.save(tmp_path / "ck")
+
+
+def test_install_twice_is_an_error(tracker):
+    with pytest.raises(RuntimeError, match="already called"):
+        framework.install(rank=0, world_size=1)
+
+
+def test_an_enabled_grad_scaler_is_refused(tracker):
+    model, optimizer, data = _setup()
+    torch.amp.GradScaler("cpu", enabled=False)  # a disabled one is harmless
+    _two_steps(model, optimizer, DataLoader(data, batch_size=2))
+    tracker.check_resumable()
+    torch.amp.GradScaler("cpu")
+    with pytest.raises(framework.UnresumableScript, match="GradScaler"):
+        tracker.check_resumable()
+
+
+def test_persistent_workers_are_refused(tracker):
+    _, _, data = _setup()
+    DataLoader(data, batch_size=2, num_workers=1, persistent_workers=True)
+    assert any("persistent_workers" in reason for reason in tracker._reasons)
+
+
+def test_a_loader_subclass_that_overrides_iter_is_refused(tracker):
+    class Mine(DataLoader):
+        def __iter__(self):
+            return super().__iter__()
+    model, optimizer, data = _setup()
+    Mine(data, batch_size=2)
+    with pytest.raises(framework.UnresumableScript, match="Mine overrides __iter__"):
+        tracker.check_resumable()
+
+
+def test_two_loaders_mid_epoch_at_once_are_refused(tracker):
+    model, optimizer, data = _setup()
+    pairs = zip(DataLoader(data, batch_size=2), DataLoader(data, batch_size=2))
+    for _ in range(3):
+        (x, y), _ = next(pairs)
+        _train_step(model, optimizer, x, y)
+    with pytest.raises(framework.UnresumableScript, match="2 DataLoaders are in the middle"):
+        tracker.check_resumable()
+
+
+def test_an_abandoned_peek_does_not_count_as_a_busy_loader(tracker):
+    model, optimizer, data = _setup()
+    other = DataLoader(data, batch_size=4)
+    next(iter(other))  # a peek at one batch: the iterator is gone at once
+    _two_steps(model, optimizer, DataLoader(data, batch_size=2))
+    tracker.check_resumable()
+
+
+def test_nothing_to_resume_without_an_optimizer_or_a_loader(tracker):
+    with pytest.raises(framework.UnresumableScript, match="no torch.optim optimizer"):
+        tracker.check_resumable()
+    model, optimizer, _ = _setup()
+    _train_step(model, optimizer, torch.randn(2, 3), torch.randn(2, 1))
+    with pytest.raises(framework.UnresumableScript, match="no batch has been fetched"):
+        tracker.save("/nonexistent/never-written")
+
+
+def test_hyper_parameters_changed_by_hand_after_step_are_refused(tracker):
+    model, optimizer, data = _setup()
+    iterator = iter(DataLoader(data, batch_size=2))
+    for _ in range(2):
+        x, y = next(iterator)
+        _train_step(model, optimizer, x, y)
+        optimizer.param_groups[0]["lr"] *= 0.5
+    next(iterator)
+    with pytest.raises(framework.UnresumableScript, match="hyper-parameters change"):
+        tracker.check_resumable()
+
+
+def test_listeners_run_after_each_step_in_order(tracker):
+    calls = []
+    tracker.add_step_listener(lambda step: calls.append(("a", step)))
+    tracker.add_step_listener(lambda step: calls.append(("b", step)))
+    model, optimizer, data = _setup()
+    _two_steps(model, optimizer, DataLoader(data, batch_size=2))
+    assert calls == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
