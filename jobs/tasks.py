@@ -48,3 +48,10 @@ def workflow_timeouts():
     from jobs.workflows import workflow_timeouts_sweep
 
     return workflow_timeouts_sweep()
+
+
+@shared_task(name="jobs.tasks.records_retention", ignore_result=True)
+def records_retention():
+    from jobs.workflows import checkpoint_rows_prune
+
+    return {"checkpoints_deleted": checkpoint_rows_prune()}

@@ -231,3 +231,28 @@ def workflow_timeouts_sweep(*, now=None):
         except IllegalTransition:
             continue
     return ended
+
+
+# --- retention ------------------------------------------------------------------------------------
+
+CHECKPOINT_ROWS_KEPT = 3  # per job, as the runtime's store keeps 3 checkpoints (--keep)
+
+
+def checkpoint_rows_prune(*, keep=CHECKPOINT_ROWS_KEPT, batch=5000):
+    """Deletes Checkpoint rows beyond the newest `keep` per job; returns how many it deleted.
+
+    Agents report a checkpoint every interval for every running job; the store itself keeps only
+    the newest few, so older rows point at nothing. (Telemetry needs no pruning: it is stored as
+    the latest value per node and device.)
+    """
+    from django.db.models import F, Window
+    from django.db.models.functions import RowNumber
+
+    ranked = Checkpoint.objects.annotate(
+        newest=Window(RowNumber(), partition_by=[F("job_id")], order_by=[F("step").desc(), F("id").desc()]))
+    deleted = 0
+    while True:
+        ids = list(ranked.filter(newest__gt=keep).values_list("id", flat=True)[:batch])
+        if not ids:
+            return deleted
+        deleted += Checkpoint.objects.filter(pk__in=ids).delete()[0]

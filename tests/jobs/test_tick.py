@@ -214,3 +214,23 @@ def test_the_snapshot_hides_jobs_in_the_middle_of_a_move(alice, team_a, job_spec
 
     assert len(index.snapshot.jobs) == 0
     assert not index.snapshot.accelerators.healthy.any()
+
+
+@pytest.mark.django_db
+def test_checkpoint_rows_beyond_the_newest_three_per_job_are_pruned(alice, team_a, job_spec):
+    from jobs.models import Checkpoint
+    from jobs.services import checkpoint_record
+    from jobs.workflows import checkpoint_rows_prune
+
+    first = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1))
+    second = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1))
+    for step in range(1, 7):
+        checkpoint_record(job=first, step=step * 10, engine="framework", uri=f"file:///c/{step}", size_bytes=1)
+    checkpoint_record(job=second, step=5, engine="framework", uri="file:///d/5", size_bytes=1)
+
+    assert checkpoint_rows_prune() == 3
+
+    assert sorted(Checkpoint.objects.filter(job=first).values_list("step", flat=True)) == [40, 50, 60]
+    assert Checkpoint.objects.filter(job=second).count() == 1
+    first.refresh_from_db()
+    assert first.last_checkpoint_step == 60
