@@ -174,6 +174,8 @@ CELERY_BEAT_SCHEDULE = {
         # A tick that could not start before the next one is due is useless: drop it.
         "options": {"expires": MERIDIAN_TICK_SECONDS},
     },
+    # Checkpoint rows beyond the newest few per job (the store keeps only those).
+    "records-retention": {"task": "jobs.tasks.records_retention", "schedule": 600.0},
 }
 
 CHANNEL_LAYERS = {
