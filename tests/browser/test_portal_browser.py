@@ -161,15 +161,20 @@ def test_the_heatmap_changes_when_a_job_starts(login, on_server):
     cells_before = page.evaluate("window.meridianFleet.data.heatmap.allocated.flat().reduce((a, v) => a + (v || 0), 0)")
 
     def start_a_job():
+        from django.db import transaction
+
         from fleet.models import Accelerator
 
         job = submit_as_alice({"name": unique("heat"), "tier": "premium", "world_size": 8, "min_devices": 8})
-        devices = free_devices(8)
-        job = place_job(job, devices)
-        # The agents' telemetry (no agent runs here): the ranks keep their devices busy.
-        for i, device in enumerate(devices):
-            Accelerator.objects.filter(pk=device.pk).update(utilization=0.95 - 0.05 * i, memory_used_gb=0)
-        return transition(job.pk, "running", "ranks started").pk
+        # One transaction, as the control loop applies a plan: the pushes go out on commit,
+        # so every refetch they cause sees the placement, the telemetry and the new state.
+        with transaction.atomic():
+            devices = free_devices(8)
+            job = place_job(job, devices)
+            # The agents' telemetry (no agent runs here): the ranks keep their devices busy.
+            for i, device in enumerate(devices):
+                Accelerator.objects.filter(pk=device.pk).update(utilization=0.95 - 0.05 * i, memory_used_gb=0)
+            return transition(job.pk, "running", "ranks started").pk
 
     job_id = on_server(start_a_job)
     expect(page.get_by_test_id("total-allocated")).to_have_text(str(allocated_before + 8))
@@ -178,6 +183,17 @@ def test_the_heatmap_changes_when_a_job_starts(login, on_server):
         arg=cells_before,
     )
     page.screenshot(path=str(artifacts_dir() / "fleet.png"), full_page=True)
+
+    # Colour by what is actually used: the mean telemetry of the cluster's reporting devices.
+    page.select_option("#metric", "used")
+    page.wait_for_function(
+        "JSON.stringify(document.getElementById('heatmap').data[0].z) === JSON.stringify(window.meridianFleet.data.heatmap.used)"
+    )
+    mean_used = sum(0.95 - 0.05 * i for i in range(8)) / 8
+    page.wait_for_function(
+        "mean => Math.abs(Math.max(...window.meridianFleet.data.heatmap.used.flat().map(v => v || 0)) - mean) < 1e-3",
+        arg=mean_used,
+    )
 
     # Drill down: click the top-left cell (region demo-r00, its first cluster).
     box = page.locator("#heatmap .nsewdrag").first.bounding_box()
