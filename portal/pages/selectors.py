@@ -158,21 +158,19 @@ def heatmap_fleet(*, summary):
     width = max((len(cs) for cs in by_region.values()), default=0)
     allocated, used, text, ids = [], [], [], []
     for region in regions:
-        row_a, row_u, row_t, row_i = [], [], [], []
-        for i in range(width):
-            if i >= len(by_region[region]):
-                row_a.append(None), row_u.append(None), row_t.append(""), row_i.append(None)
-                continue
-            c = by_region[region][i]
-            row_a.append(_fraction(c["allocated"], c["healthy"]))
-            row_u.append(round(c["utilization"], 4) if c["utilization"] is not None else None)
-            lost, draining = c["nodes_by_state"].get("lost", 0), c["nodes_by_state"].get("draining", 0)
-            row_t.append(
+        clusters = by_region[region] + [None] * (width - len(by_region[region]))
+        allocated.append([_fraction(c["allocated"], c["healthy"]) if c else None for c in clusters])
+        used.append([round(c["utilization"], 4) if c and c["utilization"] is not None else None for c in clusters])
+        ids.append([c["cluster_id"] if c else None for c in clusters])
+        text.append(
+            [
                 f"{region}/{c['cluster']}: {c['allocated']}/{c['healthy']} healthy devices allocated, "
-                f"{c['nodes']} nodes ({draining} draining, {lost} lost)"
-            )
-            row_i.append(c["cluster_id"])
-        allocated.append(row_a), used.append(row_u), text.append(row_t), ids.append(row_i)
+                f"{c['nodes']} nodes ({c['nodes_by_state'].get('draining', 0)} draining, "
+                f"{c['nodes_by_state'].get('lost', 0)} lost)"
+                if c else ""
+                for c in clusters
+            ]
+        )
     return {
         "level": "fleet",
         "title": "Fleet: regions × clusters",

@@ -171,8 +171,6 @@ def job_cancel_page(request, job_id):
     job = _visible_job_or_404(request, job_id)
     try:
         job_cancel(job=job, by=request.user, reason=request.POST.get("reason", "").strip())
-    except PermissionDenied:
-        raise
     except IllegalTransition as error:
         messages.error(request, str(error))
     else:
