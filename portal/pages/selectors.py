@@ -24,7 +24,6 @@ from jobs.selectors import team_ids_for_user
 MAX_HEATMAP_CELLS = 2048
 HEATMAP_COLUMNS = 32
 NODES_ATTENTION_LIMIT = 50
-METRICS = ("allocated", "used")
 
 
 def _fraction(part, whole):
