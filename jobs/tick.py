@@ -479,8 +479,7 @@ def accounting_accrue(*, since, now):
     """Adds device-time up to `now`: attained += devices held * (now - since); ideal += W * the
     time since `since` or since submission, whichever is later. Returns rows written.
 
-    Jobs that existed at the last tick cost two UPDATE statements whatever their number; only
-    jobs submitted since then are written one by one.
+    Three UPDATE statements whatever the number of jobs (device counts, older jobs, newcomers).
     """
     active = Job.objects.exclude(state__in=Job.TERMINAL_STATES)
     rows = 0
@@ -491,13 +490,20 @@ def accounting_accrue(*, since, now):
                 attained_device_seconds=F("attained_device_seconds") + F("device_count") * seconds)
             rows += active.filter(submitted_at__lte=since).update(
                 ideal_device_seconds=F("ideal_device_seconds") + F("world_size") * seconds)
-        newcomers = active.filter(submitted_at__gt=since)
-    else:
-        newcomers = active
-    for job_id, world_size, submitted_at, ideal in newcomers.values_list(
-            "id", "world_size", "submitted_at", "ideal_device_seconds"):
-        seconds = max(0.0, (now - submitted_at).total_seconds())
-        rows += Job.objects.filter(pk=job_id).update(ideal_device_seconds=ideal + world_size * seconds)
+    # Jobs submitted since the last accrual (all of them on the first tick): W * (now - submitted_at),
+    # in one statement.
+    terminal = sorted(str(x) for x in Job.TERMINAL_STATES)
+    seconds_since_submit = f"(%s - {_epoch_sql('submitted_at')})"
+    sql = (f"UPDATE {Job._meta.db_table} SET ideal_device_seconds = ideal_device_seconds + world_size * "
+           f"CASE WHEN {seconds_since_submit} > 0 THEN {seconds_since_submit} ELSE 0 END "
+           f"WHERE state NOT IN ({', '.join(['%s'] * len(terminal))})")
+    params = [now.timestamp(), now.timestamp(), *terminal]
+    if since is not None:
+        sql += f" AND {_epoch_sql('submitted_at')} > %s"
+        params.append(since.timestamp())
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows += max(cursor.rowcount, 0)
     return rows
 
 
