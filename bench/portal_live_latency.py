@@ -44,7 +44,8 @@ def main():
     args = parser.parse_args()
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    os.environ.setdefault("MERIDIAN_DATA_DIR", tempfile.mkdtemp(prefix="meridian-latency-"))
+    data_dir = tempfile.TemporaryDirectory(prefix="meridian-latency-")  # removed at exit
+    os.environ.setdefault("MERIDIAN_DATA_DIR", data_dir.name)
     import django
 
     django.setup()

@@ -84,6 +84,15 @@ def wait_until(predicate, *, timeout, what):
         delay = min(delay * 2, 0.25)
 
 
+def _die_with_parent():
+    """preexec_fn: the child gets SIGTERM when the test process dies, even by SIGKILL, so a
+    killed test run leaves no daphne or redis-server behind (Linux prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _stop(process, *, timeout=10):
     if process is None or process.poll() is not None:
         return
@@ -180,7 +189,7 @@ class PortalServer:
         self.redis = subprocess.Popen(
             [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
              "--save", "", "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
         )
         self.redis_url = f"unix://{sock}?db=0"
 
@@ -210,7 +219,7 @@ class PortalServer:
         log = open(self.log_path, "wb")
         self.daphne = subprocess.Popen(
             [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"],
-            cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
         log.close()
 
