@@ -10,9 +10,10 @@ Per size, on a fresh database:
   2. the placement tick (every job starts: the heaviest apply) - timed;
   3. heartbeats with per-device telemetry from hollow agents over HTTP (a real daphne server,
      the real agent API, one node token each) - heartbeats and device samples ingested per second;
-  4. steady-state ticks (all jobs running, a queue waiting, new arrivals) - tick latency end to end
-     split into snapshot / plan / apply, and database rows written per tick (measured by
+  4. steady-state ticks (all jobs running, the rest waiting) - tick latency end to end split
+     into snapshot / plan / apply, and database rows written per tick (measured by
      PostgreSQL's own counters, pg_stat_database tup_inserted+updated+deleted);
+  4b. one device-time accrual (jobs.tasks.accounting, every 10 s, apart from the tick);
   5. the size of the telemetry tables before and after the heartbeat rounds: telemetry is
      stored as the latest value per node and device (bounded by the fleet), never appended.
 The machine is shared and has 2 cores; daphne, PostgreSQL and this process share them.
@@ -252,7 +253,15 @@ def run_size(n, args, rng, data_dir):
     for k in range(args.ticks):
         now = now + timedelta(seconds=5)
         steady.append(timed_tick(now))
-    return {"n": n, "jobs": n_jobs, "setup_s": setup_s, "placement": (placement, placement_wall, placement_rows),
+    from jobs.tick import accounting_run
+
+    accounting_run(now=now)  # the first accrual reaches back to submission
+    now = now + timedelta(seconds=10)
+    before = db_rows_written()
+    began = time.perf_counter()
+    accounting_run(now=now)
+    accrual = (time.perf_counter() - began, stats_settled(before))
+    return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s, "placement": (placement, placement_wall, placement_rows),
             "steady": steady, "heartbeats": rates, "telemetry_bytes": (telemetry_before, telemetry_after)}
 
 
@@ -274,7 +283,8 @@ def main():
           f"over HTTP (daphne, {args.http_threads} client threads)")
     header = (f"{'accel':>8} {'jobs':>7} | {'place tick s':>12} {'starts':>7} {'rows':>8} | "
               f"{'steady tick s':>13} {'snap':>6} {'plan':>6} {'apply':>6} {'rows/tick':>9} | "
-              f"{'hb/s':>6} {'dev samples/s':>13} {'fail':>4} | {'telemetry tables MB before→after':>32}")
+              f"{'hb/s':>6} {'dev samples/s':>13} {'fail':>4} | {'telemetry MB before→after':>25} | "
+              f"{'accrual s':>9} {'rows':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -289,7 +299,7 @@ def main():
         print(f"{r['n']:>8} {r['jobs']:>7} | {placement_wall:>12.2f} {placement.counts.get('start', 0):>7} "
               f"{placement_rows:>8} | {wall:>13.3f} {result.seconds['snapshot']:>6.2f} {result.seconds['plan']:>6.2f} "
               f"{result.seconds['apply']:>6.2f} {rows_written:>9} | {hb:>6.0f} {samples:>13.0f} {fails:>4} | "
-              f"{before / 2**20:>15.1f} → {after / 2**20:<14.1f}")
+              f"{before / 2**20:>11.1f} → {after / 2**20:<11.1f} | {r['accrual'][0]:>9.2f} {r['accrual'][1]:>7}")
     print("\nsteady ticks (all): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{s[1]:.2f}s/{s[2]} rows" for s in r["steady"]) for r in rows))
 

@@ -3,6 +3,7 @@
   jobs.tasks.scheduler_tick          beat, every MERIDIAN_TICK_SECONDS: jobs.tick.tick_run
                                      (lost-node sweep, preemption expiry, move timeouts,
                                      snapshot -> plan -> apply, one leader at a time)
+  jobs.tasks.accounting             beat, every MERIDIAN_ACCOUNTING_SECONDS: device-time accrual
   jobs.tasks.node_lost_sweep         the heartbeat-loss sweep alone (also run inside every tick)
   jobs.tasks.preemption_expiry       expires approval requests past their deadline
   jobs.tasks.workflow_timeouts       ends stuck preemptions / migrations / resizes
@@ -26,6 +27,13 @@ def scheduler_tick():
         if counts:
             logger.info("tick: %s in %.3f s", counts, result.seconds.get("total", 0.0))
     return result.as_dict()
+
+
+@shared_task(name="jobs.tasks.accounting", ignore_result=True)
+def accounting():
+    from jobs.tick import accounting_run
+
+    return accounting_run()
 
 
 @shared_task(name="jobs.tasks.node_lost_sweep", ignore_result=True)

@@ -174,6 +174,9 @@ CELERY_BEAT_SCHEDULE = {
         # A tick that could not start before the next one is due is useless: drop it.
         "options": {"expires": MERIDIAN_TICK_SECONDS},
     },
+    # Device-time accrual (attained / ideal), apart from the tick: jobs.tick.accounting_run.
+    "accounting": {"task": "jobs.tasks.accounting",
+                   "schedule": max(1.0, float(os.environ.get("MERIDIAN_ACCOUNTING_SECONDS") or 10.0))},
     # Checkpoint rows beyond the newest few per job (the store keeps only those).
     "records-retention": {"task": "jobs.tasks.records_retention", "schedule": 600.0},
 }

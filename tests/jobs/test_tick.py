@@ -10,7 +10,7 @@ from fleet.agent_services import node_register
 from fleet.models import Node
 from jobs.models import Job, JobEvent, PreemptionRequest, Replica
 from jobs.services import job_submit, preemption_approve, preemption_deny
-from jobs.tick import snapshot_build, tick_lease_claim, tick_lease_release, tick_run
+from jobs.tick import accounting_run, snapshot_build, tick_lease_claim, tick_lease_release, tick_run
 from jobs.workflows import node_desired_state, node_report_apply
 
 S = Job.State
@@ -120,7 +120,8 @@ def test_preempting_a_standard_job_below_its_sla_waits_for_approval(alice, carol
     report(n1, standard, "running")
     premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
 
-    tick_run(now=t0 + timedelta(seconds=5))
+    for seconds in (0, 5, 10):
+        accounting_run(now=t0 + timedelta(seconds=seconds))  # attained < ideal: it waited before starting
     tick_run(now=t0 + timedelta(seconds=10))
 
     standard.refresh_from_db()
