@@ -70,10 +70,12 @@ def migrate_once(engine, ranks, width, workdir):
     shutil.rmtree(os.path.join(spool_root, job_id), ignore_errors=True)
     second = launch(node_b, job_id, store, ranks, engine, width, True, env)
     control_b = JobControl(node_b)
-    poll(lambda: control_b.progress()["step"] > answer["step"], "the first step on node B")
-    resumed_at = time.monotonic()
-    second.terminate()  # the launcher kills its ranks on SIGTERM
-    second.wait(timeout=60)
+    try:
+        poll(lambda: control_b.progress()["step"] > answer["step"], "the first step on node B")
+        resumed_at = time.monotonic()
+    finally:
+        second.terminate()  # the launcher kills its ranks on SIGTERM
+        second.wait(timeout=60)
     return {"cut": answer["seconds"]["cut"], "dump": answer["seconds"]["dump"],
             "commit": answer["seconds"]["commit"], "restore": resumed_at - stopped_at,
             "downtime": resumed_at - began, "bytes": answer["bytes"]}

@@ -102,8 +102,11 @@ class JobControl:
         return True
 
 
-def serve(job_dir, handle):
-    """Accepts connections forever (run in a daemon thread); handle(request) -> answer dict."""
+def serve(job_dir, handle, on_sent=None):
+    """Accepts connections forever (run in a daemon thread); handle(request) -> answer dict.
+
+    on_sent(request, answer), when given, is called once the answer was written (or could not
+    be): a launcher about to exit waits for it, so its last answer is not lost."""
     path = socket_path(job_dir)
     if path.exists():
         path.unlink()
@@ -118,6 +121,7 @@ def serve(job_dir, handle):
                 conn, _ = server.accept()
             except OSError:  # the launcher closed the socket: it is exiting
                 return
+            request, answer = None, None
             try:
                 line = read_line(conn)
                 try:
@@ -130,4 +134,6 @@ def serve(job_dir, handle):
                 pass
             finally:
                 conn.close()
+                if on_sent is not None:
+                    on_sent(request, answer)
     return server, loop

@@ -87,14 +87,16 @@ class RankProcess:
             code = self.popen.poll()
             if code is not None:
                 self.returncode = code
-                # unshare --kill-child reports the namespace init's fate as its own.
         else:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
-                pid, status = self.pid, 0 if not os.path.exists(f"/proc/{self.pid}") else None
-                if status is None:
+                # Not our child (should not happen: the launcher is a subreaper). Gone means
+                # its exit status is unknown, which counts as a failure.
+                if os.path.exists(f"/proc/{self.pid}"):
                     return None
+                self.returncode = -1
+                return self.returncode
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -138,6 +140,7 @@ class Launcher:
         self.state = "starting"
         self.last_checkpoint = None
         self.commands = queue.Queue()
+        self._stop_answered = threading.Event()
         self.rendezvous = None
         self.engine = None
         self.engine_reason = None
@@ -178,7 +181,7 @@ class Launcher:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous.port),
             "MERIDIAN_JOB_DIR": str(self.job_dir), "MERIDIAN_JOB_ID": self.job_id,
             "MERIDIAN_ENGINE": self.engine, "MERIDIAN_NONCE": self.nonce,
-            "OMP_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "MERIDIAN_LAUNCHER_PID": str(os.getpid()),
         })
         env.pop("MERIDIAN_RESUME", None)
         if resume_dir is not None:
@@ -415,6 +418,10 @@ class Launcher:
         self.commands.put((request, answer))
         return answer.get()
 
+    def _answer_sent(self, request, answer):
+        if isinstance(request, dict) and request.get("cmd") == "stop":
+            self._stop_answered.set()
+
     def execute(self, request):
         cmd = request.get("cmd")
         timeout_s = float(request.get("timeout_s") or 600)
@@ -450,7 +457,7 @@ class Launcher:
             "engine_reason": self.engine_reason, "world_size": self.world_size,
             "spool": str(self.spool), "store": self.store.uri, "script": self.script,
             "args": list(self.options.args)})
-        server, serve_loop = control.serve(self.job_dir, self.handle)
+        server, serve_loop = control.serve(self.job_dir, self.handle, on_sent=self._answer_sent)
         threading.Thread(target=serve_loop, daemon=True, name="meridian-control").start()
         self.state = "running"
         try:
@@ -483,6 +490,8 @@ class Launcher:
                 if request.get("cmd") == "stop" and result.get("ok"):
                     self.state = "stopped"
                     self.event("stopped", step=result["step"], checkpoint=result["checkpoint"])
+                    # Exiting kills the control thread: let it deliver the answer first.
+                    self._stop_answered.wait(timeout=30)
                     return EXIT_STOPPED
                 if request.get("cmd") == "stop":
                     self.state = "running"

@@ -137,6 +137,20 @@ class RankRuntime:
         self._progress_at = 0.0  # report the first step after a resume at once
 
 
+def _die_with_launcher():
+    """A rank whose launcher died can never be checkpointed or stopped: end with it.
+
+    Not for CRIU ranks: CRIU restores the parent-death signal, and a restored rank's first parent
+    is the criu process that exits right after restoring it."""
+    import ctypes
+    import signal
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    launcher_pid = os.environ.get("MERIDIAN_LAUNCHER_PID")
+    if launcher_pid and os.getppid() != int(launcher_pid):
+        os._exit(1)  # the launcher died before the prctl took effect
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m runtime.rank")
     parser.add_argument("--spool", required=True)
@@ -147,6 +161,8 @@ def main(argv=None):
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     engine = os.environ.get("MERIDIAN_ENGINE", "criu")
+    if engine == "framework":
+        _die_with_launcher()
     spool = os.path.abspath(options.spool)
     rank_dir = os.path.join(spool, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)

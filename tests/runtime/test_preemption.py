@@ -120,14 +120,15 @@ def test_shrink_4_2_1_and_grow_back_to_4_devices(tmp_path, jobs, reference_tmp):
     expected = reference_state("ddp", reference_tmp)
     out = tmp_path / "out.pt"
     job = Job(tmp_path / "node", ranks=4, script=DDP_SCRIPT, out=out,
-              script_args=DDP_ARGS + ["--step-sleep", "0.05"], engine="auto", devices=4,
+              script_args=DDP_ARGS + ["--step-sleep", "0.1"], engine="auto", devices=4,
               job_id=unique_id("resize"))
     jobs.append(job)
     job.wait_ready()
     seen_steps = []
     for devices, at_step in ((2, 6), (1, 14), (4, 24)):
         answer = job.control.resize(devices, at_step=at_step)
-        assert answer["devices"] == devices and answer["step"] == at_step
+        # The cut is after step at_step, or later if the job got there before the request.
+        assert answer["devices"] == devices and answer["step"] >= at_step
         seen_steps.append(answer["step"])
         progress = job.control.progress()
         assert progress["devices"] == devices
@@ -138,19 +139,20 @@ def test_shrink_4_2_1_and_grow_back_to_4_devices(tmp_path, jobs, reference_tmp):
             assert _cores_of(pid) == set(device_map["devices"][str(device)]), \
                 f"rank {rank} is not pinned to device {device}'s cores"
     job.finish(0)
-    assert seen_steps == [6, 14, 24]
+    assert seen_steps == sorted(set(seen_steps)) and seen_steps[-1] < 40
     assert_same_state(expected, out)
 
 
 def test_four_ranks_started_spliced_on_one_device_then_spread(tmp_path, jobs, reference_tmp):
     expected = reference_state("ddp", reference_tmp)
     out = tmp_path / "out.pt"
-    job = Job(tmp_path / "node", ranks=4, script=DDP_SCRIPT, out=out, script_args=DDP_ARGS,
-              engine="framework", devices=1, job_id=unique_id("spliced"))
+    job = Job(tmp_path / "node", ranks=4, script=DDP_SCRIPT, out=out,
+              script_args=DDP_ARGS + ["--step-sleep", "0.05"], engine="framework", devices=1,
+              job_id=unique_id("spliced"))
     jobs.append(job)
     job.wait_ready()
     assert len(set(job.control.progress()["device_map"]["ranks"].values())) == 1
-    assert job.control.resize(2, at_step=12)["step"] == 12
+    assert job.control.resize(2, at_step=12)["step"] >= 12
     job.finish(0)
     assert_same_state(expected, out)
 
