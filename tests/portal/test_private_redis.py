@@ -1,7 +1,9 @@
 """The embedded path: a private redis-server on a unix socket carries the Channels layer
 and the Celery broker; live pushes leave only after the transaction commits."""
+import asyncio
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,14 @@ from kombu import Connection
 from fleet.live import events_publish, events_publish_now
 from portal.private_redis import PrivateRedis, PrivateRedisError
 from portal.settings import celery_url_from_redis_url
+
+
+def in_own_thread(function, *args):
+    """Returns function(*args) run in a fresh thread: async_to_sync refuses a thread whose
+    event loop is running, and an earlier test (a session-scoped Playwright, say) may
+    leave one running in the main thread."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(function, *args).result(timeout=60)
 
 
 @pytest.fixture
@@ -35,7 +45,7 @@ async def _round_trip(layer):
 def test_the_private_redis_listens_only_on_its_socket_and_carries_channels(private_redis):
     layer = RedisChannelLayer(hosts=[private_redis.url], prefix="meridian-test")
 
-    assert async_to_sync(_round_trip)(layer) == {"type": "fleet.node_updated", "node_id": 7}
+    assert in_own_thread(asyncio.run, _round_trip(layer)) == {"type": "fleet.node_updated", "node_id": 7}
     assert private_redis.socket_path.is_socket()
 
 
@@ -67,16 +77,16 @@ def test_the_configured_layer_delivers_job_updates_after_commit(
         "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url], "prefix": "meridian-test"}}
     }
     layer = get_channel_layer()
-    channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)("team." + str(team_a.pk), channel)
+    channel = in_own_thread(async_to_sync(layer.new_channel))
+    in_own_thread(async_to_sync(layer.group_add), "team." + str(team_a.pk), channel)
 
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         job = submit(team_a, alice)
     assert callbacks, "the push must wait for the commit"
     for callback in callbacks:
-        callback()
+        in_own_thread(callback)
 
-    message = async_to_sync(layer.receive)(channel)
+    message = in_own_thread(async_to_sync(layer.receive), channel)
     assert (message["type"], message["job"]["job_id"], message["job"]["state"]) == ("jobs.job_updated", job.pk, "pending")
 
 
