@@ -10,7 +10,7 @@ from rest_framework.views import APIView
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
 from fleet.models import Accelerator, Node
 from fleet.selectors import accelerator_list, fleet_summary, node_list
-from portal.pagination import MeridianPagination
+from fleet.pagination import MeridianPagination
 
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
 

@@ -1,4 +1,4 @@
-"""The agent-facing API (one API class per action). Mounted at /api/agent/ (fleet/agent_urls.py).
+"""The agent-facing API (one API class per action). Mounted at /api/agent/ (jobs/agent_urls.py).
 
 Authentication: `Authorization: Node <token>` (the per-node token that registration returns).
 A node reads and writes its own state only: an unknown or revoked token is a 401; asking for
@@ -28,6 +28,7 @@ from rest_framework.views import APIView
 from fleet.agent_services import node_register
 from fleet.models import Node
 from fleet.selectors import node_get_by_token
+from jobs.workflows import node_desired_state, node_report_apply
 
 NODE_SCHEME = b"node"
 ENROLL_SCHEME = b"enroll"
@@ -96,8 +97,6 @@ class NodeRegisterApi(APIView):
 
 class NodeHeartbeatApi(AgentApi):
     def post(self, request):
-        from jobs.workflows import node_desired_state, node_report_apply
-
         body = request.data if isinstance(request.data, dict) else None
         if body is None:
             raise ValidationError({"detail": "a heartbeat is a JSON object: {telemetry, jobs}"})
@@ -111,8 +110,6 @@ class NodeHeartbeatApi(AgentApi):
 
 class NodeDesiredStateApi(AgentApi):
     def get(self, request, node_id=None):
-        from jobs.workflows import node_desired_state
-
         if node_id is not None and node_id != request.auth.pk:
             raise PermissionDenied("a node may read only its own desired state")
         return Response(node_desired_state(node=request.auth))

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from fleet import agent_apis
+from jobs import agent_apis
 
 urlpatterns = [
     path("register/", agent_apis.NodeRegisterApi.as_view(), name="api-agent-register"),

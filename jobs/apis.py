@@ -30,7 +30,7 @@ from jobs.services import (
     user_can_approve_preemptions,
     user_is_global_admin,
 )
-from portal.pagination import MeridianPagination
+from fleet.pagination import MeridianPagination
 
 TIER_MESSAGE = 'unknown tier "{input}"; choose one of ' + ", ".join(Tier.values)
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)

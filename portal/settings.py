@@ -209,7 +209,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": ["portal.api_errors.BoundedJSONParser"],
-    "DEFAULT_PAGINATION_CLASS": "portal.pagination.MeridianPagination",
+    "DEFAULT_PAGINATION_CLASS": "fleet.pagination.MeridianPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "portal.api_errors.exception_handler",

@@ -19,7 +19,7 @@ from portal import views
 
 api_patterns = [
     path("", include("fleet.urls")),
-    path("agent/", include("fleet.agent_urls")),
+    path("agent/", include("jobs.agent_urls")),
     path("", include("jobs.urls")),
     path("auth/token/", obtain_auth_token, name="api-token"),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),

@@ -38,3 +38,19 @@ def test_scheduler_core_imports_nothing_from_the_control_plane():
         if module in {"portal", "fleet", "jobs", "agent", "runtime", "torch"}
     ]
     assert offenders == []
+
+
+# The Django apps' arrows: fleet may import only the scheduler; jobs may import fleet and the
+# scheduler; nothing but portal imports portal.
+APP_FORBIDDEN = {"fleet": {"jobs", "portal", "agent", "runtime"}, "jobs": {"portal", "agent", "runtime"}}
+
+
+@pytest.mark.parametrize("package", sorted(APP_FORBIDDEN))
+def test_django_apps_import_only_down_the_arrows(package):
+    offenders = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for module, lineno in _imported_top_level_modules(path)
+        if module in APP_FORBIDDEN[package]
+    ]
+    assert offenders == []
