@@ -1,18 +1,20 @@
 """The consistent cut: every rank stops after the same optimizer step when asked.
 
 Singularity's barrier. After every optimizer step (a step listener of the tracker) each rank
-contributes two numbers to a tiny meta-allreduce through the inner group:
+contributes two numbers to a tiny meta-allreduce:
 
     need  1 when this rank has seen a pending cut request that is due at the next step
     ack   the request id this rank acknowledges (0 when need is 0)
 
-The allreduce is started after step s and waited for after step s+1, so it travels while step
-s+1 computes (a synchronous one costs a round trip per step). Since all ranks take part in the
-same allreduce, they all see the same sums: if any rank needed the barrier, every rank cuts
-right after step s+1, and all agree on the request (ack / need is the id; the launcher issues one
-request at a time, so a mismatch is reported as an error rather than guessed). Integer sums are
-exact in any order. A request with at_step=k cuts after step k (after step 2 at the earliest),
-or as soon as possible when it arrives later.
+The two numbers ride along, as extra bytes, with the first all-reduce the rank makes after
+step s (DDP's first gradient bucket of step s+1), so they cost no extra round trip; if no
+all-reduce happens before step s+1 ends, they are exchanged by an explicit meta-allreduce then.
+Every rank issues the same collectives in the same order, so all ranks see the same sums after
+step s+1: if any rank needed the barrier, every rank cuts right after step s+1, and all agree on
+the request (ack / need is the id; the launcher issues one request at a time, so a mismatch is
+reported as an error rather than guessed). Integer sums are exact in any order. A request with
+at_step=k cuts after step k (after step 2 at the earliest), or as soon as possible when it
+arrives later.
 
 Requests reach the ranks through ``<spool>/request.json``; reading it costs one stat() per step
 unless it changed. A single-process job needs no allreduce: its cut is local.
@@ -33,7 +35,7 @@ class CutBarrier:
         self.handled_id = 0
         self._seen_stat = None
         self._request = None
-        self._pending = None
+        self._sent = None
 
     def _pending_request(self, *, force=False):
         try:
@@ -50,22 +52,24 @@ class CutBarrier:
         return request
 
     def __call__(self, step):
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            need_sum, ack_sum = pending.wait()
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sums = vpg.take_carried_flags()
+            if sums is None:  # no all-reduce since the last step: exchange the flags explicitly
+                sums = vpg.meta_allreduce(sent)
+            need_sum, ack_sum = sums
             if need_sum:
                 self._cut(need_sum, ack_sum, step)
                 return
         request = self._pending_request()
         due = request is not None and step + 1 >= int(request.get("at_step") or 0)
-        self._pending = vpg.meta_allreduce_async([1 if due else 0,
-                                                  int(request["id"]) if due else 0])
+        self._sent = [1 if due else 0, int(request["id"]) if due else 0]
+        vpg.send_flags_with_next_allreduce(self._sent)
 
     def drain(self):
-        """Waits for the in-flight meta-allreduce (before the inner group closes at the end)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
+        """Withdraws flags that no collective will carry any more (the script has ended)."""
+        self._sent = None
+        vpg.take_carried_flags()
 
     def _cut(self, need_sum, ack_sum, step):
         if ack_sum % need_sum:

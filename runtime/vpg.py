@@ -24,7 +24,8 @@ from torch._C._distributed_c10d import _create_work_from_future
 BACKEND_NAME = "meridian"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
-_state = {"group": None, "installed": False, "connection": None, "hooks": None}
+_state = {"group": None, "installed": False, "connection": None, "hooks": None,
+          "outgoing_flags": None, "carried_flags": None, "pending_meta": None}
 
 
 class CollectiveHooks:
@@ -160,10 +161,26 @@ class VirtualProcessGroup(dist.ProcessGroup):
         op = getattr(op, "op", op)
 
         def reduce_all(pg):
-            for tensor in tensors:
+            for index, tensor in enumerate(tensors):
                 source = tensor.detach().contiguous()
-                gathered = [torch.empty_like(source) for _ in range(self._world_size)]
-                pg.allgather([gathered], [source]).wait()
+                flags = _state["outgoing_flags"] if index == 0 else None
+                if flags is None:
+                    gathered = [torch.empty_like(source) for _ in range(self._world_size)]
+                    pg.allgather([gathered], [source]).wait()
+                else:
+                    # The cut's flags ride along as extra bytes: no extra round trip per step.
+                    _state["outgoing_flags"] = None
+                    payload = torch.cat([source.view(-1).view(torch.uint8),
+                                         torch.tensor(flags, dtype=torch.int64).view(torch.uint8)])
+                    packed = [torch.empty_like(payload) for _ in range(self._world_size)]
+                    pg.allgather([packed], [payload]).wait()
+                    size = source.numel() * source.element_size()
+                    gathered = [p[:size].view(source.dtype).view(source.shape) for p in packed]
+                    summed = [0] * len(flags)
+                    for p in packed:  # integer sums: exact in any order
+                        for i, value in enumerate(p[size:].clone().view(torch.int64).tolist()):
+                            summed[i] += value
+                    _state["carried_flags"] = summed
                 tensor.copy_(_reduce_in_rank_order(gathered, op))
             return tensors
         return _done_work(self._run(reduce_all))
@@ -263,6 +280,22 @@ def meta_allreduce_async(values):
     handle = _Pending(tensor, group.ensure_inner().pg.allreduce([tensor]), group._hooks)
     _state["pending_meta"] = handle
     return handle
+
+
+def send_flags_with_next_allreduce(values):
+    """Attaches int64 values to this rank's next all-reduce; their sums over all ranks are then
+    returned by take_carried_flags(). Every rank must call this at the same point."""
+    _state["outgoing_flags"] = list(values)
+    _state["carried_flags"] = None
+
+
+def take_carried_flags():
+    """Returns the summed flags carried by an all-reduce since send_flags_with_next_allreduce,
+    or None when no all-reduce happened since (the flags are then withdrawn)."""
+    carried = _state.get("carried_flags")
+    _state["carried_flags"] = None
+    _state["outgoing_flags"] = None
+    return carried
 
 
 def current_group():
