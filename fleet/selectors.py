@@ -55,46 +55,50 @@ def accelerator_list(*, filters=None):
     return devices.order_by("node_id", "index")
 
 
-def _allocated_accelerators():
-    """Returns the devices some replica points at, each once (IN-subquery, no join fan-out)."""
-    return Accelerator.objects.filter(id__in=Accelerator.objects.filter(ALLOCATED).values("id"))
-
-
 def fleet_summary():
-    """Returns the fleet aggregated three ways, in five queries whatever its size:
+    """Returns the fleet aggregated three ways, in two grouped queries whatever its size:
 
     {"totals": {accelerators, healthy, allocated, free, nodes, nodes_by_state},
-     "by_type": [{type, accelerators, healthy, allocated, free}],
+     "by_type": [{type, accelerators, healthy, allocated, free, mean_utilization}],
      "clusters": [{region, cluster_id, cluster, accelerators, healthy, allocated,
                    utilization, nodes, nodes_by_state}]}
-    free = healthy, unallocated devices on ready nodes.
+    allocated = some replica points at the device; free = healthy, unallocated devices on
+    ready nodes; utilization is the mean over the devices that report one (None if none).
+
+    One pass over the devices grouped by (cluster, type), with the allocated set as a
+    hashed IN-subquery, then a small node count by (cluster, state); the sums over at most
+    clusters × types rows are done in Python. (Separate scans per count cost ~0.7 s at
+    100k devices on PostgreSQL; the fleet page refetches this on every live push.)
     """
     usable = Q(healthy=True, node__state=Node.State.READY)
-    by_type = list(
+    allocated = Q(id__in=Accelerator.objects.filter(ALLOCATED).values("id"))
+    rows = list(
         Accelerator.objects.order_by()
-        .values("type")
-        # Aliases differ from field names: an alias "healthy" would shadow the field in later filters.
-        .annotate(accelerators=Count("id"), n_healthy=Count("id", filter=Q(healthy=True)), n_usable=Count("id", filter=usable))
-        .order_by("type")
+        .values("node__cluster_id", "type")
+        .annotate(
+            n=Count("id"),
+            n_healthy=Count("id", filter=Q(healthy=True)),
+            n_usable=Count("id", filter=usable),
+            n_allocated=Count("id", filter=allocated),
+            n_allocated_usable=Count("id", filter=allocated & usable),
+            n_reporting=Count("utilization"),
+            mean_utilization=Avg("utilization"),
+        )
     )
-    allocated_by_type = {
-        row["type"]: row
-        for row in _allocated_accelerators().order_by().values("type").annotate(n=Count("id"), n_usable=Count("id", filter=usable))
-    }
-    for row in by_type:
-        allocated = allocated_by_type.get(row["type"], {"n": 0, "n_usable": 0})
-        row["healthy"] = row.pop("n_healthy")
-        row["allocated"] = allocated["n"]
-        row["free"] = row.pop("n_usable") - allocated["n_usable"]
-    per_cluster = {
-        row["node__cluster_id"]: row
-        for row in Accelerator.objects.order_by()
-        .values("node__cluster_id")
-        .annotate(accelerators=Count("id"), n_healthy=Count("id", filter=Q(healthy=True)), mean_utilization=Avg("utilization"))
-    }
-    allocated_per_cluster = dict(
-        _allocated_accelerators().order_by().values("node__cluster_id").annotate(n=Count("id")).values_list("node__cluster_id", "n")
-    )
+    by_type, per_cluster = {}, {}
+    for row in rows:
+        for key, bucket in ((row["type"], by_type), (row["node__cluster_id"], per_cluster)):
+            entry = bucket.setdefault(key, {"accelerators": 0, "healthy": 0, "allocated": 0, "free": 0, "reporting": 0, "utilization_sum": 0.0})
+            entry["accelerators"] += row["n"]
+            entry["healthy"] += row["n_healthy"]
+            entry["allocated"] += row["n_allocated"]
+            entry["free"] += row["n_usable"] - row["n_allocated_usable"]
+            entry["reporting"] += row["n_reporting"]
+            entry["utilization_sum"] += (row["mean_utilization"] or 0.0) * row["n_reporting"]
+
+    def mean(entry):
+        return entry["utilization_sum"] / entry["reporting"] if entry["reporting"] else None
+
     node_rows = (
         Node.objects.order_by()
         .values("cluster_id", "cluster__name", "cluster__region__name", "state")
@@ -104,32 +108,32 @@ def fleet_summary():
     for row in node_rows:
         entry = clusters.setdefault(
             row["cluster_id"],
-            {
-                "region": row["cluster__region__name"],
-                "cluster_id": row["cluster_id"],
-                "cluster": row["cluster__name"],
-                "nodes": 0,
-                "nodes_by_state": {s: 0 for s in Node.State.values},
-            },
+            {"region": row["cluster__region__name"], "cluster_id": row["cluster_id"], "cluster": row["cluster__name"],
+             "nodes": 0, "nodes_by_state": {s: 0 for s in Node.State.values}},
         )
         entry["nodes"] += row["n"]
         entry["nodes_by_state"][row["state"]] += row["n"]
     for cluster_id, entry in clusters.items():
-        devices = per_cluster.get(cluster_id, {})
+        devices = per_cluster.get(cluster_id)
         entry.update(
-            accelerators=devices.get("accelerators", 0),
-            healthy=devices.get("n_healthy", 0),
-            allocated=allocated_per_cluster.get(cluster_id, 0),
-            utilization=devices.get("mean_utilization"),
+            accelerators=devices["accelerators"] if devices else 0,
+            healthy=devices["healthy"] if devices else 0,
+            allocated=devices["allocated"] if devices else 0,
+            utilization=mean(devices) if devices else None,
         )
     clusters = sorted(clusters.values(), key=lambda e: (e["region"], e["cluster"]))
+    types = [
+        {"type": name, "accelerators": e["accelerators"], "healthy": e["healthy"], "allocated": e["allocated"],
+         "free": e["free"], "mean_utilization": mean(e)}
+        for name, e in sorted(by_type.items())
+    ]
     nodes_by_state = {s: sum(c["nodes_by_state"][s] for c in clusters) for s in Node.State.values}
     totals = {
-        "accelerators": sum(t["accelerators"] for t in by_type),
-        "healthy": sum(t["healthy"] for t in by_type),
-        "allocated": sum(t["allocated"] for t in by_type),
-        "free": sum(t["free"] for t in by_type),
+        "accelerators": sum(t["accelerators"] for t in types),
+        "healthy": sum(t["healthy"] for t in types),
+        "allocated": sum(t["allocated"] for t in types),
+        "free": sum(t["free"] for t in types),
         "nodes": sum(nodes_by_state.values()),
         "nodes_by_state": nodes_by_state,
     }
-    return {"totals": totals, "by_type": by_type, "clusters": clusters}
+    return {"totals": totals, "by_type": types, "clusters": clusters}

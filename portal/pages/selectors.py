@@ -5,7 +5,7 @@ fleet page of a 100,000-accelerator fleet costs a handful of grouped queries and
 never a row per device in Python or in the HTML.
 
 Heatmap levels (the page drills down on click):
-  fleet    one cell per cluster, rows = regions          (fleet_overview's clusters)
+  fleet    one cell per cluster, rows = regions          (fleet.selectors.fleet_summary's clusters)
   cluster  one cell per node of a cluster, or per rack when the cluster has more
            than MAX_HEATMAP_CELLS nodes
   node     one cell per device of a node
@@ -16,6 +16,7 @@ from django.db.models import Avg, Count, Q
 from django.utils import timezone
 
 from fleet.models import Accelerator, Cluster, Node
+from fleet.selectors import fleet_summary
 from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Replica
 from jobs.selectors import team_ids_for_user
 
@@ -48,85 +49,6 @@ def approver_team_ids(user):
     )
 
 
-def fleet_overview():
-    """Returns what fleet.selectors.fleet_summary returns (same keys, same meanings:
-    allocated = some replica points at the device; free = healthy, unallocated, on a
-    ready node) plus "mean_utilization" per type, in one pass over the devices.
-
-    fleet_summary scans the accelerator table five times (each allocated count is its own
-    join); at 100k devices on PostgreSQL that is ~0.7 s of a fleet page that must stay
-    under 2 s, and the page refetches it on every live push. Here one grouped query per
-    (cluster, type) with the allocated set as a hashed IN-subquery, then a small node
-    count by (cluster, state); the sums over at most clusters × types rows are in Python.
-    tests/portal/test_pages.py checks it against fleet_summary.
-    """
-    usable = Q(healthy=True, node__state=Node.State.READY)
-    allocated = Q(id__in=_allocated_ids())
-    rows = list(
-        Accelerator.objects.order_by()
-        .values("node__cluster_id", "type")
-        .annotate(
-            n=Count("id"),
-            n_healthy=Count("id", filter=Q(healthy=True)),
-            n_usable=Count("id", filter=usable),
-            n_allocated=Count("id", filter=allocated),
-            n_allocated_usable=Count("id", filter=allocated & usable),
-            n_reporting=Count("utilization"),
-            mean_utilization=Avg("utilization"),
-        )
-    )
-    by_type, per_cluster = {}, {}
-    for row in rows:
-        for key, bucket in ((row["type"], by_type), (row["node__cluster_id"], per_cluster)):
-            entry = bucket.setdefault(key, {"accelerators": 0, "healthy": 0, "allocated": 0, "free": 0, "reporting": 0, "utilization_sum": 0.0})
-            entry["accelerators"] += row["n"]
-            entry["healthy"] += row["n_healthy"]
-            entry["allocated"] += row["n_allocated"]
-            entry["free"] += row["n_usable"] - row["n_allocated_usable"]
-            entry["reporting"] += row["n_reporting"]
-            entry["utilization_sum"] += (row["mean_utilization"] or 0.0) * row["n_reporting"]
-
-    def mean(entry):
-        return entry["utilization_sum"] / entry["reporting"] if entry["reporting"] else None
-
-    node_rows = (
-        Node.objects.order_by()
-        .values("cluster_id", "cluster__name", "cluster__region__name", "state")
-        .annotate(n=Count("id"))
-    )
-    clusters = {}
-    for row in node_rows:
-        entry = clusters.setdefault(
-            row["cluster_id"],
-            {"region": row["cluster__region__name"], "cluster_id": row["cluster_id"], "cluster": row["cluster__name"],
-             "nodes": 0, "nodes_by_state": {s: 0 for s in Node.State.values}},
-        )
-        entry["nodes"] += row["n"]
-        entry["nodes_by_state"][row["state"]] += row["n"]
-    for cluster_id, entry in clusters.items():
-        devices = per_cluster.get(cluster_id)
-        entry.update(
-            accelerators=devices["accelerators"] if devices else 0,
-            healthy=devices["healthy"] if devices else 0,
-            allocated=devices["allocated"] if devices else 0,
-            utilization=mean(devices) if devices else None,
-        )
-    clusters = sorted(clusters.values(), key=lambda e: (e["region"], e["cluster"]))
-    types = [
-        {"type": name, "accelerators": e["accelerators"], "healthy": e["healthy"], "allocated": e["allocated"],
-         "free": e["free"], "mean_utilization": mean(e)}
-        for name, e in sorted(by_type.items())
-    ]
-    nodes_by_state = {s: sum(c["nodes_by_state"][s] for c in clusters) for s in Node.State.values}
-    totals = {
-        "accelerators": sum(t["accelerators"] for t in types),
-        "healthy": sum(t["healthy"] for t in types),
-        "allocated": sum(t["allocated"] for t in types),
-        "free": sum(t["free"] for t in types),
-        "nodes": sum(nodes_by_state.values()),
-        "nodes_by_state": nodes_by_state,
-    }
-    return {"totals": totals, "by_type": types, "clusters": clusters}
 
 
 def fleet_nodes_needing_attention(*, limit=NODES_ATTENTION_LIMIT):
@@ -312,7 +234,7 @@ def _cells_to_heatmap(cells, *, drill, columns=HEATMAP_COLUMNS):
 def fleet_page_data(*, user, cluster_id=None, node_id=None):
     """Returns everything the fleet page draws (also its live JSON), or None when the
     asked-for cluster or node does not exist."""
-    summary = fleet_overview()
+    summary = fleet_summary()
     if node_id is not None:
         heatmap = heatmap_node(node_id=node_id, user=user)
     elif cluster_id is not None:

@@ -29,7 +29,9 @@ def test_the_summary_counts_by_type_and_cluster(api_client_for, alice, fleet, su
     assert (totals["accelerators"], totals["healthy"], totals["allocated"]) == (48, 46, 3)
     assert totals["free"] == 48 - 4 - 3  # draining node's 4 devices are not free
     assert totals["nodes_by_state"] == {"ready": 11, "draining": 1, "lost": 0}
-    assert body["by_type"] == [{"type": "H100-80GB", "accelerators": 48, "healthy": 46, "allocated": 3, "free": 41}]
+    assert body["by_type"] == [
+        {"type": "H100-80GB", "accelerators": 48, "healthy": 46, "allocated": 3, "free": 41, "mean_utilization": None}
+    ]
     assert len(body["clusters"]) == 4
     assert sum(c["allocated"] for c in body["clusters"]) == 3
 

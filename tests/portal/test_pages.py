@@ -11,6 +11,7 @@ from django.test import Client
 from django.urls import reverse
 
 from fleet.models import Accelerator, Cluster, Node
+from fleet.selectors import fleet_summary
 from fleet.services import fleet_generate
 from jobs.models import Job, JobEvent, PreemptionRequest, Replica
 from jobs.services import job_event_add, job_transition, preemption_request_create
@@ -302,10 +303,7 @@ def test_static_files_are_served(client_for, alice):
     assert b"MeridianLive" in b"".join(response.streaming_content)
 
 
-def test_the_fleet_overview_agrees_with_fleet_summary(alice, team_a, submit, small_fleet):
-    from fleet.selectors import fleet_summary
-    from portal.pages.selectors import fleet_overview
-
+def test_the_fleet_summary_counts_allocated_free_unhealthy_and_draining(alice, team_a, submit, small_fleet):
     fleet_generate(regions=1, clusters=1, nodes=2, devices=2, accelerator_type="H100-80GB", prefix="h")
     devices = list(small_fleet[:3])
     place(submit(team_a, alice, world_size=4, min_devices=1), devices)  # 4 ranks on 3 devices: one shared
@@ -313,11 +311,16 @@ def test_the_fleet_overview_agrees_with_fleet_summary(alice, team_a, submit, sma
     Node.objects.filter(pk=devices[0].node_id).update(state="draining")
     Accelerator.objects.filter(type="CPU").update(utilization=0.25)
     Accelerator.objects.filter(pk=devices[2].pk).update(utilization=None)
-    overview, summary = fleet_overview(), fleet_summary()
-    assert overview["totals"] == summary["totals"]
-    assert overview["clusters"] == summary["clusters"]
-    assert [{k: v for k, v in row.items() if k != "mean_utilization"} for row in overview["by_type"]] == summary["by_type"]
-    assert {row["type"]: row["mean_utilization"] for row in overview["by_type"]} == {"CPU": 0.25, "H100-80GB": None}
+    summary = fleet_summary()
+    cpu = next(row for row in summary["by_type"] if row["type"] == "CPU")
+    cpu_total = Accelerator.objects.filter(type="CPU").count()
+    cpu_free = Accelerator.objects.filter(type="CPU", healthy=True, node__state="ready", replicas__isnull=True).count()
+    assert (cpu["accelerators"], cpu["allocated"], cpu["healthy"], cpu["free"]) == (cpu_total, 3, cpu_total - 1, cpu_free)
+    assert {row["type"]: row["mean_utilization"] for row in summary["by_type"]} == {"CPU": 0.25, "H100-80GB": None}
+    assert summary["totals"]["accelerators"] == cpu_total + 4
+    assert summary["totals"]["allocated"] == 3
+    assert summary["totals"]["nodes_by_state"]["draining"] == 1
+    assert sum(c["accelerators"] for c in summary["clusters"]) == cpu_total + 4
 
 
 def test_progress_reports_stay_out_of_the_timeline_and_the_events_table(client_for, alice, team_a, submit):
