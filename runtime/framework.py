@@ -26,7 +26,7 @@ Code that ran between ``optimizer.step()`` and the next batch in the cut iterati
 again.  The tracker watches that stretch on every step: LR scheduler steps there are replayed on
 resume (same count per step, observed), while RNG draws or hyper-parameter changes there make the
 script unresumable, and ``check_resumable`` / ``save`` say so instead of writing a checkpoint
-that would resume wrong.  See docs/runtime-framework.md for the full list.
+that would resume wrong.  See the README ("The framework engine") for the full list.
 """
 from __future__ import annotations
 

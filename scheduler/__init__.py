@@ -26,7 +26,7 @@ Between ticks the caller advances Teams.decayed_usage with scheduler.decay_usage
 Tests build snapshots with scheduler.builders (make_snapshot, make_fleet, make_team, make_job);
 large fleets come from scheduler.builders.synthetic_fleet. Pass timer=time.perf_counter to
 schedule() to get Plan.phase_seconds. The phases and plugins are described in
-scheduler/framework.py and docs/scheduler.md.
+scheduler/framework.py and the README ("How the scheduler decides").
 """
 from scheduler.apply import PlanConflict, apply_plan
 from scheduler.framework import PHASES, Policy, schedule
