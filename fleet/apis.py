@@ -10,15 +10,9 @@ from rest_framework.views import APIView
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
 from fleet.models import Accelerator, Node
 from fleet.selectors import accelerator_list, fleet_summary, node_list
-from fleet.pagination import MeridianPagination
+from fleet.pagination import paginate
 
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
-
-
-def paginate(view, queryset, serializer_class):
-    paginator = MeridianPagination()
-    page = paginator.paginate_queryset(queryset, view.request, view=view)
-    return paginator.get_paginated_response(serializer_class(page, many=True).data)
 
 
 class FleetSummaryApi(APIView):

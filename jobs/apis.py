@@ -30,17 +30,11 @@ from jobs.services import (
     user_can_approve_preemptions,
     user_is_global_admin,
 )
-from fleet.pagination import MeridianPagination
+from fleet.pagination import MeridianPagination, paginate
 
 TIER_MESSAGE = 'unknown tier "{input}"; choose one of ' + ", ".join(Tier.values)
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
 STATE_MESSAGE = 'unknown state "{input}"; known states: ' + ", ".join(Job.State.values)
-
-
-def paginate(view, queryset, serializer_class, *, context=None):
-    paginator = MeridianPagination()
-    page = paginator.paginate_queryset(queryset, view.request, view=view)
-    return paginator.get_paginated_response(serializer_class(page, many=True, context=context or {}).data)
 
 
 class TeamRefSerializer(serializers.Serializer):
