@@ -54,6 +54,28 @@ def node_token_revoke(*, node):
     node.agent_token_hash = ""
 
 
+def node_heartbeat_record(*, node, telemetry, now):
+    """Records one heartbeat of `node`: its last-seen time, a lost node back to ready, and the
+    node's and each device's latest utilization and memory from `telemetry` ({"utilization",
+    "devices": [{"index", "utilization", "memory_used_gb"}]}; unknown indices are ignored).
+    Call it inside the transaction that applies the rest of the agent's report."""
+    node_changes = {"last_heartbeat": now}
+    if node.state == Node.State.LOST:
+        node_changes["state"] = Node.State.READY  # back from the dead: its old jobs moved on
+    if "utilization" in telemetry:
+        node_changes.update(utilization=telemetry.get("utilization"), telemetry_at=now)
+    Node.objects.filter(pk=node.pk).update(**node_changes)
+    per_device = telemetry.get("devices") or []
+    if per_device:
+        by_index = {int(d["index"]): d for d in per_device if "index" in d}
+        accelerators = list(Accelerator.objects.filter(node_id=node.pk, index__in=list(by_index)))
+        for acc in accelerators:
+            sample = by_index[acc.index]
+            acc.utilization = sample.get("utilization")
+            acc.memory_used_gb = sample.get("memory_used_gb")
+        Accelerator.objects.bulk_update(accelerators, ["utilization", "memory_used_gb"])
+
+
 def _fail(path, message):
     raise ValidationError(f"{path}: {message}")
 

@@ -31,7 +31,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from fleet.models import Accelerator, Node
+from fleet.services import node_heartbeat_record
 from jobs.models import Checkpoint, Job, JobEvent, Replica
 from jobs.services import IllegalTransition, checkpoint_record, job_event_add, job_transition
 
@@ -110,12 +110,6 @@ def node_report_apply(*, node, report, now=None):
     job ids are rejected (listed) and change nothing. Idempotent: a repeated report is a no-op.
     """
     now = now or timezone.now()
-    telemetry = report.get("telemetry") or {}
-    node_changes = {"last_heartbeat": now}
-    if node.state == Node.State.LOST:
-        node_changes["state"] = Node.State.READY  # back from the dead: its old jobs moved on
-    if "utilization" in telemetry:
-        node_changes.update(utilization=telemetry.get("utilization"), telemetry_at=now)
     accepted, rejected = [], []
     with transaction.atomic():
         if connection.vendor == "postgresql":
@@ -123,16 +117,7 @@ def node_report_apply(*, node, report, now=None):
             # no need to wait for its WAL flush (the biggest cost of a heartbeat at scale).
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit = off")
-        Node.objects.filter(pk=node.pk).update(**node_changes)
-        per_device = telemetry.get("devices") or []
-        if per_device:
-            by_index = {int(d["index"]): d for d in per_device if "index" in d}
-            accelerators = list(Accelerator.objects.filter(node_id=node.pk, index__in=list(by_index)))
-            for acc in accelerators:
-                sample = by_index[acc.index]
-                acc.utilization = sample.get("utilization")
-                acc.memory_used_gb = sample.get("memory_used_gb")
-            Accelerator.objects.bulk_update(accelerators, ["utilization", "memory_used_gb"])
+        node_heartbeat_record(node=node, telemetry=report.get("telemetry") or {}, now=now)
         observed = [j for j in report.get("jobs") or [] if isinstance(j, dict) and "job_id" in j]
         ids = [int(j["job_id"]) for j in observed]
         jobs = Job.objects.in_bulk(ids)
