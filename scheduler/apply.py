@@ -22,7 +22,7 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
     """Returns a new Snapshot with the plan's decisions applied in order and `now` set.
 
     Start / Migrate set the job RUNNING with last_start_time = now; Preempt sets it PENDING
-    and clears its approval; Resize changes its devices only. A Preempt, a live Migrate and a
+    and clears its approval; Resize changes its devices and sets last_resize_time = now. A Preempt, a live Migrate and a
     Resize checkpoint at a consistent cut, so they set last_checkpoint_time = now (the step is
     the caller's to record); a restart from checkpoint (lost node) does not. Preemptions that
     need approval change nothing (they wait for a capacity manager). Progress (attained
@@ -34,6 +34,7 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
     last_start = jobs.last_start_time.copy()
     approved = jobs.preemption_approved.copy()
     checkpointed = jobs.last_checkpoint_time.copy()
+    resized = jobs.last_resize_time.copy()
     usable = acc.healthy & (snapshot.node_status[acc.node] == NODE_READY) & \
         ~snapshot.region_drained[acc.region]
 
@@ -102,10 +103,11 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
             check_new(decision, devices, j, kept=current)
             holder[devices] = j
             checkpointed[j] = now
+            resized[j] = now
         else:
             raise PlanConflict(f"unknown decision {decision!r}")
 
     new_acc = acc.replace(holder=holder)
     new_jobs = jobs.replace(state=state, last_start_time=last_start, preemption_approved=approved,
-                            last_checkpoint_time=checkpointed)
+                            last_checkpoint_time=checkpointed, last_resize_time=resized)
     return snapshot.replace(accelerators=new_acc, jobs=new_jobs, now=now)

@@ -97,7 +97,7 @@ class JobBuilder:
         self.fields = dict(name=name, team=None, tier=BASIC, type=None, world_size=1, min_devices=0,
                            submit_time=0.0, attained=0.0, ideal=0.0, last_checkpoint_time=-np.inf,
                            last_checkpoint_step=0, checkpoint_bytes=0, last_start_time=-np.inf,
-                           approved=False, denied=False, max_spread=SPREAD_REGION, running=None, node=None,
+                           last_resize_time=-np.inf, approved=False, denied=False, max_spread=SPREAD_REGION, running=None, node=None,
                            devices=None, id=None)
 
     def _set(self, **kw) -> "JobBuilder":
@@ -124,6 +124,7 @@ class JobBuilder:
         return self._set(last_checkpoint_time=at, last_checkpoint_step=step, checkpoint_bytes=size_bytes)
 
     def started(self, at: float): return self._set(last_start_time=at)
+    def resized(self, at: float): return self._set(last_resize_time=at)
     def approved(self, yes: bool = True): return self._set(approved=yes)
     def denied(self, yes: bool = True): return self._set(denied=yes)
     def spread(self, max_spread: int): return self._set(max_spread=max_spread)
@@ -154,6 +155,7 @@ class SnapshotBuilder:
         self._node_status: dict[int, int] = {}
         self._drained: set[str] = set()
         self._unhealthy: list[int] = []
+        self._releasing: dict[int, float] = {}
         self._types: list[str] = []
 
     def fleet(self, fleet: FleetBuilder) -> "SnapshotBuilder":
@@ -188,6 +190,11 @@ class SnapshotBuilder:
         self._unhealthy.extend(devices)
         return self
 
+    def releasing(self, *devices: int, until: float) -> "SnapshotBuilder":
+        """Marks free devices as still being released (a previous holder checkpointing) until `until`."""
+        self._releasing.update({d: until for d in devices})
+        return self
+
     def types(self, *names: str) -> "SnapshotBuilder":
         """Declares accelerator types up front (e.g. a type no device has)."""
         self._types.extend(n for n in names if n not in self._types)
@@ -216,7 +223,7 @@ class SnapshotBuilder:
         node_of_device = np.asarray(cols["node"], np.int64)
         rows = {k: [] for k in ("ids", "team", "tier", "type_id", "world_size", "min_devices", "state",
                                 "submit_time", "attained", "ideal", "ckpt_time", "ckpt_step",
-                                "ckpt_bytes", "start", "approved", "denied", "spread", "names")}
+                                "ckpt_bytes", "start", "resized", "approved", "denied", "spread", "names")}
         for index, job in enumerate(self._jobs):
             f = job.fields
             type_name = f["type"] or (types[0] if types else DEFAULT_TYPE)
@@ -250,6 +257,7 @@ class SnapshotBuilder:
             rows["ckpt_step"].append(f["last_checkpoint_step"])
             rows["ckpt_bytes"].append(f["checkpoint_bytes"])
             rows["start"].append(f["last_start_time"])
+            rows["resized"].append(f["last_resize_time"])
             rows["approved"].append(f["approved"])
             rows["denied"].append(f["denied"])
             rows["spread"].append(f["max_spread"])
@@ -259,11 +267,16 @@ class SnapshotBuilder:
                     submit_time=rows["submit_time"], attained_device_seconds=rows["attained"],
                     ideal_device_seconds=rows["ideal"], last_checkpoint_time=rows["ckpt_time"],
                     last_checkpoint_step=rows["ckpt_step"], checkpoint_bytes=rows["ckpt_bytes"],
-                    last_start_time=rows["start"], preemption_approved=rows["approved"],
+                    last_start_time=rows["start"], last_resize_time=rows["resized"],
+                    preemption_approved=rows["approved"],
                     preemption_denied=rows["denied"],
                     max_spread=rows["spread"], names=rows["names"])
+        releasing_until = np.full(n, -np.inf)
+        for device, until in self._releasing.items():
+            releasing_until[device] = until
         acc = Accelerators(type_id=cols["type_id"], node=cols["node"], rack=cols["rack"],
-                           cluster=cols["cluster"], region=cols["region"], healthy=healthy, holder=holder)
+                           cluster=cols["cluster"], region=cols["region"], healthy=healthy, holder=holder,
+                           releasing_until=releasing_until)
         n_nodes = int(node_of_device.max()) + 1 if n else 0
         node_status = np.full(n_nodes, NODE_READY, np.int8)
         for node, status in self._node_status.items():

@@ -182,6 +182,26 @@ class Tick:
             self._min_count = smallest[inverse] if unique.size else np.zeros(0, np.int64)
         return self._min_count
 
+    def start_counts(self, j: int) -> tuple[int, ...]:
+        """Returns the device counts pending job j may start on, largest first: its allowed
+        counts, or only W if its tier is in PolicySettings.full_size_tiers."""
+        jobs = self.snapshot.jobs
+        if int(jobs.tier[j]) in self.snapshot.settings.full_size_tiers:
+            return (int(jobs.world_size[j]),)
+        return jobs.allowed_counts(j)
+
+    def releasing_note(self, devices: np.ndarray) -> tuple[float, str]:
+        """Returns (starts_at, reason suffix) for a job given `devices`: the time the last of
+        them stops being released (Snapshot.now if all are free now) and, if that is later
+        than now, "; starting after the previous holder's checkpoint, in N s"."""
+        now = self.snapshot.now
+        if self.state.releasing.size == 0 or len(devices) == 0:
+            return now, ""
+        until = float(self.snapshot.accelerators.releasing_until[devices].max())
+        if until <= now:
+            return now, ""
+        return until, f"; starting after the previous holder's checkpoint, in {until - now:.0f} s"
+
     def job_label(self, j: int) -> str:
         """Returns "job a (Premium)" for reasons."""
         jobs = self.snapshot.jobs
@@ -243,16 +263,13 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
     for j in tick.line.tolist():
         with clock.phase(PHASES[2]):
             placed = _admit(tick, j)
-        if placed:
-            continue
-        if policy.preempt is not None:
+        if not placed and policy.preempt is not None:
             with clock.phase(PHASES[3]):
-                if policy.preempt.run(tick, j):
-                    continue
-        if policy.defrag is not None:
+                placed = policy.preempt.run(tick, j)
+        if not placed and policy.defrag is not None:
             with clock.phase(PHASES[5]):
-                if policy.defrag.run(tick, j):
-                    continue
+                placed = policy.defrag.run(tick, j)
+        tick.state.close_releasing()  # the next job tries devices free now first again
 
     if tick.decisions and tick.waiting:
         with clock.phase(PHASES[2]):
@@ -270,15 +287,22 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
 
 
 def _admit(tick: Tick, j: int) -> bool:
-    """Places job j into idle devices if it fits (within quota, or borrowing); else records why."""
+    """Places job j into idle devices if it fits (within quota, or borrowing); else records why.
+
+    Devices free now are tried first; only if the job does not fit in them are the devices
+    still being released counted too (the state keeps them counted until the caller closes
+    them again, so a preemption for j does not take more victims than needed).
+    """
     policy, jobs = tick.policy, tick.snapshot.jobs
-    counts = jobs.allowed_counts(j)
+    counts = tick.start_counts(j)
     within, borrowing = policy.quota.counts_allowed(tick, j, counts)
     candidates = tuple(sorted(within + borrowing, reverse=True))
     if not candidates:
         tick.waiting[j] = (quota_plugin.REASON_OVER_QUOTA, policy.quota.over_quota_reason(tick, j, counts))
         return False
     found = policy.place.place(tick, j, candidates)
+    if found is None and tick.state.open_releasing():
+        found = policy.place.place(tick, j, candidates)
     if found is None:
         tick.waiting[j] = (placement_plugin.REASON_NO_ROOM, policy.place.no_room_reason(tick, j, counts))
         return False
@@ -289,8 +313,9 @@ def _admit(tick: Tick, j: int) -> bool:
     if borrowed:
         code = quota_plugin.REASON_BORROWING
         reason += f"; {borrowed} of them borrowed over the team's quota (reclaimed first)"
+    starts_at, note = tick.releasing_note(found.devices)
     tick.decisions.append(Start(job=j, job_id=int(jobs.ids[j]), devices=tuple(found.devices.tolist()),
-                             code=code, reason=reason, borrowed=borrowed))
+                             code=code, reason=reason + note, borrowed=borrowed, starts_at=starts_at))
     tick.waiting.pop(j, None)
     return True
 
@@ -313,7 +338,9 @@ def _backfill(tick: Tick) -> None:
         if free_by_type[k] < tick.min_count[j]:
             continue
         before = tick.waiting[j]
-        if _admit(tick, j):
+        admitted = _admit(tick, j)
+        tick.state.close_releasing()
+        if admitted:
             placed.add(j)
             free_by_type = tick.state.free_count[3].sum(axis=0)
         else:

@@ -28,6 +28,9 @@ class Start:
     code: str  # REASON_* constant of the plugin that decided
     reason: str  # human-readable why
     borrowed: int = 0  # how many of these devices are over the team's quota (first reclaimed)
+    starts_at: float | None = None  # s; when the last of the devices is free (Accelerators.
+    # releasing_until; later than Snapshot.now when a previous holder is still checkpointing).
+    # Devices released by a Preempt/Resize of this same plan are free only once that stop ends.
     kind = "start"
 
 

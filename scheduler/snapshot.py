@@ -89,6 +89,9 @@ class Accelerators:
     region: np.ndarray  # int32[N]: region index, index into Snapshot.region_names
     healthy: np.ndarray = None  # bool[N]: False = the device may not be given to anyone
     holder: np.ndarray = None  # int32[N]: index of the job holding the device; NO_JOB if free
+    releasing_until: np.ndarray = None  # float64[N]: s; a free device whose last holder is still
+    # stopping (checkpoint at a consistent cut) is only usable from this time on; a job placed on
+    # it starts after that. <= Snapshot.now (default -inf) = free now. Ignored for held devices.
 
     def __post_init__(self):
         n = np.asarray(self.type_id).shape[0]
@@ -97,6 +100,8 @@ class Accelerators:
             object.__setattr__(self, name, _column(getattr(self, name), np.int32, n, name))
         object.__setattr__(self, "healthy", _filled(self.healthy, True, np.bool_, n, "healthy"))
         object.__setattr__(self, "holder", _filled(self.holder, NO_JOB, np.int32, n, "holder"))
+        object.__setattr__(self, "releasing_until",
+                           _filled(self.releasing_until, -np.inf, np.float64, n, "releasing_until"))
 
     @classmethod
     def from_rows(cls, rows: Iterable["AcceleratorRow"]) -> "Accelerators":
@@ -105,7 +110,7 @@ class Accelerators:
         column = lambda name: [getattr(r, name) for r in rows]  # noqa: E731
         return cls(type_id=column("type_id"), node=column("node"), rack=column("rack"),
                    cluster=column("cluster"), region=column("region"), healthy=column("healthy"),
-                   holder=column("holder"))
+                   holder=column("holder"), releasing_until=column("releasing_until"))
 
     def __len__(self) -> int:
         return int(self.type_id.shape[0])
@@ -125,6 +130,7 @@ class AcceleratorRow:
     region: int  # region index (into Snapshot.region_names)
     healthy: bool = True  # False = never given to a job
     holder: int = NO_JOB  # index of the job holding it (its row in Jobs), NO_JOB if free
+    releasing_until: float = float("-inf")  # s; free but still being released until then
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class JobRow:
     last_checkpoint_step: int = 0  # training step of the last checkpoint (restart point)
     checkpoint_bytes: int = 0  # size of the last checkpoint in bytes (cost of moving it)
     last_start_time: float = float("-inf")  # s; when it last (re)started on devices
+    last_resize_time: float = float("-inf")  # s; when its device count last changed (grow or shrink)
     preemption_approved: bool = False  # a capacity manager approved preempting/shrinking it
     preemption_denied: bool = False  # a capacity manager denied it (and the denial still holds)
     max_spread: int = SPREAD_REGION  # loosest topology level its devices may span
@@ -177,6 +184,7 @@ class Jobs:
     last_checkpoint_step: np.ndarray = None  # int64[J]: step of the last checkpoint
     checkpoint_bytes: np.ndarray = None  # int64[J]: bytes of the last checkpoint
     last_start_time: np.ndarray = None  # float64[J]: s, last (re)start; -inf = never
+    last_resize_time: np.ndarray = None  # float64[J]: s, last grow or shrink; -inf = never
     preemption_approved: np.ndarray = None  # bool[J]: an approval to preempt/shrink it was granted
     preemption_denied: np.ndarray = None  # bool[J]: a denial holds: never a victim, never asked about
     max_spread: np.ndarray = None  # int8[J]: SPREAD_NODE .. SPREAD_REGION; default SPREAD_REGION
@@ -195,7 +203,7 @@ class Jobs:
         set_("state", _filled(self.state, PENDING, np.int8, n, "state"))
         for name, fill in (("submit_time", 0.0), ("attained_device_seconds", 0.0),
                            ("ideal_device_seconds", 0.0), ("last_checkpoint_time", -np.inf),
-                           ("last_start_time", -np.inf)):
+                           ("last_start_time", -np.inf), ("last_resize_time", -np.inf)):
             set_(name, _filled(getattr(self, name), fill, np.float64, n, name))
         set_("last_checkpoint_step", _filled(self.last_checkpoint_step, 0, np.int64, n,
                                              "last_checkpoint_step"))
@@ -227,6 +235,7 @@ class Jobs:
             last_checkpoint_time=column("last_checkpoint_time"),
             last_checkpoint_step=column("last_checkpoint_step"),
             checkpoint_bytes=column("checkpoint_bytes"), last_start_time=column("last_start_time"),
+            last_resize_time=column("last_resize_time"),
             preemption_approved=column("preemption_approved"),
             preemption_denied=column("preemption_denied"), max_spread=column("max_spread"),
             names=names,
@@ -309,6 +318,13 @@ class PolicySettings:
     allow_borrowing: bool = True  # a team may exceed its quota on idle devices (first reclaimed)
     max_preemptions_per_tick: int = 256  # victims (preempted + shrunk) at most per tick
     max_defrag_migrations_per_tick: int = 16  # jobs moved to defragment, at most per tick
+    # Tier policy. Jobs of these tiers start (and restart) only at their full world size W,
+    # never shrunk: Premium's SLA is >= 95% of the ideal device-time at W, which a job started
+    # on W/2 devices misses from its first second. Other tiers start at the largest allowed
+    # count that fits and grow later.
+    full_size_tiers: tuple = (PREMIUM,)
+    min_resize_interval_seconds: float = 600.0  # s; a job is not grown again sooner than this
+    # after its last resize (grow or shrink), so grow/shrink does not flap tick after tick
 
     def __post_init__(self):
         if not 0.0 <= self.standard_sla_floor <= 1.0:
@@ -317,6 +333,12 @@ class PolicySettings:
             raise SnapshotError("min_run_seconds must be >= 0 and the half-life > 0")
         if not 0.0 <= self.past_usage_weight <= 1.0:
             raise SnapshotError("past_usage_weight must be within 0..1")
+        if self.min_resize_interval_seconds < 0:
+            raise SnapshotError("min_resize_interval_seconds must be >= 0")
+        tiers = tuple(int(t) for t in self.full_size_tiers)
+        if any(t not in (PREMIUM, STANDARD, BASIC) for t in tiers):
+            raise SnapshotError(f"full_size_tiers holds an unknown tier: {tiers}")
+        object.__setattr__(self, "full_size_tiers", tiers)
 
 
 @dataclass(frozen=True, eq=False)

@@ -56,6 +56,14 @@ class WorkingState:
         # usable: may be given to a job this tick (healthy, node ready, region not drained)
         self.usable = acc.healthy & node_ok[acc.node] & ~snapshot.region_drained[acc.region]
         self.free = self.usable & (self.holder == NO_JOB)
+        # Free devices still being released (their last holder is checkpointing): kept out of
+        # the free counts until a job finds no room without them (`open_releasing`), so jobs
+        # land on devices that are free now first.
+        releasing = self.free & (acc.releasing_until > snapshot.now)
+        self.releasing = np.flatnonzero(releasing)  # devices, ascending
+        self.releasing_open = False
+        if self.releasing.size:
+            self.free &= ~releasing
 
         self.n_nodes = n_nodes
         self.node_region = _first_per_group(acc.node, acc.region.astype(np.int64), n_nodes)
@@ -262,6 +270,27 @@ class WorkingState:
         if len(picked) == 1:
             return picked[0]  # devices_by_node is ascending within a node
         return np.sort(np.concatenate(picked)) if picked else np.empty(0, np.int64)
+
+    # --- devices still being released ---------------------------------------------------
+    def open_releasing(self) -> bool:
+        """Counts the free devices still being released as free; returns False if there are none
+        (or they are counted already). Not journaled: what a rollback restores is still right."""
+        if self.releasing_open or self.releasing.size == 0:
+            return False
+        back = self.releasing[(self.holder[self.releasing] == NO_JOB) & ~self.free[self.releasing]]
+        self.free[back] = True
+        self._count(back, +1)
+        self.releasing_open = True
+        return True
+
+    def close_releasing(self) -> None:
+        """Takes the devices still being released and still free out of the free counts again."""
+        if not self.releasing_open:
+            return
+        hide = self.releasing[self.free[self.releasing]]
+        self.free[hide] = False
+        self._count(hide, -1)
+        self.releasing_open = False
 
     # --- changing ----------------------------------------------------------------------
     def _count(self, devs: np.ndarray, sign: int) -> None:

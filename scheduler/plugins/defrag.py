@@ -33,7 +33,7 @@ class FreeADomain:
         level = int(jobs.max_spread[j])
         if level >= SPREAD_REGION:
             return False  # a region-wide job fits wherever the region has room: no fragmentation
-        counts = jobs.allowed_counts(j)
+        counts = tick.start_counts(j)
         within, _ = tick.policy.quota.counts_allowed(tick, j, counts)
         if not within:
             return False
@@ -127,11 +127,12 @@ class FreeADomain:
             tick.rollback(mark)
             return False
         tick.give(j, placement.devices)
+        starts_at, note = tick.releasing_note(placement.devices)
         tick.decisions.append(Start(
             job=j, job_id=int(jobs.ids[j]), devices=tuple(placement.devices.tolist()),
             code=REASON_PLACED_AFTER_DEFRAG,
             reason=f"{len(placement)} {tick.type_name(j)} on one {SPREAD_NAMES[level]} after moving "
-                   f"{movers.size} small jobs off {label}"))
+                   f"{movers.size} small jobs off {label}" + note, starts_at=starts_at))
         tick.waiting.pop(j, None)
         return True
 

@@ -69,7 +69,7 @@ class SlaPreemption:
         did not help.
         """
         snap, jobs, settings = tick.snapshot, tick.snapshot.jobs, tick.snapshot.settings
-        counts = jobs.allowed_counts(j)
+        counts = tick.start_counts(j)
         within, _ = tick.policy.quota.counts_allowed(tick, j, counts)
         if not within:
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
@@ -104,28 +104,41 @@ class SlaPreemption:
         preempts = any(actions["group"][r] != GROUP_SHRINK for r in rows)
         must = spread < SPREAD_REGION  # victims anywhere in the region would not do
         scope = None
+        shrink_in = None  # (region, victims, level, entity): room made by shrinks alone
         if (need >= 2 and preempts) or must:
-            # a gang gets one node, else one rack, else one cluster if preempting whole jobs
-            # there takes no more preemptions than the region-wide choice (or if it must)
-            n_region = len({int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK})
-            for level in range(0, min(spread, LEVEL_CLUSTER) + 1):
-                if need > int(tick.state.capacity[level][:, k].max(initial=0)):
-                    continue
-                found = self._choose_in_one(tick, j, need, level)
-                if found is not None and (must or len(found[1]) <= n_region):
-                    region, rows, actions, scope = found
+            levels = [level for level in range(0, min(spread, LEVEL_CLUSTER) + 1)
+                      if need <= int(tick.state.capacity[level][:, k].max(initial=0))]
+            # shrinking loses no work, so room made by shrinks alone within one node / rack /
+            # cluster beats any preemption, whatever the job's spread
+            for level in levels:
+                shrink_in = self._shrink_in_one(tick, j, need, level)
+                if shrink_in is not None:
                     break
-            else:
-                if must:
-                    return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
-                                         f"preempting could not free {need} {tick.type_name(j)} "
-                                         f"within one {SPREAD_NAMES[spread]}")
-        if tick.victims_used + len(np.unique(actions["job"][rows])) > settings.max_preemptions_per_tick:
+            if shrink_in is None:
+                # a gang gets one node, else one rack, else one cluster if preempting whole jobs
+                # there takes no more preemptions than the region-wide choice (or if it must)
+                n_region = len({int(actions["job"][r]) for r in rows if actions["group"][r] != GROUP_SHRINK})
+                for level in levels:
+                    found = self._choose_in_one(tick, j, need, level)
+                    if found is not None and (must or len(found[1]) <= n_region):
+                        region, rows, actions, scope = found
+                        break
+                else:
+                    if must:
+                        return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
+                                             f"shrinking or preempting could not free {need} "
+                                             f"{tick.type_name(j)} within one {SPREAD_NAMES[spread]}")
+        n_victims = len(shrink_in[1]) if shrink_in is not None else len(np.unique(actions["job"][rows]))
+        if tick.victims_used + n_victims > settings.max_preemptions_per_tick:
             return self._explain(tick, j, REASON_BUDGET_SPENT,
                                  f"making room needs more victims than the per-tick budget of "
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
-        done = self._apply(tick, j, actions, rows, region, need, scope)
+        if shrink_in is not None:
+            region, victims, level, entity = shrink_in
+            done = self._apply_shrinks_in(tick, j, victims, level, entity, need)
+        else:
+            done = self._apply(tick, j, actions, rows, region, need, scope)
         placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
@@ -133,11 +146,13 @@ class SlaPreemption:
                                  "preemption frees room in the region but not within one "
                                  + ("node", "rack", "cluster", "region")[int(jobs.max_spread[j])])
         tick.give(j, placement.devices)
+        starts_at, note = tick.releasing_note(placement.devices)
         tick.decisions.append(Start(
             job=j, job_id=int(jobs.ids[j]), devices=tuple(placement.devices.tolist()),
             code=REASON_PLACED_BY_PREEMPTION,
             reason=(f"{len(placement)} {tick.type_name(j)} in {snap.region_names[region]} after "
-                    + ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else ""))))
+                    + ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
+                    + note), starts_at=starts_at))
         tick.waiting.pop(j, None)
         return True
 
@@ -290,6 +305,87 @@ class SlaPreemption:
         chosen = int(entity[best])
         return int(state.entity_region[level][chosen]), list(range(victims.size)), actions, (level, chosen)
 
+    def _shrink_in_one(self, tick, j: int, need: int, level: int):
+        """Returns (region, victims, level, entity) where shrinking elastic victims alone frees
+        `need` devices within one node / rack / cluster of `level`, or None.
+
+        Victims are those `_actions` would shrink (lower tier, not reclaimed borrowers, no
+        approval needed); each gives at most min(its devices there, what it can shrink by).
+        The entity needing the fewest shrinks, then the fewest devices taken, then the lowest
+        index wins; victims are listed biggest release there first (`victims` are rows of the
+        by-cost candidate table).
+        """
+        jobs, state = tick.snapshot.jobs, tick.state
+        k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
+        by_cost, _ = self._candidates(tick, k)
+        shrinkable = (~tick.touched[by_cost["job"]] & (by_cost["tier"] > tier)
+                      & ~(by_cost["borrower"] & (by_cost["team"] != team))
+                      & ~by_cost["needs_approval"] & (by_cost["shrink"] > 0))
+        if not shrinkable.any():
+            return None
+        devices = self._devices_by_entity(tick, k, level)
+        keep = shrinkable[devices["row"]]
+        if not keep.any():
+            return None
+        entity, row, first = devices["entity"][keep], devices["row"][keep], devices["first"][keep]
+        starts = np.flatnonzero(first)  # one group per (entity, victim)
+        g_entity, g_row = entity[starts], row[starts]
+        g_release = np.minimum(np.diff(np.r_[starts, entity.size]), by_cost["shrink"][g_row])
+        order = np.lexsort((g_row, -g_release, g_entity))
+        g_entity, g_row, g_release = g_entity[order], g_row[order], g_release[order]
+        g_first = np.r_[True, g_entity[1:] != g_entity[:-1]]
+        start = np.maximum.accumulate(np.where(g_first, np.arange(g_entity.size), 0))
+        total = np.cumsum(g_release)
+        within = total - np.where(start > 0, total[start - 1], 0)
+        free = state.free_count[level][g_entity, k]
+        reached = free + within >= need
+        if not reached.any():
+            return None
+        hit = np.flatnonzero(reached)
+        hit_entity, first_hit = np.unique(g_entity[hit], return_index=True)
+        ends = hit[first_hit]
+        n_shrinks = ends - start[ends] + 1
+        best = int(ends[np.lexsort((hit_entity, within[ends], n_shrinks))[0]])
+        chosen = int(g_entity[best])
+        victims = g_row[int(start[best]):best + 1].tolist()
+        return int(state.entity_region[level][chosen]), victims, level, chosen
+
+    def _apply_shrinks_in(self, tick, j: int, victims: list, level: int, entity: int, need: int) -> list:
+        """Shrinks the victims (rows of the by-cost table) in order, giving up their devices in
+        the entity first, until `need` devices are free there. Returns one phrase per victim."""
+        jobs, state = tick.snapshot.jobs, tick.state
+        k = int(jobs.type_id[j])
+        by_cost, _ = self._candidates(tick, k)
+        done = []
+        for r in victims:
+            missing = need - int(state.free_count[level][entity, k])
+            if missing <= 0:
+                break
+            v = int(by_cost["job"][r])
+            devices = state.job_devices(v)
+            inside = (state.node_entity[level][state.node[devices]] == entity) & state.usable[devices]
+            have, n_inside = devices.size, int(inside.sum())
+            smaller = [c for c in jobs.allowed_counts(v) if c < have]
+            enough = [c for c in smaller if min(n_inside, have - c) >= missing]
+            keep_count = max(enough) if enough else min(smaller)
+            done.append(self._shrink(tick, j, v, keep_count, give_first=inside))
+        return done
+
+    def _shrink(self, tick, j: int, v: int, keep_count: int, give_first=None) -> str:
+        """Shrinks victim v to keep_count devices for job j (a Resize); returns the phrase for
+        j's reason. `give_first` (bool per device of v) marks devices to give up first."""
+        jobs = tick.snapshot.jobs
+        devices = tick.state.job_devices(v)
+        have = devices.size
+        keep = self._keep_after_shrink(tick, v, keep_count, give_first)
+        tick.take(v, np.setdiff1d(devices, keep))
+        tick.decisions.append(Resize(
+            job=v, job_id=int(jobs.ids[v]), devices=tuple(keep.tolist()), code=REASON_SHRUNK,
+            reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}",
+            for_job=j, for_job_id=int(jobs.ids[j])))
+        tick.victims_used += 1
+        return f"shrinking {tick.job_label(v)} to {keep.size}"
+
     def _choose(self, tick, j: int, actions: dict, need: int, with_approval: bool):
         """Returns (region, action rows in order) of the cheapest way to free `need`, or None.
 
@@ -349,14 +445,7 @@ class SlaPreemption:
                 smaller = [c for c in jobs.allowed_counts(v) if c < have]
                 enough = [c for c in smaller if have - c >= missing]
                 keep_count = max(enough) if enough else min(smaller)
-                keep = self._keep_after_shrink(tick, v, keep_count)
-                tick.take(v, np.setdiff1d(devices, keep))
-                tick.decisions.append(Resize(
-                    job=v, job_id=int(jobs.ids[v]), devices=tuple(keep.tolist()), code=REASON_SHRUNK,
-                    reason=f"shrunk from {have} to {keep.size} devices for {tick.job_label(j)}",
-                    for_job=j, for_job_id=int(jobs.ids[j])))
-                tick.victims_used += 1
-                done.append(f"shrinking {tick.job_label(v)} to {keep.size}")
+                done.append(self._shrink(tick, j, v, keep_count))
             elif group != GROUP_SHRINK:
                 tick.take(v, devices)
                 code = REASON_RECLAIMED if group == GROUP_RECLAIM else REASON_PREEMPTED
@@ -375,12 +464,16 @@ class SlaPreemption:
         return done
 
     @staticmethod
-    def _keep_after_shrink(tick, v: int, keep_count: int) -> np.ndarray:
-        """Returns the devices job v keeps: those on the nodes where it has the most devices."""
+    def _keep_after_shrink(tick, v: int, keep_count: int, give_first=None) -> np.ndarray:
+        """Returns the devices job v keeps: those not marked `give_first` (bool per device),
+        then those on the nodes where it has the most devices."""
         devices = tick.state.job_devices(v)
         nodes = tick.state.node[devices]
         per_node = np.bincount(nodes)[nodes]
-        order = np.lexsort((devices, -per_node))
+        if give_first is None:
+            order = np.lexsort((devices, -per_node))
+        else:
+            order = np.lexsort((devices, -per_node, give_first))
         return np.sort(devices[order[:keep_count]])
 
     def _ask_approval(self, tick, j: int, actions: dict, chosen) -> bool:

@@ -6,7 +6,10 @@ they hold) grow to their largest allowed count that fits, in line order (tier, f
 age), near their current devices: same nodes first, then the tightest free spot in their region
 (never another region). Growing past the team's quota is borrowing and is said so; borrowed
 devices are the first to be reclaimed. Jobs shrunk or moved in this tick are not grown back
-in the same tick (no flapping).
+in the same tick, and a job resized (grown or shrunk) less than
+PolicySettings.min_resize_interval_seconds ago is not grown again (no flapping: every resize
+pauses the job for a cut and moves rank state). A shrink for a higher tier is not held back
+by that interval: its alternative is a preemption or a higher tier waiting.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ class GrowIntoIdle:
         free_by_type = state.free_count[3].sum(axis=0)
         if not free_by_type.any():
             return
+        settled = snap.now - jobs.last_resize_time >= snap.settings.min_resize_interval_seconds
         elastic = np.flatnonzero((state.alloc > 0) & (state.alloc < jobs.world_size) & ~tick.touched
-                                 & (free_by_type[jobs.type_id] > 0))
+                                 & (free_by_type[jobs.type_id] > 0) & settled)
         if elastic.size == 0:
             return
         allow_borrowing = snap.settings.allow_borrowing

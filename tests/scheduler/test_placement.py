@@ -105,3 +105,41 @@ def test_a_type_with_no_devices_says_so():
             .types("H100-80GB", "MI300X").job(make_job("g").type("MI300X")).build())
     _, plan = starts(snap)
     assert plan.waiting[0].reason.startswith("no usable MI300X in the fleet")
+
+
+# --- devices still being released (Accelerators.releasing_until) -------------------------
+RELEASING_CASES = [
+    # (releasing devices, until, ranks, expected nodes, expected starts_at - NOW)
+    pytest.param((0, 1, 2, 3), 90.0, 2, [1], 0.0, id="free-now-devices-first"),
+    pytest.param((0, 1, 2, 3), -5.0, 2, [0], 0.0, id="released-in-the-past-is-free-now"),
+    pytest.param((0, 1, 2, 3, 4, 5, 6, 7), 90.0, 2, [0], 90.0, id="only-releasing-room-starts-after-it"),
+    pytest.param((0, 1, 2, 3), 90.0, 8, [0, 1], 90.0, id="a-gang-that-needs-them-waits-for-them"),
+]
+
+
+@pytest.mark.parametrize("releasing, until, ranks, want_nodes, want_delay", RELEASING_CASES)
+def test_devices_still_being_released_are_used_last_and_delay_the_start(releasing, until, ranks,
+                                                                         want_nodes, want_delay):
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(1000.0)
+            .releasing(*releasing, until=1000.0 + until).job(make_job("g").ranks(ranks)).build())
+    got, _ = starts(snap)
+    assert nodes_of(snap, got["g"].devices) == want_nodes
+    assert got["g"].starts_at == 1000.0 + want_delay
+    assert ("starting after the previous holder's checkpoint, in 90 s" in got["g"].reason) == (want_delay > 0)
+
+
+def test_releasing_devices_are_taken_before_preempting_and_never_grown_into():
+    from scheduler import BASIC, Preempt, Resize
+    # node of 4: a Basic job holds 0-1; 2-3 are still being released by an earlier victim
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(1000.0)
+            .releasing(2, 3, until=1030.0)
+            .job(make_job("basic").tier(BASIC).ranks(2).running(2).started(0.0))
+            .job(make_job("premium").tier(PREMIUM).ranks(2)).build())
+    got, plan = starts(snap)
+    assert got["premium"].devices == (2, 3) and got["premium"].starts_at == 1030.0
+    assert not plan.of_kind(Preempt)
+    # an elastic job does not grow into devices that are not free yet (it would pause for them)
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(1000.0)
+            .releasing(2, 3, until=1030.0)
+            .job(make_job("e").tier(BASIC).ranks(4).elastic(1).running(2).started(0.0)).build())
+    assert not scheduler.schedule(snap).of_kind(Resize)

@@ -174,6 +174,8 @@ def check_tick(snap, plan):
         if not s.allow_borrowing:
             continue  # quota may block even with idle devices
         need = min(allowed_counts(int(jobs.world_size[j]), int(jobs.min_devices[j])))
+        if jobs.tier[j] in s.full_size_tiers:
+            need = int(jobs.world_size[j])  # its tier starts only at W
         per_region = np.bincount(acc.region[free & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
         assert per_region.max(initial=0) < need, f"job {j} waits ({w.reason}) with {per_region} free"
     return after

@@ -182,3 +182,34 @@ def test_lost_nodes_free_nothing_and_their_devices_stay_unused():
     plan = plan_of(snap)
     used = np.concatenate([np.asarray(d.devices) for d in plan.decisions if hasattr(d, "devices")])
     assert not set(used.tolist()) & {0, 1}
+
+
+# --- resize churn: PolicySettings.min_resize_interval_seconds ------------------------------
+CHURN_CASES = [
+    pytest.param(None, 600.0, 8, id="never-resized-grows"),
+    pytest.param(NOW - 60, 600.0, 2, id="resized-a-minute-ago-does-not-grow"),
+    pytest.param(NOW - 599, 600.0, 2, id="just-inside-the-interval-does-not-grow"),
+    pytest.param(NOW - 600, 600.0, 8, id="after-the-interval-grows"),
+    pytest.param(NOW - 60, 0.0, 8, id="interval-zero-grows-at-once"),
+]
+
+
+@pytest.mark.parametrize("resized_at, interval, expected", CHURN_CASES)
+def test_a_job_is_not_grown_again_within_the_resize_interval(resized_at, interval, expected):
+    job = make_job("e").ranks(8).elastic(1).running(2).started(0.0)
+    if resized_at is not None:
+        job.resized(resized_at)
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=8)).now(NOW)
+            .settings(min_resize_interval_seconds=interval).job(job).build())
+    grown = by_name(snap, plan_of(snap), Resize)
+    assert (len(grown["e"].devices) if "e" in grown else 2) == expected
+
+
+def test_a_shrink_for_a_higher_tier_is_not_held_back_and_apply_records_the_resize():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(NOW)
+            .job(make_job("e").tier(BASIC).ranks(4).elastic(1).running(4).started(0.0).resized(NOW - 60))
+            .job(make_job("p").tier(PREMIUM).ranks(2)).build())
+    plan = plan_of(snap)
+    assert len(by_name(snap, plan, Resize)["e"].devices) == 2
+    after = scheduler.apply_plan(snap, plan, NOW + 1)
+    assert after.jobs.last_resize_time[0] == NOW + 1

@@ -38,8 +38,12 @@ def test_an_elastic_job_shrinks_for_a_standard_job_and_grows_back_when_it_leaves
             .job(make_job("std").tier(STANDARD).ranks(4)).build())
     plans, after = run(snap, 1)
     assert [(d.kind, len(d.devices)) for d in plans[0].decisions] == [("resize", 4), ("start", 4)]
-    # the Standard job ends; the elastic job grows back to W on the next tick
-    plans, final = run(after.without_jobs([1]), 1)
+    # the Standard job ends; the elastic job grows back to W once min_resize_interval_seconds
+    # has passed since its shrink (not on the very next tick: no grow/shrink flapping)
+    plans, later = run(after.without_jobs([1]), 1)
+    assert plans[0].decisions == ()
+    interval = snap.settings.min_resize_interval_seconds
+    plans, final = run(later.replace(now=10_000.0 + TICK + interval), 1)
     assert [(d.kind, len(d.devices)) for d in plans[0].decisions] == [("resize", 8)]
     assert final.allocation_counts().tolist() == [8]
 

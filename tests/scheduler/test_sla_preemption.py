@@ -238,3 +238,58 @@ def test_a_job_pinned_to_a_rack_never_takes_victims_across_racks():
     got, plan = outcome(snap)
     assert got["preempt"] == [] and got["start"] == []  # a and c would free 4, but in two racks
     assert "preempting could not free 4 H100-80GB within one rack" in plan.wait_reason(4).reason
+
+
+# --- a preemptor pinned to one node / rack shrinks elastic victims there before preempting ----
+def two_nodes():
+    """eu: 1 rack of 2 nodes x 4 devices (node 0: devices 0-3, node 1: devices 4-7)."""
+    return make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(NOW)
+
+
+PINNED_CASES = [
+    pytest.param(
+        [old(make_job("elastic").ranks(4).elastic(1).running(4, node=0).checkpoint(NOW - 3000)),
+         old(make_job("rigid").ranks(4).running(4, node=1).checkpoint(NOW - 1))],
+        make_job("premium").tier(PREMIUM).ranks(2).spread(SPREAD_NODE),
+        {"start": ["premium"], "shrink": ["elastic"]}, [0, 1, 2, 3], id="node-spread-shrinks-not-preempts"),
+    pytest.param(
+        [old(make_job("elastic").ranks(4).elastic(1).running(4, node=0).checkpoint(NOW - 3000)),
+         old(make_job("rigid").ranks(4).running(4, node=1).checkpoint(NOW - 1))],
+        make_job("premium").tier(PREMIUM).ranks(1).spread(SPREAD_NODE),
+        {"start": ["premium"], "shrink": ["elastic"]}, [0, 1, 2, 3], id="w1-node-spread-shrinks-not-preempts"),
+    pytest.param(
+        [old(make_job("elastic").ranks(4).elastic(1).running(4, node=0).checkpoint(NOW - 3000)),
+         old(make_job("rigid").ranks(4).running(4, node=1).checkpoint(NOW - 1))],
+        make_job("premium").tier(PREMIUM).ranks(2).spread(SPREAD_RACK),
+        {"start": ["premium"], "shrink": ["elastic"]}, [0, 1, 2, 3], id="rack-spread-shrinks-not-preempts"),
+    pytest.param(
+        # the elastic job spans both nodes: it gives up its devices on node 0 and keeps node 1's
+        [old(make_job("elastic").ranks(4).elastic(2).on_devices(0, 1, 4, 5).checkpoint(NOW - 3000)),
+         old(make_job("rigid-a").ranks(2).on_devices(2, 3).checkpoint(NOW - 1)),
+         old(make_job("rigid-b").ranks(2).on_devices(6, 7).checkpoint(NOW - 1))],
+        make_job("premium").tier(PREMIUM).ranks(2).spread(SPREAD_NODE),
+        {"start": ["premium"], "shrink": ["elastic"]}, [0, 1], id="split-victim-frees-the-node-it-leaves"),
+    pytest.param(
+        # shrinking frees only 2 of the 4 needed on one node: preempting a whole job remains
+        [old(make_job("elastic").ranks(4).elastic(2).running(4, node=0).checkpoint(NOW - 3000)),
+         old(make_job("rigid").ranks(4).running(4, node=1).checkpoint(NOW - 1))],
+        make_job("premium").tier(PREMIUM).ranks(4).spread(SPREAD_NODE),
+        {"start": ["premium"], "preempt": ["rigid"]}, [4, 5, 6, 7], id="shrink-too-small-preempts"),
+]
+
+
+@pytest.mark.parametrize("running, job, expected, premium_node_devices", PINNED_CASES)
+def test_a_pinned_preemptor_shrinks_elastic_victims_on_its_node_first(running, job, expected,
+                                                                       premium_node_devices):
+    builder = two_nodes()
+    for r in running:
+        builder.job(r)
+    snap = builder.job(job).build()
+    got, plan = outcome(snap)
+    want = {"start": [], "preempt": [], "approval": [], "shrink": []}
+    want.update(expected)
+    assert got == want
+    start = plan.of_kind(Start)[0]
+    nodes = {int(snap.accelerators.node[d]) for d in start.devices}
+    assert len(nodes) <= (1 if snap.jobs.max_spread[start.job] == SPREAD_NODE else 2)
+    assert set(start.devices) <= set(premium_node_devices)

@@ -1,0 +1,56 @@
+"""Tier policy (PolicySettings.full_size_tiers): which tiers start only at their full world size W."""
+import pytest
+
+import scheduler
+from scheduler import BASIC, PREMIUM, STANDARD, Preempt, Start
+from scheduler.builders import make_fleet, make_job, make_snapshot
+
+NOW = 10_000.0
+DEFAULT = object()  # PolicySettings' own default: Premium only
+
+
+def half_busy(tier, full_size_tiers):
+    """One node of 4; a Premium job (never a victim) holds 2; an elastic job of W=4 (min 1) of
+    `tier` arrives: 2 devices are free, W is not."""
+    builder = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(NOW)
+               .job(make_job("holder").tier(PREMIUM).ranks(2).running(2).started(0.0))
+               .job(make_job("new").tier(tier).ranks(4).elastic(1)))
+    if full_size_tiers is not DEFAULT:
+        builder.settings(full_size_tiers=full_size_tiers)
+    return builder.build()
+
+
+TIER_CASES = [
+    pytest.param(PREMIUM, DEFAULT, None, id="premium-waits-for-W-by-default"),
+    pytest.param(STANDARD, DEFAULT, 2, id="standard-starts-shrunk-by-default"),
+    pytest.param(BASIC, DEFAULT, 2, id="basic-starts-shrunk-by-default"),
+    pytest.param(PREMIUM, (), 2, id="premium-starts-shrunk-when-no-tier-is-full-size"),
+    pytest.param(STANDARD, (PREMIUM, STANDARD), None, id="standard-waits-when-its-tier-is-full-size"),
+    pytest.param(BASIC, (PREMIUM, STANDARD), 2, id="basic-still-starts-shrunk"),
+]
+
+
+@pytest.mark.parametrize("tier, full_size_tiers, started_on", TIER_CASES)
+def test_which_tiers_start_only_at_full_size(tier, full_size_tiers, started_on):
+    snap = half_busy(tier, full_size_tiers)
+    plan = scheduler.schedule(snap)
+    scheduler.apply_plan(snap, plan, NOW + 1).validate()
+    starts = {snap.jobs.name(d.job): len(d.devices) for d in plan.of_kind(Start)}
+    assert starts.get("new") == started_on
+    if started_on is None:
+        assert "needs 4 H100-80GB" in plan.wait_reason(snap.jobs.names.index("new")).reason
+
+
+def test_a_full_size_premium_job_preempts_for_W_rather_than_starting_shrunk():
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(NOW)
+            .job(make_job("basic").tier(BASIC).ranks(2).running(2).started(0.0))
+            .job(make_job("premium").tier(PREMIUM).ranks(4).elastic(1)).build())
+    plan = scheduler.schedule(snap)
+    scheduler.apply_plan(snap, plan, NOW + 1).validate()
+    assert [snap.jobs.name(d.job) for d in plan.of_kind(Preempt)] == ["basic"]
+    assert [len(d.devices) for d in plan.of_kind(Start)] == [4]
+
+
+def test_an_unknown_tier_in_the_setting_is_refused():
+    with pytest.raises(scheduler.SnapshotError, match="unknown tier"):
+        scheduler.PolicySettings(full_size_tiers=(7,))
