@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from fleet.models import Accelerator, Cluster, Node, Region
+from fleet.models import Accelerator, Cluster, ClusterTelemetryBucket, Node, NodeTelemetryBucket, Region
 
 
 @admin.register(Region)
@@ -44,3 +44,35 @@ class AcceleratorAdmin(admin.ModelAdmin):
     raw_id_fields = ["node"]
     # 100k rows: don't count them on every page.
     show_full_result_count = False
+
+
+class TelemetryBucketAdmin(admin.ModelAdmin):
+    """Read-only: history is written by heartbeats and the rollup task only."""
+
+    list_filter = ["resolution", "accelerator_type"]
+    date_hierarchy = None
+    show_full_result_count = False  # millions of rows at scale
+    ordering = ["-bucket_start"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(NodeTelemetryBucket)
+class NodeTelemetryBucketAdmin(TelemetryBucketAdmin):
+    list_display = ["bucket_start", "resolution", "node", "accelerator_type", "heartbeats", "device_samples",
+                    "utilization_max"]
+    list_select_related = ["node"]
+    raw_id_fields = ["node"]
+    search_fields = ["node__hostname"]
+
+
+@admin.register(ClusterTelemetryBucket)
+class ClusterTelemetryBucketAdmin(TelemetryBucketAdmin):
+    list_display = ["bucket_start", "resolution", "cluster", "accelerator_type", "heartbeats", "device_samples",
+                    "utilization_max"]
+    list_select_related = ["cluster", "cluster__region"]
+    raw_id_fields = ["cluster"]

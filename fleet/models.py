@@ -5,7 +5,8 @@ and summaries aggregate in the database (see fleet/selectors.py), never per devi
 """
 import hashlib
 import hmac
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 from django.db import models
 from django.utils import timezone
@@ -111,3 +112,81 @@ class Accelerator(models.Model):
 
     def __str__(self):
         return f"{self.node_id}:{self.index} {self.type}"
+
+
+# --- telemetry history ------------------------------------------------------------------------
+#
+# Agents heartbeat every few seconds; history is kept as rollup rows, never as raw readings:
+#   NodeTelemetryBucket     per node and accelerator type; a heartbeat upserts the current
+#                           minute (one row write per heartbeat, whatever the device count)
+#   ClusterTelemetryBucket  per cluster and accelerator type, rolled up from the node minutes
+#                           by fleet.tasks.telemetry_rollup; fleet, region, cluster and type
+#                           charts read these, so they cost clusters × types rows per bucket
+# Every stat is a count, a sum or a maximum, so buckets merge exactly (an hour is the sum of
+# its minutes, a cluster the sum of its nodes) and means are sums / counts.
+
+
+class TelemetryResolution(models.IntegerChoices):
+    MINUTE = 60, "1 minute"
+    HOUR = 3600, "1 hour"
+
+
+# How long each kind of bucket is kept (fleet.services.telemetry_rollup deletes older ones).
+# Node rows are the bulky ones (nodes × buckets): minutes for a day of drill-down, hours for a
+# week. Cluster rows are few (clusters × types × buckets): minutes for two days, hours for a year.
+TELEMETRY_RETENTION = {
+    ("node", TelemetryResolution.MINUTE): timedelta(hours=24),
+    ("node", TelemetryResolution.HOUR): timedelta(days=7),
+    ("cluster", TelemetryResolution.MINUTE): timedelta(days=2),
+    ("cluster", TelemetryResolution.HOUR): timedelta(days=365),
+}
+
+
+def telemetry_bucket_start(moment, resolution):
+    """Returns the start of the `resolution`-second bucket holding `moment` (UTC, aligned to the epoch)."""
+    seconds = int(moment.timestamp()) // int(resolution) * int(resolution)
+    return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
+
+
+class TelemetryStats(models.Model):
+    """The mergeable telemetry of one time bucket."""
+
+    resolution = models.PositiveIntegerField(choices=TelemetryResolution.choices)
+    bucket_start = models.DateTimeField()
+    accelerator_type = models.CharField(max_length=32, choices=ACCELERATOR_TYPE_CHOICES)
+    heartbeats = models.PositiveIntegerField(default=0)
+    # Device readings folded in; utilization and memory means are the sums over this count.
+    device_samples = models.PositiveIntegerField(default=0)
+    utilization_sum = models.FloatField(default=0.0)
+    utilization_max = models.FloatField(default=0.0)
+    memory_used_gb_sum = models.FloatField(default=0.0)
+    memory_used_gb_max = models.FloatField(default=0.0)
+
+    class Meta:
+        abstract = True
+
+    @property
+    def utilization_mean(self):
+        return self.utilization_sum / self.device_samples if self.device_samples else None
+
+
+class NodeTelemetryBucket(TelemetryStats):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="telemetry_buckets", db_index=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["node", "resolution", "bucket_start", "accelerator_type"],
+                                    name="node_telemetry_bucket_unique")
+        ]
+        indexes = [models.Index(fields=["resolution", "bucket_start"], name="node_telemetry_bucket_time")]
+
+
+class ClusterTelemetryBucket(TelemetryStats):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="telemetry_buckets", db_index=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "resolution", "bucket_start", "accelerator_type"],
+                                    name="cluster_telemetry_bucket_unique")
+        ]
+        indexes = [models.Index(fields=["resolution", "bucket_start"], name="cluster_telemetry_bucket_time")]

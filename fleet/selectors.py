@@ -1,9 +1,19 @@
 """Selectors: reads of the fleet. Everything here aggregates in the database; nothing
 loops over devices in Python, so a 100k-accelerator fleet costs a few queries."""
-from django.db.models import Avg, Count, OuterRef, Q, Subquery
+from datetime import timedelta
+
+from django.db.models import Avg, Count, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
-from fleet.models import Accelerator, Node, node_token_hash
+from fleet.models import (
+    Accelerator,
+    ClusterTelemetryBucket,
+    Node,
+    NodeTelemetryBucket,
+    TelemetryResolution,
+    node_token_hash,
+    telemetry_bucket_start,
+)
 
 # "Allocated" = some job replica points at the device. The relation is declared by
 # jobs.Replica (related_name="replicas"); fleet reads it by name and never imports jobs.
@@ -137,3 +147,89 @@ def fleet_summary():
         "nodes_by_state": nodes_by_state,
     }
     return {"totals": totals, "by_type": types, "clusters": clusters}
+
+
+# --- telemetry history ---------------------------------------------------------------------------
+
+# Where a series of each scope reads, coarsest first: the rollups the beat task has written,
+# then the finer rows it has not rolled up yet (the live edge).
+_SERIES_LAYERS = {
+    "node": ((NodeTelemetryBucket, TelemetryResolution.HOUR), (NodeTelemetryBucket, TelemetryResolution.MINUTE)),
+    "cluster": ((ClusterTelemetryBucket, TelemetryResolution.HOUR), (ClusterTelemetryBucket, TelemetryResolution.MINUTE),
+                (NodeTelemetryBucket, TelemetryResolution.MINUTE)),
+}
+
+
+def _scope_filter(model, *, node_id, cluster_id, region, accelerator_type):
+    via_node = "" if model is ClusterTelemetryBucket else "node__"
+    scope = Q()
+    if node_id is not None:
+        scope &= Q(node_id=node_id)
+    if cluster_id is not None:
+        scope &= Q(**{f"{via_node}cluster_id": cluster_id})
+    if region:
+        scope &= Q(**{f"{via_node}cluster__region__name": region})
+    if accelerator_type:
+        scope &= Q(accelerator_type=accelerator_type)
+    return scope
+
+
+def telemetry_series(*, since, until, resolution, node_id=None, cluster_id=None, region=None, accelerator_type=None):
+    """Returns the utilization and memory history of a scope as points ordered by time:
+    [{"t": bucket start, "utilization_mean", "utilization_max", "memory_used_gb_mean",
+      "memory_used_gb_max", "device_samples"}], one per `resolution`-second bucket in
+    [since, until) that has readings (buckets without any are absent, not zero).
+
+    Scope: one node (`node_id`), or devices of a cluster (id), a region (name), an accelerator
+    type, or any combination; none of them = the whole fleet. Means are over device readings
+    (each device's reading counts once per heartbeat); maxima are of single device readings.
+
+    Reads the rollups (cluster rows for every scope but a node, so a fleet-wide day costs
+    clusters × types rows per bucket, not nodes × ...) and folds in the finer rows not yet
+    rolled up, so the newest bucket is live. A few queries, whatever the fleet size.
+    """
+    since = telemetry_bucket_start(since, resolution)
+    layers = [(m, r) for m, r in _SERIES_LAYERS["node" if node_id is not None else "cluster"] if r <= resolution]
+    points = {}
+    covered_until = since
+    for position, (model, layer_resolution) in enumerate(layers):
+        rows = model.objects.filter(resolution=layer_resolution)
+        last_layer = position == len(layers) - 1
+        if not last_layer:
+            # Where this layer's rollups end (across the fleet): the next layer takes over from there.
+            newest = rows.aggregate(m=Max("bucket_start"))["m"]
+        window_rows = (
+            rows.filter(_scope_filter(model, node_id=node_id, cluster_id=cluster_id, region=region,
+                                      accelerator_type=accelerator_type),
+                        bucket_start__gte=covered_until, bucket_start__lt=until)
+            .order_by()
+            .values("bucket_start")
+            .annotate(device_samples=Sum("device_samples"), utilization_sum=Sum("utilization_sum"),
+                      utilization_max=Max("utilization_max"), memory_used_gb_sum=Sum("memory_used_gb_sum"),
+                      memory_used_gb_max=Max("memory_used_gb_max"))
+        )
+        for row in window_rows:
+            point = points.setdefault(telemetry_bucket_start(row["bucket_start"], resolution),
+                                      {"device_samples": 0, "utilization_sum": 0.0, "utilization_max": 0.0,
+                                       "memory_used_gb_sum": 0.0, "memory_used_gb_max": 0.0})
+            point["device_samples"] += row["device_samples"] or 0
+            point["utilization_sum"] += row["utilization_sum"] or 0.0
+            point["memory_used_gb_sum"] += row["memory_used_gb_sum"] or 0.0
+            point["utilization_max"] = max(point["utilization_max"], row["utilization_max"] or 0.0)
+            point["memory_used_gb_max"] = max(point["memory_used_gb_max"], row["memory_used_gb_max"] or 0.0)
+        if not last_layer and newest is not None:
+            covered_until = max(covered_until, newest + timedelta(seconds=int(layer_resolution)))
+    series = []
+    for start in sorted(points):
+        p = points[start]
+        if not p["device_samples"]:
+            continue
+        series.append({
+            "t": start,
+            "utilization_mean": round(p["utilization_sum"] / p["device_samples"], 4),
+            "utilization_max": round(p["utilization_max"], 4),
+            "memory_used_gb_mean": round(p["memory_used_gb_sum"] / p["device_samples"], 3),
+            "memory_used_gb_max": round(p["memory_used_gb_max"], 3),
+            "device_samples": p["device_samples"],
+        })
+    return series

@@ -1,14 +1,32 @@
 """Services that write the fleet: loading a described fleet, generating a synthetic
-planet-scale one, issuing node agent tokens."""
+planet-scale one, issuing node agent tokens, recording heartbeats and their telemetry
+history, rolling that history up and pruning it."""
+import itertools
+import math
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import timedelta
+from datetime import timezone as dt_timezone
 
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
+from django.db.models import Max, Min, Sum
+from django.db.models.functions import Trunc
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
-from fleet.models import Accelerator, Cluster, Node, Region, node_token_hash
+from fleet.models import (
+    TELEMETRY_RETENTION,
+    Accelerator,
+    Cluster,
+    ClusterTelemetryBucket,
+    Node,
+    NodeTelemetryBucket,
+    Region,
+    TelemetryResolution,
+    node_token_hash,
+    telemetry_bucket_start,
+)
 
 BULK_BATCH_SIZE = 5000
 ANALYZE_AFTER_ROWS = 10_000
@@ -55,25 +73,193 @@ def node_token_revoke(*, node):
 
 
 def node_heartbeat_record(*, node, telemetry, now):
-    """Records one heartbeat of `node`: its last-seen time, a lost node back to ready, and the
-    node's and each device's latest utilization and memory from `telemetry` ({"utilization",
-    "devices": [{"index", "utilization", "memory_used_gb"}]}; unknown indices are ignored).
-    Call it inside the transaction that applies the rest of the agent's report."""
+    """Records one heartbeat of `node`: its last-seen time, a lost node back to ready, the node's
+    and each device's latest utilization and memory from `telemetry` ({"utilization",
+    "devices": [{"index", "utilization", "memory_used_gb"}]}; unknown indices and readings that
+    are not numbers are ignored), and the readings folded into the node's current minute of
+    history (NodeTelemetryBucket). Call it inside the transaction that applies the rest of the
+    agent's report.
+
+    Three statements whatever the device count: the node, the devices (one UPDATE that also
+    returns their types), the history bucket (one upsert per accelerator type on the node).
+    """
     node_changes = {"last_heartbeat": now}
     if node.state == Node.State.LOST:
         node_changes["state"] = Node.State.READY  # back from the dead: its old jobs moved on
     if "utilization" in telemetry:
-        node_changes.update(utilization=telemetry.get("utilization"), telemetry_at=now)
+        node_changes.update(utilization=_reading(telemetry.get("utilization")), telemetry_at=now)
     Node.objects.filter(pk=node.pk).update(**node_changes)
-    per_device = telemetry.get("devices") or []
-    if per_device:
-        by_index = {int(d["index"]): d for d in per_device if "index" in d}
-        accelerators = list(Accelerator.objects.filter(node_id=node.pk, index__in=list(by_index)))
-        for acc in accelerators:
-            sample = by_index[acc.index]
-            acc.utilization = sample.get("utilization")
-            acc.memory_used_gb = sample.get("memory_used_gb")
-        Accelerator.objects.bulk_update(accelerators, ["utilization", "memory_used_gb"])
+    readings = _device_readings(telemetry.get("devices"))
+    if readings:
+        written = _accelerator_readings_write(node_id=node.pk, readings=readings)
+        _node_bucket_add(node_id=node.pk, written=written, now=now)
+
+
+def _reading(value):
+    """Returns `value` as a finite float, or None for anything else (a missing or garbled reading)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _device_readings(devices):
+    """Returns {index: (utilization, memory_used_gb)} of the well-formed per-device readings."""
+    readings = {}
+    for device in devices if isinstance(devices, list) else []:
+        index = device.get("index") if isinstance(device, dict) else None
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**15:
+            continue
+        readings[index] = (_reading(device.get("utilization")), _reading(device.get("memory_used_gb")))
+    return readings
+
+
+def _accelerator_readings_write(*, node_id, readings):
+    """Writes the latest readings onto the node's Accelerator rows in one UPDATE ... FROM ...
+    RETURNING (PostgreSQL, SQLite >= 3.35); returns [(type, utilization, memory_used_gb)] of the
+    devices it matched. The CASTs type the VALUES list (PostgreSQL reads bare parameters as text)."""
+    table = Accelerator._meta.db_table
+    index = connection.ops.quote_name("index")
+    values = ", ".join(["(CAST(%s AS INTEGER), CAST(%s AS DOUBLE PRECISION), CAST(%s AS DOUBLE PRECISION))"]
+                       * len(readings))
+    params = [x for i, (u, m) in readings.items() for x in (i, u, m)]
+    sql = (f"WITH reading(idx, utilization, memory_used_gb) AS (VALUES {values}) "
+           f"UPDATE {table} SET utilization = reading.utilization, memory_used_gb = reading.memory_used_gb "
+           f"FROM reading WHERE {table}.node_id = %s AND {table}.{index} = reading.idx "
+           f"RETURNING {table}.type, {table}.utilization, {table}.memory_used_gb")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params + [node_id])
+        return cursor.fetchall()
+
+
+TELEMETRY_STAT_FIELDS = ("heartbeats", "device_samples", "utilization_sum", "utilization_max",
+                         "memory_used_gb_sum", "memory_used_gb_max")
+_MAX_FIELDS = ("utilization_max", "memory_used_gb_max")
+
+
+def _node_bucket_add(*, node_id, written, now):
+    """Folds one heartbeat's device readings into the node's current minute, one row per
+    accelerator type, in one INSERT ... ON CONFLICT DO UPDATE (adds counts and sums, keeps maxima).
+    A device without a utilization reading is left out of the history."""
+    per_type = {}
+    for type_name, utilization, memory in written:
+        if utilization is None:
+            continue
+        stats = per_type.setdefault(type_name, [0, 0.0, 0.0, 0.0, 0.0])
+        stats[0] += 1
+        stats[1] += utilization
+        stats[2] = max(stats[2], utilization)
+        stats[3] += memory or 0.0
+        stats[4] = max(stats[4], memory or 0.0)
+    if not per_type:
+        return
+    table = NodeTelemetryBucket._meta.db_table
+    start = connection.ops.adapt_datetimefield_value(telemetry_bucket_start(now, TelemetryResolution.MINUTE))
+    key = ("node_id", "resolution", "bucket_start", "accelerator_type")
+    greatest = "GREATEST" if connection.vendor == "postgresql" else "MAX"  # SQLite's MAX(a, b) is scalar
+    updates = ", ".join(
+        f"{f} = {greatest}({table}.{f}, excluded.{f})" if f in _MAX_FIELDS else f"{f} = {table}.{f} + excluded.{f}"
+        for f in TELEMETRY_STAT_FIELDS
+    )
+    rows = ", ".join(["(%s, %s, %s, %s, 1, %s, %s, %s, %s, %s)"] * len(per_type))
+    params = [x for type_name, stats in per_type.items()
+              for x in (node_id, TelemetryResolution.MINUTE, start, type_name, *stats)]
+    sql = (f"INSERT INTO {table} ({', '.join(key + TELEMETRY_STAT_FIELDS)}) VALUES {rows} "
+           f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+
+
+# --- telemetry history: rollups and retention ------------------------------------------------------
+
+# A heartbeat stamped just before a bucket's end may commit a moment after it: a bucket is
+# rolled up only once it ended this long ago (and the newest rolled bucket is recomputed on
+# the next run, so a straggler is still counted).
+TELEMETRY_ROLLUP_GRACE = timedelta(seconds=20)
+TELEMETRY_DELETE_BATCH = 5000
+_TRUNC_KIND = {TelemetryResolution.MINUTE: "minute", TelemetryResolution.HOUR: "hour"}
+
+# (source model, target model, the target's key field, source key expression, target resolution)
+TELEMETRY_ROLLUPS = (
+    (NodeTelemetryBucket, ClusterTelemetryBucket, "cluster", "node__cluster_id", TelemetryResolution.MINUTE),
+    (NodeTelemetryBucket, NodeTelemetryBucket, "node", "node_id", TelemetryResolution.HOUR),
+    (ClusterTelemetryBucket, ClusterTelemetryBucket, "cluster", "cluster_id", TelemetryResolution.HOUR),
+)
+
+
+@dataclass(frozen=True)
+class TelemetryRollupResult:
+    written: dict  # "<source>→<target>/<resolution>" -> rows upserted
+    deleted: dict  # "<model>/<resolution>" -> rows deleted
+    seconds: float
+
+
+def telemetry_rollup(*, now, batch_size=TELEMETRY_DELETE_BATCH):
+    """Rolls node minutes up into cluster minutes, node hours and cluster hours, then deletes
+    buckets older than TELEMETRY_RETENTION; returns a TelemetryRollupResult.
+
+    Run it every minute (Celery beat: fleet.tasks.telemetry_rollup). Idempotent and safe to
+    run twice at once: a rolled bucket is recomputed from its sources and replaced, never added
+    to. Only buckets that ended TELEMETRY_ROLLUP_GRACE before `now` are rolled; after an outage
+    it catches up on everything its sources still hold. Deletes go in batches of `batch_size`
+    rows so no statement holds locks on millions of rows.
+    """
+    started = time.perf_counter()
+    written = {}
+    for source, target, target_key, source_key, resolution in TELEMETRY_ROLLUPS:
+        label = f"{source.__name__}→{target.__name__}/{resolution}"
+        written[label] = _telemetry_rollup_step(source=source, target=target, target_key=target_key,
+                                                source_key=source_key, resolution=resolution, now=now,
+                                                batch_size=batch_size)
+    deleted = {}
+    for (level, resolution), keep in TELEMETRY_RETENTION.items():
+        model = NodeTelemetryBucket if level == "node" else ClusterTelemetryBucket
+        expired = model.objects.filter(resolution=resolution, bucket_start__lt=now - keep)
+        count = 0
+        while True:
+            ids = list(expired.order_by().values_list("id", flat=True)[:batch_size])
+            if not ids:
+                break
+            count += model.objects.filter(pk__in=ids).delete()[0]
+        deleted[f"{model.__name__}/{resolution}"] = count
+    return TelemetryRollupResult(written=written, deleted=deleted, seconds=time.perf_counter() - started)
+
+
+def _telemetry_rollup_step(*, source, target, target_key, source_key, resolution, now, batch_size):
+    """Rolls the minute buckets of `source` into `resolution` buckets of `target` from the newest
+    target bucket (recomputed) to the last complete one; returns the rows upserted."""
+    fine = source.objects.filter(resolution=TelemetryResolution.MINUTE)
+    end = telemetry_bucket_start(now - TELEMETRY_ROLLUP_GRACE, resolution)
+    newest = target.objects.filter(resolution=resolution).aggregate(m=Max("bucket_start"))["m"]
+    if newest is None:
+        oldest = fine.aggregate(m=Min("bucket_start"))["m"]
+        if oldest is None:
+            return 0
+        newest = telemetry_bucket_start(oldest, resolution)
+    if newest >= end:
+        return 0
+    rows = (
+        fine.filter(bucket_start__gte=newest, bucket_start__lt=end)
+        .annotate(rolled_start=Trunc("bucket_start", _TRUNC_KIND[resolution], tzinfo=dt_timezone.utc))
+        .order_by()
+        .values(source_key, "rolled_start", "accelerator_type")
+        .annotate(
+            s_heartbeats=Sum("heartbeats"), s_device_samples=Sum("device_samples"),
+            s_utilization_sum=Sum("utilization_sum"), s_utilization_max=Max("utilization_max"),
+            s_memory_used_gb_sum=Sum("memory_used_gb_sum"), s_memory_used_gb_max=Max("memory_used_gb_max"),
+        )
+    )
+    buckets = (
+        target(**{f"{target_key}_id": row[source_key]}, resolution=resolution, bucket_start=row["rolled_start"],
+               accelerator_type=row["accelerator_type"], **{f: row[f"s_{f}"] for f in TELEMETRY_STAT_FIELDS})
+        for row in rows.iterator(chunk_size=batch_size)
+    )
+    count = 0
+    for chunk in iter(lambda: list(itertools.islice(buckets, batch_size)), []):
+        target.objects.bulk_create(
+            chunk, update_conflicts=True, unique_fields=[target_key, "resolution", "bucket_start", "accelerator_type"],
+            update_fields=list(TELEMETRY_STAT_FIELDS))
+        count += len(chunk)
+    return count
 
 
 def _fail(path, message):
