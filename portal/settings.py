@@ -179,6 +179,8 @@ CELERY_BEAT_SCHEDULE = {
                    "schedule": max(1.0, float(os.environ.get("MERIDIAN_ACCOUNTING_SECONDS") or 10.0))},
     # Checkpoint rows beyond the newest few per job (the store keeps only those).
     "records-retention": {"task": "jobs.tasks.records_retention", "schedule": 600.0},
+    # Telemetry history: node minutes → cluster minutes and hours, retention (fleet.services).
+    "telemetry-rollup": {"task": "fleet.tasks.telemetry_rollup", "schedule": 60.0, "options": {"expires": 60.0}},
 }
 
 CHANNEL_LAYERS = {
