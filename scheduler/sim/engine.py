@@ -101,6 +101,7 @@ class Engine:
         self.first_start = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.last_start = np.full(n, -np.inf)
+        self.last_resize = np.full(n, -np.inf)  # when its device count last changed
         self.queued_since = np.zeros(n)
         self.wait_total = np.zeros(n)
         self.attained = np.zeros(n)           # device-seconds held (Tiresias' service)
@@ -455,6 +456,7 @@ class Engine:
             moved = np.setdiff1d(devs, old, assume_unique=True).shape[0]
             cost = self.costs.resize_s(gb, moved / devs.shape[0]) if moved else self.costs.resize_s(gb, 0.0)
             self.n_resize[j] += 1
+            self.last_resize[j] = self.now
         released_busy_until = self.now + self.costs.checkpoint_s(gb)
         co = self._release(j, released_busy_until)
         ready = max(self.now + cost, float(self.free_at[devs].max()))

@@ -11,7 +11,8 @@ Translation (engine -> Snapshot):
 - jobs: the pending and running jobs, in job-id order; `attained_device_seconds` = devices x
   seconds held so far; `ideal_device_seconds` = W x (now - submit); last checkpoint = the
   last periodic checkpoint of the run segment (or the preemption that queued it);
-  `checkpoint_bytes` from the trace's seeded sizes.
+  `checkpoint_bytes` from the trace's seeded sizes; `last_resize_time` = the last resize.
+  `releasing_until` = the engine's `free_at`: a device a victim still checkpoints on.
 - teams: the trace's teams, unlimited quota (the trace has none), decayed past usage kept
   here with the settings' half-life.
 - failed nodes are NODE_LOST (their jobs were already re-queued by the engine).
@@ -118,11 +119,13 @@ class Meridian(Policy):
             last_checkpoint_time=last_ckpt,
             checkpoint_bytes=(engine.checkpoint_gb[active] * 1e9).astype(np.int64),
             last_start_time=engine.last_start[active],
+            last_resize_time=engine.last_resize[active],
         )
         healthy_nodes = engine.node_healthy
         accelerators = Accelerators(
             type_id=st["type_id"], node=st["node"], rack=st["rack"], cluster=st["cluster"],
             region=st["region"], healthy=healthy_nodes[engine.dev_node], holder=holder,
+            releasing_until=engine.free_at.copy(),  # a victim's devices stay busy for its checkpoint
         )
         return Snapshot(
             accelerators=accelerators, jobs=jobs,

@@ -74,3 +74,18 @@ def test_meridian_run_is_deterministic():
     b = simulate(trace, fleet, Meridian(), tick_s=30.0, seed=5)
     assert np.array_equal(a.finish, b.finish)
     assert a.summary()["avg_jct_s"] == pytest.approx(b.summary()["avg_jct_s"])
+
+
+def test_the_snapshot_carries_devices_still_checkpointing_and_the_last_resize():
+    # Basic job 0 (W=4, elastic to 1) holds the 4 devices of one node; Premium job 1 (1 rank)
+    # arrives at 1000 and the core shrinks job 0 to 2: two devices are released, busy for the
+    # 5 s shrink checkpoint; the Premium job takes one, the other is still releasing at 1002.
+    trace = make_jobs([(0, 100_000, 4), (1000, 30, 1)], tiers=[BASIC, PREMIUM])
+    policy = Meridian()
+    engine = Engine(trace, fleet_module.uniform(1, 4), policy, costs=HAND_COSTS, tick_s=0.0, until=1002.0)
+    engine.run()
+    snap = policy.snapshot(engine, 1002.0).validate()
+    assert int(engine.ndev[0]) == 2 and int(engine.ndev[1]) == 1
+    free = np.flatnonzero(snap.accelerators.holder < 0)
+    assert free.size == 1 and snap.accelerators.releasing_until[free[0]] == pytest.approx(1005.0)
+    assert snap.jobs.last_resize_time[snap.jobs.ids.tolist().index(0)] == pytest.approx(1000.0)
