@@ -1,6 +1,7 @@
 """Read-only REST API of the fleet for signed-in users (the agent-facing API is the
 control loop's). Summaries aggregate in the database; lists are paginated."""
 from django.db.models import Prefetch
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema, extend_schema_serializer, inline_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound
@@ -8,8 +9,17 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
-from fleet.models import Accelerator, Node
-from fleet.selectors import accelerator_list, fleet_summary, node_list
+
+from fleet.models import Accelerator, Cluster, Node, Region
+from fleet.selectors import (
+    RESOLUTION_NAMES,
+    TELEMETRY_MAX_POINTS,
+    accelerator_list,
+    fleet_summary,
+    node_list,
+    telemetry_series,
+    telemetry_window,
+)
 from fleet.pagination import paginate
 
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
@@ -107,3 +117,71 @@ class AcceleratorListApi(APIView):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
         return paginate(self, accelerator_list(filters=filters.validated_data), AcceleratorOutputSerializer)
+
+
+class TelemetrySeriesApi(APIView):
+    """Utilization and memory over time of the fleet, a region, a cluster, a node or an
+    accelerator type (any combination but node with region/cluster), from the rollups."""
+
+    class FilterSerializer(serializers.Serializer):
+        node = serializers.IntegerField(required=False, min_value=1)
+        cluster = serializers.IntegerField(required=False, min_value=1)
+        region = serializers.CharField(required=False, max_length=64)
+        accelerator_type = serializers.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES, required=False,
+                                                   error_messages={"invalid_choice": TYPE_MESSAGE})
+        since = serializers.DateTimeField(required=False, help_text="ISO 8601; default: until - hours")
+        until = serializers.DateTimeField(required=False, help_text="ISO 8601; default: now")
+        hours = serializers.FloatField(required=False, min_value=1 / 60, max_value=24 * 366,
+                                       help_text="window length ending at until (default 6)")
+        resolution = serializers.ChoiceField(
+            choices=list(RESOLUTION_NAMES), required=False,
+            error_messages={"invalid_choice": '"{input}" is not a resolution; use minute or hour'},
+            help_text=f"default: minute up to 24 h, else hour; at most {TELEMETRY_MAX_POINTS:,} buckets")
+
+        def validate(self, attrs):
+            if attrs.get("node") and (attrs.get("cluster") or attrs.get("region")):
+                raise serializers.ValidationError({"node": "a node is its own scope; drop cluster and region"})
+            return attrs
+
+    class PointSerializer(serializers.Serializer):
+        t = serializers.DateTimeField(help_text="bucket start")
+        utilization_mean = serializers.FloatField(help_text="mean over device readings, 0..1")
+        utilization_max = serializers.FloatField()
+        memory_used_gb_mean = serializers.FloatField(help_text="per device")
+        memory_used_gb_max = serializers.FloatField()
+        device_samples = serializers.IntegerField()
+
+    class OutputSerializer(serializers.Serializer):
+        scope = serializers.DictField()
+        since = serializers.DateTimeField()
+        until = serializers.DateTimeField()
+        resolution = serializers.CharField()
+        resolution_seconds = serializers.IntegerField()
+        points = serializers.ListField(child=serializers.DictField())
+
+    @extend_schema(parameters=[FilterSerializer], responses={200: OutputSerializer},
+                   summary="Utilization and memory over time (downsampled history)")
+    def get(self, request):
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        params = filters.validated_data
+        node_id, cluster_id, region = params.get("node"), params.get("cluster"), params.get("region")
+        if node_id and not Node.objects.filter(pk=node_id).exists():
+            raise NotFound(f"no node {node_id}")
+        if cluster_id and not Cluster.objects.filter(pk=cluster_id).exists():
+            raise NotFound(f"no cluster {cluster_id}")
+        if region and not Region.objects.filter(name=region).exists():
+            raise NotFound(f'no region named "{region}"')
+        since, until, seconds = telemetry_window(
+            now=timezone.now(), since=params.get("since"), until=params.get("until"), hours=params.get("hours"),
+            resolution=params.get("resolution"), node_level=node_id is not None)
+        scope = {"node": node_id, "cluster": cluster_id, "region": region,
+                 "accelerator_type": params.get("accelerator_type")}
+        points = telemetry_series(since=since, until=until, resolution=seconds, node_id=node_id,
+                                  cluster_id=cluster_id, region=region,
+                                  accelerator_type=params.get("accelerator_type"))
+        resolution = next(name for name, value in RESOLUTION_NAMES.items() if value == seconds)
+        return Response(self.OutputSerializer({
+            "scope": {k: v for k, v in scope.items() if v}, "since": since, "until": until,
+            "resolution": resolution, "resolution_seconds": seconds,
+            "points": self.PointSerializer(points, many=True).data}).data)

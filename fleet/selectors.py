@@ -2,10 +2,12 @@
 loops over devices in Python, so a 100k-accelerator fleet costs a few queries."""
 from datetime import timedelta
 
+from django.core.exceptions import ValidationError
 from django.db.models import Avg, Count, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from fleet.models import (
+    TELEMETRY_RETENTION,
     Accelerator,
     ClusterTelemetryBucket,
     Node,
@@ -158,6 +160,43 @@ _SERIES_LAYERS = {
     "cluster": ((ClusterTelemetryBucket, TelemetryResolution.HOUR), (ClusterTelemetryBucket, TelemetryResolution.MINUTE),
                 (NodeTelemetryBucket, TelemetryResolution.MINUTE)),
 }
+
+
+TELEMETRY_DEFAULT_HOURS = 6
+# Longer windows than this default to hourly buckets.
+TELEMETRY_MINUTE_WINDOW_HOURS = 24
+TELEMETRY_MAX_POINTS = 10_000
+RESOLUTION_NAMES = {"minute": TelemetryResolution.MINUTE, "hour": TelemetryResolution.HOUR}
+
+
+def telemetry_window(*, now, since=None, until=None, hours=None, resolution=None, node_level=False):
+    """Returns (since, until, resolution seconds) of a history request, or raises ValidationError
+    with a message naming what to change.
+
+    Defaults: until = now, since = until - `hours` (default TELEMETRY_DEFAULT_HOURS), resolution
+    "minute" for windows up to TELEMETRY_MINUTE_WINDOW_HOURS, else "hour". Refused: `since` with
+    `hours`, an empty or reversed window, more than TELEMETRY_MAX_POINTS buckets, and minute
+    buckets older than they are kept (`node_level`: a node's minutes, else the clusters').
+    """
+    if since is not None and hours is not None:
+        raise ValidationError({"hours": "give either since or hours, not both"})
+    until = until or now
+    since = since or until - timedelta(hours=hours if hours is not None else TELEMETRY_DEFAULT_HOURS)
+    if since >= until:
+        raise ValidationError({"since": f"since ({since.isoformat()}) must be before until ({until.isoformat()})"})
+    if resolution is None:
+        resolution = "minute" if until - since <= timedelta(hours=TELEMETRY_MINUTE_WINDOW_HOURS) else "hour"
+    seconds = RESOLUTION_NAMES[resolution]
+    points = (until - since).total_seconds() / seconds
+    if points > TELEMETRY_MAX_POINTS:
+        raise ValidationError({"resolution": f"{points:,.0f} {resolution} buckets is too many (at most "
+                                             f"{TELEMETRY_MAX_POINTS:,}); shorten the window or ask resolution=hour"})
+    if seconds == TelemetryResolution.MINUTE:
+        kept = TELEMETRY_RETENTION[("node" if node_level else "cluster", TelemetryResolution.MINUTE)]
+        if since < now - kept - timedelta(minutes=1):
+            raise ValidationError({"resolution": f"minute buckets are kept for {kept.total_seconds() / 3600:g} h; "
+                                                 f"ask resolution=hour for older history"})
+    return since, until, seconds
 
 
 def _scope_filter(model, *, node_id, cluster_id, region, accelerator_type):

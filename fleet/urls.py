@@ -4,6 +4,7 @@ from fleet import apis
 
 urlpatterns = [
     path("fleet/summary/", apis.FleetSummaryApi.as_view(), name="api-fleet-summary"),
+    path("fleet/utilization/", apis.TelemetrySeriesApi.as_view(), name="api-fleet-utilization"),
     path("nodes/", apis.NodeListApi.as_view(), name="api-node-list"),
     path("nodes/<int:node_id>/", apis.NodeDetailApi.as_view(), name="api-node-detail"),
     path("accelerators/", apis.AcceleratorListApi.as_view(), name="api-accelerator-list"),
