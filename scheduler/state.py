@@ -40,6 +40,99 @@ def _first_per_group(group: np.ndarray, values: np.ndarray, n_groups: int) -> np
     return out
 
 
+class Topology:
+    """What depends only on the fleet's layout (device type, node, rack, cluster, region): the
+    entity of each node at each level, devices grouped by node, nodes grouped by entity,
+    entities grouped by region. Read-only; shared by every tick over the same fleet."""
+
+    def __init__(self, acc, n_nodes: int):
+        self.type_id = _frozen(acc.type_id.astype(np.int64))
+        self.node = _frozen(acc.node.astype(np.int64))
+        self.n_nodes = n_nodes
+        self.node_region = _frozen(_first_per_group(acc.node, acc.region.astype(np.int64), n_nodes))
+        node_rack = _first_per_group(acc.node, acc.rack.astype(np.int64), n_nodes)
+        node_cluster = _first_per_group(acc.node, acc.cluster.astype(np.int64), n_nodes)
+        # entity of each node at each level; nodes without devices get entity 0 (never free)
+        self.node_entity = [_frozen(e) for e in (
+            np.arange(n_nodes, dtype=np.int64), np.maximum(node_rack, 0),
+            np.maximum(node_cluster, 0), np.maximum(self.node_region, 0))]
+        self.n_entities = [int(e.max()) + 1 if n_nodes else 0 for e in self.node_entity]
+        self.entity_region = []
+        for level in LEVELS:
+            region = np.zeros(self.n_entities[level], np.int64)
+            region[self.node_entity[level]] = np.maximum(self.node_region, 0)
+            self.entity_region.append(_frozen(region))
+
+        # devices grouped by node, and nodes grouped by entity, for O(size) lookups
+        self.devices_by_node = _frozen(np.argsort(self.node, kind="stable"))
+        self.node_device_start = _frozen(np.searchsorted(self.node[self.devices_by_node],
+                                                         np.arange(n_nodes + 1)))
+        self.nodes_by_entity, self.entity_node_start = [], []
+        for level in LEVELS:
+            order = np.argsort(self.node_entity[level], kind="stable")
+            self.nodes_by_entity.append(_frozen(order))
+            self.entity_node_start.append(_frozen(np.searchsorted(self.node_entity[level][order],
+                                                                  np.arange(self.n_entities[level] + 1))))
+        self.node_device_start_list = self.node_device_start.tolist()
+        by_node_type = self.type_id[self.devices_by_node]
+        by_node_node = self.node[self.devices_by_node]
+        mixed = (by_node_type[1:] != by_node_type[:-1]) & (by_node_node[1:] == by_node_node[:-1])
+        single = np.ones(n_nodes, np.bool_)
+        single[by_node_node[1:][mixed]] = False
+        self.node_single_type = single.tolist()  # one accelerator type on the node
+        # entities of each level per region, for region-restricted searches
+        self.region_entities = []
+        n_regions = self.n_entities[LEVEL_REGION]
+        for level in LEVELS:
+            order = np.argsort(self.entity_region[level], kind="stable")
+            starts = np.searchsorted(self.entity_region[level][order], np.arange(n_regions + 1))
+            self.region_entities.append([_frozen(order[starts[r]:starts[r + 1]]) for r in range(n_regions)])
+        # scalar lookups in Python lists: faster than numpy item access in per-node loops
+        self.entity_list = [e.tolist() for e in self.node_entity]
+        self._capacity_key = None  # usable mask of the last capacity computed
+        self._capacity = None
+
+    def capacity(self, usable: np.ndarray, k: int) -> list:
+        """Returns capacity[level][entity, type]: usable devices, free or held; the last answer
+        is kept (usable changes only when devices fail or nodes drain)."""
+        if self._capacity_key is not None and self._capacity_key[1] == k \
+                and np.array_equal(self._capacity_key[0], usable):
+            return self._capacity
+        capacity = []
+        use_idx = np.flatnonzero(usable)
+        for level in LEVELS:
+            ent = self.node_entity[level][self.node[use_idx]]
+            counts = np.bincount(ent * k + self.type_id[use_idx], minlength=self.n_entities[level] * k)
+            capacity.append(_frozen(counts.reshape(self.n_entities[level], k)))
+        self._capacity_key, self._capacity = (usable.copy(), k), capacity
+        return capacity
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+_TOPOLOGY_FIELDS = ("type_id", "node", "rack", "cluster", "region")
+_last_topology: list = [None, None]  # [key arrays + n_nodes, Topology]: the last fleet seen
+
+
+def topology_of(snapshot: Snapshot) -> Topology:
+    """Returns the Topology of the snapshot's fleet, reusing the previous one when the layout
+    arrays are equal (the simulator and the control loop tick over the same fleet again and
+    again). A memo, not state: the answer depends only on the arrays' values, which are
+    compared in full (copies are kept, so a caller changing its arrays in place is safe)."""
+    acc = snapshot.accelerators
+    n_nodes = snapshot.node_status.shape[0]
+    key, topology = _last_topology
+    if key is not None and key[-1] == n_nodes and all(
+            np.array_equal(old, getattr(acc, name)) for old, name in zip(key, _TOPOLOGY_FIELDS)):
+        return topology
+    topology = Topology(acc, n_nodes)
+    _last_topology[:] = [tuple(getattr(acc, name).copy() for name in _TOPOLOGY_FIELDS) + (n_nodes,), topology]
+    return topology
+
+
 class WorkingState:
     """Holder per device plus free counts per topology level and type, updated incrementally."""
 
@@ -48,10 +141,11 @@ class WorkingState:
         self.snapshot = snapshot
         self.k = snapshot.n_types
         self.n_jobs = len(snapshot.jobs)
-        self.type_id = acc.type_id.astype(np.int64)
-        self.node = acc.node.astype(np.int64)
+        topology = topology_of(snapshot)
+        self.type_id = topology.type_id
+        self.node = topology.node
         self.holder = acc.holder.astype(np.int64)
-        n_nodes = snapshot.node_status.shape[0]
+        n_nodes = topology.n_nodes
         node_ok = snapshot.node_status == NODE_READY
         # usable: may be given to a job this tick (healthy, node ready, region not drained)
         self.usable = acc.healthy & node_ok[acc.node] & ~snapshot.region_drained[acc.region]
@@ -66,29 +160,18 @@ class WorkingState:
             self.free &= ~releasing
 
         self.n_nodes = n_nodes
-        self.node_region = _first_per_group(acc.node, acc.region.astype(np.int64), n_nodes)
-        node_rack = _first_per_group(acc.node, acc.rack.astype(np.int64), n_nodes)
-        node_cluster = _first_per_group(acc.node, acc.cluster.astype(np.int64), n_nodes)
-        # entity of each node at each level; nodes without devices get entity 0 (never free)
-        self.node_entity = [np.arange(n_nodes, dtype=np.int64), np.maximum(node_rack, 0),
-                            np.maximum(node_cluster, 0), np.maximum(self.node_region, 0)]
-        self.n_entities = [int(e.max()) + 1 if n_nodes else 0 for e in self.node_entity]
-        self.entity_region = []
-        for level in LEVELS:
-            region = np.zeros(self.n_entities[level], np.int64)
-            region[self.node_entity[level]] = np.maximum(self.node_region, 0)
-            self.entity_region.append(region)
-
-        # devices grouped by node, and nodes grouped by entity, for O(size) lookups
-        self.devices_by_node = np.argsort(self.node, kind="stable")
-        self.node_device_start = np.searchsorted(self.node[self.devices_by_node],
-                                                 np.arange(n_nodes + 1))
-        self.nodes_by_entity, self.entity_node_start = [], []
-        for level in LEVELS:
-            order = np.argsort(self.node_entity[level], kind="stable")
-            self.nodes_by_entity.append(order)
-            self.entity_node_start.append(np.searchsorted(self.node_entity[level][order],
-                                                          np.arange(self.n_entities[level] + 1)))
+        self.node_region = topology.node_region
+        self.node_entity = topology.node_entity
+        self.n_entities = topology.n_entities
+        self.entity_region = topology.entity_region
+        self.devices_by_node = topology.devices_by_node
+        self.node_device_start = topology.node_device_start
+        self.nodes_by_entity = topology.nodes_by_entity
+        self.entity_node_start = topology.entity_node_start
+        self._node_device_start_list = topology.node_device_start_list
+        self._node_single_type = topology.node_single_type
+        self.region_entities = topology.region_entities
+        self._entity_list = topology.entity_list
 
         # free[level][entity, type]
         self.free_count = []
@@ -100,30 +183,8 @@ class WorkingState:
             counts = np.bincount(ent * self.k + free_type, minlength=self.n_entities[level] * self.k)
             self.free_count.append(counts.reshape(self.n_entities[level], self.k).astype(np.int64))
         # capacity[level][entity, type]: usable devices, free or held (for defragmentation)
-        self.capacity = []
-        use_idx = np.flatnonzero(self.usable)
-        for level in LEVELS:
-            ent = self.node_entity[level][self.node[use_idx]]
-            counts = np.bincount(ent * self.k + self.type_id[use_idx],
-                                 minlength=self.n_entities[level] * self.k)
-            self.capacity.append(counts.reshape(self.n_entities[level], self.k))
+        self.capacity = topology.capacity(self.usable, self.k)
 
-        self._node_device_start_list = self.node_device_start.tolist()
-        by_node_type = self.type_id[self.devices_by_node]
-        by_node_node = self.node[self.devices_by_node]
-        mixed = (by_node_type[1:] != by_node_type[:-1]) & (by_node_node[1:] == by_node_node[:-1])
-        single = np.ones(n_nodes, np.bool_)
-        single[by_node_node[1:][mixed]] = False
-        self._node_single_type = single.tolist()  # one accelerator type on the node
-        # entities of each level per region, for region-restricted searches
-        self.region_entities = []
-        n_regions = self.n_entities[LEVEL_REGION]
-        for level in LEVELS:
-            order = np.argsort(self.entity_region[level], kind="stable")
-            starts = np.searchsorted(self.entity_region[level][order], np.arange(n_regions + 1))
-            self.region_entities.append([order[starts[r]:starts[r + 1]] for r in range(n_regions)])
-        # scalar lookups in Python lists: faster than numpy item access in per-node loops
-        self._entity_list = [e.tolist() for e in self.node_entity]
         # best-fit buckets for one-node placement: _buckets[k][c] is a heap of nodes that had
         # c free devices of type k when pushed; stale entries are dropped when seen
         node_free = self.free_count[LEVEL_NODE]
