@@ -35,6 +35,7 @@ def total_steps_of(entry):
 class HollowJob:
     def __init__(self, entry, now):
         self.job_id = int(entry["job_id"])
+        self.generation = entry.get("generation")
         self.devices = int(entry["devices"])
         self.step = float(entry.get("last_checkpoint_step") or 0)
         self.total_steps = total_steps_of(entry)
@@ -84,6 +85,8 @@ class HollowNode:
         for job in self.jobs.values():
             entry = {"job_id": job.job_id, "state": job.state, "step": int(job.step), "devices": job.devices,
                      "steps_per_s": self.rate * job.devices}
+            if job.generation is not None:
+                entry["generation"] = job.generation
             if job.checkpoint:
                 entry["checkpoint"] = job.checkpoint
             out.append(entry)
@@ -104,7 +107,11 @@ class HollowNode:
         for job_id in list(self.jobs):
             if self.jobs[job_id].state in ("finished", "stopped") and job_id in accepted:
                 del self.jobs[job_id]
-        desired = {int(e["job_id"]): e for e in answer["desired"]["jobs"]}
+        for rejected in answer.get("rejected", []):
+            if rejected.get("fence"):  # a stale copy: killed without a checkpoint
+                self.jobs.pop(int(rejected["job_id"]), None)
+        # "stop" entries (a move's barrier) are stopped like jobs no longer listed
+        desired = {int(e["job_id"]): e for e in answer["desired"]["jobs"] if e.get("action") != "stop"}
         for job_id, job in self.jobs.items():
             if job.state == "running" and job_id not in desired:
                 self._checkpoint(job, now)  # stop at a consistent cut

@@ -86,6 +86,11 @@ class Agent:
                                          checkpoint_every_s=options.checkpoint_every,
                                          workload_root=options.workload_root)
         self.desired_jobs = []
+        # Self-fencing: seconds without a heartbeat the control plane answered after which this
+        # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.
+        self.lost_after_s = None
+        self.last_heartbeat_ok = time.monotonic()
+        self.self_fenced = False
 
     def register(self):
         if self.options.token and not self.options.enroll_token:
@@ -122,14 +127,40 @@ class Agent:
             answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
         if not self.options.interval and answer.get("heartbeat_seconds"):
             self.interval = float(answer["heartbeat_seconds"])
+        self.last_heartbeat_ok = time.monotonic()
+        self.self_fenced = False
+        if answer["desired"].get("lost_after_seconds"):
+            self.lost_after_s = float(answer["desired"]["lost_after_seconds"])
         self.reconciler.forget_reported(set(answer.get("accepted", [])))
+        fenced = set()
         for rejected in answer.get("rejected", []):
             log.warning("control plane rejected the report on job %s: %s", rejected.get("job_id"), rejected.get("error"))
+            if rejected.get("fence"):
+                fenced.add(int(rejected["job_id"]))
+        if fenced:
+            self.reconciler.fence(fenced, why="the control plane runs a newer generation elsewhere")
         self.desired_jobs = answer["desired"]["jobs"]
         self.reconciler.reconcile(self.desired_jobs)
 
+    def self_fence_due(self, now=None):
+        """True when this node has not heartbeated for longer than the lost-node threshold: the
+        control plane has marked it lost and restarts its jobs elsewhere."""
+        now = time.monotonic() if now is None else now
+        return self.lost_after_s is not None and now - self.last_heartbeat_ok > self.lost_after_s
+
+    def watch_fence(self):
+        """Runs in a thread: kills every local job once self_fence_due() (a heartbeat may be stuck
+        in its retries for minutes, so the beat loop cannot be the one to check)."""
+        while not self.stop_event.wait(0.5):
+            if self.self_fence_due() and not self.self_fenced:
+                self.self_fenced = True
+                killed = self.reconciler.fence(why=f"no heartbeat answered for more than {self.lost_after_s:.0f} s")
+                log.warning("self-fenced: no heartbeat for more than %.0f s (the lost-node threshold); "
+                            "killed %s without a checkpoint", self.lost_after_s, killed)
+
     def run(self):
         self.start()
+        threading.Thread(target=self.watch_fence, daemon=True, name="self-fence").start()
         failures = 0
         while not self.stop_event.is_set():
             began = time.monotonic()

@@ -2,7 +2,9 @@
 
 Level-triggered: every heartbeat the agent reports what it observes and receives what it
 should run; `reconcile(desired)` then
-  1. stops (checkpoint at a consistent cut, then exit) every local job that is not desired here;
+  1. stops (checkpoint at a consistent cut, then exit) every local job that is not desired here,
+     is listed with action "stop" (the barrier of a move), or runs an older placement generation
+     than the one desired;
   2. resizes a running job whose desired device count differs (replica splicing);
   3. launches desired jobs that are not running, once no stop is in progress on the node,
      restoring the newest checkpoint of the job's store when it has one;
@@ -11,8 +13,16 @@ Slow control calls (stop, checkpoint, resize) run in a thread per job, one at a 
 so the heartbeat never blocks on a barrier.
 
 Everything needed to observe a job is on disk, in its job directory under <work dir>/j/:
-launcher.json (pid), progress.json (step), events.jsonl (checkpoints, stopped/finished/failed),
-control.sock. A restarted agent re-adopts the launchers still running there.
+launcher.json (pid), progress.json (step), events.jsonl (cuts, checkpoints, restores,
+stopped/finished/failed), agent.json (the placement generation it runs), control.sock. A
+restarted agent re-adopts the launchers still running there.
+
+Fencing: every copy runs one placement generation (the desired state's `generation`, written to
+agent.json and given to the launcher as MERIDIAN_GENERATION) and reports it. When the control
+plane rejects a report with "fence" (the job was restarted elsewhere after this node was lost),
+or when the agent could not heartbeat for longer than the lost-node threshold, `fence()` kills
+the copy without a checkpoint: the control plane has restarted it from its last checkpoint, and
+a stale copy must not write one over the new copy's.
 """
 from __future__ import annotations
 
@@ -72,8 +82,9 @@ def pid_alive(pid):
 class LocalJob:
     """One launcher this agent started or adopted."""
 
-    def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0):
+    def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0, generation=None):
         self.job_id = int(job_id)
+        self.generation = generation
         self.job_dir = pathlib.Path(job_dir)
         self.popen = popen
         self.pid = pid or (popen.pid if popen else None)
@@ -108,6 +119,22 @@ class LocalJob:
                         "engine": event.get("engine") or "framework"}
         return None
 
+    def last_cut(self):
+        """Returns the newest consistent cut the launcher took: {"action": stop|checkpoint|resize,
+        "step", "devices"?} (its checkpoint and resize events), or None."""
+        for event in reversed(read_events(self.job_dir)):
+            if event.get("event") == "checkpoint" and event.get("step") is not None:
+                return {"action": event.get("action") or "checkpoint", "step": event["step"]}
+            if event.get("event") == "resize" and event.get("step") is not None:
+                return {"action": "resize", "step": event["step"], "devices": event.get("devices")}
+        return None
+
+    def restored_step(self):
+        for event in read_events(self.job_dir):
+            if event.get("event") == "restored":
+                return event.get("step")
+        return None
+
     def observed(self):
         progress = read_json(self.job_dir / "progress.json", {}) or {}
         outcome = self.outcome()
@@ -115,9 +142,17 @@ class LocalJob:
                                                              else "starting"),
                  "step": progress.get("step"), "steps_per_s": progress.get("steps_per_s"),
                  "devices": progress.get("devices") or self.devices, "engine": progress.get("engine")}
+        if self.generation is not None:
+            entry["generation"] = self.generation
         checkpoint = self.last_checkpoint()
         if checkpoint:
             entry["checkpoint"] = checkpoint
+        cut = self.last_cut()
+        if cut:
+            entry["cut"] = cut
+        restored = self.restored_step()
+        if restored is not None:
+            entry["restored_step"] = restored
         if outcome == "failed":
             entry["error"] = self.error or self.failure_text()
             entry["exit_code"] = self.popen.returncode if self.popen is not None else None
@@ -160,7 +195,7 @@ class NodeReconciler:
                 continue
             job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
             self.jobs[job_id] = LocalJob(job_id, job_dir, pid=info["pid"], devices=meta.get("devices", 0),
-                                         world_size=meta.get("world_size", 0))
+                                         world_size=meta.get("world_size", 0), generation=meta.get("generation"))
             log.info("re-adopted job %s (pid %s) in %s", job_id, info["pid"], job_dir)
 
     # --- observation ---------------------------------------------------------------------------
@@ -186,13 +221,22 @@ class NodeReconciler:
                     del self.jobs[job_id]
 
     # --- reconcile ------------------------------------------------------------------------------
+    @staticmethod
+    def _outdated(job, entry):
+        """True when `job` (a local copy) is not what `entry` (its desired entry, or None) wants
+        to run: not listed, listed with "stop", or listed with a newer generation."""
+        if entry is None or entry.get("action") == "stop":
+            return True
+        wanted = entry.get("generation")
+        return wanted is not None and job.generation is not None and int(wanted) != int(job.generation)
+
     def reconcile(self, desired_jobs):
         desired = {int(e["job_id"]): e for e in desired_jobs}
         with self.lock:
             for job_id, job in list(self.jobs.items()):
                 if job.outcome() is not None:
                     continue
-                if job_id not in desired and not job.stop_requested and job.busy is None:
+                if self._outdated(job, desired.get(job_id)) and not job.stop_requested and job.busy is None:
                     self._call(job, "stop")
             stopping = any(j.stop_requested and j.outcome() is None for j in self.jobs.values())
             for job_id, entry in desired.items():
@@ -210,9 +254,34 @@ class NodeReconciler:
                     continue
                 if job is not None and job.outcome() in ("finished", "failed") and not job.reported_final:
                     continue  # report the outcome before anything else
+                if job is not None and job.outcome() == "stopped" and self._outdated(job, entry) \
+                        and job.reported_state != "stopped":
+                    continue  # an older copy's stop is reported before the new copy starts
                 if stopping:
                     continue  # its devices may still be held by a job that is stopping
                 self.launch(entry)
+
+    def fence(self, job_ids=None, *, why=""):
+        """Kills the copies of `job_ids` (all when None) without a checkpoint and forgets them;
+        returns the job ids killed. For a copy the control plane has replaced (its report was
+        rejected with "fence"), or every copy when this node could not heartbeat for longer than
+        the lost-node threshold (it has been restarted elsewhere from its last checkpoint)."""
+        killed = []
+        with self.lock:
+            for job_id in list(self.jobs):
+                if job_ids is not None and job_id not in job_ids:
+                    continue
+                job = self.jobs.pop(job_id)
+                if job.alive():
+                    self._kill(job)
+                    killed.append(job_id)
+                try:
+                    (job.job_dir / "fenced").write_text(why or "fenced")
+                except OSError:
+                    pass
+        if killed:
+            log.warning("fenced job(s) %s: killed without a checkpoint (%s)", killed, why)
+        return killed
 
     def _call(self, job, action, *args):
         job.busy = action
@@ -242,16 +311,18 @@ class NodeReconciler:
 
     def _write_meta(self, job):
         (job.job_dir / "agent.json").write_text(json.dumps({
-            "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid}))
+            "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid,
+            "generation": job.generation}))
 
     def launch(self, entry):
         job_id = int(entry["job_id"])
         store = pathlib.Path(entry["store"])
         store.mkdir(parents=True, exist_ok=True)
         resume = any(p.name.startswith("ckpt-") and (p / "MANIFEST.json").exists() for p in store.iterdir())
-        generation = 1 + sum(1 for p in self.jobs_dir.glob(f"{job_id}.*"))
-        job_dir = self.jobs_dir / f"{job_id}.{generation}"
+        attempt = 1 + sum(1 for p in self.jobs_dir.glob(f"{job_id}.*"))
+        job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
+        generation = entry.get("generation")
         entrypoint = pathlib.Path(entry["entrypoint"])
         if not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
@@ -261,7 +332,7 @@ class NodeReconciler:
         launch_devices = int(entry["world_size"])
         command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry["world_size"]),
                    "--devices", str(launch_devices), "--engine", self.engine, "--job-dir", str(job_dir),
-                   "--job-id", f"j{job_id}-{generation}-{os.getpid()}", "--store", str(store)]
+                   "--job-id", f"j{job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
         if resume:
             command.append("--resume")
         command += [str(entrypoint)] + [str(a) for a in entry.get("args", [])]
@@ -269,31 +340,38 @@ class NodeReconciler:
         env.update({k: str(v) for k, v in (entry.get("env") or {}).items()})
         env["MERIDIAN_SPOOL_ROOT"] = str(self.spool_root)
         env["MERIDIAN_JOB_ID"] = str(job_id)
+        if generation is not None:
+            env["MERIDIAN_GENERATION"] = str(generation)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         with open(job_dir / "launcher.err", "wb") as err:
             # A session of its own: the job outlives an agent restart (and is re-adopted).
             popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
                                      stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
         job = LocalJob(job_id, job_dir, popen=popen, devices=launch_devices,
-                       world_size=int(entry["world_size"]))
+                       world_size=int(entry["world_size"]), generation=generation)
         self._write_meta(job)
         self.jobs[job_id] = job
         log.info("job %s: launched %s on %s device(s)%s", job_id, entrypoint.name, entry["devices"],
                  " (restoring its newest checkpoint)" if resume else "")
 
+    @staticmethod
+    def _kill(job):
+        """SIGKILLs the launcher and the ranks of `job` (by pid) and reaps the launcher."""
+        import signal
+
+        progress = read_json(job.job_dir / "progress.json", {}) or {}
+        for pid in [job.pid] + list(progress.get("rank_pids") or []):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, TypeError, ValueError):
+                pass
+        if job.popen is not None:
+            job.popen.wait(timeout=10)
+
     def kill_all(self):
         """Kills every launcher and rank this agent runs (by pid): for an embedded run whose
         Ctrl-C must not leave training processes behind. A real node's agent leaves its jobs
         running instead, for the next agent to re-adopt."""
-        import signal
-
         with self.lock:
             for job in self.jobs.values():
-                progress = read_json(job.job_dir / "progress.json", {}) or {}
-                for pid in [job.pid] + list(progress.get("rank_pids") or []):
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError, TypeError, ValueError):
-                        pass
-                if job.popen is not None:
-                    job.popen.wait(timeout=10)
+                self._kill(job)

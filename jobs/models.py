@@ -125,6 +125,10 @@ class Job(models.Model):
     queue_position = models.PositiveIntegerField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
+    # Placement generation (epoch): +1 whenever the job is given a new copy to launch (start,
+    # migration, restart after a lost node). Agents carry it on every report; a report or a
+    # checkpoint of an older generation comes from a fenced-off copy and is rejected.
+    generation = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["-submitted_at", "-id"]
@@ -230,6 +234,8 @@ class JobEvent(models.Model):
         PREEMPTION_DENIED = "preemption_denied", "Preemption denied"
         PREEMPTION_EXPIRED = "preemption_expired", "Preemption request expired"
         CANCEL_REQUESTED = "cancel_requested", "Cancel requested"
+        MOVE_STEP = "move_step", "Move step done"
+        MOVE_ENDED = "move_ended", "Move ended early"
         MESSAGE = "message", "Message"
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
@@ -249,6 +255,68 @@ class JobEvent(models.Model):
 
     def __str__(self):
         return f"{self.job_id} {self.type} {self.created_at:%H:%M:%S}"
+
+
+class Move(models.Model):
+    """One preemption, migration or resize of a job, run step by step by a Celery chain
+    (jobs/moves.py). `step` is the step in progress; each step is done when the agents' reports
+    (recorded in `observed`, per placement generation) show it happened, or ends the move when
+    its deadline passes. At most one active move per job."""
+
+    class Kind(models.TextChoices):
+        PREEMPTION = "preemption", "Preemption"
+        MIGRATION = "migration", "Migration"
+        RESIZE = "resize", "Resize"
+
+    class Step(models.TextChoices):
+        BARRIER = "barrier", "Barrier (consistent cut)"
+        CHECKPOINT = "checkpoint", "Checkpoint"
+        STORE = "store", "Store commit"
+        RESTORE = "restore", "Restore on the new node"
+        RESIZE = "resize", "Resize (splice)"
+        RELEASE = "release", "Release"
+        DONE = "done", "Done"
+
+    class State(models.TextChoices):
+        ACTIVE = "active", "Active"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+        TIMED_OUT = "timed_out", "Timed out"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="moves")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    step = models.CharField(max_length=16, choices=Step.choices)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE)
+    reason = models.CharField(max_length=500, blank=True)
+    from_node = models.ForeignKey("fleet.Node", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    to_node = models.ForeignKey("fleet.Node", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    from_generation = models.PositiveIntegerField(default=0)
+    to_generation = models.PositiveIntegerField(default=0)
+    from_devices = models.PositiveIntegerField(default=0)
+    to_devices = models.PositiveIntegerField(default=0)
+    start_step = models.PositiveBigIntegerField(default=0, help_text="The job's progress when the move began.")
+    cut_step = models.PositiveBigIntegerField(null=True, blank=True, help_text="Step of the move's consistent cut.")
+    checkpoint_uri = models.CharField(max_length=2000, blank=True)
+    # The latest report of each copy involved, keyed "g<generation>": state, step, devices, cut,
+    # checkpoint, node. Written by jobs.workflows.node_report_apply, read by the steps.
+    observed = models.JSONField(default=dict, blank=True)
+    chain_id = models.CharField(max_length=32, blank=True, help_text="The live Celery chain; others exit.")
+    created_at = models.DateTimeField(default=timezone.now)
+    step_started_at = models.DateTimeField(default=timezone.now)
+    step_deadline = models.DateTimeField()
+    polled_at = models.DateTimeField(null=True, blank=True, help_text="Last time a step task looked at it.")
+    finished_at = models.DateTimeField(null=True, blank=True)
+    log = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["state", "step_deadline"], name="move_state_deadline")]
+        constraints = [
+            models.UniqueConstraint(fields=["job"], condition=models.Q(state="active"), name="move_one_active_per_job")
+        ]
+
+    def __str__(self):
+        return f"{self.kind} of #{self.job_id} at {self.step} ({self.state})"
 
 
 class PreemptionRequest(models.Model):

@@ -6,7 +6,10 @@
   jobs.tasks.accounting             beat, every MERIDIAN_ACCOUNTING_SECONDS: device-time accrual
   jobs.tasks.node_lost_sweep         the heartbeat-loss sweep alone (also run inside every tick)
   jobs.tasks.preemption_expiry       expires approval requests past their deadline
-  jobs.tasks.workflow_timeouts       ends stuck preemptions / migrations / resizes
+  jobs.tasks.workflow_timeouts       ends stuck preemptions / migrations / resizes (and lost chains)
+  jobs.tasks.move_step               one step of a move (jobs/moves.py), chained per move; retries
+                                     with a short countdown until its step is observed or its deadline
+  jobs.tasks.move_advance            completes a move's steps already observed (enqueued by reports)
 """
 import logging
 
@@ -53,9 +56,30 @@ def preemption_expiry():
 
 @shared_task(name="jobs.tasks.workflow_timeouts", ignore_result=True)
 def workflow_timeouts():
+    from jobs.moves import moves_sweep
     from jobs.workflows import workflow_timeouts_sweep
 
-    return workflow_timeouts_sweep()
+    with transaction.atomic():
+        return {"moves": moves_sweep(), "stuck_jobs": workflow_timeouts_sweep()}
+
+
+@shared_task(bind=True, name="jobs.tasks.move_step", ignore_result=True, max_retries=None)
+def move_step(self, move_id, step, chain_id):
+    """Step `step` of move `move_id`: done -> the chain goes on; not yet -> retry in a moment.
+    Unbounded retries: the step's deadline (checked by the service) ends the move."""
+    from jobs.moves import WAITING, move_poll_seconds, move_step_run
+
+    outcome = move_step_run(move_id=move_id, step=step, chain_id=chain_id)
+    if outcome == WAITING:
+        raise self.retry(countdown=move_poll_seconds())
+    return outcome
+
+
+@shared_task(name="jobs.tasks.move_advance", ignore_result=True)
+def move_advance(move_id):
+    from jobs.moves import move_advance as advance
+
+    return advance(move_id=move_id)
 
 
 @shared_task(name="jobs.tasks.records_retention", ignore_result=True)

@@ -49,7 +49,8 @@ from django.utils import timezone
 
 import scheduler
 from fleet.models import Accelerator, Node
-from jobs.models import ControlLoopLease, Job, JobEvent, PreemptionRequest, Replica, Team
+from jobs.models import ControlLoopLease, Job, JobEvent, Move, PreemptionRequest, Replica, Team
+from jobs.moves import move_create
 from jobs.services import job_event_add, job_transition, preemption_request_create
 
 logger = logging.getLogger(__name__)
@@ -351,11 +352,17 @@ def plan_apply(*, index, plan, now):
                     rows += _place_replicas(job=job, device_ids=devices)
                     Job.objects.filter(pk=job.pk).update(device_count=len(devices))
                 else:
+                    from_devices = job.device_count
                     job = job_transition(job=job, to=S.RESIZING, reason=decision.reason, now=now,
-                                         extra={"code": decision.code, "from_devices": job.device_count,
+                                         extra={"code": decision.code, "from_devices": from_devices,
                                                 "to_devices": len(devices)})
                     rows += _place_replicas(job=job, device_ids=devices)
                     Job.objects.filter(pk=job.pk).update(device_count=len(devices))
+                    node_id = _rank0_node(job.pk)
+                    move_create(job=job, kind=Move.Kind.RESIZE, reason=decision.reason, now=now,
+                                from_node_id=node_id, to_node_id=node_id, from_devices=from_devices,
+                                to_devices=len(devices))
+                    rows += 2
                 rows += 2
                 counts["resize"] += 1
         except IllegalTransition as exc:
@@ -410,7 +417,9 @@ def _start_many(*, index, starts, now):
     # executemany of one-row UPDATEs (pipelined by psycopg) beats bulk_update's CASE WHEN lists
     # by an order of magnitude at 100k rows, on PostgreSQL and SQLite alike.
     with connection.cursor() as cursor:
-        cursor.executemany(f"UPDATE {Job._meta.db_table} SET device_count = %s, region_id = %s WHERE id = %s",
+        # A new placement is a new generation: reports of any older copy are fenced off.
+        cursor.executemany(f"UPDATE {Job._meta.db_table} SET device_count = %s, region_id = %s, "
+                           f"generation = generation + 1 WHERE id = %s",
                            [(job.device_count, job.region_id, job.pk) for job in jobs])
         replica_rows = []
         for chunk in range(0, len(ready), 5000):
@@ -431,42 +440,70 @@ def _start_many(*, index, starts, now):
     return len(jobs), len(ready) * 2 + len(replicas) + len(events)
 
 
+def _rank0_node(job_id):
+    """Returns the Node.pk holding rank 0 of the job (where its launcher runs), or None."""
+    return Replica.objects.filter(job_id=job_id, rank=0).values_list("device__node_id", flat=True).first()
+
+
+def _generation_bump(job):
+    Job.objects.filter(pk=job.pk).update(generation=F("generation") + 1)
+    job.generation += 1
+    return job.generation
+
+
 def _preempt(*, job, decision, now):
     from scheduler.plugins.drain import REASON_LOST_REQUEUED
 
     if job.state == S.SCHEDULED:
+        _generation_bump(job)  # its copy, if launched meanwhile, is fenced off
         job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now, extra={"code": decision.code})
         return 2
     if decision.code == REASON_LOST_REQUEUED:
-        # Its processes died with the node: nothing to checkpoint; it resumes from the last one.
+        # Its processes died with the node (or are cut off with it: fenced by the new generation):
+        # nothing to checkpoint; it resumes from the last one.
+        _generation_bump(job)
         job_transition(job=job, to=S.PREEMPTED, reason=decision.reason, now=now, extra={"code": decision.code})
         return 2
+    from_node = _rank0_node(job.pk)
     job = job_transition(job=job, to=S.PREEMPTING, reason=decision.reason, now=now, extra={"code": decision.code})
     released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
     Job.objects.filter(pk=job.pk).update(device_count=0)
     job_event_add(job=job, type=JobEvent.Type.RELEASED, reason=decision.reason,
                   extra={"replicas": released, "checkpoint": "the agent stops it at a consistent cut"})
-    return released + 3
+    move_create(job=job, kind=Move.Kind.PREEMPTION, reason=decision.reason, now=now, from_node_id=from_node,
+                from_devices=job.device_count)
+    return released + 4
 
 
 def _migrate(*, job, decision, devices, region, nodes, now):
+    from_node = _rank0_node(job.pk)
+    from_generation = job.generation
     if job.state == S.SCHEDULED:
         job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now)
         job = job_transition(job=job, to=S.SCHEDULED, reason=decision.reason, now=now)
     else:
         job = job_transition(job=job, to=S.MIGRATING, reason=decision.reason, now=now,
                              extra={"code": decision.code, "from_checkpoint": decision.from_checkpoint})
+    from_devices = job.device_count
+    _generation_bump(job)  # the copy on the new devices
     rows = _place_replicas(job=job, device_ids=devices)
     Job.objects.filter(pk=job.pk).update(device_count=len(devices), region_id=region)
     job_event_add(job=job, type=JobEvent.Type.MIGRATED, reason=decision.reason,
                   extra={"devices": devices, "nodes": nodes, "from_checkpoint": decision.from_checkpoint,
-                         "restart_step": decision.restart_step})
+                         "restart_step": decision.restart_step, "generation": job.generation})
     if job.state == S.MIGRATING:
+        common = dict(job=job, kind=Move.Kind.MIGRATION, reason=decision.reason, now=now, from_node_id=from_node,
+                      to_node_id=_rank0_node(job.pk), from_generation=from_generation,
+                      to_generation=job.generation, from_devices=from_devices, to_devices=len(devices))
         if decision.from_checkpoint:
-            # Its old processes are gone: the new node restores the last checkpoint right away.
-            job_transition(job=job, to=S.RUNNING, reason=f"restarting from step {decision.restart_step} "
-                           "on new devices", now=now)
-    return rows + 4
+            # Its old processes are gone (or fenced): nothing to cut; the new node restores the last
+            # checkpoint right away.
+            move_create(**common, first_step=Move.Step.RESTORE, cut_step=job.last_checkpoint_step,
+                        note=f"barrier, checkpoint, store skipped: restarting from checkpoint step "
+                             f"{job.last_checkpoint_step} (the old copy's node is lost)")
+        else:
+            move_create(**common)
+    return rows + 5
 
 
 def _write_waiting(*, plan):
@@ -569,10 +606,13 @@ def tick_run(*, now=None, holder=_HOLDER):
         with transaction.atomic():
             result.lost_nodes = node_lost_sweep(now=now)
             from jobs.services import preemption_expire_due
+            from jobs.moves import moves_sweep
             from jobs.workflows import workflow_timeouts_sweep
 
             result.counts["expired_requests"] = preemption_expire_due(now=now)
-            result.counts["timed_out_moves"] = workflow_timeouts_sweep(now=now)
+            swept = moves_sweep(now=now)
+            result.counts["timed_out_moves"] = swept["timed_out"] + workflow_timeouts_sweep(now=now)
+            result.counts["requeued_move_chains"] = swept["requeued"]
             t0 = time.perf_counter()
             index = snapshot_build(now=now)
             t1 = time.perf_counter()

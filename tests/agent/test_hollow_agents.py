@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from agent.hollow import HollowFleet
-from jobs.models import Job
+from jobs.models import Job, Move
+from jobs.moves import move_advance
 from jobs.services import job_submit
 from jobs.tick import tick_run
 
@@ -18,6 +19,12 @@ def enrollment(monkeypatch):
     monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
     monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
     monkeypatch.setenv("MERIDIAN_JOB_MAX_SPREAD", "region")
+
+
+def run_move_tasks():
+    """Plays the Celery worker: the move tasks the heartbeats enqueued."""
+    for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
+        move_advance(move_id=move_id)
 
 
 def hollow_fleet(url, nodes):
@@ -46,6 +53,7 @@ def test_hollow_nodes_run_jobs_to_completion_and_yield_to_a_premium_job(live_ser
     tick_run()
     fleet.beat_all()  # the victim's node stops it with a checkpoint; the premium starts
     fleet.beat_all()  # ... and reports both
+    run_move_tasks()
     states = sorted(Job.objects.filter(pk__in=[b.pk for b in basics]).values_list("state", flat=True))
     assert states == [Job.State.PREEMPTED, Job.State.RUNNING]
     victim = Job.objects.get(pk__in=[b.pk for b in basics], state=Job.State.PREEMPTED)

@@ -1,6 +1,7 @@
 """The tick against the database: selectors build the snapshot, the core plans, services apply.
 
-Agents are played by calling the same service their heartbeat API calls (node_report_apply)."""
+Agents are played by calling the same service their heartbeat API calls (node_report_apply);
+the Celery worker by calling the service its move tasks call (jobs.moves.move_advance)."""
 from datetime import timedelta
 
 import pytest
@@ -8,7 +9,8 @@ from django.utils import timezone
 
 from fleet.agent_services import node_register
 from fleet.models import Node
-from jobs.models import Job, JobEvent, PreemptionRequest, Replica
+from jobs.models import Job, JobEvent, Move, PreemptionRequest, Replica
+from jobs.moves import move_advance
 from jobs.services import job_submit, preemption_approve, preemption_deny
 from jobs.tick import accounting_run, snapshot_build, tick_lease_claim, tick_lease_release, tick_run
 from jobs.workflows import node_desired_state, node_report_apply
@@ -36,11 +38,15 @@ def nodes_of(job):
 
 
 def report(node, job, state, *, step=10, checkpoint_step=None, devices=None, now=None):
+    """Plays the node's agent (one heartbeat), then the Celery worker (the move tasks it enqueues)."""
     entry = {"job_id": job.pk, "state": state, "step": step, "devices": devices or job.device_count}
     if checkpoint_step is not None:
         entry["checkpoint"] = {"step": checkpoint_step, "uri": f"file:///ckpt/{job.pk}/{checkpoint_step}",
                                "bytes": 100, "engine": "framework"}
-    return node_report_apply(node=node, report={"jobs": [entry], "telemetry": {"utilization": 0.5}}, now=now)
+    result = node_report_apply(node=node, report={"jobs": [entry], "telemetry": {"utilization": 0.5}}, now=now)
+    for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
+        move_advance(move_id=move_id, now=now)
+    return result
 
 
 @pytest.mark.django_db
@@ -157,10 +163,18 @@ def test_a_node_that_misses_heartbeats_is_lost_and_its_job_restarts_elsewhere(al
     job.refresh_from_db()
     assert result.lost_nodes == ["n1"]
     assert Node.objects.get(hostname="n1").state == Node.State.LOST
-    assert job.state == S.RUNNING and nodes_of(job) == {"n2"}
+    assert job.state == S.MIGRATING and nodes_of(job) == {"n2"}
     assert JobEvent.objects.filter(job=job, type=JobEvent.Type.NODE_LOST).exists()
     assert JobEvent.objects.filter(job=job, type=JobEvent.Type.MIGRATED).exists()
-    assert node_desired_state(node=n2)["jobs"][0]["last_checkpoint_step"] == 7
+    # Nothing to cut on the dead node: the move starts at restore, and n2 may restore at once.
+    desired = node_desired_state(node=n2)["jobs"][0]
+    assert desired["action"] == "run" and desired["last_checkpoint_step"] == 7
+    assert desired["generation"] == job.generation == 2
+    report(n2, job, "running", step=7, now=t0 + timedelta(seconds=62))
+    job.refresh_from_db()
+    assert job.state == S.RUNNING
+    steps = [e.extra_data["step"] for e in JobEvent.objects.filter(job=job, type=JobEvent.Type.MOVE_STEP)]
+    assert steps == ["started", "restore", "release"]
 
 
 @pytest.mark.django_db

@@ -1,0 +1,444 @@
+"""Moves: preemption, migration and resize as persisted, step-by-step Celery workflows.
+
+    preemption  barrier -> checkpoint -> store -> release
+    migration   barrier -> checkpoint -> store -> restore -> release
+                (after a lost node: restore -> release; nothing is left to cut on the dead node)
+    resize      barrier -> resize -> release
+
+The tick decides a move and creates its Move row (move_create, with the job's state change);
+after commit a Celery chain of immutable signatures runs one task per remaining step
+(jobs.tasks.move_step). A step task asks `move_step_run`: is my step observed done? If so it
+completes it (a conditional UPDATE on the move's step, so only one caller wins; a JobEvent in the
+same transaction) and the chain goes on; if not, it retries with a short countdown until its
+deadline, when the move is ended (timed_out: the job goes back in line from its last
+checkpoint). The agents stay level-triggered: node_desired_state derives each node's orders from
+the move's step, and node_report_apply records what they saw on the Move (`observed`, per
+placement generation) and enqueues jobs.tasks.move_advance, which completes every step already
+observed without waiting for the chain's next poll. A step that is done twice is a no-op.
+
+What completes each step (the runtime's `stop` takes cut, checkpoint and store commit in one
+control call; each step checks its own evidence):
+  barrier     preemption/migration: the old copy reports its stop's consistent cut (the
+              launcher's checkpoint event with action "stop"), or that it stopped with a
+              checkpoint. resize: the copy reports the splice's cut onto the new device count.
+  checkpoint  a Checkpoint row at the cut's step exists (recorded from the same report).
+  store       the checkpoint's MANIFEST.json is visible in the store, or the old copy reported
+              "stopped" (its launcher exits only after the commit).
+  restore     the new copy (to_generation) reports running (or finished) at a step >= the cut.
+  resize      the copy reports running on the new device count.
+  release     preemption: the old copy has exited (or its node is lost) -> job preempted.
+              migration: the same -> job running. resize: -> job running.
+
+If the old copy fails, or its node is lost, before the cut, the move ends (failed) and the job
+goes back in line from its last checkpoint; if it finishes first, the job succeeded.
+
+A lost chain (worker crash) is found by moves_sweep (run by every tick): an active move no
+step task looked at for LOST_CHAIN_AFTER is re-enqueued from its current step with a new
+chain id (the old chain's tasks, should they wake up, see another chain id and exit); a move
+past its deadline is timed out there too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import uuid
+from datetime import timedelta
+from urllib.parse import unquote, urlparse
+
+from django.db import transaction
+from django.utils import timezone
+
+from fleet.models import Node
+from jobs.models import Checkpoint, Job, JobEvent, Move
+from jobs.services import IllegalTransition, job_event_add, job_transition
+
+logger = logging.getLogger(__name__)
+S = Job.State
+K = Move.Kind
+St = Move.Step
+
+STEPS = {
+    K.PREEMPTION: (St.BARRIER, St.CHECKPOINT, St.STORE, St.RELEASE),
+    K.MIGRATION: (St.BARRIER, St.CHECKPOINT, St.STORE, St.RESTORE, St.RELEASE),
+    K.RESIZE: (St.BARRIER, St.RESIZE, St.RELEASE),
+}
+MOVING_STATE = {K.PREEMPTION: S.PREEMPTING, K.MIGRATION: S.MIGRATING, K.RESIZE: S.RESIZING}
+LOG_KEEP = 50  # entries of Move.log kept (a lost chain re-enqueued many times must not grow it forever)
+
+# move_step_run outcomes
+DONE, WAITING, PASSED, ENDED, SUPERSEDED = "done", "waiting", "passed", "ended", "superseded"
+
+
+def _env_seconds(name, default):
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else default
+
+
+def step_timeout():
+    """Seconds a step may take before the move is ended (MERIDIAN_WORKFLOW_TIMEOUT_SECONDS, 300)."""
+    return timedelta(seconds=_env_seconds("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", 300.0))
+
+
+def move_poll_seconds():
+    """Countdown of a step task's retry while its step is not observed yet (MERIDIAN_MOVE_POLL_SECONDS, 1)."""
+    return _env_seconds("MERIDIAN_MOVE_POLL_SECONDS", 1.0)
+
+
+def lost_chain_after():
+    """An active move no step task looked at for this long has lost its chain (worker crash)."""
+    return timedelta(seconds=max(15.0, 10 * move_poll_seconds()))
+
+
+def generation_key(generation):
+    return f"g{int(generation)}"
+
+
+def _log(move, now, step, note):
+    return (list(move.log) + [{"at": now.isoformat(), "step": str(step), "note": note[:300]}])[-LOG_KEEP:]
+
+
+# --- creating a move (the tick) ------------------------------------------------------------------
+
+
+def move_create(*, job, kind, reason, now, from_node_id=None, to_node_id=None, from_generation=None,
+                to_generation=None, from_devices=0, to_devices=0, first_step=None, cut_step=None, note=""):
+    """Returns a new active Move of `job` and enqueues its chain on commit. Call it inside the
+    transaction that puts the job into its moving state.
+
+    Any other active move of the job is ended first (failed, "superseded"): one active move per
+    job, which the database also enforces (move_one_active_per_job).
+    """
+    for old in Move.objects.filter(job_id=job.pk, state=Move.State.ACTIVE):
+        Move.objects.filter(pk=old.pk, state=Move.State.ACTIVE).update(
+            state=Move.State.FAILED, finished_at=now, log=_log(old, now, old.step, "superseded by a new move"))
+    kind = K(kind)
+    first = St(first_step or STEPS[kind][0])
+    move = Move.objects.create(
+        job=job, kind=kind, step=first, reason=reason[:500], from_node_id=from_node_id, to_node_id=to_node_id,
+        from_generation=job.generation if from_generation is None else from_generation,
+        to_generation=job.generation if to_generation is None else to_generation,
+        from_devices=from_devices, to_devices=to_devices, start_step=job.progress_step or 0, cut_step=cut_step,
+        created_at=now, step_started_at=now, step_deadline=now + step_timeout(), polled_at=now,
+        log=[{"at": now.isoformat(), "step": first, "note": (note or reason)[:300]}],
+    )
+    job_event_add(job=job, type=JobEvent.Type.MOVE_STEP, reason=f"{kind} started: {reason}"[:500],
+                  extra={"move": move.pk, "kind": kind, "step": "started", "next": first,
+                         "from_node": from_node_id, "to_node": to_node_id,
+                         **({"skipped": note} if note else {})})
+    move_chain_enqueue(move=move, now=now)
+    return move
+
+
+def move_chain_enqueue(*, move, now):
+    """Starts a Celery chain over the move's remaining steps, after commit; returns its chain id.
+
+    A new chain id supersedes any earlier chain of the move: its tasks exit when they wake up.
+    """
+    from celery import chain
+
+    from jobs.tasks import move_step
+
+    chain_id = uuid.uuid4().hex[:16]
+    Move.objects.filter(pk=move.pk).update(chain_id=chain_id, polled_at=now)
+    move.chain_id = chain_id
+    steps = STEPS[K(move.kind)]
+    remaining = steps[steps.index(St(move.step)):] if move.step in steps else ()
+    if remaining:
+        move_id = move.pk
+        signatures = [move_step.si(move_id, str(step), chain_id) for step in remaining]
+        transaction.on_commit(lambda: chain(*signatures).apply_async())
+    return chain_id
+
+
+# --- observations (node_report_apply) -------------------------------------------------------------
+
+
+def move_active(*, job_id):
+    return Move.objects.filter(job_id=job_id, state=Move.State.ACTIVE).first()
+
+
+def move_observe(*, move, generation, node, entry, now):
+    """Records one agent report on a copy of the moving job (its `generation`) on the move, and
+    enqueues jobs.tasks.move_advance after commit. Returns nothing."""
+    record = {"node": node.pk, "hostname": node.hostname, "at": now.isoformat()}
+    for key in ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error"):
+        if entry.get(key) is not None:
+            record[key] = entry[key]
+    observed = dict(move.observed)
+    observed[generation_key(generation)] = record
+    Move.objects.filter(pk=move.pk).update(observed=observed)
+    move.observed = observed
+    move_id = move.pk
+
+    def enqueue():
+        from jobs.tasks import move_advance
+
+        move_advance.delay(move_id)
+
+    transaction.on_commit(enqueue)
+
+
+# --- the steps ------------------------------------------------------------------------------------
+
+
+class _Outcome:
+    """What a step check found: done (with a note and event extras), failed, finished, or nothing."""
+
+    def __init__(self, kind, note="", extra=None, **changes):
+        self.kind, self.note, self.extra, self.changes = kind, note, extra or {}, changes
+
+
+def _old(move):
+    return move.observed.get(generation_key(move.from_generation)) or {}
+
+
+def _new(move):
+    return move.observed.get(generation_key(move.to_generation)) or {}
+
+
+def _node_lost(node_id):
+    return node_id is not None and Node.objects.filter(pk=node_id, state=Node.State.LOST).exists()
+
+
+def _checkpoint_visible(uri):
+    """True when `uri` (file:// or a path) names a committed checkpoint this machine can see."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("", "file"):
+        return False
+    return (pathlib.Path(unquote(parsed.path)) / "MANIFEST.json").exists()
+
+
+def _check_barrier(move, job):
+    if move.kind == K.RESIZE:
+        seen = _new(move)
+        cut = seen.get("cut") or {}
+        if cut.get("action") == "resize" and int(cut.get("devices") or 0) == move.to_devices \
+                and int(cut.get("step") or 0) >= move.start_step:
+            return _Outcome(DONE, f"cut at step {cut['step']} for the splice onto {move.to_devices} device(s)",
+                            {"cut_step": cut["step"]}, cut_step=int(cut["step"]))
+        if seen.get("state") in ("running", "finished") and int(seen.get("devices") or 0) == move.to_devices:
+            return _Outcome(DONE, f"runs on {move.to_devices} device(s) at step {seen.get('step')}",
+                            {"cut_step": seen.get("step")}, cut_step=int(seen.get("step") or 0))
+        return None
+    seen = _old(move)
+    cut = seen.get("cut") or {}
+    checkpoint = seen.get("checkpoint") or {}
+    if cut.get("action") == "stop" and cut.get("step") is not None:
+        return _Outcome(DONE, f"consistent cut at step {cut['step']}", {"cut_step": cut["step"]},
+                        cut_step=int(cut["step"]))
+    if seen.get("state") == "stopped" and checkpoint.get("step") is not None:
+        return _Outcome(DONE, f"stopped at a consistent cut at step {checkpoint['step']}",
+                        {"cut_step": checkpoint["step"]}, cut_step=int(checkpoint["step"]))
+    if seen.get("state") == "finished":
+        return _Outcome("finished", f"the job finished on {seen.get('hostname')} before the cut")
+    if seen.get("state") == "failed":
+        return _Outcome("failed", f"the old copy failed before the cut: {str(seen.get('error') or '')[:200]}")
+    if _node_lost(move.from_node_id):
+        return _Outcome("failed", "its node was lost before the cut")
+    return None
+
+
+def _check_checkpoint(move, job):
+    row = Checkpoint.objects.filter(job_id=job.pk, step=move.cut_step).order_by("-id").first()
+    if row is None:
+        return None
+    return _Outcome(DONE, f"checkpoint at step {row.step} ({row.engine}, {row.bytes} bytes)",
+                    {"checkpoint_step": row.step, "engine": row.engine, "bytes": row.bytes, "uri": row.uri},
+                    checkpoint_uri=row.uri)
+
+
+def _check_store(move, job):
+    if _checkpoint_visible(move.checkpoint_uri):
+        return _Outcome(DONE, f"step {move.cut_step} committed in the store", {"checkpoint_step": move.cut_step,
+                                                                                  "uri": move.checkpoint_uri})
+    if _old(move).get("state") == "stopped":
+        return _Outcome(DONE, f"step {move.cut_step} committed (the old copy exited after its commit)",
+                        {"checkpoint_step": move.cut_step, "uri": move.checkpoint_uri})
+    return None
+
+
+def _check_restore(move, job):
+    seen = _new(move)
+    if seen.get("state") in ("running", "finished") and int(seen.get("step") or 0) >= (move.cut_step or 0):
+        return _Outcome(DONE, f"running on {seen.get('hostname')} at step {seen.get('step')} "
+                              f"(restored checkpoint step {move.cut_step})",
+                        {"checkpoint_step": move.cut_step, "running_step": seen.get("step")})
+    if seen.get("state") == "failed":
+        return _Outcome("failed", f"the restore failed: {str(seen.get('error') or '')[:200]}")
+    return None
+
+
+def _check_resize(move, job):
+    seen = _new(move)
+    if seen.get("state") in ("running", "finished") and int(seen.get("devices") or 0) == move.to_devices:
+        return _Outcome(DONE, f"{job.world_size} rank(s) on {move.to_devices} device(s) at step {seen.get('step')}",
+                        {"devices": move.to_devices, "checkpoint_step": job.last_checkpoint_step,
+                         "running_step": seen.get("step")})
+    return None
+
+
+def _check_release(move, job):
+    if move.kind == K.RESIZE:
+        return _Outcome(DONE, f"devices {move.from_devices} -> {move.to_devices} confirmed")
+    gone = _old(move).get("state") in ("stopped", "failed", "finished")
+    if gone or _node_lost(move.from_node_id) or move.from_node_id is None:
+        why = "its node is lost" if not gone and move.from_node_id else "the old copy exited"
+        return _Outcome(DONE, f"{why}; its devices are free", {"checkpoint_step": move.cut_step})
+    return None
+
+
+CHECKS = {St.BARRIER: _check_barrier, St.CHECKPOINT: _check_checkpoint, St.STORE: _check_store,
+          St.RESTORE: _check_restore, St.RESIZE: _check_resize, St.RELEASE: _check_release}
+
+
+def _node_name(node_id):
+    if node_id is None:
+        return None
+    return Node.objects.filter(pk=node_id).values_list("hostname", flat=True).first()
+
+
+def _complete(*, move, job, outcome, now):
+    """Completes the move's current step (conditional on it still being current); returns True
+    if this caller did. The job's transition at release happens here, in the same transaction."""
+    steps = STEPS[K(move.kind)]
+    step = St(move.step)
+    following = steps[steps.index(step) + 1] if steps.index(step) + 1 < len(steps) else St.DONE
+    with transaction.atomic():
+        changes = {"step": following, "step_started_at": now, "step_deadline": now + step_timeout(),
+                   "log": _log(move, now, step, outcome.note), **outcome.changes}
+        if following == St.DONE:
+            changes.update(state=Move.State.DONE, finished_at=now)
+        updated = Move.objects.filter(pk=move.pk, state=Move.State.ACTIVE, step=step).update(**changes)
+        if updated != 1:
+            return False
+        for field, value in changes.items():
+            setattr(move, field, value)
+        node_id = move.to_node_id if step in (St.RESTORE, St.RESIZE) or move.kind == K.RESIZE else move.from_node_id
+        job_event_add(job=job, type=JobEvent.Type.MOVE_STEP, reason=f"{move.kind}: {step} done: {outcome.note}"[:500],
+                      extra={"move": move.pk, "kind": move.kind, "step": step, "node": _node_name(node_id),
+                             "checkpoint_step": move.cut_step, **outcome.extra})
+        if following == St.DONE:
+            _release_job(move=move, job=job, now=now)
+    return True
+
+
+def _release_job(*, move, job, now):
+    target = S.PREEMPTED if move.kind == K.PREEMPTION else S.RUNNING
+    if job.state != MOVING_STATE[K(move.kind)]:
+        return
+    reason = {K.PREEMPTION: f"checkpointed at step {move.cut_step} and released; back in line",
+              K.MIGRATION: f"restored from checkpoint step {move.cut_step} on {_node_name(move.to_node_id)}",
+              K.RESIZE: f"resized to {move.to_devices} device(s)"}[K(move.kind)]
+    job_transition(job=job, to=target, reason=reason, now=now, extra={"move": move.pk})
+
+
+def move_end(*, move, job, state, reason, now, requeue=True):
+    """Ends an active move early (failed / timed_out): the job goes back in line (preempted) from
+    its last checkpoint, with a MOVE_ENDED event naming the step. Returns True if this call did.
+    requeue=False leaves the job's state to the caller."""
+    with transaction.atomic():
+        updated = Move.objects.filter(pk=move.pk, state=Move.State.ACTIVE).update(
+            state=state, finished_at=now, log=_log(move, now, move.step, reason))
+        if updated != 1:
+            return False
+        move.state = state
+        job_event_add(job=job, type=JobEvent.Type.MOVE_ENDED, reason=f"{move.kind} {state} at {move.step}: {reason}"[:500],
+                      extra={"move": move.pk, "kind": move.kind, "step": move.step, "state": state,
+                             "checkpoint_step": job.last_checkpoint_step})
+        if requeue and job.state == MOVING_STATE[K(move.kind)]:
+            try:
+                job_transition(job=job, to=S.PREEMPTED, now=now, extra={"move": move.pk, "timed_out": move.step}
+                               if state == Move.State.TIMED_OUT else {"move": move.pk},
+                               reason=f"{move.kind} {state.replace('_', ' ')} at step {move.step}; back in line, "
+                                      f"resuming from checkpoint step {job.last_checkpoint_step}")
+            except IllegalTransition as exc:
+                logger.info("move %s: %s", move.pk, exc)
+    return True
+
+
+def _finish_job(*, move, job, note, now):
+    """The old copy finished before the cut: the move is done and so is the job."""
+    with transaction.atomic():
+        if not move_end(move=move, job=job, state=Move.State.DONE, reason=note, now=now, requeue=False):
+            return False
+        if job.state in (S.PREEMPTING, S.MIGRATING, S.RESIZING):
+            job = job_transition(job=job, to=S.RUNNING, reason=note, now=now, extra={"move": move.pk})
+        if job.state == S.RUNNING:
+            Job.objects.filter(pk=job.pk).update(exit_code=0)
+            job_transition(job=job, to=S.SUCCEEDED, reason=note, now=now)
+    return True
+
+
+def move_step_run(*, move_id, step, chain_id=None, now=None):
+    """Runs step `step` of a move once; returns DONE (completed now), PASSED (already past it),
+    WAITING (not observed yet, deadline ahead: retry), ENDED (the move is over, or was ended
+    now: failed / timed out / the job finished) or SUPERSEDED (another chain runs this move)."""
+    now = now or timezone.now()
+    move = Move.objects.filter(pk=move_id).first()
+    if move is None or move.state != Move.State.ACTIVE:
+        return ENDED
+    if chain_id is not None and move.chain_id != chain_id:
+        return SUPERSEDED
+    Move.objects.filter(pk=move.pk).update(polled_at=now)
+    steps = STEPS[K(move.kind)]
+    step = St(step)
+    if St(move.step) not in steps or steps.index(St(move.step)) > steps.index(step):
+        return PASSED
+    if move.step != step:
+        return WAITING  # an earlier step is still in progress (a re-enqueued chain)
+    job = Job.objects.get(pk=move.job_id)
+    if job.state != MOVING_STATE[K(move.kind)]:
+        # cancelled, or moved on by someone else: nothing left to do for this move
+        Move.objects.filter(pk=move.pk, state=Move.State.ACTIVE).update(
+            state=Move.State.DONE if job.state == S.SUCCEEDED else Move.State.FAILED, finished_at=now,
+            log=_log(move, now, move.step, f"the job is {job.state}"))
+        return ENDED
+    outcome = CHECKS[step](move, job)
+    if outcome is None:
+        if now >= move.step_deadline:
+            waited = (now - move.step_started_at).total_seconds()
+            move_end(move=move, job=job, state=Move.State.TIMED_OUT, now=now,
+                     reason=f"{step} not done within {waited:.0f} s")
+            return ENDED
+        return WAITING
+    if outcome.kind == "finished":
+        _finish_job(move=move, job=job, note=outcome.note, now=now)
+        return ENDED
+    if outcome.kind == "failed":
+        move_end(move=move, job=job, state=Move.State.FAILED, reason=outcome.note, now=now)
+        return ENDED
+    return DONE if _complete(move=move, job=job, outcome=outcome, now=now) else PASSED
+
+
+def move_advance(*, move_id, now=None):
+    """Completes every step of the move that is already observed done (what a report enqueues);
+    returns the steps completed. Never waits, never times out (the chain and the sweep do)."""
+    done = []
+    for _ in range(len(St)):
+        move = Move.objects.filter(pk=move_id, state=Move.State.ACTIVE).only("step").first()
+        if move is None:
+            break
+        outcome = move_step_run(move_id=move_id, step=move.step, now=now)
+        if outcome != DONE:
+            break
+        done.append(move.step)
+    return done
+
+
+def moves_sweep(*, now=None):
+    """Times out active moves past their step deadline and re-enqueues the chains of moves no
+    step task looked at for lost_chain_after() (a crashed worker). Returns {"timed_out", "requeued"}."""
+    now = now or timezone.now()
+    timed_out = requeued = 0
+    for move in Move.objects.filter(state=Move.State.ACTIVE).order_by("id"):
+        if now >= move.step_deadline:
+            if move_step_run(move_id=move.pk, step=move.step, now=now) == ENDED \
+                    and Move.objects.filter(pk=move.pk, state=Move.State.TIMED_OUT).exists():
+                timed_out += 1
+            continue
+        if move.polled_at is None or now - move.polled_at >= lost_chain_after():
+            Move.objects.filter(pk=move.pk).update(log=_log(move, now, move.step, "chain lost; re-enqueued"))
+            move_chain_enqueue(move=move, now=now)
+            requeued += 1
+    return {"timed_out": timed_out, "requeued": requeued}

@@ -1,0 +1,321 @@
+"""Moves as persisted workflows (jobs/moves.py): each step, idempotence, timeouts with an injected
+clock, the lost-chain sweep, one active move per job, stale-generation fencing.
+
+Agents are played by node_report_apply (what their heartbeat API calls), the Celery worker by
+the services its tasks call (move_step_run, move_advance) and by calling the task itself."""
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+from celery.exceptions import Retry
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from fleet.agent_services import node_register
+from fleet.models import Accelerator, Node
+from jobs import tasks
+from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
+from jobs.moves import (DONE, ENDED, PASSED, SUPERSEDED, WAITING, move_advance, move_create, move_step_run,
+                        moves_sweep)
+from jobs.services import job_submit
+from jobs.tick import _migrate, tick_run
+from jobs.workflows import node_desired_state, node_report_apply
+
+S = Job.State
+ENROLL = "test-enrollment-token"
+
+
+@pytest.fixture(autouse=True)
+def short_policy(monkeypatch):
+    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
+    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
+    monkeypatch.setenv("MERIDIAN_ACCOUNTING_SECONDS", "0")
+    monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "60")
+
+
+def make_node(hostname, devices=1):
+    node, _token = node_register(enrollment=ENROLL, hostname=hostname, region="eu", cluster="c1",
+                                 devices=[{"type": "CPU"}] * devices)
+    return node
+
+
+def report(node, job_id, state, *, generation=None, step=10, devices=1, cut=None, checkpoint_step=None, now=None):
+    entry = {"job_id": job_id, "state": state, "step": step, "devices": devices}
+    if generation is not None:
+        entry["generation"] = generation
+    if cut is not None:
+        entry["cut"] = cut
+    if checkpoint_step is not None:
+        entry["checkpoint"] = {"step": checkpoint_step, "uri": f"file:///nowhere/{job_id}/{checkpoint_step}",
+                               "bytes": 100, "engine": "framework"}
+    return node_report_apply(node=node, report={"jobs": [entry]}, now=now)
+
+
+def worker():
+    """Plays the Celery worker: runs the move_advance tasks the reports enqueued."""
+    for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
+        move_advance(move_id=move_id)
+
+
+def step_events(job):
+    return [(e.extra_data["step"], e.extra_data.get("node"), e.extra_data.get("checkpoint_step"))
+            for e in JobEvent.objects.filter(job=job, type=JobEvent.Type.MOVE_STEP).order_by("id")]
+
+
+@pytest.fixture
+def running(alice, team_a, job_spec):
+    """Returns a function: running(name, tier, node) -> a job started by the tick and reported
+    running (generation 1) by its node."""
+
+    def start(name="b", tier="basic", world_size=1, min_devices=1, devices=1):
+        job = job_submit(team=team_a, submitted_by=alice,
+                         spec=job_spec(name=name, world_size=world_size, min_devices=min_devices, tier=tier))
+        tick_run()
+        job.refresh_from_db()
+        node = Node.objects.get(pk=Replica.objects.filter(job=job, rank=0).values_list("device__node_id", flat=True)[0])
+        report(node, job.pk, "running", generation=job.generation, devices=devices)
+        job.refresh_from_db()
+        assert job.state == S.RUNNING and job.generation == 1
+        return job, node
+
+    return start
+
+
+def preempted_victim(running, alice, team_a, job_spec):
+    n1 = make_node("n1")
+    victim, node = running("victim")
+    premium = job_submit(team=team_a, submitted_by=alice,
+                         spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    tick_run()
+    victim.refresh_from_db()
+    assert victim.state == S.PREEMPTING and node == n1
+    return victim, n1, premium
+
+
+@pytest.mark.django_db
+def test_a_preemption_runs_barrier_checkpoint_store_release_each_with_its_event(running, alice, team_a, job_spec):
+    victim, n1, premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    assert move.kind == Move.Kind.PREEMPTION and move.step == Move.Step.BARRIER and move.from_node == n1
+    # The old node is told to stop its copy (generation 1); the premium job runs there next.
+    entries = {e["job_id"]: e for e in node_desired_state(node=n1)["jobs"]}
+    assert entries[victim.pk]["action"] == "stop" and entries[victim.pk]["generation"] == 1
+    assert entries[premium.pk]["action"] == "run"
+
+    assert move_step_run(move_id=move.pk, step="barrier") == WAITING  # nothing observed yet
+    report(n1, victim.pk, "running", generation=1, step=41, cut={"action": "stop", "step": 42})
+    assert move_step_run(move_id=move.pk, step="barrier") == DONE
+    assert move_step_run(move_id=move.pk, step="checkpoint") == WAITING  # no checkpoint row at 42 yet
+    report(n1, victim.pk, "running", generation=1, step=42, cut={"action": "stop", "step": 42}, checkpoint_step=42)
+    assert move_step_run(move_id=move.pk, step="checkpoint") == DONE
+    assert move_step_run(move_id=move.pk, step="store") == WAITING  # not visible, not yet stopped
+    report(n1, victim.pk, "stopped", generation=1, step=42, cut={"action": "stop", "step": 42}, checkpoint_step=42)
+    assert move_advance(move_id=move.pk) == ["store", "release"]
+
+    victim.refresh_from_db()
+    move.refresh_from_db()
+    assert victim.state == S.PREEMPTED and victim.last_checkpoint_step == 42
+    assert move.state == Move.State.DONE and move.step == Move.Step.DONE and move.cut_step == 42
+    assert step_events(victim) == [("started", None, None), ("barrier", "n1", 42), ("checkpoint", "n1", 42),
+                                   ("store", "n1", 42), ("release", "n1", 42)]
+    assert [entry["step"] for entry in move.log] == ["barrier", "barrier", "checkpoint", "store", "release"]
+
+
+@pytest.mark.django_db
+def test_running_a_step_twice_is_a_no_op(running, alice, team_a, job_spec):
+    victim, n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    stopped = dict(generation=1, step=42, cut={"action": "stop", "step": 42}, checkpoint_step=42)
+    report(n1, victim.pk, "stopped", **stopped)
+    assert move_step_run(move_id=move.pk, step="barrier") == DONE
+    events = JobEvent.objects.filter(job=victim).count()
+
+    assert move_step_run(move_id=move.pk, step="barrier") == PASSED
+    report(n1, victim.pk, "stopped", **stopped)  # a repeated heartbeat
+    assert Checkpoint.objects.filter(job=victim).count() == 1
+    assert move_advance(move_id=move.pk) == ["checkpoint", "store", "release"]
+    assert move_advance(move_id=move.pk) == []
+    for step in ("barrier", "checkpoint", "store", "release"):
+        assert move_step_run(move_id=move.pk, step=step) == ENDED
+    assert JobEvent.objects.filter(job=victim).count() == events + 3 + 1  # 3 more steps and the state change
+
+
+@pytest.mark.django_db
+def test_a_live_migration_waits_for_the_restore_step_before_the_new_node_runs_it(running):
+    n1 = make_node("n1")
+    job, _ = running("m")
+    n2 = make_node("n2")
+    now = timezone.now()
+    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
+    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
+    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"], now=now)
+    job.refresh_from_db()
+    move = Move.objects.get(job=job, state=Move.State.ACTIVE)
+    assert job.state == S.MIGRATING and job.generation == 2
+    assert (move.from_node, move.to_node, move.from_generation, move.to_generation) == (n1, n2, 1, 2)
+
+    def actions():
+        return ({e["job_id"]: (e["action"], e["generation"]) for e in node_desired_state(node=n1)["jobs"]},
+                {e["job_id"]: (e["action"], e["generation"]) for e in node_desired_state(node=n2)["jobs"]})
+
+    assert actions() == ({job.pk: ("stop", 1)}, {job.pk: ("wait", 2)})
+    report(n1, job.pk, "stopped", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
+    worker()
+    assert Move.objects.get(pk=move.pk).step == Move.Step.RESTORE
+    assert actions() == ({job.pk: ("stop", 1)}, {job.pk: ("run", 2)})
+    report(n2, job.pk, "running", generation=2, step=29)  # still restoring: below the cut
+    worker()
+    assert Move.objects.get(pk=move.pk).step == Move.Step.RESTORE
+    report(n2, job.pk, "running", generation=2, step=31)
+    worker()
+
+    job.refresh_from_db()
+    assert job.state == S.RUNNING and job.progress_step == 31
+    assert step_events(job) == [("started", None, None), ("barrier", "n1", 30), ("checkpoint", "n1", 30),
+                                ("store", "n1", 30), ("restore", "n2", 30), ("release", "n1", 30)]
+    assert actions() == ({}, {job.pk: ("run", 2)})
+
+
+@pytest.mark.django_db
+def test_a_resize_runs_barrier_resize_release(running, alice, team_a, job_spec):
+    make_node("n1", devices=2)
+    elastic, node = running("e", world_size=2, min_devices=1, devices=2)
+    job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    tick_run()
+    elastic.refresh_from_db()
+    move = Move.objects.get(job=elastic, state=Move.State.ACTIVE)
+    assert elastic.state == S.RESIZING and (move.kind, move.from_devices, move.to_devices) == ("resize", 2, 1)
+
+    report(node, elastic.pk, "running", generation=1, step=20, devices=2)  # not spliced yet
+    worker()
+    assert Move.objects.get(pk=move.pk).step == Move.Step.BARRIER
+    report(node, elastic.pk, "running", generation=1, step=21, devices=1, cut={"action": "resize", "step": 21, "devices": 1})
+    worker()
+
+    elastic.refresh_from_db()
+    assert elastic.state == S.RUNNING and elastic.device_count == 1
+    assert [s for s, _n, _c in step_events(elastic)] == ["started", "barrier", "resize", "release"]
+    assert Move.objects.get(pk=move.pk).cut_step == 21
+
+
+@pytest.mark.django_db
+def test_a_step_past_its_deadline_ends_the_move_and_the_job_goes_back_in_line(running, alice, team_a, job_spec):
+    victim, n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    report(n1, victim.pk, "running", generation=1, cut={"action": "stop", "step": 42})
+    assert move_step_run(move_id=move.pk, step="barrier") == DONE
+    later = move.step_started_at + timedelta(seconds=59)
+    assert move_step_run(move_id=move.pk, step="checkpoint", now=later) == WAITING
+
+    assert move_step_run(move_id=move.pk, step="checkpoint", now=later + timedelta(seconds=120)) == ENDED
+
+    victim.refresh_from_db()
+    move.refresh_from_db()
+    assert move.state == Move.State.TIMED_OUT and move.step == Move.Step.CHECKPOINT
+    assert victim.state == S.PREEMPTED
+    ended = JobEvent.objects.get(job=victim, type=JobEvent.Type.MOVE_ENDED)
+    assert ended.extra_data["step"] == "checkpoint" and "timed_out at checkpoint" in ended.reason
+    assert move_step_run(move_id=move.pk, step="checkpoint") == ENDED  # the chain's later tasks exit
+
+
+@pytest.mark.django_db
+def test_the_sweep_requeues_a_lost_chain_and_times_out_a_move_past_its_deadline(running, alice, team_a, job_spec,
+                                                                                 django_capture_on_commit_callbacks):
+    victim, _n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    chain_before = move.chain_id
+    assert moves_sweep(now=move.polled_at + timedelta(seconds=5)) == {"timed_out": 0, "requeued": 0}
+
+    with django_capture_on_commit_callbacks() as callbacks:  # (not executed: no broker needed)
+        with transaction.atomic():
+            assert moves_sweep(now=move.polled_at + timedelta(seconds=20)) == {"timed_out": 0, "requeued": 1}
+    move.refresh_from_db()
+    assert len(callbacks) == 1 and move.chain_id != chain_before and move.log[-1]["note"] == "chain lost; re-enqueued"
+    # The old chain's tasks, should they wake up, exit; the new chain's go on.
+    assert move_step_run(move_id=move.pk, step="barrier", chain_id=chain_before) == SUPERSEDED
+    assert move_step_run(move_id=move.pk, step="barrier", chain_id=move.chain_id) == WAITING
+
+    assert moves_sweep(now=move.step_deadline + timedelta(seconds=1)) == {"timed_out": 1, "requeued": 0}
+    victim.refresh_from_db()
+    assert victim.state == S.PREEMPTED and Move.objects.get(pk=move.pk).state == Move.State.TIMED_OUT
+
+
+@pytest.mark.django_db
+def test_the_step_task_retries_until_its_step_is_observed(running, alice, team_a, job_spec):
+    victim, n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+
+    with pytest.raises(Retry):
+        tasks.move_step(move.pk, "barrier", move.chain_id)
+    report(n1, victim.pk, "running", generation=1, cut={"action": "stop", "step": 42})
+    assert tasks.move_step(move.pk, "barrier", move.chain_id) == DONE
+    assert tasks.move_step(move.pk, "barrier", move.chain_id) == PASSED
+    assert tasks.move_step(move.pk, "barrier", "another-chain") == SUPERSEDED
+
+
+@pytest.mark.django_db
+def test_a_job_has_at_most_one_active_move(running):
+    make_node("n1")
+    job, node = running("j")
+    now = timezone.now()
+    first = move_create(job=job, kind="resize", reason="r1", now=now, from_node_id=node.pk, to_node_id=node.pk)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Move.objects.create(job=job, kind="resize", step="barrier", step_deadline=now)
+
+    second = move_create(job=job, kind="resize", reason="r2", now=now, from_node_id=node.pk, to_node_id=node.pk)
+
+    first.refresh_from_db()
+    assert first.state == Move.State.FAILED and first.log[-1]["note"] == "superseded by a new move"
+    assert list(Move.objects.filter(job=job, state=Move.State.ACTIVE)) == [second]
+
+
+@pytest.mark.django_db
+def test_a_node_lost_before_the_cut_ends_the_move_and_the_job_resumes_from_its_checkpoint(running, alice, team_a,
+                                                                                          job_spec):
+    victim, n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    Node.objects.filter(pk=n1.pk).update(state=Node.State.LOST)
+
+    assert move_step_run(move_id=move.pk, step="barrier") == ENDED
+
+    victim.refresh_from_db()
+    assert victim.state == S.PREEMPTED and Move.objects.get(pk=move.pk).state == Move.State.FAILED
+
+
+@pytest.mark.django_db
+def test_a_copy_that_finishes_before_the_cut_ends_the_move_and_the_job(running, alice, team_a, job_spec):
+    victim, n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    report(n1, victim.pk, "finished", generation=1, step=100)
+    move_advance(move_id=Move.objects.get(job=victim).pk)
+    victim.refresh_from_db()
+    assert victim.state == S.SUCCEEDED and Move.objects.get(job=victim).state == Move.State.DONE
+
+
+@pytest.mark.django_db
+def test_reports_and_checkpoints_of_a_stale_generation_are_rejected_and_change_nothing(running):
+    n1 = make_node("n1")
+    job, _ = running("j")
+    report(n1, job.pk, "running", generation=1, step=7, checkpoint_step=7)
+    t0 = timezone.now()
+    n2 = make_node("n2")
+    node_report_apply(node=n2, report={"jobs": []}, now=t0 + timedelta(seconds=60))
+    tick_run(now=t0 + timedelta(seconds=61))  # n1 is lost; the job restarts on n2 as generation 2
+    job.refresh_from_db()
+    assert job.generation == 2 and job.state == S.MIGRATING
+    report(n2, job.pk, "running", generation=2, step=8)
+    worker()
+    job.refresh_from_db()
+    assert job.state == S.RUNNING
+
+    # n1 comes back: its stale copy reports progress and a newer checkpoint.
+    result = report(n1, job.pk, "running", generation=1, step=50, checkpoint_step=50,
+                    now=t0 + timedelta(seconds=62))
+
+    job.refresh_from_db()
+    assert result["accepted"] == [] and result["rejected"][0]["fence"] is True
+    assert "generation 1" in result["rejected"][0]["error"]
+    assert job.progress_step == 8 and job.last_checkpoint_step == 7
+    assert not Checkpoint.objects.filter(job=job, step=50).exists()
+    # ... and is not told to run it
+    assert node_desired_state(node=n1)["jobs"] == []
+    assert node_desired_state(node=n1)["lost_after_seconds"] == 30.0
