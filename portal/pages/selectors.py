@@ -16,7 +16,7 @@ from django.db.models import Avg, Count, Q
 from django.utils import timezone
 
 from fleet.models import Accelerator, Cluster, Node
-from fleet.selectors import fleet_summary
+from fleet.selectors import fleet_summary, telemetry_series, telemetry_window
 from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Replica
 from jobs.selectors import team_ids_for_user
 
@@ -231,6 +231,22 @@ def _cells_to_heatmap(cells, *, drill, columns=HEATMAP_COLUMNS):
     }
 
 
+def fleet_utilization_history(*, now, cluster_id=None, node_id=None):
+    """Returns the fleet page's utilization-over-time chart for the level shown (the fleet, one
+    cluster or one node): the default window (telemetry_window) by minute, points as JSON-able
+    dicts, and the API query that fetches other windows of the same scope."""
+    since, until, resolution = telemetry_window(now=now, node_level=node_id is not None)
+    points = telemetry_series(since=since, until=until, resolution=resolution, node_id=node_id, cluster_id=cluster_id)
+    scope = f"node={node_id}" if node_id is not None else (f"cluster={cluster_id}" if cluster_id is not None else "")
+    return {
+        "since": since.isoformat(),
+        "until": until.isoformat(),
+        "resolution_seconds": resolution,
+        "scope_query": scope,
+        "points": [{**p, "t": p["t"].isoformat()} for p in points],
+    }
+
+
 def fleet_page_data(*, user, cluster_id=None, node_id=None):
     """Returns everything the fleet page draws (also its live JSON), or None when the
     asked-for cluster or node does not exist."""
@@ -254,7 +270,9 @@ def fleet_page_data(*, user, cluster_id=None, node_id=None):
     ]
     attention_total, attention = fleet_nodes_needing_attention()
     totals = summary["totals"]
+    history = fleet_utilization_history(now=timezone.now(), cluster_id=cluster_id, node_id=node_id)
     return {
+        "utilization_history": history,
         "totals": {**totals, "allocated_fraction": _fraction(totals["allocated"], totals["healthy"])},
         "by_type": by_type,
         "heatmap": heatmap,

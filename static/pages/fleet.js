@@ -71,14 +71,59 @@
     }).join("") || '<tr><td colspan="4" class="muted">All nodes are ready.</td></tr>';
   }
 
+  // Utilization over time for the level shown (fleet, cluster or node). The page's own JSON
+  // carries the default window; other windows come from the API for the same scope.
+  var historyWindow = document.getElementById("history-window");
+  var DEFAULT_HISTORY_HOURS = "6";
+  var history = data.utilization_history;
+
+  function historyApiUrl() {
+    var query = "hours=" + historyWindow.value + (history.scope_query ? "&" + history.scope_query : "");
+    return "/api/fleet/utilization/?" + query;
+  }
+
+  function fetchHistory() {
+    if (historyWindow.value === DEFAULT_HISTORY_HOURS) {
+      history = data.utilization_history;
+      return Promise.resolve();
+    }
+    return MeridianLive.fetchJson(historyApiUrl()).then(function (body) {
+      history = {points: body.points, since: body.since, until: body.until, resolution_seconds: body.resolution_seconds,
+                 scope_query: data.utilization_history.scope_query};
+    });
+  }
+
+  function drawHistory() {
+    var points = history.points;
+    var times = points.map(function (p) { return p.t; });
+    document.getElementById("history-empty").hidden = points.length > 0;
+    document.getElementById("history-scope").textContent =
+      "(" + data.heatmap.breadcrumbs[data.heatmap.breadcrumbs.length - 1].label + ", " +
+      (history.resolution_seconds === 60 ? "per minute" : "per hour") + ")";
+    Plotly.react("history-chart", [
+      {type: "scatter", mode: "lines", name: "mean utilization", x: times,
+       y: points.map(function (p) { return p.utilization_mean; }), line: {color: "#1f6f3a", width: 2}},
+      {type: "scatter", mode: "lines", name: "busiest device", x: times,
+       y: points.map(function (p) { return p.utilization_max; }), line: {color: "#8fd19e", width: 1, dash: "dot"}},
+      {type: "scatter", mode: "lines", name: "memory used per device (GB)", x: times, yaxis: "y2",
+       y: points.map(function (p) { return p.memory_used_gb_mean; }), line: {color: "#2357d9", width: 1}}
+    ], {
+      height: 240, margin: {l: 50, r: 50, t: 10, b: 30}, legend: {orientation: "h"},
+      xaxis: {type: "date", range: [history.since, history.until]},
+      yaxis: {tickformat: ".0%", range: [0, 1.05], title: {text: "utilization"}},
+      yaxis2: {overlaying: "y", side: "right", rangemode: "tozero", title: {text: "GB"}, showgrid: false}
+    }, {displayModeBar: false, responsive: true});
+  }
+
   function drawAll() {
-    drawHeatmap(); drawBreadcrumbs(); drawTotals(); drawByType(); drawAttention();
+    drawHeatmap(); drawBreadcrumbs(); drawTotals(); drawByType(); drawAttention(); drawHistory();
     state.draws += 1;
     state.data = data;
     document.body.dataset.fleetRenderedAt = String(Date.now());
   }
 
   metricSelect.addEventListener("change", drawHeatmap);
+  historyWindow.addEventListener("change", function () { fetchHistory().then(drawHistory); });
   drawAll();
   heatmapDiv.on("plotly_click", function (event) {
     var point = event.points && event.points[0];
@@ -91,8 +136,8 @@
   var refresh = MeridianLive.refresher(function () {
     return MeridianLive.fetchJson(MeridianLive.withParam(location.href, "format", "json")).then(function (fresh) {
       data = fresh;
-      drawAll();
-    });
+      return fetchHistory();
+    }).then(drawAll);
   });
   // Telemetry (actually-used) arrives continuously from the agents and is not pushed
   // message by message; a visible fleet page also refetches on this slow beat.
