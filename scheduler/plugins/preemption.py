@@ -8,7 +8,9 @@ must hold its accelerator type, be in one region (a gang never spans regions), a
 Within a region, actions are taken in this order until enough devices are free:
   1. reclaim borrowed devices (preempt borrowers, least lost work first);
   2. shrink elastic victims (splicing: no work is lost), Basic before Standard, biggest
-     possible release first, each to the largest allowed count that still frees enough;
+     possible release first (for a Premium preemptor: smallest checkpoint first, since it
+     starts only when the victim's cut is done), each to the largest allowed count that still
+     frees enough;
   3. preempt victims, Basic before Standard, least lost work first (device-seconds since
      the last checkpoint), then smallest checkpoint.
 The region needing the fewest preemptions, then the least lost work, wins. A gang of two or
@@ -190,8 +192,12 @@ class SlaPreemption:
         by_cost = np.lexsort((ids, facts["ckpt"], facts["lost"], -tier))
         # shrink order: Basic first, biggest release first, id
         by_release = np.lexsort((ids, -facts["shrink"], -tier))
+        # shrink order for a Premium preemptor: Basic first, smallest checkpoint first (it
+        # starts only when the victim's cut and checkpoint are done), then biggest release
+        by_wait = np.lexsort((ids, -facts["shrink"], facts["ckpt"], -tier))
         cache[k] = ({name: col[by_cost] for name, col in facts.items()},
-                    {name: col[by_release] for name, col in facts.items()})
+                    {name: col[by_release] for name, col in facts.items()},
+                    {name: col[by_wait] for name, col in facts.items()})
         return cache[k]
 
     def _actions(self, tick, j: int):
@@ -199,7 +205,9 @@ class SlaPreemption:
         or None if there are none."""
         jobs = tick.snapshot.jobs
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, by_release = self._candidates(tick, k)
+        by_cost, by_release, by_wait = self._candidates(tick, k)
+        if tier == PREMIUM:
+            by_release = by_wait
         if by_cost["job"].size == 0:
             return None
         # groups 0 (reclaim borrowed), 2 (preempt), 3 (needs approval), in cost order
@@ -243,7 +251,7 @@ class SlaPreemption:
         cache = tick.__dict__.setdefault("_preemption_devices", {})
         if (k, level) in cache:
             return cache[(k, level)]
-        by_cost, _ = SlaPreemption._candidates(tick, k)
+        by_cost, *_ = SlaPreemption._candidates(tick, k)
         state = tick.state
         row_of = np.full(state.n_jobs, -1, np.int64)
         row_of[by_cost["job"]] = np.arange(by_cost["job"].size)
@@ -268,7 +276,7 @@ class SlaPreemption:
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, _ = self._candidates(tick, k)
+        by_cost, *_ = self._candidates(tick, k)
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
         eligible = (~tick.touched[by_cost["job"]] & (reclaim | (by_cost["tier"] > tier))
                     & ~by_cost["recent"] & ~by_cost["needs_approval"])
@@ -317,7 +325,7 @@ class SlaPreemption:
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, _ = self._candidates(tick, k)
+        by_cost, *_ = self._candidates(tick, k)
         shrinkable = (~tick.touched[by_cost["job"]] & (by_cost["tier"] > tier)
                       & ~(by_cost["borrower"] & (by_cost["team"] != team))
                       & ~by_cost["needs_approval"] & (by_cost["shrink"] > 0))
@@ -355,7 +363,7 @@ class SlaPreemption:
         the entity first, until `need` devices are free there. Returns one phrase per victim."""
         jobs, state = tick.snapshot.jobs, tick.state
         k = int(jobs.type_id[j])
-        by_cost, _ = self._candidates(tick, k)
+        by_cost, *_ = self._candidates(tick, k)
         done = []
         for r in victims:
             missing = need - int(state.free_count[level][entity, k])

@@ -293,3 +293,21 @@ def test_a_pinned_preemptor_shrinks_elastic_victims_on_its_node_first(running, j
     nodes = {int(snap.accelerators.node[d]) for d in start.devices}
     assert len(nodes) <= (1 if snap.jobs.max_spread[start.job] == SPREAD_NODE else 2)
     assert set(start.devices) <= set(premium_node_devices)
+
+
+# --- which elastic victim is shrunk: the preemptor starts only when the victim's cut is done ---
+SHRINK_ORDER_CASES = [
+    pytest.param(PREMIUM, "small-ckpt", id="premium-shrinks-the-smallest-checkpoint"),
+    pytest.param(STANDARD, "big-release", id="standard-shrinks-the-biggest-release"),
+]
+
+
+@pytest.mark.parametrize("tier, shrunk", SHRINK_ORDER_CASES)
+def test_which_elastic_victim_is_shrunk(tier, shrunk):
+    # 8 devices: "big-release" (W=4, can give 3) and "small-ckpt" (W=4, min 2, can give 2) fill it
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=8)).now(NOW)
+            .job(old(make_job("big-release").ranks(4).elastic(1).running(4).checkpoint(NOW - 10, size_bytes=8 * 10**9)))
+            .job(old(make_job("small-ckpt").ranks(4).elastic(2).running(4).checkpoint(NOW - 10, size_bytes=10**9)))
+            .job(make_job("new").tier(tier).ranks(1)).build())
+    got, _ = outcome(snap)
+    assert got["shrink"] == [shrunk] and got["start"] == ["new"]
