@@ -29,8 +29,8 @@ from scheduler.plan import Plan, Preempt, Start, WaitReason
 from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
 from scheduler.plugins import quota as quota_plugin
-from scheduler.snapshot import TIER_NAMES, Snapshot, allowed_counts
-from scheduler.state import WorkingState
+from scheduler.snapshot import PREMIUM, TIER_NAMES, Snapshot, allowed_counts
+from scheduler.state import POOL_RELEASING, POOL_RESERVE, WorkingState
 
 PHASES = ("1. snapshot", "2. order", "3. place", "4. preempt", "5. resize", "6. defragment", "7. plan")
 
@@ -269,7 +269,7 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
         if not placed and policy.defrag is not None:
             with clock.phase(PHASES[5]):
                 placed = policy.defrag.run(tick, j)
-        tick.state.close_releasing()  # the next job tries devices free now first again
+        tick.state.close_pools()  # the next job tries devices free now first again
 
     if tick.decisions and tick.waiting:
         with clock.phase(PHASES[2]):
@@ -291,7 +291,9 @@ def _admit(tick: Tick, j: int) -> bool:
 
     Devices free now are tried first; only if the job does not fit in them are the devices
     still being released counted too (the state keeps them counted until the caller closes
-    them again, so a preemption for j does not take more victims than needed).
+    them again, so a preemption for j does not take more victims than needed). The devices
+    kept for Premium arrivals (PolicySettings.premium_reserve_devices) count for Premium jobs
+    only.
     """
     policy, jobs = tick.policy, tick.snapshot.jobs
     counts = tick.start_counts(j)
@@ -300,11 +302,19 @@ def _admit(tick: Tick, j: int) -> bool:
     if not candidates:
         tick.waiting[j] = (quota_plugin.REASON_OVER_QUOTA, policy.quota.over_quota_reason(tick, j, counts))
         return False
+    state = tick.state
+    premium = int(jobs.tier[j]) == PREMIUM
+    if premium:
+        state.open_pool(POOL_RESERVE)
     found = policy.place.place(tick, j, candidates)
-    if found is None and tick.state.open_releasing():
+    if found is None and state.open_pool(POOL_RELEASING):
         found = policy.place.place(tick, j, candidates)
     if found is None:
-        tick.waiting[j] = (placement_plugin.REASON_NO_ROOM, policy.place.no_room_reason(tick, j, counts))
+        reason = policy.place.no_room_reason(tick, j, counts)
+        if not premium and state.reserve.size:
+            reason += (f"; {state.reserve.size} idle devices are kept for Premium arrivals "
+                       f"(premium_reserve_devices)")
+        tick.waiting[j] = (placement_plugin.REASON_NO_ROOM, reason)
         return False
     borrowed = tick.borrowed_by(j, len(found))
     tick.give(j, found.devices)
@@ -339,7 +349,7 @@ def _backfill(tick: Tick) -> None:
             continue
         before = tick.waiting[j]
         admitted = _admit(tick, j)
-        tick.state.close_releasing()
+        tick.state.close_pools()
         if admitted:
             placed.add(j)
             free_by_type = tick.state.free_count[3].sum(axis=0)

@@ -323,6 +323,9 @@ class PolicySettings:
     # on W/2 devices misses from its first second. Other tiers start at the largest allowed
     # count that fits and grow later.
     full_size_tiers: tuple = (PREMIUM,)
+    premium_reserve_devices: int = 0  # free devices per region and type that only Premium jobs
+    # may take (pending jobs of other tiers and growth leave them idle), so a short Premium job
+    # starts at once instead of after a victim's checkpoint; 0 = fully work-conserving
     min_resize_interval_seconds: float = 600.0  # s; a job is not grown again sooner than this
     # after its last resize (grow or shrink), so grow/shrink does not flap tick after tick
 
@@ -333,8 +336,8 @@ class PolicySettings:
             raise SnapshotError("min_run_seconds must be >= 0 and the half-life > 0")
         if not 0.0 <= self.past_usage_weight <= 1.0:
             raise SnapshotError("past_usage_weight must be within 0..1")
-        if self.min_resize_interval_seconds < 0:
-            raise SnapshotError("min_resize_interval_seconds must be >= 0")
+        if self.min_resize_interval_seconds < 0 or self.premium_reserve_devices < 0:
+            raise SnapshotError("min_resize_interval_seconds and premium_reserve_devices must be >= 0")
         tiers = tuple(int(t) for t in self.full_size_tiers)
         if any(t not in (PREMIUM, STANDARD, BASIC) for t in tiers):
             raise SnapshotError(f"full_size_tiers holds an unknown tier: {tiers}")

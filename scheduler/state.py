@@ -19,6 +19,8 @@ from scheduler.snapshot import (
 LEVEL_NODE, LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION = 0, 1, 2, 3
 LEVELS = (LEVEL_NODE, LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION)
 LEVEL_NAMES = SPREAD_NAMES  # "node", "rack", "cluster", "region"
+POOL_RELEASING = "releasing"  # free devices whose last holder is still stopping
+POOL_RESERVE = "reserve"  # free devices kept for Premium arrivals
 
 
 class Placement:
@@ -153,11 +155,19 @@ class WorkingState:
         # Free devices still being released (their last holder is checkpointing): kept out of
         # the free counts until a job finds no room without them (`open_releasing`), so jobs
         # land on devices that are free now first.
+        # Devices held back the same way: `reserve` (PolicySettings.premium_reserve_devices per
+        # region and type, free now, on the nodes with the fewest free devices) is opened
+        # only for Premium jobs.
         releasing = self.free & (acc.releasing_until > snapshot.now)
         self.releasing = np.flatnonzero(releasing)  # devices, ascending
-        self.releasing_open = False
         if self.releasing.size:
             self.free &= ~releasing
+        self.reserve = self._pick_reserve(snapshot, topology) \
+            if snapshot.settings.premium_reserve_devices > 0 else np.empty(0, np.int64)
+        if self.reserve.size:
+            self.free[self.reserve] = False
+        self.pools = {POOL_RELEASING: self.releasing, POOL_RESERVE: self.reserve}
+        self.open_pools: set = set()
 
         self.n_nodes = n_nodes
         self.node_region = topology.node_region
@@ -332,26 +342,46 @@ class WorkingState:
             return picked[0]  # devices_by_node is ascending within a node
         return np.sort(np.concatenate(picked)) if picked else np.empty(0, np.int64)
 
-    # --- devices still being released ---------------------------------------------------
-    def open_releasing(self) -> bool:
-        """Counts the free devices still being released as free; returns False if there are none
-        (or they are counted already). Not journaled: what a rollback restores is still right."""
-        if self.releasing_open or self.releasing.size == 0:
+    # --- devices held back: still being released, or kept for Premium arrivals -------------
+    def _pick_reserve(self, snapshot, topology) -> np.ndarray:
+        """Returns up to premium_reserve_devices free devices per (region, type), ascending:
+        those on the nodes with the fewest free devices (the holes a 1-device job would fill;
+        whole free nodes stay whole for gangs), lowest index first."""
+        free_idx = np.flatnonzero(self.free)
+        if free_idx.size == 0:
+            return free_idx
+        k = self.k
+        key = self.node[free_idx] * k + self.type_id[free_idx]
+        node_free = np.bincount(key, minlength=topology.n_nodes * k)[key]
+        group = topology.node_region[self.node[free_idx]] * k + self.type_id[free_idx]
+        order = np.lexsort((free_idx, node_free, group))
+        group = group[order]
+        first = np.r_[True, group[1:] != group[:-1]]
+        start = np.maximum.accumulate(np.where(first, np.arange(group.size), 0))
+        rank = np.arange(group.size) - start
+        return np.sort(free_idx[order][rank < snapshot.settings.premium_reserve_devices])
+
+    def open_pool(self, name: str) -> bool:
+        """Counts the held-back devices of pool `name` (POOL_RELEASING, POOL_RESERVE) that are
+        still unheld as free; returns False if there are none or the pool is open already.
+        Not journaled: what a rollback restores is still right (the devices are unheld)."""
+        pool = self.pools[name]
+        if name in self.open_pools or pool.size == 0:
             return False
-        back = self.releasing[(self.holder[self.releasing] == NO_JOB) & ~self.free[self.releasing]]
+        back = pool[(self.holder[pool] == NO_JOB) & ~self.free[pool]]
         self.free[back] = True
         self._count(back, +1)
-        self.releasing_open = True
+        self.open_pools.add(name)
         return True
 
-    def close_releasing(self) -> None:
-        """Takes the devices still being released and still free out of the free counts again."""
-        if not self.releasing_open:
-            return
-        hide = self.releasing[self.free[self.releasing]]
-        self.free[hide] = False
-        self._count(hide, -1)
-        self.releasing_open = False
+    def close_pools(self) -> None:
+        """Takes the held-back devices still free out of the free counts again."""
+        for name in sorted(self.open_pools):
+            pool = self.pools[name]
+            hide = pool[self.free[pool]]
+            self.free[hide] = False
+            self._count(hide, -1)
+        self.open_pools.clear()
 
     # --- changing ----------------------------------------------------------------------
     def _count(self, devs: np.ndarray, sign: int) -> None:

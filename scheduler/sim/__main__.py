@@ -45,6 +45,9 @@ def build_parser():
     p.add_argument("--repair-hours", type=float, default=1.0, help="node repair time (1 h)")
     p.add_argument("--splice-efficiency", type=float, default=None)
     p.add_argument("--spread-efficiency", type=float, default=None)
+    p.add_argument("--premium-reserve", type=int, default=0, metavar="DEVICES",
+                   help="Meridian: PolicySettings.premium_reserve_devices, idle devices per region "
+                        "that only Premium jobs may take (0)")
     p.add_argument("--report", metavar="HTML", help="write the Plotly report here")
     p.add_argument("--json", metavar="PATH", help="write the summaries as JSON here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -98,6 +101,8 @@ def main(argv=None):
         if args.spread_efficiency is not None:
             changes["spread_efficiency"] = args.spread_efficiency
         costs = dataclasses.replace(CostModel(), **changes)
+        if args.premium_reserve < 0:
+            raise ValueError("--premium-reserve must be >= 0")
     except (TraceError, FleetError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -107,7 +112,12 @@ def main(argv=None):
           f"{fleet.n_nodes} nodes; tick {args.tick:g} s; seed {args.seed}", flush=True)
     results, summaries = [], []
     for name in names:
-        policy = make_policy(name)
+        options = {}
+        if name == "meridian" and args.premium_reserve:
+            from scheduler.snapshot import PolicySettings
+
+            options["settings"] = PolicySettings(premium_reserve_devices=args.premium_reserve)
+        policy = make_policy(name, **options)
         progress = None
         if args.progress:
             progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731

@@ -54,3 +54,45 @@ def test_a_full_size_premium_job_preempts_for_W_rather_than_starting_shrunk():
 def test_an_unknown_tier_in_the_setting_is_refused():
     with pytest.raises(scheduler.SnapshotError, match="unknown tier"):
         scheduler.PolicySettings(full_size_tiers=(7,))
+
+
+# --- PolicySettings.premium_reserve_devices: idle devices only Premium jobs may take ----------
+def reserve_fleet(reserve, *jobs):
+    """2 nodes x 4; a Basic job holds devices 0-2 of node 0, so node 0 has 1 free, node 1 has 4."""
+    builder = (make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(NOW)
+               .settings(premium_reserve_devices=reserve)
+               .job(make_job("holder").tier(BASIC).ranks(3).on_devices(0, 1, 2).started(NOW - 60)))
+    for job in jobs:
+        builder.job(job)
+    return builder.build()
+
+
+RESERVE_CASES = [
+    # (reserve, arriving jobs, expected {name: devices started on}, a waiting job's reason part)
+    pytest.param(0, [make_job("b1").ranks(1)], {"b1": (3,)}, None, id="no-reserve-basic-takes-the-hole"),
+    pytest.param(1, [make_job("b1").ranks(1)], {"b1": (4,)}, None,
+                 id="reserve-is-the-hole-basic-goes-elsewhere"),
+    pytest.param(1, [make_job("p1").tier(PREMIUM).ranks(1)], {"p1": (3,)}, None, id="premium-takes-the-reserve"),
+    pytest.param(1, [make_job("b4").ranks(4)], {"b4": (4, 5, 6, 7)}, None, id="a-gang-keeps-its-whole-node"),
+    pytest.param(5, [make_job("b1").ranks(1), make_job("p1").tier(PREMIUM).ranks(1)], {"p1": (3,)},
+                 "kept for Premium arrivals", id="all-idle-reserved-basic-waits-premium-starts"),
+]
+
+
+@pytest.mark.parametrize("reserve, arriving, expected, waits", RESERVE_CASES)
+def test_idle_devices_kept_for_premium_arrivals(reserve, arriving, expected, waits):
+    snap = reserve_fleet(reserve, *arriving)
+    plan = scheduler.schedule(snap)
+    scheduler.apply_plan(snap, plan, NOW + 1).validate()
+    assert {snap.jobs.name(d.job): d.devices for d in plan.of_kind(Start)} == expected
+    if waits:
+        assert all(waits in w.reason for w in plan.waiting)
+
+
+def test_growth_leaves_the_reserve_idle():
+    from scheduler import Resize
+    for reserve, grown in ((0, True), (2, False)):
+        snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(NOW)
+                .settings(premium_reserve_devices=reserve)
+                .job(make_job("e").tier(BASIC).ranks(4).elastic(1).running(2).started(0.0)).build())
+        assert bool(scheduler.schedule(snap).of_kind(Resize)) == grown

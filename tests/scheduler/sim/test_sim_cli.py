@@ -41,3 +41,10 @@ def test_cli_rejects_an_unknown_policy_with_a_clear_message(tmp_path, capsys):
     write_csv(csv_path)
     assert main(["--trace", str(csv_path), "--policies", "fifo,slurm"]) == 2
     assert "unknown policy 'slurm'" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_negative_premium_reserve(tmp_path, capsys):
+    csv_path = tmp_path / "jobs.csv"
+    write_csv(csv_path)
+    assert main(["--trace", str(csv_path), "--policies", "meridian", "--premium-reserve", "-1"]) == 2
+    assert "--premium-reserve must be >= 0" in capsys.readouterr().err

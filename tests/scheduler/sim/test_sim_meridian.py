@@ -89,3 +89,14 @@ def test_the_snapshot_carries_devices_still_checkpointing_and_the_last_resize():
     free = np.flatnonzero(snap.accelerators.holder < 0)
     assert free.size == 1 and snap.accelerators.releasing_until[free[0]] == pytest.approx(1005.0)
     assert snap.jobs.last_resize_time[snap.jobs.ids.tolist().index(0)] == pytest.approx(1000.0)
+
+
+@pytest.mark.parametrize("reserve, premium_wait_s", [(0, 5.0), (1, 0.0)], ids=["no-reserve", "reserve-1"])
+def test_a_premium_reserve_lets_a_short_premium_job_start_without_a_victims_checkpoint(reserve, premium_wait_s):
+    # Basic job 0 (W=4, elastic) fills the node without a reserve; the 50 s Premium job 1
+    # arriving at 1000 then waits for a shrink's 5 s checkpoint (and misses 95%); with one
+    # device kept for Premium, job 0 runs on 2 and job 1 starts at once.
+    trace = make_jobs([(0, 100_000, 4), (1000, 50, 1)], tiers=[BASIC, PREMIUM])
+    policy = Meridian(settings=scheduler.PolicySettings(premium_reserve_devices=reserve))
+    result = simulate(trace, fleet_module.uniform(1, 4), policy, costs=HAND_COSTS, tick_s=0.0, until=5000.0)
+    assert result.finish[1] - result.first_start[1] == pytest.approx(50.0 + premium_wait_s)
