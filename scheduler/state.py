@@ -151,6 +151,7 @@ class WorkingState:
         node_ok = snapshot.node_status == NODE_READY
         # usable: may be given to a job this tick (healthy, node ready, region not drained)
         self.usable = acc.healthy & node_ok[acc.node] & ~snapshot.region_drained[acc.region]
+        self.all_usable = bool(self.usable.all())
         self.free = self.usable & (self.holder == NO_JOB)
         # Free devices still being released (their last holder is checkpointing): kept out of
         # the free counts until a job finds no room without them (`open_releasing`), so jobs

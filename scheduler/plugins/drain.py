@@ -46,6 +46,8 @@ class DrainAndMove:
         return order(dead_jobs), order(move_jobs)
 
     def run(self, tick) -> None:
+        if tick.state.all_usable:
+            return  # no lost node, failed device, draining node or drained region: nothing to move
         dead, moving = self.affected_jobs(tick)
         for j in dead.tolist():
             self._move(tick, j, lost=True)
