@@ -47,6 +47,7 @@ from datetime import timedelta
 from urllib.parse import unquote, urlparse
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from fleet.models import Node
@@ -147,7 +148,8 @@ def move_chain_enqueue(*, move, now):
     if remaining:
         move_id = move.pk
         signatures = [move_step.si(move_id, str(step), chain_id) for step in remaining]
-        transaction.on_commit(lambda: chain(*signatures).apply_async())
+        # robust: a broker hiccup must not fail the caller (the sweep re-enqueues a lost chain)
+        transaction.on_commit(lambda: chain(*signatures).apply_async(), robust=True)
     return chain_id
 
 
@@ -176,7 +178,7 @@ def move_observe(*, move, generation, node, entry, now):
 
         move_advance.delay(move_id)
 
-    transaction.on_commit(enqueue)
+    transaction.on_commit(enqueue, robust=True)  # the chain's own polls catch up if this is lost
 
 
 # --- the steps ------------------------------------------------------------------------------------
@@ -330,13 +332,17 @@ def _release_job(*, move, job, now):
     reason = {K.PREEMPTION: f"checkpointed at step {move.cut_step} and released; back in line",
               K.MIGRATION: f"restored from checkpoint step {move.cut_step} on {_node_name(move.to_node_id)}",
               K.RESIZE: f"resized to {move.to_devices} device(s)"}[K(move.kind)]
-    job_transition(job=job, to=target, reason=reason, now=now, extra={"move": move.pk})
+    try:
+        job_transition(job=job, to=target, reason=reason, now=now, extra={"move": move.pk})
+    except IllegalTransition as exc:  # cancelled meanwhile: the move is done all the same
+        logger.info("move %s: %s", move.pk, exc)
 
 
 def move_end(*, move, job, state, reason, now, requeue=True):
     """Ends an active move early (failed / timed_out): the job goes back in line (preempted) from
-    its last checkpoint, with a MOVE_ENDED event naming the step. Returns True if this call did.
-    requeue=False leaves the job's state to the caller."""
+    its last checkpoint, with a MOVE_ENDED event naming the step, and its generation is bumped so
+    whatever copy is left (slow, or cut off) is fenced. Returns True if this call did.
+    requeue=False leaves the job's state (and generation) to the caller."""
     with transaction.atomic():
         updated = Move.objects.filter(pk=move.pk, state=Move.State.ACTIVE).update(
             state=state, finished_at=now, log=_log(move, now, move.step, reason))
@@ -347,6 +353,7 @@ def move_end(*, move, job, state, reason, now, requeue=True):
                       extra={"move": move.pk, "kind": move.kind, "step": move.step, "state": state,
                              "checkpoint_step": job.last_checkpoint_step})
         if requeue and job.state == MOVING_STATE[K(move.kind)]:
+            Job.objects.filter(pk=job.pk).update(generation=F("generation") + 1)
             try:
                 job_transition(job=job, to=S.PREEMPTED, now=now, extra={"move": move.pk, "timed_out": move.step}
                                if state == Move.State.TIMED_OUT else {"move": move.pk},
@@ -378,9 +385,10 @@ def move_step_run(*, move_id, step, chain_id=None, now=None):
     move = Move.objects.filter(pk=move_id).first()
     if move is None or move.state != Move.State.ACTIVE:
         return ENDED
-    if chain_id is not None and move.chain_id != chain_id:
-        return SUPERSEDED
-    Move.objects.filter(pk=move.pk).update(polled_at=now)
+    if chain_id is not None:
+        if move.chain_id != chain_id:
+            return SUPERSEDED
+        Move.objects.filter(pk=move.pk).update(polled_at=now)  # the chain is alive (moves_sweep)
     steps = STEPS[K(move.kind)]
     step = St(step)
     if St(move.step) not in steps or steps.index(St(move.step)) > steps.index(step):

@@ -10,21 +10,24 @@ How the database maps onto the core's model:
     the accelerators their Replica rows point at.
   * Jobs in the middle of a move (preempting, migrating, resizing) are left out of the tick:
     the agents are still acting on them. Their devices are shown to the core as unhealthy, so
-    nothing else lands on them until the move finishes (jobs/workflows.py).
+    nothing else lands on them until the move finishes (jobs/moves.py).
   * A node whose agent missed heartbeats is LOST (node_lost_sweep); the core moves its jobs,
     which restart from their last checkpoint.
   * An approved PreemptionRequest decided after the job's last start sets preemption_approved.
 
-Applying the plan (all in one transaction, with JobEvents):
-  Start        pending/preempted -> scheduled, replicas on the devices (rank_layout)
-  Preempt      running -> preempting, replicas released: the node's agent stops the job with a
-               checkpoint and reports it (-> preempted); scheduled -> pending; a job on a lost
-               node -> preempted at once (it restarts from its last checkpoint)
+Applying the plan (all in one transaction, with JobEvents). Every new placement bumps the job's
+generation (agents' reports of older copies are then rejected: fencing). Preempt, Migrate and
+Resize of a running job create a Move (jobs/moves.py) whose Celery chain runs its steps:
+  Start        pending/preempted -> scheduled, replicas on the devices (rank_layout), generation+1
+  Preempt      running -> preempting, replicas released, Move(preemption): barrier, checkpoint,
+               store, release (-> preempted); scheduled -> pending; a job on a lost node ->
+               preempted at once, generation+1 (it restarts from its last checkpoint)
   Preempt needing approval: preemption_request_create (idempotent; nothing else happens)
-  Migrate      live: running -> migrating, replicas on the new devices; the old node stops it
-               with a checkpoint, then the new node restores it. From a checkpoint (lost node):
-               running -> migrating -> running on the new devices at once
-  Resize       running -> resizing, replicas re-laid on the new devices; the agent splices
+  Migrate      running -> migrating, replicas on the new devices, generation+1, Move(migration):
+               live: barrier, checkpoint, store (old node), restore (new node), release (->
+               running). From a checkpoint (lost node): restore, release
+  Resize       running -> resizing, replicas re-laid on the new devices, Move(resize): barrier,
+               resize (the agent splices), release (-> running)
   waiting      wait_reason and queue_position written to every waiting job
 
 Policy knobs come from the environment so tests and the demo can use short times:
@@ -496,8 +499,10 @@ def _migrate(*, job, decision, devices, region, nodes, now):
                       to_node_id=_rank0_node(job.pk), from_generation=from_generation,
                       to_generation=job.generation, from_devices=from_devices, to_devices=len(devices))
         if decision.from_checkpoint:
-            # Its old processes are gone (or fenced): nothing to cut; the new node restores the last
-            # checkpoint right away.
+            # Its old processes are gone, or cut off with their node: nothing to cut; the new node
+            # restores the last checkpoint right away. No from_node: the old copy is not part of the
+            # move, so its reports (generation from_generation) are rejected and it is fenced.
+            common["from_node_id"] = None
             move_create(**common, first_step=Move.Step.RESTORE, cut_step=job.last_checkpoint_step,
                         note=f"barrier, checkpoint, store skipped: restarting from checkpoint step "
                              f"{job.last_checkpoint_step} (the old copy's node is lost)")

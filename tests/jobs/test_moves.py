@@ -216,6 +216,10 @@ def test_a_step_past_its_deadline_ends_the_move_and_the_job_goes_back_in_line(ru
     ended = JobEvent.objects.get(job=victim, type=JobEvent.Type.MOVE_ENDED)
     assert ended.extra_data["step"] == "checkpoint" and "timed_out at checkpoint" in ended.reason
     assert move_step_run(move_id=move.pk, step="checkpoint") == ENDED  # the chain's later tasks exit
+    # Whatever is left of the slow copy is fenced: its late report changes nothing.
+    assert victim.generation == 2
+    late = report(n1, victim.pk, "stopped", generation=1, step=43, checkpoint_step=43)
+    assert late["rejected"][0]["fence"] and not Checkpoint.objects.filter(job=victim, step=43).exists()
 
 
 @pytest.mark.django_db

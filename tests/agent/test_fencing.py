@@ -1,0 +1,86 @@
+"""Fencing on the node: the reconciler runs one placement generation per copy, reports it, stops a
+copy a move takes off the node, and kills a fenced copy without a checkpoint. Real runtime
+processes (meridian-run, framework engine); no control plane."""
+import argparse
+import json
+import pathlib
+import tempfile
+import threading
+import time
+
+import pytest
+
+from agent.main import Agent
+from agent.node import NodeReconciler, pid_alive, read_events
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.runtime]
+
+
+def poll(what, predicate, timeout=180):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def entry(store, *, generation, action="run"):
+    return {"job_id": 9, "action": action, "generation": generation, "world_size": 1, "devices": 1,
+            "device_indices": [0], "entrypoint": "examples/train_mlp.py",
+            "args": ["--epochs", "40", "--step-sleep", "0.05"], "env": {}, "store": str(store)}
+
+
+def observed(reconciler):
+    return {e["job_id"]: e for e in reconciler.observed()}
+
+
+def test_a_fenced_copy_is_killed_without_a_checkpoint_and_forgotten():
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        work, store = pathlib.Path(tmp) / "w", pathlib.Path(tmp) / "store"
+        node = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+        try:
+            node.reconcile([entry(store, generation=3)])
+            copy = node.jobs[9]
+            poll("the copy to run", lambda: (observed(node)[9]["step"] or 0) >= 3)
+            assert observed(node)[9]["generation"] == 3
+            assert json.loads((copy.job_dir / "agent.json").read_text())["generation"] == 3
+
+            assert node.fence({9}, why="generation 4 runs elsewhere") == [9]
+
+            assert not pid_alive(copy.pid) and 9 not in node.jobs and node.observed() == []
+            assert (copy.job_dir / "fenced").read_text() == "generation 4 runs elsewhere"
+            assert not [e for e in read_events(copy.job_dir) if e.get("event") in ("checkpoint", "stopped")]
+            assert not list(store.glob("ckpt-*"))
+        finally:
+            node.kill_all()
+
+
+def test_a_stop_entry_stops_the_copy_at_a_consistent_cut_and_reports_the_cut():
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        work, store = pathlib.Path(tmp) / "w", pathlib.Path(tmp) / "store"
+        node = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+        try:
+            node.reconcile([entry(store, generation=1)])
+            poll("the copy to serve commands",
+                 lambda: (observed(node)[9]["step"] or 0) >= 3 and (node.jobs[9].job_dir / "control.sock").exists())
+            node.reconcile([{"job_id": 9, "action": "stop", "generation": 1}])  # a move's barrier
+            report = poll("the stop", lambda: (lambda o: o if o["state"] == "stopped" else None)(observed(node)[9]))
+            assert report["cut"]["action"] == "stop" and report["cut"]["step"] == report["checkpoint"]["step"]
+            assert report["generation"] == 1
+        finally:
+            node.kill_all()
+
+
+def test_an_agent_fences_itself_after_missing_heartbeats_for_the_lost_node_threshold():
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        options = argparse.Namespace(hostname="n1", work_dir=tmp, devices="cpu:1", control_plane="http://127.0.0.1:9",
+                                     engine="framework", checkpoint_every=0.0, workload_root=str(ROOT), interval=1.0)
+        agent = Agent(options, threading.Event())
+        began = agent.last_heartbeat_ok
+        assert not agent.self_fence_due(now=began + 1000)  # never told the threshold: never
+        agent.lost_after_s = 8.0
+        assert not agent.self_fence_due(now=began + 7.9)
+        assert agent.self_fence_due(now=began + 8.1)
