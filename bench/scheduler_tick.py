@@ -1,6 +1,7 @@
 """How long one scheduling tick takes on synthetic fleets of 1k .. 1M accelerators.
 
     .venv/bin/python bench/scheduler_tick.py [--sizes 1000,10000,100000,1000000] [--trace PATH]
+    .venv/bin/python bench/scheduler_tick.py --replay-days 2 [--replay-start 30]   # the simulator's calls
 
 Each fleet has 8 accelerators per node, 4 nodes per rack, 32 racks per cluster, 8 clusters
 per region, and two accelerator types (alternating by cluster). Per 100 accelerators it holds
@@ -200,6 +201,65 @@ def measure(snapshot: Snapshot, repeats: int = 5):
     return statistics.median(walls), statistics.median(cpus), plan, peak, phase_median
 
 
+def replay(trace_path: pathlib.Path, start_day: float, days: float, max_calls: int = 4000) -> int:
+    """Times the core on the snapshots of a Philly replay slice (the simulator's real calls).
+
+    Runs the simulator's Meridian policy on the window, keeps every snapshot it hands to
+    `scheduler.schedule`, then re-times `schedule` on each (3 rounds, the fastest per call, CPU
+    time of this process) and prints calls, CPU ms per call (mean / median / p99) and the
+    median of phase "1. snapshot" (building the working state). Every call after the first
+    sees the same fleet, as in the simulator and in a control-loop worker.
+    """
+    import scheduler as core
+    from scheduler.sim import fleet as sim_fleet
+    from scheduler.sim.engine import Engine
+    from scheduler.sim.meridian import Meridian
+    from scheduler.sim.trace import load_philly
+
+    trace = load_philly(trace_path).window(start_day * 86400.0, (start_day + days) * 86400.0)
+    snapshots, real = [], core.schedule
+
+    def recording(snapshot, policy=None, **kw):
+        if len(snapshots) < max_calls:
+            snapshots.append(snapshot)
+        return real(snapshot, policy, **kw)
+
+    core.schedule = recording
+    try:
+        Engine(trace, sim_fleet.philly(), Meridian(), tick_s=60.0).run()
+    finally:
+        core.schedule = real
+    from scheduler import state as core_state
+
+    forget = getattr(core_state, "forget_topology", lambda: None)  # absent before the memo
+    policy = core.Policy.default()
+    # variants, interleaved call by call: "warm" = the fleet layout remembered from the call
+    # before (what the simulator and a control-loop worker see), "cold" = forgotten before
+    # every call (the working state built from scratch, as before the memo)
+    best = {"cold": np.full(len(snapshots), np.inf), "warm": np.full(len(snapshots), np.inf)}
+    first_phase = {"cold": np.zeros(len(snapshots)), "warm": np.zeros(len(snapshots))}
+    for _ in range(3):
+        for i, snap in enumerate(snapshots):
+            for variant in ("cold", "warm"):
+                if variant == "cold":
+                    forget()
+                c0 = time.process_time()
+                plan = real(snap, policy, timer=time.perf_counter)
+                best[variant][i] = min(best[variant][i], time.process_time() - c0)
+                first_phase[variant][i] = plan.phase_seconds.get("1. snapshot", 0.0)
+    load = os.getloadavg()
+    print(f"Philly replay days {start_day:g}-{start_day + days:g}: {len(trace)} jobs, {len(snapshots)} core calls; "
+          f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    print(f"{'variant':<8} {'calls':>6} {'cpu s':>7} {'mean ms':>8} {'median ms':>10} {'p99 ms':>7} "
+          f"{'1. snapshot ms':>15}")
+    for variant in ("cold", "warm"):
+        b = best[variant]
+        print(f"{variant:<8} {len(snapshots):>6} {b.sum():>7.2f} {b.mean() * 1e3:>8.3f} {np.median(b) * 1e3:>10.3f} "
+              f"{np.percentile(b, 99) * 1e3:>7.3f} {np.median(first_phase[variant]) * 1e3:>15.3f}")
+    print(f"warm / cold CPU: {best['warm'].sum() / best['cold'].sum():.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000,1000000",
@@ -208,7 +268,12 @@ def main(argv=None) -> int:
                         default=pathlib.Path(os.environ.get("MERIDIAN_PHILLY_TRACE", DEFAULT_TRACE)))
     parser.add_argument("--no-contended", action="store_true", help="skip the ~98%%-busy rows")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--replay-days", type=float, default=0.0,
+                        help="instead: time the core on the snapshots of a Philly replay of this many days")
+    parser.add_argument("--replay-start", type=float, default=30.0, help="replay window start day (30)")
     args = parser.parse_args(argv)
+    if args.replay_days > 0:
+        return replay(args.trace, args.replay_start, args.replay_days)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     trace = load_trace(args.trace)
     print(f"job mix: {trace[3]}")

@@ -135,6 +135,11 @@ def topology_of(snapshot: Snapshot) -> Topology:
     return topology
 
 
+def forget_topology() -> None:
+    """Drops the remembered Topology (benchmarks time the first tick on a fleet with it)."""
+    _last_topology[:] = [None, None]
+
+
 class WorkingState:
     """Holder per device plus free counts per topology level and type, updated incrementally."""
 

@@ -27,3 +27,17 @@ def test_the_bench_snapshot_is_valid_and_busy_when_asked():
     snap = bench.build_snapshot(2000, trace, seed=1, busy=0.98).validate()
     busy = (snap.accelerators.holder >= 0).mean()
     assert 0.9 < busy <= 0.98
+
+
+def test_the_replay_mode_times_the_simulators_core_calls_cold_and_warm(tmp_path, capsys):
+    rows = [("2017-10-09 06:00:00", 600.0, 2), ("2017-10-09 06:01:00", 60.0, 1),
+            ("2017-10-09 06:02:00", 1200.0, 8), ("2017-10-09 06:03:00", 30.0, 1)]
+    csv_path = tmp_path / "jobs.csv"
+    csv_path.write_text("timestamp,duration,num_gpus,gpu_time,cluster\n"
+                        + "".join(f"{t},{d},{g},{d * g},team{i % 2}\n" for i, (t, d, g) in enumerate(rows)))
+    bench = load_bench()
+    assert bench.main(["--trace", str(csv_path), "--replay-days", "1", "--replay-start", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "4 jobs" in out
+    calls = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.startswith(("cold", "warm"))}
+    assert calls["cold"] == calls["warm"] > 0
