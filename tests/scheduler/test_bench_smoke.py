@@ -39,5 +39,6 @@ def test_the_replay_mode_times_the_simulators_core_calls_cold_and_warm(tmp_path,
     assert bench.main(["--trace", str(csv_path), "--replay-days", "1", "--replay-start", "0"]) == 0
     out = capsys.readouterr().out
     assert "4 jobs" in out
-    calls = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.startswith(("cold", "warm"))}
+    calls = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
+             if line.startswith(("cold ", "warm ")) and line.split()[1].isdigit()}
     assert calls["cold"] == calls["warm"] > 0
