@@ -117,6 +117,7 @@ class Tick:
         # devices each job holds that are usable (what preempting it would give back)
         self.usable_alloc = np.bincount(usable_held, minlength=len(jobs)).astype(np.int64)
         self._min_count = None
+        self._packed_level: dict = {}  # (W, type, max_spread) -> level, for Tick.spread
 
     # --- bookkeeping used by every plugin ------------------------------------------------
     def give(self, j: int, devices: np.ndarray) -> None:
@@ -189,6 +190,24 @@ class Tick:
         if int(jobs.tier[j]) in self.snapshot.settings.full_size_tiers:
             return (int(jobs.world_size[j]),)
         return jobs.allowed_counts(j)
+
+    def spread(self, j: int) -> int:
+        """Returns the loosest level job j's devices may span when it is placed: its max_spread,
+        or, if its tier is in PolicySettings.packed_tiers, the tightest level where some entity
+        has W usable devices of its type (one node if a node is that big), if that is tighter.
+        A spread-out gang runs slower (its collectives cross nodes), which alone breaks a
+        95%-of-ideal SLA, so such a job waits for (or preempts for) a packed place instead."""
+        jobs = self.snapshot.jobs
+        spread = int(jobs.max_spread[j])
+        if int(jobs.tier[j]) not in self.snapshot.settings.packed_tiers:
+            return spread
+        key = (int(jobs.world_size[j]), int(jobs.type_id[j]), spread)
+        level = self._packed_level.get(key)
+        if level is None:
+            w, k = key[0], key[1]
+            level = next((lv for lv in range(spread) if self.state.capacity[lv][:, k].max(initial=0) >= w), spread)
+            self._packed_level[key] = level
+        return level
 
     def releasing_note(self, devices: np.ndarray) -> tuple[float, str]:
         """Returns (starts_at, reason suffix) for a job given `devices`: the time the last of

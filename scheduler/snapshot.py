@@ -323,6 +323,10 @@ class PolicySettings:
     # on W/2 devices misses from its first second. Other tiers start at the largest allowed
     # count that fits and grow later.
     full_size_tiers: tuple = (PREMIUM,)
+    # Jobs of these tiers start only as packed as the fleet allows: on one node if a node has
+    # W devices of their type, else one rack, one cluster (never looser than max_spread): a
+    # gang spread over more nodes than it needs runs slower, which misses 95% by itself.
+    packed_tiers: tuple = (PREMIUM,)
     premium_reserve_devices: int = 0  # free devices per region and type that only Premium jobs
     # may take (pending jobs of other tiers and growth leave them idle), so a short Premium job
     # starts at once instead of after a victim's checkpoint; 0 = fully work-conserving
@@ -338,10 +342,11 @@ class PolicySettings:
             raise SnapshotError("past_usage_weight must be within 0..1")
         if self.min_resize_interval_seconds < 0 or self.premium_reserve_devices < 0:
             raise SnapshotError("min_resize_interval_seconds and premium_reserve_devices must be >= 0")
-        tiers = tuple(int(t) for t in self.full_size_tiers)
-        if any(t not in (PREMIUM, STANDARD, BASIC) for t in tiers):
-            raise SnapshotError(f"full_size_tiers holds an unknown tier: {tiers}")
-        object.__setattr__(self, "full_size_tiers", tiers)
+        for name in ("full_size_tiers", "packed_tiers"):
+            tiers = tuple(int(t) for t in getattr(self, name))
+            if any(t not in (PREMIUM, STANDARD, BASIC) for t in tiers):
+                raise SnapshotError(f"{name} holds an unknown tier: {tiers}")
+            object.__setattr__(self, name, tiers)
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,7 @@ class FreeADomain:
     def run(self, tick, j: int) -> bool:
         """Returns True if job j was started after moving small jobs out of its way."""
         snap, jobs, state = tick.snapshot, tick.snapshot.jobs, tick.state
-        level = int(jobs.max_spread[j])
+        level = tick.spread(j)
         if level >= SPREAD_REGION:
             return False  # a region-wide job fits wherever the region has room: no fragmentation
         counts = tick.start_counts(j)

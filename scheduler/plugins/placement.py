@@ -2,7 +2,8 @@
 
 For each allowed count d, largest first (more devices = faster), look for d free devices of
 the job's type on one node, else one rack / NVLink domain, else one cluster, else one region,
-never across regions and never looser than the job's `max_spread`. Every region is searched
+never across regions and never looser than the job's `max_spread` (or, for a tier in
+PolicySettings.packed_tiers, than the tightest level where W fits: `Tick.spread`). Every region is searched
 (global scheduling). The first d that fits wins; the job gets all d devices or none.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ class GangPlacement:
     def place(self, tick, j: int, counts, region=None, blocked_nodes=None):
         """Returns a Placement for job j with len in `counts`, or None. Changes nothing."""
         jobs = tick.snapshot.jobs
-        k, spread = int(jobs.type_id[j]), int(jobs.max_spread[j])
+        k, spread = int(jobs.type_id[j]), tick.spread(j)
         state = tick.state
         for d in counts:
             placement = state.find(k, d, spread, region=region, blocked_nodes=blocked_nodes)
@@ -43,7 +44,7 @@ class GangPlacement:
 
     def no_room_reason(self, tick, j: int, counts) -> str:
         jobs = tick.snapshot.jobs
-        k, spread = int(jobs.type_id[j]), int(jobs.max_spread[j])
+        k, spread = int(jobs.type_id[j]), tick.spread(j)
         type_name = tick.snapshot.type_names[k]
         if tick.type_capacity[k] == 0:
             return f"no usable {type_name} in the fleet"

@@ -102,7 +102,7 @@ class SlaPreemption:
             return self._ask_approval(tick, j, actions, chosen)
         region, rows = chosen
         k = int(jobs.type_id[j])
-        spread = int(jobs.max_spread[j])
+        spread = tick.spread(j)
         preempts = any(actions["group"][r] != GROUP_SHRINK for r in rows)
         must = spread < SPREAD_REGION  # victims anywhere in the region would not do
         scope = None
@@ -146,7 +146,7 @@ class SlaPreemption:
             tick.rollback(mark)
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
                                  "preemption frees room in the region but not within one "
-                                 + ("node", "rack", "cluster", "region")[int(jobs.max_spread[j])])
+                                 + ("node", "rack", "cluster", "region")[spread])
         tick.give(j, placement.devices)
         starts_at, note = tick.releasing_note(placement.devices)
         tick.decisions.append(Start(
@@ -319,9 +319,10 @@ class SlaPreemption:
 
         Victims are those `_actions` would shrink (lower tier, not reclaimed borrowers, no
         approval needed); each gives at most min(its devices there, what it can shrink by).
-        The entity needing the fewest shrinks, then the fewest devices taken, then the lowest
-        index wins; victims are listed biggest release there first (`victims` are rows of the
-        by-cost candidate table).
+        The entity needing the fewest shrinks, then (for a Premium preemptor) the smallest
+        checkpoints, then the fewest devices taken, then the lowest index wins; victims are
+        listed biggest release there first (smallest checkpoint first for Premium; `victims`
+        are rows of the by-cost candidate table).
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
@@ -339,8 +340,10 @@ class SlaPreemption:
         starts = np.flatnonzero(first)  # one group per (entity, victim)
         g_entity, g_row = entity[starts], row[starts]
         g_release = np.minimum(np.diff(np.r_[starts, entity.size]), by_cost["shrink"][g_row])
-        order = np.lexsort((g_row, -g_release, g_entity))
-        g_entity, g_row, g_release = g_entity[order], g_row[order], g_release[order]
+        # a Premium preemptor waits for its victims' cut: smallest checkpoint first (as `_actions`)
+        g_wait = by_cost["ckpt"][g_row] if tier == PREMIUM else np.zeros(g_row.size)
+        order = np.lexsort((g_row, -g_release, g_wait, g_entity))
+        g_entity, g_row, g_release, g_wait = g_entity[order], g_row[order], g_release[order], g_wait[order]
         g_first = np.r_[True, g_entity[1:] != g_entity[:-1]]
         start = np.maximum.accumulate(np.where(g_first, np.arange(g_entity.size), 0))
         total = np.cumsum(g_release)
@@ -353,7 +356,9 @@ class SlaPreemption:
         hit_entity, first_hit = np.unique(g_entity[hit], return_index=True)
         ends = hit[first_hit]
         n_shrinks = ends - start[ends] + 1
-        best = int(ends[np.lexsort((hit_entity, within[ends], n_shrinks))[0]])
+        wait_total = np.cumsum(g_wait)
+        wait = (wait_total - np.where(start > 0, wait_total[start - 1], 0))[ends]
+        best = int(ends[np.lexsort((hit_entity, within[ends], wait, n_shrinks))[0]])
         chosen = int(g_entity[best])
         victims = g_row[int(start[best]):best + 1].tolist()
         return int(state.entity_region[level][chosen]), victims, level, chosen

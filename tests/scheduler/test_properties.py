@@ -167,8 +167,8 @@ def check_tick(snap, plan):
     requeued = {d.job for d in plan.decisions if isinstance(d, Preempt) and not d.needs_approval}
     for w in plan.waiting:
         j = w.job
-        if j in requeued or jobs.max_spread[j] != SPREAD_REGION:
-            continue
+        if j in requeued or jobs.max_spread[j] != SPREAD_REGION or jobs.tier[j] in s.packed_tiers:
+            continue  # pinned tighter than a region (by max_spread or by its tier's packing)
         if not s.allow_borrowing and usage_after[jobs.team[j], jobs.type_id[j]] >= quota[jobs.team[j], jobs.type_id[j]]:
             continue
         if not s.allow_borrowing:

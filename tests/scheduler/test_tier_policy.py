@@ -96,3 +96,38 @@ def test_growth_leaves_the_reserve_idle():
                 .settings(premium_reserve_devices=reserve)
                 .job(make_job("e").tier(BASIC).ranks(4).elastic(1).running(2).started(0.0)).build())
         assert bool(scheduler.schedule(snap).of_kind(Resize)) == grown
+
+
+# --- PolicySettings.packed_tiers: start as packed as the fleet allows --------------------------
+def scattered(tier, packed_tiers=DEFAULT, ranks=4):
+    """2 nodes x 4 (one rack); just-started (not preemptible) Basic jobs hold 2 devices on each
+    node: 4 are free in the region, 2 per node."""
+    builder = (make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(NOW)
+               .job(make_job("a").tier(BASIC).ranks(2).on_devices(0, 1).started(NOW - 60))
+               .job(make_job("b").tier(BASIC).ranks(2).on_devices(4, 5).started(NOW - 60))
+               .job(make_job("new").tier(tier).ranks(ranks)))
+    if packed_tiers is not DEFAULT:
+        builder.settings(packed_tiers=packed_tiers)
+    return builder.build()
+
+
+PACKED_CASES = [
+    pytest.param(PREMIUM, DEFAULT, 4, None, "needs 4 H100-80GB in one node", id="premium-waits-for-one-node"),
+    pytest.param(PREMIUM, (), 4, (2, 3, 6, 7), None, id="premium-spreads-when-not-packed"),
+    pytest.param(BASIC, DEFAULT, 4, (2, 3, 6, 7), None, id="basic-spreads-by-default"),
+    pytest.param(PREMIUM, DEFAULT, 2, (2, 3), None, id="premium-fits-one-node"),
+    # W=8 fits no node (4 each) but the rack (8): it packs to the rack, and 4 of the 8 are held
+    pytest.param(PREMIUM, DEFAULT, 8, None, "needs 8 H100-80GB in one rack",
+                 id="premium-larger-than-any-node-packs-to-the-rack"),
+]
+
+
+@pytest.mark.parametrize("tier, packed_tiers, ranks, devices, reason", PACKED_CASES)
+def test_which_tiers_start_only_packed(tier, packed_tiers, ranks, devices, reason):
+    snap = scattered(tier, packed_tiers, ranks)
+    plan = scheduler.schedule(snap)
+    scheduler.apply_plan(snap, plan, NOW + 1).validate()
+    starts = {snap.jobs.name(d.job): d.devices for d in plan.of_kind(Start)}
+    assert starts.get("new") == devices
+    if reason:
+        assert reason in plan.wait_reason(snap.jobs.names.index("new")).reason
