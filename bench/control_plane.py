@@ -14,8 +14,15 @@ Per size, on a fresh database:
      into snapshot / plan / apply, and database rows written per tick (measured by
      PostgreSQL's own counters, pg_stat_database tup_inserted+updated+deleted);
   4b. one device-time accrual (jobs.tasks.accounting, every 10 s, apart from the tick);
-  5. the size of the telemetry tables before and after the heartbeat rounds: telemetry is
-     stored as the latest value per node and device (bounded by the fleet), never appended.
+  5. the size of the telemetry tables before and after the heartbeat rounds: the latest value
+     per node and device (bounded by the fleet) plus the history's per-node minute buckets;
+  6. one heartbeat's telemetry write in process (fleet.services.node_heartbeat_record: median
+     ms and statements over --inproc-heartbeats heartbeats, no HTTP);
+  7. telemetry history at steady state: --history-hours (default 6, what is kept) of per-node
+     minute buckets for every node, bulk-filled - rows and size; the beat task
+     fleet.tasks.telemetry_rollup rolling them all at once (catch-up) into cluster minutes, node
+     hours and cluster hours; its steady per-minute run (one more minute); then a day later
+     deleting the expired minutes in batches (rows and size left, after VACUUM).
 The machine is shared and has 2 cores; daphne, PostgreSQL and this process share them.
 """
 from __future__ import annotations
@@ -46,6 +53,9 @@ def parse_args():
     p.add_argument("--ticks", type=int, default=3)
     p.add_argument("--heartbeat-nodes", type=int, default=1000)
     p.add_argument("--http-threads", type=int, default=8)
+    p.add_argument("--inproc-heartbeats", type=int, default=500)
+    p.add_argument("--history-hours", type=int, default=6, help="hours of per-node minute buckets to bulk-fill")
+    p.add_argument("--drop", action="store_true", help="drop the database afterwards")
     return p.parse_args()
 
 
@@ -87,7 +97,8 @@ def reset_tables():
 
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE jobs_jobevent, jobs_checkpoint, jobs_preemptionrequest, jobs_replica, jobs_job, "
-                       "jobs_controllooplease, fleet_accelerator, fleet_node, fleet_cluster, fleet_region CASCADE")
+                       "jobs_controllooplease, fleet_nodetelemetrybucket, fleet_clustertelemetrybucket, "
+                       "fleet_accelerator, fleet_node, fleet_cluster, fleet_region CASCADE")
 
 
 def db_rows_written():
@@ -213,6 +224,89 @@ def heartbeat_round(url, tokens, n_nodes, threads):
     return ok / seconds, ok * 8 / seconds, len(nodes) - ok
 
 
+HISTORY_TABLES = ("fleet_nodetelemetrybucket", "fleet_clustertelemetrybucket")
+
+
+def history_rows():
+    from fleet.models import ClusterTelemetryBucket, NodeTelemetryBucket
+
+    return NodeTelemetryBucket.objects.count() + ClusterTelemetryBucket.objects.count()
+
+
+def inproc_heartbeats(n):
+    """Returns (median ms, statements) of node_heartbeat_record for n heartbeats of 8 devices, each
+    in its own transaction as node_report_apply runs it."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from fleet.models import Node
+    from fleet.services import node_heartbeat_record
+
+    nodes = list(Node.objects.order_by("id")[:n])
+    telemetry = {"utilization": 0.8, "memory_used_gb": 400.0,
+                 "devices": [{"index": i, "utilization": 0.8, "memory_used_gb": 50.0} for i in range(8)]}
+    times = []
+    for node in nodes:
+        began = time.perf_counter()
+        with transaction.atomic():
+            with connection.cursor() as cursor:  # as node_report_apply does
+                cursor.execute("SET LOCAL synchronous_commit = off")
+            node_heartbeat_record(node=node, telemetry=telemetry, now=timezone.now())
+        times.append(time.perf_counter() - began)
+    with CaptureQueriesContext(connection) as captured, transaction.atomic():
+        node_heartbeat_record(node=nodes[0], telemetry=telemetry, now=timezone.now())
+    statements = [q for q in captured.captured_queries if q["sql"] not in ("BEGIN", "COMMIT")]  # 3
+    times.sort()
+    return times[len(times) // 2] * 1000, len(statements)
+
+
+def history_day(hours):
+    """Bulk-fills `hours` of per-node minute buckets (every node, H100s, one heartbeat per 5 s)
+    ending now; times the rollup, then the retention a day later. Returns a dict of figures."""
+    from datetime import timedelta
+
+    from django.db import connection
+    from django.utils import timezone
+
+    from fleet.models import TelemetryResolution, telemetry_bucket_start
+    from fleet.services import telemetry_rollup
+
+    end = telemetry_bucket_start(timezone.now(), TelemetryResolution.HOUR)
+    start = end - timedelta(hours=hours)
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE fleet_nodetelemetrybucket, fleet_clustertelemetrybucket")
+        cursor.execute(
+            "INSERT INTO fleet_nodetelemetrybucket (node_id, resolution, bucket_start, accelerator_type, heartbeats, "
+            "device_samples, utilization_sum, utilization_max, memory_used_gb_sum, memory_used_gb_max) "
+            "SELECT n.id, 60, t, 'H100-80GB', 12, 96, 96 * 0.7, 0.95, 96 * 50.0, 70.0 FROM fleet_node n, "
+            "generate_series(%s::timestamptz, %s::timestamptz - interval '1 minute', interval '1 minute') t",
+            [start, end])
+        cursor.execute("ANALYZE fleet_nodetelemetrybucket")
+    filled = (history_rows(), table_bytes(*HISTORY_TABLES))
+    began = time.perf_counter()
+    rolled = telemetry_rollup(now=end + timedelta(seconds=30))
+    rollup_s = time.perf_counter() - began
+    after_rollup = (history_rows(), table_bytes(*HISTORY_TABLES))
+    # Steady state: the beat task each minute rolls one more minute (and deletes one).
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO fleet_nodetelemetrybucket (node_id, resolution, bucket_start, accelerator_type, heartbeats, "
+            "device_samples, utilization_sum, utilization_max, memory_used_gb_sum, memory_used_gb_max) "
+            "SELECT n.id, 60, %s, 'H100-80GB', 12, 96, 96 * 0.7, 0.95, 96 * 50.0, 70.0 FROM fleet_node n", [end])
+    began = time.perf_counter()
+    telemetry_rollup(now=end + timedelta(minutes=1, seconds=30))
+    minute_s = time.perf_counter() - began
+    began = time.perf_counter()
+    pruned = telemetry_rollup(now=end + timedelta(days=1, minutes=1))
+    prune_s = time.perf_counter() - began
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM fleet_nodetelemetrybucket")  # what autovacuum does: the space is reusable
+    return {"filled": filled, "rollup_s": rollup_s, "minute_s": minute_s, "written": sum(rolled.written.values()),
+            "after_rollup": after_rollup, "prune_s": prune_s, "deleted": sum(pruned.deleted.values()),
+            "left": (history_rows(), table_bytes(*HISTORY_TABLES))}
+
+
 def timed_tick(now):
     from jobs.tick import tick_run
 
@@ -242,10 +336,11 @@ def run_size(n, args, rng, data_dir):
     env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # daphne's thread pool must not hoard connections
     daphne, url = start_daphne(env)
     try:
-        telemetry_before = table_bytes("fleet_node", "fleet_accelerator")
+        telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
         rates = [heartbeat_round(url, tokens, min(args.heartbeat_nodes, len(tokens)), args.http_threads)
                  for _ in range(2)]
-        telemetry_after = table_bytes("fleet_node", "fleet_accelerator")
+        telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
+        heartbeat_history_rows = history_rows()
     finally:
         daphne.terminate()
         daphne.wait(timeout=20)
@@ -261,8 +356,12 @@ def run_size(n, args, rng, data_dir):
     began = time.perf_counter()
     accounting_run(now=now)
     accrual = (time.perf_counter() - began, stats_settled(before))
+    # Last: their bulk writes would show in the ticks' row counters (published asynchronously).
+    inproc = inproc_heartbeats(min(args.inproc_heartbeats, len(tokens)))
+    history = history_day(args.history_hours)
     return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s, "placement": (placement, placement_wall, placement_rows),
-            "steady": steady, "heartbeats": rates, "telemetry_bytes": (telemetry_before, telemetry_after)}
+            "steady": steady, "heartbeats": rates, "telemetry_bytes": (telemetry_before, telemetry_after),
+            "heartbeat_history_rows": heartbeat_history_rows, "inproc": inproc, "history": history}
 
 
 def main():
@@ -300,8 +399,37 @@ def main():
               f"{placement_rows:>8} | {wall:>13.3f} {result.seconds['snapshot']:>6.2f} {result.seconds['plan']:>6.2f} "
               f"{result.seconds['apply']:>6.2f} {rows_written:>9} | {hb:>6.0f} {samples:>13.0f} {fails:>4} | "
               f"{before / 2**20:>11.1f} → {after / 2**20:<11.1f} | {r['accrual'][0]:>9.2f} {r['accrual'][1]:>7}")
+    print()
+    print(f"telemetry history (per-node minute buckets; {args.history_hours} h bulk-filled for every node; "
+          f"rollup = fleet.tasks.telemetry_rollup; sizes include indexes)")
+    header = (f"{'accel':>8} | {'hb write ms':>11} {'stmts':>5} | {'rows after hb':>13} | "
+              f"{'filled rows':>11} {'MB':>7} | {'rollup s':>8} {'rows out':>8} {'+1 min s':>9} | {'retention s':>11} "
+              f"{'deleted':>8} | {'rows left':>9} {'MB left':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        h = r["history"]
+        print(f"{r['n']:>8} | {r['inproc'][0]:>11.2f} {r['inproc'][1]:>5} | {r['heartbeat_history_rows']:>13} | "
+              f"{h['filled'][0]:>11} {h['filled'][1] / 2**20:>7.1f} | {h['rollup_s']:>8.2f} {h['written']:>8} "
+              f"{h['minute_s']:>9.2f} | "
+              f"{h['prune_s']:>11.2f} {h['deleted']:>8} | {h['left'][0]:>9} {h['left'][1] / 2**20:>7.1f}")
+    print("(MB left: the table files keep the freed space for new rows after VACUUM; they do not grow further)")
+    print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\nsteady ticks (all): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{s[1]:.2f}s/{s[2]} rows" for s in r["steady"]) for r in rows))
+    if args.drop:
+        drop_database(args.db)
+
+
+def drop_database(url):
+    import psycopg
+    from django.db import connections
+
+    connections.close_all()
+    parsed = urlparse(url)
+    admin = parsed._replace(path="/postgres").geturl().replace("postgres://", "postgresql://", 1)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'drop database if exists "{parsed.path.lstrip("/")}" with (force)')
 
 
 if __name__ == "__main__":

@@ -132,10 +132,12 @@ class TelemetryResolution(models.IntegerChoices):
 
 
 # How long each kind of bucket is kept (fleet.services.telemetry_rollup deletes older ones).
-# Node rows are the bulky ones (nodes × buckets): minutes for a day of drill-down, hours for a
-# week. Cluster rows are few (clusters × types × buckets): minutes for two days, hours for a year.
+# Node rows are the bulky ones (nodes × buckets, ~240 bytes each with their indexes on
+# PostgreSQL): minutes for 6 hours of drill-down, hours for a week, ~130 kB per node in all
+# (bench/control_plane.py). Cluster rows are few (clusters × types × buckets): minutes for two
+# days, hours for a year; fleet, region, cluster and type charts read only these.
 TELEMETRY_RETENTION = {
-    ("node", TelemetryResolution.MINUTE): timedelta(hours=24),
+    ("node", TelemetryResolution.MINUTE): timedelta(hours=6),
     ("node", TelemetryResolution.HOUR): timedelta(days=7),
     ("cluster", TelemetryResolution.MINUTE): timedelta(days=2),
     ("cluster", TelemetryResolution.HOUR): timedelta(days=365),

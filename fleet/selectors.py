@@ -174,7 +174,8 @@ def telemetry_window(*, now, since=None, until=None, hours=None, resolution=None
     with a message naming what to change.
 
     Defaults: until = now, since = until - `hours` (default TELEMETRY_DEFAULT_HOURS), resolution
-    "minute" for windows up to TELEMETRY_MINUTE_WINDOW_HOURS, else "hour". Refused: `since` with
+    "minute" for windows up to TELEMETRY_MINUTE_WINDOW_HOURS whose minutes are still kept, else
+    "hour". Refused: `since` with
     `hours`, an empty or reversed window, more than TELEMETRY_MAX_POINTS buckets, and minute
     buckets older than they are kept (`node_level`: a node's minutes, else the clusters').
     """
@@ -184,18 +185,19 @@ def telemetry_window(*, now, since=None, until=None, hours=None, resolution=None
     since = since or until - timedelta(hours=hours if hours is not None else TELEMETRY_DEFAULT_HOURS)
     if since >= until:
         raise ValidationError({"since": f"since ({since.isoformat()}) must be before until ({until.isoformat()})"})
+    minutes_kept = TELEMETRY_RETENTION[("node" if node_level else "cluster", TelemetryResolution.MINUTE)]
+    minutes_since = now - minutes_kept - timedelta(minutes=1)
     if resolution is None:
-        resolution = "minute" if until - since <= timedelta(hours=TELEMETRY_MINUTE_WINDOW_HOURS) else "hour"
+        short = until - since <= timedelta(hours=TELEMETRY_MINUTE_WINDOW_HOURS)
+        resolution = "minute" if short and since >= minutes_since else "hour"
     seconds = RESOLUTION_NAMES[resolution]
     points = (until - since).total_seconds() / seconds
     if points > TELEMETRY_MAX_POINTS:
         raise ValidationError({"resolution": f"{points:,.0f} {resolution} buckets is too many (at most "
                                              f"{TELEMETRY_MAX_POINTS:,}); shorten the window or ask resolution=hour"})
-    if seconds == TelemetryResolution.MINUTE:
-        kept = TELEMETRY_RETENTION[("node" if node_level else "cluster", TelemetryResolution.MINUTE)]
-        if since < now - kept - timedelta(minutes=1):
-            raise ValidationError({"resolution": f"minute buckets are kept for {kept.total_seconds() / 3600:g} h; "
-                                                 f"ask resolution=hour for older history"})
+    if seconds == TelemetryResolution.MINUTE and since < minutes_since:
+        raise ValidationError({"resolution": f"minute buckets are kept for {minutes_kept.total_seconds() / 3600:g} h"
+                                             f"{' on a node' if node_level else ''}; ask resolution=hour for older history"})
     return since, until, seconds
 
 

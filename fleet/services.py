@@ -11,7 +11,7 @@ from datetime import timezone as dt_timezone
 
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
-from django.db.models import Max, Min, Sum
+from django.db.models import Max, Min, Subquery, Sum
 from django.db.models.functions import Trunc
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
@@ -213,13 +213,15 @@ def telemetry_rollup(*, now, batch_size=TELEMETRY_DELETE_BATCH):
     deleted = {}
     for (level, resolution), keep in TELEMETRY_RETENTION.items():
         model = NodeTelemetryBucket if level == "node" else ClusterTelemetryBucket
-        expired = model.objects.filter(resolution=resolution, bucket_start__lt=now - keep)
+        expired = model.objects.filter(resolution=resolution, bucket_start__lt=now - keep).order_by()
         count = 0
         while True:
-            ids = list(expired.order_by().values_list("id", flat=True)[:batch_size])
-            if not ids:
+            # DELETE ... WHERE id IN (SELECT id ... LIMIT n): one statement per batch, no ids
+            # through Python (buckets have no dependants, so Django deletes without collecting).
+            batch = model.objects.filter(pk__in=Subquery(expired.values("id")[:batch_size])).delete()[0]
+            count += batch
+            if batch < batch_size:
                 break
-            count += model.objects.filter(pk__in=ids).delete()[0]
         deleted[f"{model.__name__}/{resolution}"] = count
     return TelemetryRollupResult(written=written, deleted=deleted, seconds=time.perf_counter() - started)
 

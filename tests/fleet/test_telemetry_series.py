@@ -111,3 +111,10 @@ def test_a_window_that_cannot_be_answered_says_what_to_change(kwargs, field):
 def test_the_default_window_is_six_hours_by_minute_and_long_windows_are_hourly():
     assert telemetry_window(now=T0) == (T0 - timedelta(hours=6), T0, MINUTE)
     assert telemetry_window(now=T0, hours=24 * 7)[2] == HOUR
+
+
+def test_a_nodes_day_defaults_to_hours_because_its_minutes_are_kept_for_six():
+    assert telemetry_window(now=T0, hours=24)[2] == MINUTE  # fleet and cluster minutes are kept for 2 days
+    assert telemetry_window(now=T0, hours=24, node_level=True)[2] == HOUR
+    with pytest.raises(ValidationError, match="on a node"):
+        telemetry_window(now=T0, hours=24, resolution="minute", node_level=True)
