@@ -15,8 +15,9 @@ applying each plan, and checks after every tick:
   - a job whose preemption was denied is neither preempted, shrunk nor asked about;
   - quotas hold except for borrowing the plan states (Start/Resize.borrowed);
   - every pending job has exactly one wait reason, places are 1..n;
-  - work conservation: no waiting job (region-wide, not just preempted) has its smallest
-    allowed count free in one region after the tick;
+  - work conservation: no waiting job (region-wide, not just preempted, not of a packed
+    tier) has its smallest allowed count (W for a full-size tier) free in one region after
+    the tick, counting devices still being released and, for Premium, those kept for it;
   - the same snapshot gives the same plan.
 """
 import numpy as np
@@ -87,8 +88,10 @@ def snapshots(draw):
                 free = np.flatnonzero(ok & (column == rng.choice(entities)))
                 holder[rng.choice(free, c, replace=False)] = j
                 state[j] = RUNNING
+    # some free devices are still being released by a previous holder (up to 2 min more)
+    releasing_until = np.where(rng.random(n_dev) < 0.2, now + rng.random(n_dev) * 120, -np.inf)
     acc = Accelerators(type_id=type_id, node=node, rack=rack, cluster=cluster, region=region,
-                       healthy=healthy, holder=holder)
+                       healthy=healthy, holder=holder, releasing_until=releasing_until)
     jobs = Jobs(
         ids=np.arange(100, 100 + n_jobs), team=rng.integers(0, n_teams, n_jobs), tier=tier, type_id=jtype,
         world_size=world, min_devices=min_dev, state=state,
@@ -97,6 +100,7 @@ def snapshots(draw):
         last_checkpoint_time=now - rng.random(n_jobs) * 3000, last_checkpoint_step=rng.integers(0, 10**6, n_jobs),
         checkpoint_bytes=rng.integers(0, 10**10, n_jobs),
         last_start_time=np.where(state == RUNNING, now - rng.random(n_jobs) * 2000, -np.inf),
+        last_resize_time=np.where(rng.random(n_jobs) < 0.3, now - rng.random(n_jobs) * 1200, -np.inf),
         preemption_approved=rng.random(n_jobs) < 0.15,
         preemption_denied=rng.random(n_jobs) < 0.1,
         max_spread=spread)
@@ -104,7 +108,10 @@ def snapshots(draw):
     policy_settings = PolicySettings(min_run_seconds=float(rng.choice([0, 600, 1200])),
                                      allow_borrowing=bool(rng.random() < 0.7),
                                      max_preemptions_per_tick=int(rng.choice([1, 4, 256])),
-                                     max_defrag_migrations_per_tick=int(rng.choice([0, 2, 16])))
+                                     max_defrag_migrations_per_tick=int(rng.choice([0, 2, 16])),
+                                     premium_reserve_devices=int(rng.choice([0, 0, 1, 2])),
+                                     full_size_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))],
+                                     packed_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))])
     return Snapshot(accelerators=acc, jobs=jobs, teams=teams, now=now,
                     type_names=["H100-80GB", "A100-40GB"][:n_types], node_status=node_status,
                     region_drained=drained, settings=policy_settings).validate()
@@ -177,7 +184,8 @@ def check_tick(snap, plan):
         if jobs.tier[j] in s.full_size_tiers:
             need = int(jobs.world_size[j])  # its tier starts only at W
         per_region = np.bincount(acc.region[free & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
-        assert per_region.max(initial=0) < need, f"job {j} waits ({w.reason}) with {per_region} free"
+        kept = 0 if jobs.tier[j] == PREMIUM else s.premium_reserve_devices  # idle for Premium only
+        assert per_region.max(initial=0) < need + kept, f"job {j} waits ({w.reason}) with {per_region} free"
     return after
 
 
