@@ -1,8 +1,10 @@
 """Framework checkpoint engine vs plain torch.save / torch.load, for a ~100 MB and a ~1 GB model
 with AdamW state (checkpoint = parameters + 2 AdamW moments, about 3x the model).
 
-  checkpoint: tracker.save(dir)   = collect state dicts + RNG + loader positions, write through
-                                    a sha256-hashing writer, fsync, manifest, rename, fsync dir
+  checkpoint: tracker.save(dir)   = collect state dicts + RNG + loader positions, torch.save
+                                    (no zip CRC-32) into a file a second thread sha256-hashes
+                                    behind the writer (reading it back from the page cache),
+                                    fsync overlapping the hash's tail, manifest, rename, fsync dir
               baseline            = torch.save({"model", "optimizer"} state dicts) + fsync
   restore:    FrameworkTracker(resume_dir=...) + apply_states
                                   = manifest, sha256 check (on a second thread) + torch.load,
@@ -45,16 +47,23 @@ def build(layers):
     return model, optimizer
 
 
-def median_time(fn, repeats, before=None):
-    times = []
-    for _ in range(repeats):
-        if before:
-            before()
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(ours, baseline, repeats, before=None):
+    """Runs ours and the baseline alternately (order swapped every round, so neither always
+    runs on a warmer or quieter machine); returns (median ours, median baseline, load range)."""
+    times = {"ours": [], "baseline": []}
+    loads = []
+    for i in range(repeats):
+        pair = [("ours", ours), ("baseline", baseline)]
+        for name, fn in (pair if i % 2 == 0 else pair[::-1]):
+            if before:
+                before()
+            gc.collect()
+            loads.append(os.getloadavg()[0])
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return (statistics.median(times["ours"]), statistics.median(times["baseline"]),
+            (min(loads), max(loads)))
 
 
 def bench_case(tracker, layers, repeats, workdir):
@@ -75,8 +84,10 @@ def bench_case(tracker, layers, repeats, workdir):
             f.flush()
             os.fsync(f.fileno())
 
-    save_ours = median_time(ours_save, repeats, before=fresh_dir)
-    save_base = median_time(baseline_save, repeats)
+    save_ours, save_base, save_load = interleaved_medians(ours_save, baseline_save, repeats,
+                                                          before=fresh_dir)
+    fresh_dir()
+    tracker.save(ours_dir)  # the restore side reads this one
     size_ours = sum(p.stat().st_size for p in ours_dir.rglob("*") if p.is_file())
     size_base = base_path.stat().st_size
 
@@ -89,15 +100,16 @@ def bench_case(tracker, layers, repeats, workdir):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
-    restore_ours = median_time(ours_restore, repeats)
-    restore_base = median_time(baseline_restore, repeats)
+    restore_ours, restore_base, restore_load = interleaved_medians(ours_restore,
+                                                                   baseline_restore, repeats)
     fresh_dir()
     base_path.unlink()
     del model, optimizer
     gc.collect()
     return {"model": f"{params_mb:,.0f} MB + AdamW", "size_ours": size_ours,
             "size_base": size_base, "save_ours": save_ours, "save_base": save_base,
-            "restore_ours": restore_ours, "restore_base": restore_base}
+            "restore_ours": restore_ours, "restore_base": restore_base,
+            "load": (min(save_load[0], restore_load[0]), max(save_load[1], restore_load[1]))}
 
 
 def sha256_gbps():
@@ -130,19 +142,20 @@ def main():
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads={torch.get_num_threads()}, "
-          f"medians of {args.repeats}, dir={args.dir or tempfile.gettempdir()}")
+          f"medians of {args.repeats} interleaved runs, dir={args.dir or tempfile.gettempdir()}")
     print(f"machine load: loadavg {load_before:.1f} -> {os.getloadavg()[0]:.1f}; sha256 "
           f"{hash_before:.2f} -> {sha256_gbps():.2f} GB/s on one thread")
     header = (f"{'model':<20} {'ckpt size':>10} {'torch.save':>10} {'save':>8} {'torch.save':>11}"
-              f" {'ratio':>6} {'restore':>8} {'torch.load':>11} {'ratio':>6}")
+              f" {'ratio':>6} {'restore':>8} {'torch.load':>11} {'ratio':>6} {'loadavg':>9}")
     print(header)
     print(f"{'':<20} {'':>10} {'size':>10} {'(s)':>8} {'+fsync (s)':>11} {'':>6} {'(s)':>8}"
-          f" {'+apply (s)':>11} {'':>6}")
+          f" {'+apply (s)':>11} {'':>6} {'min-max':>9}")
     for r in rows:
         print(f"{r['model']:<20} {r['size_ours'] / 1e6:>8.0f}MB {r['size_base'] / 1e6:>8.0f}MB"
               f" {r['save_ours']:>8.2f} {r['save_base']:>11.2f}"
               f" {r['save_ours'] / r['save_base']:>5.2f}x {r['restore_ours']:>8.2f}"
-              f" {r['restore_base']:>11.2f} {r['restore_ours'] / r['restore_base']:>5.2f}x")
+              f" {r['restore_base']:>11.2f} {r['restore_ours'] / r['restore_base']:>5.2f}x"
+              f" {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}")
 
 
 if __name__ == "__main__":

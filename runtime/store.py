@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import urllib.parse
 import uuid
@@ -122,6 +124,108 @@ def sha256_file(path) -> tuple[str, int]:
             digest.update(view[:n])
             size += n
     return digest.hexdigest(), size
+
+
+class HashingFileWriter(io.RawIOBase):
+    """A sequential, write-only file whose sha256 is computed *behind* the writer.
+
+    ``write`` only copies the bytes into the file (the page cache) and advances a counter; a
+    helper thread reads the written bytes back through its own file descriptor, in large
+    chunks, and hashes them (``readinto`` and ``sha256.update`` release the GIL, so the two run
+    on two cores). The writer never waits for the hasher, and the hash is of what the file
+    holds, not of a buffer that might change. ``finish()`` fsyncs the file while the hasher
+    catches up and returns the manifest entry ``{"size", "sha256"}``. The writer must be
+    sequential (no seek): torch.save's zip writer is (it checks its own offsets)."""
+
+    def __init__(self, path, chunk_bytes: int = HASH_CHUNK_BYTES):
+        self.path = Path(path)
+        self.size = 0
+        self._chunk = chunk_bytes
+        self._f = open(self.path, "wb", buffering=0)
+        try:
+            self._r = open(self.path, "rb", buffering=0)
+        except BaseException:
+            self._f.close()
+            raise
+        self._digest = hashlib.sha256()
+        self._hashed = 0
+        self._cond = threading.Condition()
+        self._done = False
+        self._abort = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._hash_loop, name="sha256-behind-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        view = memoryview(b).cast("B")
+        n = view.nbytes
+        while view.nbytes:
+            view = view[self._f.write(view):]
+        with self._cond:
+            self.size += n
+            if self.size - self._hashed >= self._chunk:
+                self._cond.notify()
+        return n
+
+    def _hash_loop(self) -> None:
+        buf = bytearray(self._chunk)
+        view = memoryview(buf)
+        try:
+            while True:
+                with self._cond:
+                    while not (self._done or self._abort) \
+                            and self.size - self._hashed < self._chunk:
+                        self._cond.wait()
+                    if self._abort:
+                        return
+                    end, done = self.size, self._done
+                while self._hashed < end:
+                    n = self._r.readinto(view[:min(self._chunk, end - self._hashed)])
+                    if not n:
+                        raise CheckpointError(f"{self.path} is shorter than the "
+                                              f"{end} bytes written to it")
+                    self._digest.update(view[:n])
+                    self._hashed += n
+                if done:
+                    return
+        except BaseException as exc:  # reported by finish()
+            self._error = exc
+
+    def _stop(self, *, abort: bool) -> None:
+        with self._cond:
+            self._done = True
+            self._abort = abort
+            self._cond.notify()
+
+    def finish(self, fsync: bool = True) -> dict:
+        """Ends the file: fsync (overlapping the hash's tail), waits for the hash, closes.
+        Returns ``{"size": bytes, "sha256": hex}``."""
+        try:
+            self._stop(abort=False)
+            if fsync:
+                os.fsync(self._f.fileno())
+            self._thread.join()
+            if self._error is not None:
+                raise CheckpointError(f"hashing {self.path} failed: {self._error}") \
+                    from self._error
+            if self._hashed != self.size:
+                raise CheckpointError(f"hashed {self._hashed} of the {self.size} bytes "
+                                      f"written to {self.path}")
+            return {"size": self.size, "sha256": self._digest.hexdigest()}
+        finally:
+            self.close()
+
+    def close(self):
+        if not self.closed:
+            self._stop(abort=True)
+            self._thread.join()
+            self._r.close()
+            self._f.close()
+        super().close()
 
 
 def write_file_atomic(path, payload: bytes) -> None:
