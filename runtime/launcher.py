@@ -34,6 +34,7 @@ import time
 import uuid
 
 from runtime import control, criu, splice
+from runtime import rank as rank_liveness
 from runtime import spool as spool_files
 
 EXIT_FINISHED = 0
@@ -144,6 +145,7 @@ class Launcher:
         self.rendezvous = None
         self.engine = None
         self.engine_reason = None
+        self._spool_lock = None  # fd of <spool>/launcher.lock, held until this process exits
 
     # -- bookkeeping --------------------------------------------------------------------------
     def event(self, kind, **fields):
@@ -190,9 +192,28 @@ class Launcher:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
+    def hold_spool(self):
+        """Takes <spool>/launcher.lock for this launcher's whole life (the ranks' liveness
+        probe, runtime/rank.py): before any rank is started or restored. Another live launcher
+        of the same job id holds it already: refused rather than wiping its spool."""
+        if self._spool_lock is not None:
+            return
+        try:
+            self._spool_lock = rank_liveness.hold_launcher_lock(self.spool)
+        except BlockingIOError:
+            raise LaunchError(f"another meridian-run is running job {self.job_id!r} on this "
+                              f"node (it holds {rank_liveness.launcher_lock_path(self.spool)}); "
+                              f"stop it or use another --job-id", EXIT_USAGE) from None
+
     def fresh_spool(self):
-        if self.spool.exists():
-            shutil.rmtree(self.spool)
+        self.hold_spool()
+        for entry in self.spool.iterdir():  # everything but the lock this launcher holds
+            if entry.name == rank_liveness.LAUNCHER_LOCK:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
         for rank in range(self.world_size):
             spool_files.rank_dir(self.spool, rank).mkdir(parents=True)
         spool_files.write_json_atomic(self.spool / "devices.json", self.device_map)

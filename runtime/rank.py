@@ -137,8 +137,107 @@ class RankRuntime:
         self._progress_at = 0.0  # report the first step after a resume at once
 
 
+# -- launcher liveness (both engines; the only mechanism that survives a CRIU dump/restore) --------
+#
+# The launcher holds an exclusive flock on <spool>/launcher.lock for as long as it lives (taken
+# before any rank starts or is restored, released by the kernel when the launcher exits, however
+# it dies). A rank probes the lock without blocking: if it can take a shared lock, or the file is
+# gone, nobody holds the job any more and the rank ends itself. Nothing about the probe lives in
+# the process between probes (no open fd, no parent-death signal, no pid), so it works the same
+# after a restore, inside the rank's own PID namespace, and on another node: the spool path is the
+# same everywhere and every launcher takes the lock there before it restores a rank. The lock
+# file stays empty, so even a probe's fd caught open by a dump restores (CRIU needs the same size).
+
+LAUNCHER_LOCK = "launcher.lock"
+LAUNCHER_CHECK_S = 0.25
+EXIT_LAUNCHER_GONE = 70
+
+
+def launcher_lock_path(spool):
+    return os.path.join(str(spool), LAUNCHER_LOCK)
+
+
+def hold_launcher_lock(spool, wait_s=2.0):
+    """Called by the launcher: creates <spool>/launcher.lock and holds an exclusive flock on it
+    until the returned fd is closed (at the launcher's exit, whatever ends it). Raises
+    BlockingIOError when another live launcher holds it (a rank of a dead launcher probing it
+    holds it for microseconds only: retried for ``wait_s``)."""
+    import fcntl
+    os.makedirs(str(spool), exist_ok=True)
+    fd = os.open(launcher_lock_path(spool), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise
+            time.sleep(0.01)
+
+
+def launcher_alive(spool):
+    """True while a launcher holds <spool>/launcher.lock. Never blocks."""
+    import fcntl
+    try:
+        fd = os.open(launcher_lock_path(spool), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # the spool is gone: the job was torn down
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the shared lock, if we got it
+    return False
+
+
+def _launcher_gone(spool):
+    try:
+        sys.stderr.write(f"meridian rank {os.getpid()}: the launcher holding "
+                         f"{launcher_lock_path(spool)} is gone; this rank ends\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_LAUNCHER_GONE)
+
+
+class LauncherWatch:
+    """Ends this rank when its launcher is gone: a daemon thread probes every LAUNCHER_CHECK_S
+    (so a rank blocked in a collective, parked at a cut or loading data ends too; collectives
+    release the GIL while they wait), and the main thread probes at step boundaries as well.
+    CRIU dumps and restores the thread with the rest of the process."""
+
+    def __init__(self, spool, interval_s=LAUNCHER_CHECK_S):
+        import threading
+        self.spool = str(spool)
+        self.interval_s = interval_s
+        self._checked_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="meridian-launcher-watch",
+                                        daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while True:
+            time.sleep(self.interval_s)
+            self.check()
+
+    def check(self):
+        self._checked_at = time.monotonic()
+        if not launcher_alive(self.spool):
+            _launcher_gone(self.spool)
+
+    def on_step(self, step):
+        if time.monotonic() - self._checked_at >= self.interval_s:
+            self.check()
+
+
 def _die_with_launcher():
-    """A rank whose launcher died can never be checkpointed or stopped: end with it.
+    """A rank whose launcher died can never be checkpointed or stopped: end with it at once
+    (the LauncherWatch, for both engines, is the slower mechanism that also survives CRIU).
 
     Not for CRIU ranks: CRIU restores the parent-death signal, and a restored rank's first parent
     is the criu process that exits right after restoring it."""
@@ -168,6 +267,8 @@ def main(argv=None):
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)
     _redirect_output(os.path.join(rank_dir, "out.log"))
+    watch = LauncherWatch(spool).start()
+    watch.check()  # the launcher may have died before this rank started
 
     import torch
     torch.set_num_threads(1)
@@ -206,6 +307,7 @@ def main(argv=None):
 
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())
+    tracker.add_step_listener(watch.on_step)
     tracker.add_step_listener(runtime.on_step)
     barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut)
     tracker.add_step_listener(barrier)
