@@ -41,7 +41,7 @@ class FreeADomain:
         if budget <= 0:
             return self._explain(tick, j, "the defragmentation budget of this tick is spent")
         k, d = int(jobs.type_id[j]), min(within)
-        key = (NAME, k, level)
+        key = (NAME, k, level, int(jobs.tier[j]) == PREMIUM)  # Premium also sees the reserve
         known = tick.known_failure(key, d)
         if known is not None:
             return self._explain(tick, j, known)
