@@ -2,7 +2,8 @@
 state read-only so nobody bypasses the state machine)."""
 from django.contrib import admin
 
-from jobs.models import Checkpoint, ControlLoopLease, Job, JobEvent, Membership, PreemptionRequest, Replica, Team
+from jobs.models import (Checkpoint, ControlLoopLease, Job, JobEvent, Membership, Move, PreemptionRequest, Replica,
+                         Team)
 
 
 class MembershipInline(admin.TabularInline):
@@ -90,4 +91,21 @@ class ControlLoopLeaseAdmin(admin.ModelAdmin):
     readonly_fields = ["name", "holder", "expires_at", "last_tick_at", "last_tick_stats"]
 
     def has_add_permission(self, request):
+        return False
+
+
+@admin.register(Move)
+class MoveAdmin(admin.ModelAdmin):
+    """Read-only: a move is advanced only by its Celery steps (jobs/moves.py)."""
+
+    list_display = ["id", "job", "kind", "step", "state", "from_node", "to_node", "cut_step", "step_deadline",
+                    "finished_at"]
+    list_filter = ["kind", "state", "step"]
+    list_select_related = ["job", "from_node", "to_node"]
+    raw_id_fields = ["job", "from_node", "to_node"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
         return False

@@ -284,8 +284,10 @@ def _check_release(move, job):
     if move.kind == K.RESIZE:
         return _Outcome(DONE, f"devices {move.from_devices} -> {move.to_devices} confirmed")
     gone = _old(move).get("state") in ("stopped", "failed", "finished")
-    if gone or _node_lost(move.from_node_id) or move.from_node_id is None:
-        why = "its node is lost" if not gone and move.from_node_id else "the old copy exited"
+    if move.from_node_id is None:
+        return _Outcome(DONE, "the old copy is fenced (its node was lost)", {"checkpoint_step": move.cut_step})
+    if gone or _node_lost(move.from_node_id):
+        why = "the old copy exited" if gone else "its node is lost"
         return _Outcome(DONE, f"{why}; its devices are free", {"checkpoint_step": move.cut_step})
     return None
 

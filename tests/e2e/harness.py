@@ -132,6 +132,13 @@ class ControlPlane:
         process.kill()
         process.wait(timeout=10)
 
+    def pause_agent(self, hostname):
+        """SIGSTOPs the agent process only (a partition: its jobs run on, unseen)."""
+        self.agents[hostname][0].send_signal(signal.SIGSTOP)
+
+    def resume_agent(self, hostname):
+        self.agents[hostname][0].send_signal(signal.SIGCONT)
+
     def job_pids(self, hostname=None):
         """Returns pids of launchers and ranks started by agents (all, or one agent's)."""
         pids = set()
@@ -238,6 +245,16 @@ class ControlPlane:
             except Exception as exc:  # noqa: BLE001 - diagnostics only
                 text.append(f"could not read job {job_id}: {exc}")
         return "\n".join(text) + "\n" + self.logs(tail=2500)
+
+    def moves(self, job_id):
+        """Returns [(kind, [steps in order])] per move of the job, from its move_step events."""
+        moves = {}
+        for event in self.events(job_id):
+            if event.get("type") == "move_step":
+                extra = event.get("extra_data") or {}
+                kind, steps = moves.setdefault(extra["move"], (extra["kind"], []))
+                steps.append(extra["step"])
+        return [moves[key] for key in sorted(moves)]
 
     def nodes_of(self, job_id):
         """Returns the hostnames the job was placed on, in order, from its placed/migrated events."""

@@ -3,9 +3,12 @@ checkpoint engine, named explicitly in harness.ENGINE) on CPU slots. Every wait 
 deadline. Each test starts its own control plane from a migrated template database."""
 import json
 import pathlib
+import time
 
 import pytest
 from harness import assert_same_parameters, poll
+
+from agent.node import pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,6 +70,15 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identic
     restored = restored_steps(plane, hosts[1])
     assert restored and restored[-1][1] >= 20, restored
     assert_same_parameters(out / f"{plane.job(other)['name']}.pt", out / f"{victim_job['name']}.pt")
+    # The preemption ran as a move whose steps each left an event, in order.
+    assert plane.moves(victim) == [("preemption", ["started", "barrier", "checkpoint", "store", "release"])], \
+        plane.diagnose(victim)
+    step_events = [e for e in plane.events(victim) if e["type"] == "move_step" and e["extra_data"]["step"] != "started"]
+    assert {e["extra_data"]["node"] for e in step_events} == {hosts[0]}
+    assert {e["extra_data"]["checkpoint_step"] for e in step_events} == {restored[0][1]}
+    # ... run by the Celery worker: the move's chain of step tasks, and the advances reports enqueue.
+    worker_log = plane.logs("worker", tail=10**8)
+    assert "jobs.tasks.move_step" in worker_log and "jobs.tasks.move_advance" in worker_log
 
 
 def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(stack):
@@ -117,6 +129,7 @@ def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(st
     assert finished["preemption_count"] == 1
     types = [e["type"] for e in plane.events(standard)]
     assert types.count("preemption_requested") >= 2 and "preemption_denied" in types and "preemption_approved" in types
+    assert plane.moves(standard) == [("preemption", ["started", "barrier", "checkpoint", "store", "release"])]
 
 
 def test_a_killed_agent_loses_its_node_and_its_job_resumes_from_its_last_checkpoint_elsewhere(stack):
@@ -140,6 +153,8 @@ def test_a_killed_agent_loses_its_node_and_its_job_resumes_from_its_last_checkpo
     types = [e["type"] for e in plane.events(job)]
     assert "node_lost" in types and "migrated" in types
     plane.wait_state(job, "succeeded", timeout=240)
+    # Nothing to cut on a dead node: the migration restores the last checkpoint, then releases.
+    assert plane.moves(job) == [("migration", ["started", "restore", "release"])], plane.diagnose(job)
     restored = restored_steps(plane, "n2")
     assert restored and restored[0][1] == checkpoint_step, (restored, checkpoint_step)
     # Nothing lost: the same result as an uninterrupted run of the same script.
@@ -170,6 +185,8 @@ def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back_with_identical_
     finished = plane.wait_state(elastic, "succeeded", timeout=240)
     planned = [e["extra_data"].get("to_devices") for e in plane.events(elastic) if e["to_state"] == "resizing"]
     assert planned == [1, 2] and finished["preemption_count"] == 0, plane.diagnose(elastic)
+    assert plane.moves(elastic) == [("resize", ["started", "barrier", "resize", "release"])] * 2, \
+        plane.diagnose(elastic)
     # The runtime really spliced the 2 ranks onto 1 device and back (its launcher's own events).
     assert [devices for _dir, devices in runtime_events(plane, "n1", "resize", "devices")] == [1, 2], \
         plane.diagnose(elastic)
@@ -180,3 +197,41 @@ def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back_with_identical_
     plane.wait_state(reference, "succeeded", timeout=240)
     assert plane.job(reference)["resize_count"] == 0
     assert_same_parameters(out / "reference.pt", out / "elastic.pt")
+
+
+def test_a_partitioned_node_is_fenced_and_its_stale_copy_never_checkpoints_over_the_new_one(stack):
+    plane = stack()
+    plane.start_agent("n1", devices=1)
+    out = pathlib.Path(plane.dir)
+    job = plane.submit(name="partitioned", tier="basic", epochs=24, step_sleep=0.1, out=out / "partitioned.pt")
+    poll("a checkpoint past step 20", lambda: (plane.job(job)["last_checkpoint_step"] or 0) >= 20, timeout=180,
+         on_timeout=lambda: plane.diagnose(job))
+    plane.start_agent("n2", devices=1)
+    stale = plane.job_pids("n1")
+    assert stale
+
+    # The partition: n1's agent answers nothing; its job trains on, unseen by the control plane.
+    plane.pause_agent("n1")
+    poll("the job to restart on n2", lambda: plane.nodes_of(job)[-1:] == ["n2"], timeout=120,
+         on_timeout=lambda: plane.diagnose(job))
+    assert any(pid_alive(pid) for pid in stale), "the stale copy should still run behind the partition"
+    healed_at = time.time()
+    plane.resume_agent("n1")
+
+    # Back, n1's agent sees it missed heartbeats for longer than the lost-node threshold (and the
+    # control plane rejects its stale generation): it kills its copy without a checkpoint.
+    poll("the stale copy to be killed", lambda: not any(pid_alive(pid) for pid in stale), timeout=60,
+         on_timeout=lambda: plane.logs("agent-n1"))
+    poll("n1's agent to say it fenced its copy", lambda: "fenced" in plane.logs("agent-n1"), timeout=30,
+         on_timeout=lambda: plane.logs("agent-n1"))
+    plane.wait_state(job, "succeeded", timeout=300)
+    stale_dirs = list((plane.agents["n1"][1] / "j").glob(f"{job}.*"))
+    assert stale_dirs and all((d / "fenced").exists() for d in stale_dirs)
+    late = [t for _dir, t in runtime_events(plane, "n1", "checkpoint", "time_unix") if t > healed_at]
+    assert late == [], "the fenced copy wrote a checkpoint after the partition healed"
+    assert not any(e for _dir, e in runtime_events(plane, "n1", "stopped", "step")), "fenced copies are killed, not stopped"
+    assert plane.moves(job) == [("migration", ["started", "restore", "release"])], plane.diagnose(job)
+    # The new copy's result is the uninterrupted run's.
+    reference = plane.submit(name="reference", tier="basic", epochs=24, out=out / "reference.pt")
+    plane.wait_state(reference, "succeeded", timeout=240)
+    assert_same_parameters(out / "reference.pt", out / "partitioned.pt")
