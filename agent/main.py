@@ -10,6 +10,11 @@
 control plane answers 401. --token uses a node token issued by `manage.py fleet_node_token`
 for a node already described in the database.
 
+Fencing: every heartbeat reply says the control plane's lost-node threshold. A thread kills
+every local job (no checkpoint) once no heartbeat sent in the last threshold seconds was
+answered: by then the control plane counts the node lost and restarts its jobs elsewhere from
+their last checkpoints. A report rejected with "fence" (a stale generation) kills that copy.
+
 Environment: MERIDIAN_CONTROL_PLANE, MERIDIAN_AGENT_ENROLL_TOKEN, MERIDIAN_AGENT_TOKEN,
 MERIDIAN_AGENT_WORK_DIR stand in for the flags.
 """
@@ -117,6 +122,9 @@ class Agent:
     def beat(self):
         telemetry = self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs))
         observed = self.reconciler.observed()
+        # The control plane recorded this heartbeat after we sent it: counting from the send keeps
+        # our self-fencing clock ahead of its lost-node clock.
+        sent = time.monotonic()
         try:
             answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
         except TokenRejected:
@@ -127,7 +135,7 @@ class Agent:
             answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
         if not self.options.interval and answer.get("heartbeat_seconds"):
             self.interval = float(answer["heartbeat_seconds"])
-        self.last_heartbeat_ok = time.monotonic()
+        self.last_heartbeat_ok = sent
         self.self_fenced = False
         if answer["desired"].get("lost_after_seconds"):
             self.lost_after_s = float(answer["desired"]["lost_after_seconds"])

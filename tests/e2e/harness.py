@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import requests
@@ -48,6 +49,77 @@ def poll(what, predicate, *, timeout, interval=0.25, on_timeout=None):
         time.sleep(interval)
 
 
+class Partition:
+    """A TCP forwarder between one agent and the control plane that a test can cut: a network
+    partition (the agent and its jobs run on; nothing gets through, new connections are closed)."""
+
+    def __init__(self, target_port):
+        self.target = ("127.0.0.1", target_port)
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(64)
+        self.port = self.server.getsockname()[1]
+        self.is_cut = threading.Event()
+        self.lock = threading.Lock()
+        self.connections = set()
+        threading.Thread(target=self._accept, daemon=True, name="partition").start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if self.is_cut.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.connections |= {client, upstream}
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink):
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self):
+        self.is_cut.set()
+        with self.lock:
+            for connection in self.connections:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                connection.close()
+            self.connections.clear()
+
+    def heal(self):
+        self.is_cut.clear()
+
+    def close(self):
+        self.cut()
+        self.server.close()
+
+
 class ControlPlane:
     def __init__(self, base_dir, *, env=None):
         self.dir = pathlib.Path(base_dir)
@@ -56,6 +128,7 @@ class ControlPlane:
         self.url = f"http://127.0.0.1:{self.port}"
         self.processes = {}
         self.agents = {}
+        self.partitions = {}
         self.redis = None
         self.env = dict(os.environ)
         self.env.update({
@@ -114,9 +187,16 @@ class ControlPlane:
         self.processes[name] = process
         return process
 
-    def start_agent(self, hostname, *, devices=1, region="r1", cluster="c1", checkpoint_every=3.0):
+    def start_agent(self, hostname, *, devices=1, region="r1", cluster="c1", checkpoint_every=3.0,
+                    partitionable=False):
+        """Starts an agent; partitionable=True puts a Partition between it and the control plane
+        (self.partitions[hostname])."""
         work_dir = self.dir / "agents" / hostname
-        argv = [PYTHON, "-m", "agent.main", "--control-plane", self.url, "--enroll-token", ENROLL,
+        url = self.url
+        if partitionable:
+            self.partitions[hostname] = Partition(self.port)
+            url = f"http://127.0.0.1:{self.partitions[hostname].port}"
+        argv = [PYTHON, "-m", "agent.main", "--control-plane", url, "--enroll-token", ENROLL,
                 "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", region, "--cluster", cluster,
                 "--work-dir", str(work_dir), "--engine", ENGINE, "--checkpoint-every", str(checkpoint_every),
                 "--interval", "1", "--workload-root", str(ROOT)]
@@ -179,6 +259,8 @@ class ControlPlane:
                     pass
                 process.wait(timeout=10)
         self.kill_job_processes()
+        for partition in self.partitions.values():
+            partition.close()
         if self.redis is not None:
             self.redis.stop()
 

@@ -323,3 +323,41 @@ def test_reports_and_checkpoints_of_a_stale_generation_are_rejected_and_change_n
     # ... and is not told to run it
     assert node_desired_state(node=n1)["jobs"] == []
     assert node_desired_state(node=n1)["lost_after_seconds"] == 30.0
+
+
+@pytest.mark.django_db
+def test_a_job_that_finishes_on_its_new_node_mid_migration_is_deferred_until_the_move_is_released(running):
+    n1 = make_node("n1")
+    job, _ = running("m")
+    n2 = make_node("n2")
+    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
+    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
+    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"],
+             now=timezone.now())
+    report(n1, job.pk, "stopped", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
+    worker()
+
+    first = report(n2, job.pk, "finished", generation=2, step=40)
+
+    assert first["deferred"] == [job.pk] and first["accepted"] == []  # the agent reports it again
+    job.refresh_from_db()
+    assert job.state == S.MIGRATING
+    worker()  # restore (a finished copy restored and ran), release
+    job.refresh_from_db()
+    assert job.state == S.RUNNING
+    again = report(n2, job.pk, "finished", generation=2, step=40)
+    job.refresh_from_db()
+    assert again["accepted"] == [job.pk] and job.state == S.SUCCEEDED
+
+
+@pytest.mark.django_db
+def test_a_cancelled_job_ends_its_move(running, alice, team_a, job_spec):
+    from jobs.services import job_cancel
+
+    victim, _n1, _premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    job_cancel(job=victim, by=alice)
+
+    assert move_step_run(move_id=move.pk, step="barrier") == ENDED
+    move.refresh_from_db()
+    assert move.state == Move.State.FAILED and move.log[-1]["note"] == "the job is cancelled"
