@@ -96,16 +96,17 @@
   function drawHistory() {
     var points = history.points;
     var times = points.map(function (p) { return p.t; });
+    var mode = points.length < 30 ? "lines+markers" : "lines";  // a few points are invisible as bare lines
     document.getElementById("history-empty").hidden = points.length > 0;
     document.getElementById("history-scope").textContent =
       "(" + data.heatmap.breadcrumbs[data.heatmap.breadcrumbs.length - 1].label + ", " +
       (history.resolution_seconds === 60 ? "per minute" : "per hour") + ")";
     Plotly.react("history-chart", [
-      {type: "scatter", mode: "lines", name: "mean utilization", x: times,
+      {type: "scatter", mode: mode, name: "mean utilization", x: times,
        y: points.map(function (p) { return p.utilization_mean; }), line: {color: "#1f6f3a", width: 2}},
-      {type: "scatter", mode: "lines", name: "busiest device", x: times,
+      {type: "scatter", mode: mode, name: "busiest device", x: times,
        y: points.map(function (p) { return p.utilization_max; }), line: {color: "#8fd19e", width: 1, dash: "dot"}},
-      {type: "scatter", mode: "lines", name: "memory used per device (GB)", x: times, yaxis: "y2",
+      {type: "scatter", mode: mode, name: "memory used per device (GB)", x: times, yaxis: "y2",
        y: points.map(function (p) { return p.memory_used_gb_mean; }), line: {color: "#2357d9", width: 1}}
     ], {
       height: 240, margin: {l: 50, r: 50, t: 10, b: 30}, legend: {orientation: "h"},
