@@ -82,6 +82,8 @@ def node_heartbeat_record(*, node, telemetry, now):
 
     Three statements whatever the device count: the node, the devices (one UPDATE that also
     returns their types), the history bucket (one upsert per accelerator type on the node).
+    `node` itself is updated too (last_heartbeat, state, utilization), so callers need not
+    refetch it.
     """
     node_changes = {"last_heartbeat": now}
     if node.state == Node.State.LOST:
@@ -89,6 +91,8 @@ def node_heartbeat_record(*, node, telemetry, now):
     if "utilization" in telemetry:
         node_changes.update(utilization=_reading(telemetry.get("utilization")), telemetry_at=now)
     Node.objects.filter(pk=node.pk).update(**node_changes)
+    for field, value in node_changes.items():  # the caller's instance is current: no refetch needed
+        setattr(node, field, value)
     readings = _device_readings(telemetry.get("devices"))
     if readings:
         written = _accelerator_readings_write(node_id=node.pk, readings=readings)

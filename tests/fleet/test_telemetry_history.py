@@ -173,3 +173,14 @@ def test_the_rollup_catches_up_after_an_outage(fleet):
 
     assert ClusterTelemetryBucket.objects.filter(resolution=HOUR).count() == 3
     assert NodeTelemetryBucket.objects.filter(resolution=HOUR).count() == 3
+
+
+def test_the_callers_node_is_brought_up_to_date_so_it_need_not_refetch(fleet):
+    node = fleet["n1"]
+    Node.objects.filter(pk=node.pk).update(state=Node.State.LOST)
+    node.state = Node.State.LOST
+
+    beat(node, T0, (0.5, 1.0), node_utilization=0.5)
+
+    assert (node.state, node.last_heartbeat, node.utilization) == (Node.State.READY, T0, 0.5)
+    assert Node.objects.get(pk=node.pk).state == Node.State.READY
