@@ -79,6 +79,43 @@ def pid_alive(pid):
         return True
 
 
+def seed_store(store, checkpoint_uri):
+    """Puts the committed checkpoint `checkpoint_uri` into the (new) store folder `store`, under its
+    own name, unless it is there already; returns its path there.
+
+    Each placement generation has a store folder of its own, so a fenced copy of an older
+    generation can never write a checkpoint where the new copy restores from; the new copy starts
+    from the checkpoint the control plane accepted. Files are hard-linked (no copy, and pruning
+    either store only unlinks its own names), or copied across filesystems; the folder appears
+    under its final name at once (rename), as the store's own commits do.
+    """
+    import shutil
+    import uuid
+
+    from runtime.store import CHECKPOINT_DIR_PATTERN, MANIFEST_NAME, path_from_uri
+
+    source = path_from_uri(checkpoint_uri)
+    if not CHECKPOINT_DIR_PATTERN.match(source.name) or not (source / MANIFEST_NAME).is_file():
+        raise ValueError(f"{checkpoint_uri} is not a committed checkpoint this node can see")
+    target = pathlib.Path(store) / source.name
+    if target.exists():
+        return target
+    staging = pathlib.Path(store) / f".seed-{uuid.uuid4().hex}"
+
+    def link_or_copy(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    try:
+        shutil.copytree(source, staging, copy_function=link_or_copy)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 class LocalJob:
     """One launcher this agent started or adopted."""
 
@@ -318,6 +355,15 @@ class NodeReconciler:
         job_id = int(entry["job_id"])
         store = pathlib.Path(entry["store"])
         store.mkdir(parents=True, exist_ok=True)
+        if entry.get("restore_from"):
+            try:
+                seed_store(store, entry["restore_from"])
+            except (OSError, ValueError) as exc:
+                # Starting afresh would silently lose the job's progress: wait (the move's restore
+                # step times out and the control plane decides again).
+                log.error("job %s: cannot restore %s into %s: %s; not launching", job_id, entry["restore_from"],
+                          store, exc)
+                return
         resume = any(p.name.startswith("ckpt-") and (p / "MANIFEST.json").exists() for p in store.iterdir())
         attempt = 1 + sum(1 for p in self.jobs_dir.glob(f"{job_id}.*"))
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"

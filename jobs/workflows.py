@@ -25,7 +25,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.utils import timezone
 
 from fleet.services import node_heartbeat_record
@@ -59,8 +59,11 @@ def checkpoint_store_root():
     return root.rstrip("/")
 
 
-def job_store_uri(job_id):
-    return f"{checkpoint_store_root()}/job-{job_id}"
+def job_store_uri(job_id, *, generation=None):
+    """Returns the job's checkpoint store folder: <root>/job-<id>, and within it one folder per
+    placement generation (g<n>): a fenced copy writes only into its own generation's folder."""
+    base = f"{checkpoint_store_root()}/job-{job_id}"
+    return base if generation is None else f"{base}/g{int(generation)}"
 
 
 # --- desired state -------------------------------------------------------------------------------
@@ -71,7 +74,9 @@ def node_desired_state(*, node):
     agent should run now.
 
     One entry per job with replicas on this node's devices: action "run" (launch, restore, or
-    resize to `devices`) or "wait" (a migration that has not reached its restore step), plus one
+    resize to `devices`) or "wait" (a migration that has not reached its restore step), with the
+    generation's own `store` folder and `restore_from`, the newest checkpoint the control plane
+    accepted (the agent seeds the new store with it; None: start afresh), plus one
     entry with action "stop" per job whose active move takes its old copy off this node. Every
     entry has the placement `generation` the agent must run (or stop). A job the agent runs that
     is not listed must be stopped with a checkpoint. Three queries.
@@ -86,10 +91,11 @@ def node_desired_state(*, node):
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
         "job_id", "kind", "step", "from_node_id", "from_generation")}
+    newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk")).order_by("-step", "-id").values("uri")[:1]
     jobs = Job.objects.filter(pk__in=list(devices)).only(
         "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
         "total_steps", "last_checkpoint_step", "generation",
-    )
+    ).annotate(restore_from=Subquery(newest_checkpoint))
     entries = []
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
@@ -99,7 +105,8 @@ def node_desired_state(*, node):
             "action": "wait" if waiting else "run", "generation": job.generation,
             "world_size": job.world_size, "devices": len(devices[job.pk]),
             "device_indices": sorted(devices[job.pk]), "entrypoint": job.entrypoint,
-            "args": list(job.args), "env": dict(job.env), "store": job_store_uri(job.pk),
+            "args": list(job.args), "env": dict(job.env),
+            "store": job_store_uri(job.pk, generation=job.generation), "restore_from": job.restore_from,
             "last_checkpoint_step": job.last_checkpoint_step,
         })
     listed = {e["job_id"] for e in entries}

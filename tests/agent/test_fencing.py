@@ -84,3 +84,26 @@ def test_an_agent_fences_itself_after_missing_heartbeats_for_the_lost_node_thres
         agent.lost_after_s = 8.0
         assert not agent.self_fence_due(now=began + 7.9)
         assert agent.self_fence_due(now=began + 8.1)
+
+
+def test_a_new_generation_store_is_seeded_with_the_accepted_checkpoint_by_hard_links():
+    from agent.node import seed_store
+    from runtime.store import CheckpointStore
+
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        (tmp / "state").mkdir()
+        (tmp / "state" / "rank-0.pt").write_bytes(b"weights" * 1000)
+        old = CheckpointStore(tmp / "job-1" / "g1")
+        accepted = old.commit(tmp / "state", 42, "framework", meta={"world_size": 1})
+        old.commit(tmp / "state", 50, "framework", meta={"world_size": 1})  # never reported: not seeded
+
+        seeded = seed_store(tmp / "job-1" / "g2", accepted.uri)
+
+        new = CheckpointStore(tmp / "job-1" / "g2")
+        newest = new.latest_good()  # verifies every file's sha256
+        assert newest.step == 42 and newest.path == seeded
+        assert (seeded / "rank-0.pt").stat().st_ino == (accepted.path / "rank-0.pt").stat().st_ino
+        assert seed_store(tmp / "job-1" / "g2", accepted.uri) == seeded  # idempotent
+        with pytest.raises(ValueError):
+            seed_store(tmp / "job-1" / "g3", (tmp / "state").as_uri())

@@ -231,6 +231,12 @@ def test_a_partitioned_node_fences_itself_and_its_stale_copy_is_gone_before_the_
     restored = poll("the job to restore on n2", lambda: runtime_events(plane, "n2", "restored", "time_unix"),
                     timeout=120, on_timeout=lambda: plane.diagnose(job))
     assert restored[0][1] > fenced_at
+    # It restored the newest checkpoint the control plane accepted, never one the stale copy wrote
+    # while cut off (each generation writes into a store folder of its own).
+    events = plane.events(job)
+    restart = next(i for i, e in enumerate(events) if e["type"] == "migrated")
+    accepted = max(e["extra_data"]["step"] for e in events[:restart] if e["type"] == "checkpointed")
+    assert [step for _dir, step in restored_steps(plane, "n2")] == [accepted], plane.diagnose(job)
     plane.partitions["n1"].heal()
     plane.wait_state(job, "succeeded", timeout=300)
     assert plane.moves(job) == [("migration", ["started", "restore", "release"])], plane.diagnose(job)

@@ -170,6 +170,9 @@ def test_a_node_that_misses_heartbeats_is_lost_and_its_job_restarts_elsewhere(al
     desired = node_desired_state(node=n2)["jobs"][0]
     assert desired["action"] == "run" and desired["last_checkpoint_step"] == 7
     assert desired["generation"] == job.generation == 2
+    # Its own store folder: the fenced copy on n1 writes only into generation 1's
+    assert desired["store"].endswith(f"/job-{job.pk}/g2")
+    assert desired["restore_from"] == f"file:///ckpt/{job.pk}/7"  # the checkpoint the control plane accepted
     report(n2, job, "running", step=7, now=t0 + timedelta(seconds=62))
     job.refresh_from_db()
     assert job.state == S.RUNNING
