@@ -3,13 +3,14 @@
 Authentication: `Authorization: Node <token>` (the per-node token that registration returns).
 A node reads and writes its own state only: an unknown or revoked token is a 401; asking for
 another node's state is a 403; reporting on a job that is not placed on the node changes
-nothing and comes back under "rejected".
+nothing and comes back under "rejected"; so does a report of a stale placement generation, with
+"fence": true (the agent kills that copy without a checkpoint).
 
   POST /api/agent/register/   Authorization: Enroll <enrollment token>
        {"hostname", "region", "cluster", "rack", "agent_version", "devices": [{"type", "memory_gb", "uuid"}]}
        -> 201 {"node_id", "token", "heartbeat_seconds"}
   POST /api/agent/heartbeat/  {"telemetry": {...}, "jobs": [...]}   (see jobs.workflows.node_report_apply)
-       -> 200 {"accepted", "rejected", "desired": <desired state>}
+       -> 200 {"accepted", "rejected", "deferred", "desired": <desired state (jobs.workflows.node_desired_state)>}
   GET  /api/agent/desired/                       -> 200 the node's desired state
   GET  /api/agent/nodes/<node_id>/desired/       -> the same for your own id; 403 for another node's
 """
