@@ -110,3 +110,22 @@ def test_a_node_cannot_report_on_a_job_placed_on_another_node(alice, team_a, job
     assert answer["accepted"] == [job.pk] and job.state == Job.State.RUNNING and job.progress_step == 5
     assert [e["job_id"] for e in answer["desired"]["jobs"]] == [job.pk]
     assert Node.objects.get(pk=owner["node_id"]).utilization == 0.25
+
+
+@pytest.mark.django_db
+def test_a_report_of_a_stale_generation_is_rejected_with_fence_and_changes_nothing(alice, team_a, job_spec):
+    owner = register("n1", devices=[{"type": "CPU"}]).json()
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1, tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    desired = as_node(owner["token"]).get("/api/agent/desired/").json()
+    assert desired["jobs"][0]["generation"] == job.generation == 1 and desired["lost_after_seconds"] > 0
+
+    answer = as_node(owner["token"]).post("/api/agent/heartbeat/", {"jobs": [
+        {"job_id": job.pk, "generation": 0, "state": "running", "step": 50, "devices": 1,
+         "checkpoint": {"step": 50, "uri": "file:///stale/50", "bytes": 1, "engine": "framework"}}]},
+        format="json").json()
+
+    job.refresh_from_db()
+    assert answer["accepted"] == [] and answer["rejected"][0]["fence"] is True
+    assert job.state == Job.State.SCHEDULED and job.progress_step == 0 and job.last_checkpoint_step is None
