@@ -9,7 +9,9 @@ Per size, on a fresh database:
      waiting (W in {1,2,4,8}, a tier mix, half of them elastic), bulk-inserted (setup, not timed);
   2. the placement tick (every job starts: the heaviest apply) - timed;
   3. heartbeats with per-device telemetry from hollow agents over HTTP (a real daphne server,
-     the real agent API, one node token each) - heartbeats and device samples ingested per second;
+     the real agent API, one node token each) - heartbeats and device samples ingested per second,
+     and daphne's own CPU per heartbeat (user + system, from /proc: the part of the cost that
+     does not depend on how busy the shared machine is);
   4. steady-state ticks (all jobs running, the rest waiting) - tick latency end to end split
      into snapshot / plan / apply, and database rows written per tick (measured by
      PostgreSQL's own counters, pg_stat_database tup_inserted+updated+deleted);
@@ -56,6 +58,8 @@ def parse_args():
     p.add_argument("--inproc-heartbeats", type=int, default=500)
     p.add_argument("--history-hours", type=int, default=6, help="hours of per-node minute buckets to bulk-fill")
     p.add_argument("--drop", action="store_true", help="drop the database afterwards")
+    p.add_argument("--skip-history", action="store_true",
+                   help="leave out steps 6-7 (e.g. to run this bench against code from before the history)")
     return p.parse_args()
 
 
@@ -194,8 +198,16 @@ def start_daphne(env):
     raise RuntimeError("daphne did not start; see daphne.log")
 
 
-def heartbeat_round(url, tokens, n_nodes, threads):
-    """Returns (heartbeats/s, device samples/s, failures) for one heartbeat from n_nodes hollow nodes."""
+def process_cpu_seconds(pid):
+    """Returns the user + system CPU seconds process `pid` has used (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def heartbeat_round(url, tokens, n_nodes, threads, server_pid=None):
+    """Returns (heartbeats/s, device samples/s, failures, server CPU ms per heartbeat) for one
+    heartbeat from n_nodes hollow nodes. The server's CPU per heartbeat does not depend on how
+    busy the shared machine is, unlike heartbeats/s."""
     import requests
 
     from agent.client import ControlPlaneClient
@@ -218,10 +230,12 @@ def heartbeat_round(url, tokens, n_nodes, threads):
             return False
 
     began = time.perf_counter()
+    cpu_before = process_cpu_seconds(server_pid) if server_pid else 0.0
     with ThreadPoolExecutor(threads) as pool:
         ok = sum(pool.map(one, nodes))
     seconds = time.perf_counter() - began
-    return ok / seconds, ok * 8 / seconds, len(nodes) - ok
+    cpu_ms = (process_cpu_seconds(server_pid) - cpu_before) / max(ok, 1) * 1000 if server_pid else float("nan")
+    return ok / seconds, ok * 8 / seconds, len(nodes) - ok, cpu_ms
 
 
 HISTORY_TABLES = ("fleet_nodetelemetrybucket", "fleet_clustertelemetrybucket")
@@ -337,10 +351,11 @@ def run_size(n, args, rng, data_dir):
     daphne, url = start_daphne(env)
     try:
         telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        rates = [heartbeat_round(url, tokens, min(args.heartbeat_nodes, len(tokens)), args.http_threads)
+        rates = [heartbeat_round(url, tokens, min(args.heartbeat_nodes, len(tokens)), args.http_threads,
+                                 server_pid=daphne.pid)
                  for _ in range(2)]
         telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        heartbeat_history_rows = history_rows()
+        heartbeat_history_rows = None if args.skip_history else history_rows()
     finally:
         daphne.terminate()
         daphne.wait(timeout=20)
@@ -358,7 +373,7 @@ def run_size(n, args, rng, data_dir):
     accrual = (time.perf_counter() - began, stats_settled(before))
     # Last: their bulk writes would show in the ticks' row counters (published asynchronously).
     inproc = inproc_heartbeats(min(args.inproc_heartbeats, len(tokens)))
-    history = history_day(args.history_hours)
+    history = None if args.skip_history else history_day(args.history_hours)
     return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s, "placement": (placement, placement_wall, placement_rows),
             "steady": steady, "heartbeats": rates, "telemetry_bytes": (telemetry_before, telemetry_after),
             "heartbeat_history_rows": heartbeat_history_rows, "inproc": inproc, "history": history}
@@ -382,7 +397,7 @@ def main():
           f"over HTTP (daphne, {args.http_threads} client threads)")
     header = (f"{'accel':>8} {'jobs':>7} | {'place tick s':>12} {'starts':>7} {'rows':>8} | "
               f"{'steady tick s':>13} {'snap':>6} {'plan':>6} {'apply':>6} {'rows/tick':>9} | "
-              f"{'hb/s':>6} {'dev samples/s':>13} {'fail':>4} | {'telemetry MB before→after':>25} | "
+              f"{'hb/s':>6} {'cpu ms/hb':>10} {'dev samples/s':>13} {'fail':>4} | {'telemetry MB before→after':>25} | "
               f"{'accrual s':>9} {'rows':>7}")
     print(header)
     print("-" * len(header))
@@ -394,26 +409,31 @@ def main():
         hb = max(rate[0] for rate in r["heartbeats"])
         samples = max(rate[1] for rate in r["heartbeats"])
         fails = sum(rate[2] for rate in r["heartbeats"])
+        server_cpu = min(rate[3] for rate in r["heartbeats"])
         before, after = r["telemetry_bytes"]
         print(f"{r['n']:>8} {r['jobs']:>7} | {placement_wall:>12.2f} {placement.counts.get('start', 0):>7} "
               f"{placement_rows:>8} | {wall:>13.3f} {result.seconds['snapshot']:>6.2f} {result.seconds['plan']:>6.2f} "
-              f"{result.seconds['apply']:>6.2f} {rows_written:>9} | {hb:>6.0f} {samples:>13.0f} {fails:>4} | "
+              f"{result.seconds['apply']:>6.2f} {rows_written:>9} | {hb:>6.0f} {server_cpu:>10.1f} {samples:>13.0f} {fails:>4} | "
               f"{before / 2**20:>11.1f} → {after / 2**20:<11.1f} | {r['accrual'][0]:>9.2f} {r['accrual'][1]:>7}")
+    if args.skip_history:
+        print(f"\nheartbeat telemetry write in process: " + ", ".join(
+            f"{r['n']}: {r['inproc'][0]:.2f} ms, {r['inproc'][1]} statements" for r in rows))
     print()
-    print(f"telemetry history (per-node minute buckets; {args.history_hours} h bulk-filled for every node; "
-          f"rollup = fleet.tasks.telemetry_rollup; sizes include indexes)")
-    header = (f"{'accel':>8} | {'hb write ms':>11} {'stmts':>5} | {'rows after hb':>13} | "
-              f"{'filled rows':>11} {'MB':>7} | {'rollup s':>8} {'rows out':>8} {'+1 min s':>9} | {'retention s':>11} "
-              f"{'deleted':>8} | {'rows left':>9} {'MB left':>7}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        h = r["history"]
-        print(f"{r['n']:>8} | {r['inproc'][0]:>11.2f} {r['inproc'][1]:>5} | {r['heartbeat_history_rows']:>13} | "
-              f"{h['filled'][0]:>11} {h['filled'][1] / 2**20:>7.1f} | {h['rollup_s']:>8.2f} {h['written']:>8} "
-              f"{h['minute_s']:>9.2f} | "
-              f"{h['prune_s']:>11.2f} {h['deleted']:>8} | {h['left'][0]:>9} {h['left'][1] / 2**20:>7.1f}")
-    print("(MB left: the table files keep the freed space for new rows after VACUUM; they do not grow further)")
+    if not args.skip_history:
+        print(f"telemetry history (per-node minute buckets; {args.history_hours} h bulk-filled for every node; "
+              f"rollup = fleet.tasks.telemetry_rollup; sizes include indexes)")
+        header = (f"{'accel':>8} | {'hb write ms':>11} {'stmts':>5} | {'rows after hb':>13} | "
+                  f"{'filled rows':>11} {'MB':>7} | {'rollup s':>8} {'rows out':>8} {'+1 min s':>9} | {'retention s':>11} "
+                  f"{'deleted':>8} | {'rows left':>9} {'MB left':>7}")
+        print(header)
+        print("-" * len(header))
+        for r in rows:
+            h = r["history"]
+            print(f"{r['n']:>8} | {r['inproc'][0]:>11.2f} {r['inproc'][1]:>5} | {r['heartbeat_history_rows']:>13} | "
+                  f"{h['filled'][0]:>11} {h['filled'][1] / 2**20:>7.1f} | {h['rollup_s']:>8.2f} {h['written']:>8} "
+                  f"{h['minute_s']:>9.2f} | "
+                  f"{h['prune_s']:>11.2f} {h['deleted']:>8} | {h['left'][0]:>9} {h['left'][1] / 2**20:>7.1f}")
+        print("(MB left: the table files keep the freed space for new rows after VACUUM; they do not grow further)")
     print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\nsteady ticks (all): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{s[1]:.2f}s/{s[2]} rows" for s in r["steady"]) for r in rows))

@@ -136,11 +136,12 @@ def test_the_rollup_leaves_the_current_minute_and_hour_alone_and_is_idempotent(f
     assert not NodeTelemetryBucket.objects.filter(resolution=HOUR).exists()  # the hour is not over
 
 
-def test_a_late_heartbeat_in_the_newest_rolled_minute_is_counted_on_the_next_run(fleet):
+def test_a_heartbeat_stamped_at_the_end_of_a_minute_is_counted_if_it_commits_within_the_grace(fleet):
     beat(fleet["n1"], T0 + timedelta(seconds=59), (0.5, 1.0), (0.5, 1.0))
-    telemetry_rollup(now=T0 + timedelta(minutes=1, seconds=30))
-    beat(fleet["n2"], T0 + timedelta(seconds=59, microseconds=999), (1.0, 1.0), (1.0, 1.0))  # committed late
+    telemetry_rollup(now=T0 + timedelta(seconds=70))  # the minute ended, but only 10 s ago: not rolled yet
+    beat(fleet["n2"], T0 + timedelta(seconds=59, microseconds=999), (1.0, 1.0), (1.0, 1.0))  # commits late
 
+    telemetry_rollup(now=T0 + timedelta(minutes=1, seconds=30))
     telemetry_rollup(now=T0 + timedelta(minutes=2, seconds=30))
 
     assert ClusterTelemetryBucket.objects.get(bucket_start=T0).heartbeats == 2
