@@ -3,10 +3,11 @@
     .venv/bin/python bench/runtime_overhead.py [--ranks 2] [--steps 300] [--repeats 5]
 
 Runs the same DDP script (bench/runtime_scripts/timed_ddp.py, a 3x512 MLP, Adam) W ways:
-plain torch (W processes, gloo, torchrun-style env, one intra-op thread each), and under
-meridian-run with each engine (the rank processes then also run the cut's meta-allreduce after
-every step). Prints the median step time over the steady state (first 20% of steps dropped),
-the median over repeats, and the overhead vs plain torch.
+plain torch (W processes, gloo, torchrun-style env, one intra-op thread each; unpinned, and
+pinned one core per rank as meridian-run pins them), and under meridian-run with each engine
+(virtual group, consistent-cut flags every step, framework tracker). Prints the median wall and
+CPU time per step over the steady state (first 20% of steps dropped), the median over repeats,
+and the overhead vs plain torch pinned the same way.
 """
 import argparse
 import json
@@ -56,9 +57,11 @@ def run_meridian(ranks, out, script_args, engine, workdir):
 
 
 def steady_median(out):
+    """Returns (wall, cpu) medians per step over the steady state (first 20% dropped)."""
     with open(out) as handle:
-        times = json.load(handle)["step_s"]
-    return statistics.median(times[len(times) // 5:])
+        record = json.load(handle)
+    wall, cpu = record["step_s"], record["cpu_s"]
+    return statistics.median(wall[len(wall) // 5:]), statistics.median(cpu[len(cpu) // 5:])
 
 
 def main():
@@ -90,16 +93,20 @@ def main():
                     run_meridian(options.ranks, out, script_args, variant.split(", ")[1].split()[0],
                                  workdir)
                 results[variant].append(steady_median(out))
-    base = statistics.median(results[variants[0]])
+    # The fair baseline is plain torch pinned as meridian-run pins its ranks (one core each).
+    base = [statistics.median(v[i] for v in results[variants[1]]) for i in (0, 1)]
     print(f"\nW={options.ranks} ranks, 3x{options.width} MLP + Adam, {options.steps} steps, "
-          f"{options.repeats} repeats; median of per-run steady-state medians")
-    print(f"{'variant':<32} {'ms/step':>9} {'min':>8} {'max':>8} {'overhead':>9}")
+          f"{options.repeats} repeats; median of per-run steady-state medians; load average "
+          f"{os.getloadavg()[0]:.1f}. CPU = the rank process's CPU time per step (all threads): "
+          f"the figure that machine load disturbs least.")
+    print(f"{'variant':<34} {'wall ms':>8} {'min':>7} {'max':>7} {'overhead':>8} "
+          f"{'CPU ms':>7} {'overhead':>8}")
     for variant in variants:
-        values = results[variant]
-        median = statistics.median(values)
-        print(f"{variant:<32} {median * 1e3:9.3f} {min(values) * 1e3:8.3f} "
-              f"{max(values) * 1e3:8.3f} {100 * (median / base - 1):8.1f}%")
-
+        walls = [v[0] for v in results[variant]]
+        cpus = [v[1] for v in results[variant]]
+        wall, cpu = statistics.median(walls), statistics.median(cpus)
+        print(f"{variant:<34} {wall * 1e3:8.3f} {min(walls) * 1e3:7.2f} {max(walls) * 1e3:7.2f} "
+              f"{100 * (wall / base[0] - 1):7.1f}% {cpu * 1e3:7.3f} {100 * (cpu / base[1] - 1):7.1f}%")
 
     micro(options)
 

@@ -76,6 +76,7 @@ class DeviceSlot:
         self.cores = None
         self._lock_fd = None
         self._held = False
+        self._shared = False
 
     def apply(self, mapping):
         """Moves this rank to the device `mapping` gives it (re-pins, switches token).
@@ -93,6 +94,7 @@ class DeviceSlot:
             self._lock_fd = os.open(lock_dir / f"dev{device}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         self.device = device
         self.cores = cores
+        self._shared = sum(1 for d in mapping["ranks"].values() if int(d) == device) > 1
 
     def acquire(self):
         if self._lock_fd is not None and not self._held:
@@ -113,6 +115,9 @@ class DeviceSlot:
             self.device = None
 
     # vpg.CollectiveHooks interface: give the device away while waiting in a collective.
+    def shares_device(self):
+        return self._shared and self._lock_fd is not None
+
     def before_collective(self):
         self.release()
 

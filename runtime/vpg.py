@@ -7,10 +7,17 @@ that call create a `VirtualProcessGroup` (a Python `dist.ProcessGroup` registere
 no io_uring fd left in the process: CRIU can then dump it) and rebuild on new addresses
 (after a checkpoint, a restore, a move to another node).
 
-Reductions are deterministic: every rank's tensor is all-gathered and summed in rank order,
-so the result is bitwise the same whatever the rank -> process -> device layout (gloo's ring
-all-reduce is not). This costs W x the traffic of a ring all-reduce: fine for the CPU job
-sizes it serves here; a deterministic reduce-scatter is the upgrade for large W.
+Reductions are deterministic: each element is combined in rank order 0, 1, ..., W-1, wherever
+it sits in the tensor (a reduce-scatter of W chunks, each combined in rank order by its owner,
+then an all-gather), so results are bitwise the same for every rank -> device layout and for
+DDP's bucket layout, which changes when a script is re-run from a framework checkpoint. With
+W = 2 there is only one way to add two numbers (IEEE addition is commutative), so gloo's own
+all-reduce runs, asynchronously. tests/runtime/test_vpg.py checks both with order-sensitive
+values, skewed timing, pinnings and shifted positions.
+
+Other collectives (and W = 2 reductions) are gloo's own, started asynchronously as under plain
+gloo, except on a shared device (splicing), where a rank waits for each one with its device
+token given away. Rank-order reductions run synchronously in the calling thread.
 """
 import datetime
 import gc
@@ -25,11 +32,15 @@ BACKEND_NAME = "meridian"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 _state = {"group": None, "installed": False, "connection": None, "hooks": None,
-          "outgoing_flags": None, "carried_flags": None, "pending_meta": None}
+          "outgoing_flags": None, "carried_flags": None}
 
 
 class CollectiveHooks:
-    """Called around every collective; replica splicing releases its device token here."""
+    """Called around every wait for a collective; replica splicing releases its device token here."""
+
+    def shares_device(self):
+        """True when other ranks run on this rank's device (they need its turn to compute)."""
+        return False
 
     def before_collective(self):
         pass
@@ -77,15 +88,14 @@ def open_socket_fds():
     return found
 
 
-def _done_work(result):
-    future = torch.futures.Future()
-    future.set_result(result)
-    return _create_work_from_future(future)
+_COMMUTATIVE_IN_GLOO = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN,
+                        dist.ReduceOp.MAX)
 
 
-def _reduce_in_rank_order(gathered, op):
-    result = gathered[0].clone()
-    for other in gathered[1:]:
+def _reduce_in_rank_order(rows, op):
+    """Returns rows[0] op rows[1] op ... op rows[-1], combined left to right (AVG divides the sum)."""
+    result = rows[0].clone()
+    for other in rows[1:]:
         if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             result.add_(other)
         elif op == dist.ReduceOp.PRODUCT:
@@ -98,14 +108,33 @@ def _reduce_in_rank_order(gathered, op):
             raise NotImplementedError(f"meridian virtual group: reduce op {op} is not supported")
     if op == dist.ReduceOp.AVG:
         if result.is_floating_point():
-            result.div_(len(gathered))
+            result.div_(len(rows))
         else:
-            result.div_(len(gathered), rounding_mode="floor")
+            result.div_(len(rows), rounding_mode="floor")
     return result
 
 
+def _rank_order_allreduce(pg, tensor, op, world_size):
+    """All-reduces `tensor` in place, each element combined in rank order 0, 1, ..., W-1 wherever
+    it sits in the tensor: a reduce-scatter (all-to-all of W chunks, rank r combines chunk r of
+    every rank) then an all-gather. Each rank sends and receives 2(W-1)/W of the tensor, as in a
+    ring all-reduce (the first version all-gathered whole tensors: W x the traffic)."""
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    chunk = -(-n // world_size)
+    send = torch.zeros(chunk * world_size, dtype=tensor.dtype)
+    send[:n].copy_(flat)
+    received = torch.empty_like(send)
+    pg.alltoall_base(received, send, [], [], dist.AllToAllOptions()).wait()
+    mine = _reduce_in_rank_order(list(received.view(world_size, chunk)), op)
+    gathered = torch.empty_like(send)
+    pg._allgather_base(gathered, mine).wait()
+    tensor.copy_(gathered[:n].view(tensor.shape))
+
+
 class VirtualProcessGroup(dist.ProcessGroup):
-    """The group the user's script sees. Collectives are synchronous and deterministic."""
+    """The group the user's script sees. Collectives go to the real gloo group underneath, which
+    can be closed and rebuilt between steps; the script keeps this group throughout."""
 
     def __init__(self, rank, world_size, connect, hooks):
         super().__init__(rank, world_size)
@@ -113,6 +142,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._world_size = world_size
         self._connect = connect
         self._hooks = hooks
+        self._in_flight = []  # futures of collectives issued since the last close
         self.inner = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -128,12 +158,11 @@ class VirtualProcessGroup(dist.ProcessGroup):
         return self.inner
 
     def close_inner(self):
-        # An in-flight meta-allreduce keeps the old communicator (and its sockets) alive, and
-        # every rank started it: finish it first.
-        pending = _state.get("pending_meta")
-        if pending is not None:
-            pending.wait()
-            _state["pending_meta"] = None
+        # A collective in flight keeps the old communicator (and its sockets) alive, and every
+        # rank issued it: let it finish first.
+        for future in self._in_flight:
+            self.wait(future)
+        self._in_flight = []
         if self.inner is not None:
             self.inner.close()
             self.inner = None
@@ -148,138 +177,122 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self.close_inner()
 
     # -- collectives ---------------------------------------------------------------------
-    def _run(self, fn):
-        inner = self.ensure_inner()
+    def wait(self, future):
+        """Waits for a collective's future with the device token given away; returns its value."""
+        if future.done():
+            return future.wait()
         self._hooks.before_collective()
         try:
-            return fn(inner.pg)
+            return future.wait()
         finally:
             self._hooks.after_collective()
+
+    def _issue(self, start):
+        """Starts a collective on the inner gloo group (start(pg) returns its gloo Work) and
+        returns a Work for the script that holds only the result's future.
+
+        The gloo Work itself is not handed out: the script or DDP may keep a Work past a cut, and
+        a gloo Work keeps its communicator's sockets alive. A rank alone on its device returns
+        at once (gloo runs the collective while the script computes); a rank sharing its device
+        waits here with the device token given away, so the others can compute their part."""
+        future = start(self.ensure_inner().pg).get_future()
+        self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
+        if self._hooks.shares_device():
+            self.wait(future)
+        return _create_work_from_future(future)
+
+    def _ordered(self, op):
+        """True when the reduction must be computed here in rank order rather than by gloo."""
+        # With two operands IEEE addition, multiplication, min and max are commutative, so
+        # gloo's ring gives the same bits whichever rank adds first. From three on, its order
+        # depends on where an element sits in the tensor: DDP's buckets are laid out anew when a
+        # script is re-run from a framework checkpoint, which would change the bits.
+        return self._world_size > 2 or op not in _COMMUTATIVE_IN_GLOO
+
+    def _run_here(self, fn, result):
+        """Runs fn(pg) (synchronous collectives) in this thread, with the device token given away
+        while it waits; returns a completed Work holding `result`."""
+        pg = self.ensure_inner().pg
+        self._hooks.before_collective()
+        try:
+            fn(pg)
+        finally:
+            self._hooks.after_collective()
+        future = torch.futures.Future()
+        future.set_result(result)
+        return _create_work_from_future(future)
 
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         op = getattr(op, "op", op)
+        if self._ordered(op):
+            world_size = self._world_size
 
-        def reduce_all(pg):
-            for index, tensor in enumerate(tensors):
-                source = tensor.detach().contiguous()
-                flags = _state["outgoing_flags"] if index == 0 else None
-                if flags is None:
-                    gathered = [torch.empty_like(source) for _ in range(self._world_size)]
-                    pg.allgather([gathered], [source]).wait()
-                else:
-                    # The cut's flags ride along as extra bytes: no extra round trip per step.
-                    _state["outgoing_flags"] = None
-                    payload = torch.cat([source.view(-1).view(torch.uint8),
-                                         torch.tensor(flags, dtype=torch.int64).view(torch.uint8)])
-                    packed = [torch.empty_like(payload) for _ in range(self._world_size)]
-                    pg.allgather([packed], [payload]).wait()
-                    size = source.numel() * source.element_size()
-                    gathered = [p[:size].view(source.dtype).view(source.shape) for p in packed]
-                    summed = [0] * len(flags)
-                    for p in packed:  # integer sums: exact in any order
-                        for i, value in enumerate(p[size:].clone().view(torch.int64).tolist()):
-                            summed[i] += value
-                    _state["carried_flags"] = summed
-                tensor.copy_(_reduce_in_rank_order(gathered, op))
-            return tensors
-        return _done_work(self._run(reduce_all))
+            def reduce_all(pg):
+                for tensor in tensors:
+                    _rank_order_allreduce(pg, tensor, op, world_size)
+            work = self._run_here(reduce_all, tensors)
+        else:
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
+            work = self._issue(lambda pg: pg.allreduce(tensors, options))
+        flags = _state["outgoing_flags"]
+        if flags is not None:
+            # The cut's flags follow this all-reduce (decided at issue time: the same point on
+            # every rank) as one more small collective that gloo runs while the script computes.
+            _state["outgoing_flags"] = None
+            summed = torch.tensor(flags, dtype=torch.int64)
+            carried = self._issue(lambda pg: pg.allreduce([summed]))
+            _state["carried_flags"] = carried.get_future().then(lambda _: summed.tolist())
+        return work
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts):
-        def bcast(pg):
-            options = dist.BroadcastOptions()
-            options.rootRank = opts.rootRank
-            options.rootTensor = opts.rootTensor
-            pg.broadcast(tensors, options).wait()
-            return tensors
-        return _done_work(self._run(bcast))
+        options = dist.BroadcastOptions()
+        options.rootRank = opts.rootRank
+        options.rootTensor = opts.rootTensor
+        return self._issue(lambda pg: pg.broadcast(tensors, options))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        def gather(pg):
-            pg.allgather(output_tensors, input_tensors).wait()
-            return output_tensors
-        return _done_work(self._run(gather))
+        return self._issue(lambda pg: pg.allgather(output_tensors, input_tensors))
 
     def _allgather_base(self, output, input, opts=None):
-        def gather(pg):
-            chunks = list(output.chunk(self._world_size))
-            pg.allgather([chunks], [input]).wait()
-            return [output]
-        return _done_work(self._run(gather))
+        return self._issue(lambda pg: pg._allgather_base(output, input))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         op = getattr(op, "op", op)
+        if not self._ordered(op):
+            options = dist.ReduceScatterOptions()
+            options.reduceOp = op
+            return self._issue(lambda pg: pg.reduce_scatter(output_tensors, input_tensors, options))
+        world_size = self._world_size
 
         def reduce_scatter(pg):
-            # Every chunk is gathered (W^2 traffic) so each rank sums its chunk in rank order.
+            # Rank r receives chunk r of every rank and combines them in rank order.
             for output, inputs in zip(output_tensors, input_tensors):
-                for index, chunk in enumerate(inputs):
-                    source = chunk.detach().contiguous()
-                    gathered = [torch.empty_like(source) for _ in range(self._world_size)]
-                    pg.allgather([gathered], [source]).wait()
-                    if index == self._rank:
-                        output.copy_(_reduce_in_rank_order(gathered, op))
-            return output_tensors
-        return _done_work(self._run(reduce_scatter))
+                send = torch.cat([chunk.detach().reshape(-1) for chunk in inputs])
+                received = torch.empty_like(send)
+                pg.alltoall_base(received, send, [], [], dist.AllToAllOptions()).wait()
+                rows = list(received.view(world_size, -1))
+                output.copy_(_reduce_in_rank_order(rows, op).view(output.shape))
+        return self._run_here(reduce_scatter, output_tensors)
 
     def barrier(self, opts=None):
-        def barrier(pg):
-            pg.barrier().wait()
-            return []
-        return _done_work(self._run(barrier))
+        return self._issue(lambda pg: pg.barrier())
 
 
 def meta_allreduce(values):
     """Sums a small int64 vector over all ranks through the inner group (exact, any order).
-
-    Returns the input unchanged when no process group was initialised (a single-process job).
-    """
+    Returns the input unchanged when no process group was initialised (a single-process job)."""
     group = _state["group"]
     tensor = torch.tensor(values, dtype=torch.int64)
     if group is None or group._world_size == 1:
         return tensor.tolist()
-    inner = group.ensure_inner()
-    group._hooks.before_collective()
-    try:
-        inner.pg.allreduce([tensor]).wait()
-    finally:
-        group._hooks.after_collective()
+    group.wait(group._issue(lambda pg: pg.allreduce([tensor])).get_future())
     return tensor.tolist()
-
-
-class _Pending:
-    """An in-flight meta-allreduce; wait() returns the summed values."""
-
-    def __init__(self, tensor, work, hooks):
-        self.tensor, self.work, self.hooks = tensor, work, hooks
-
-    def wait(self):
-        if self.work is not None:
-            self.hooks.before_collective()
-            try:
-                self.work.wait()
-            finally:
-                self.hooks.after_collective()
-            self.work = None
-        return self.tensor.tolist()
-
-
-def meta_allreduce_async(values):
-    """Starts the same sum as meta_allreduce without waiting; returns a handle with wait().
-
-    Lets the cut's flags travel while the next step computes (the barrier decides one step
-    later). Every rank must wait() its handle before the inner group is closed."""
-    group = _state["group"]
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if group is None or group._world_size == 1:
-        return _Pending(tensor, None, None)
-    handle = _Pending(tensor, group.ensure_inner().pg.allreduce([tensor]), group._hooks)
-    _state["pending_meta"] = handle
-    return handle
 
 
 def send_flags_with_next_allreduce(values):
@@ -290,12 +303,16 @@ def send_flags_with_next_allreduce(values):
 
 
 def take_carried_flags():
-    """Returns the summed flags carried by an all-reduce since send_flags_with_next_allreduce,
-    or None when no all-reduce happened since (the flags are then withdrawn)."""
+    """Returns the summed flags carried by an all-reduce since send_flags_with_next_allreduce
+    (waiting for it to finish), or None when no all-reduce was issued since (the flags are then
+    withdrawn)."""
     carried = _state.get("carried_flags")
     _state["carried_flags"] = None
     _state["outgoing_flags"] = None
-    return carried
+    if carried is None:
+        return None
+    group = _state["group"]
+    return group.wait(carried) if group is not None else carried.wait()
 
 
 def current_group():

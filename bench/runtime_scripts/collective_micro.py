@@ -1,5 +1,5 @@
 """Times one collective three ways inside the same processes (interleaved, so machine load hits
-all alike): gloo's ring all-reduce, the virtual group's rank-order all-reduce, and the cut's
+all alike): gloo's ring all-reduce straight on the inner group, the same through the virtual group, and the cut's
 meta-allreduce of two int64 flags. Run W copies with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
 pointing at a TCPStore server. Usage: collective_micro.py OUT_JSON [--floats N] [--iters K]"""
 import argparse
@@ -33,7 +33,7 @@ def main():
     vpg._state["group"] = group
     inner = group.ensure_inner()
     bucket = torch.randn(args.floats)
-    timings = {"gloo ring allreduce": [], "virtual rank-order allreduce": [],
+    timings = {"gloo ring allreduce": [], "virtual group allreduce": [],
                "cut meta-allreduce (2 x int64)": []}
     for i in range(args.iters + 10):
         began = time.perf_counter()
@@ -47,7 +47,7 @@ def main():
         t_meta = time.perf_counter() - began
         if i >= 10:
             timings["gloo ring allreduce"].append(t_gloo)
-            timings["virtual rank-order allreduce"].append(t_virtual)
+            timings["virtual group allreduce"].append(t_virtual)
             timings["cut meta-allreduce (2 x int64)"].append(t_meta)
     if rank == 0:
         with open(args.out, "w") as handle:

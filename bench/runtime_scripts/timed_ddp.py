@@ -1,7 +1,8 @@
 """An ordinary DDP script that times its optimizer steps (used by bench/runtime_*.py).
 
 Usage: timed_ddp.py OUT_JSON [--steps N] [--width W] [--batch B]
-Rank 0 writes {"step_s": [seconds of each step]} to OUT_JSON. Works under plain torch
+Rank 0 writes {"step_s": [wall seconds of each step], "cpu_s": [CPU seconds of the rank process,
+all its threads, per step]} to OUT_JSON. Works under plain torch
 (torchrun-style env) and under meridian-run; without WORLD_SIZE > 1 it runs single-process.
 """
 import argparse
@@ -33,16 +34,17 @@ def main():
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
     x = torch.randn(args.batch, 64)
     y = torch.randn(args.batch, 1)
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         nn.functional.mse_loss(wrapped(x), y).backward()
         optimizer.step()
         times.append(time.perf_counter() - began)
+        cpu.append(time.process_time() - began_cpu)
     if rank == 0:
         with open(args.out, "w") as handle:
-            json.dump({"step_s": times, "params": sum(p.numel() for p in model.parameters())}, handle)
+            json.dump({"step_s": times, "cpu_s": cpu, "params": sum(p.numel() for p in model.parameters())}, handle)
     if distributed:
         dist.destroy_process_group()
 

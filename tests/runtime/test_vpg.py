@@ -1,5 +1,10 @@
-"""The virtual group's pieces that run in this process: teardown and rank-order reduction."""
+"""The virtual group: teardown without leftover sockets, and deterministic reductions."""
 import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,6 +13,7 @@ import torch.distributed as dist
 from runtime import vpg
 
 pytestmark = pytest.mark.runtime
+PROBE = pathlib.Path(__file__).parent / "scripts" / "vpg_reduce_probe.py"
 
 
 def test_closing_the_inner_group_leaves_no_socket_open():
@@ -32,23 +38,55 @@ def test_closing_the_inner_group_leaves_no_socket_open():
     del server
 
 
-def test_reduction_sums_in_rank_order():
-    # Values chosen so that float32 addition order changes the result.
-    gathered = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8]), torch.tensor([1.0])]
-    result = vpg._reduce_in_rank_order(gathered, dist.ReduceOp.SUM)
-    expected = ((gathered[0] + gathered[1]) + gathered[2]) + gathered[3]
-    assert torch.equal(result, expected)
-    reordered = ((gathered[0] + gathered[2]) + gathered[1]) + gathered[3]
-    assert not torch.equal(expected, reordered), "the example must be order-sensitive"
+def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed):
+    """Runs one all-reduce of order-sensitive values over `world` rank processes; returns each
+    rank's result bytes (3 repeats each)."""
+    server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                           use_libuv=False)
+    outs = [tmp_path / f"{tag}-rank{r}.json" for r in range(world)]
+    processes = [subprocess.Popen([sys.executable, str(PROBE), str(r), str(world), str(server.port),
+                                   core_of_rank(r), str(delay_seed), str(outs[r])])
+                 for r in range(world)]
+    assert [p.wait(timeout=120) for p in processes] == [0] * world
+    reports = [json.loads(out.read_text()) for out in outs]
+    assert all(report["sockets"] == 0 for report in reports)
+    return [report["results"] for report in reports]
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_reductions_are_bitwise_the_same_whatever_the_pinning_timing_and_position(tmp_path, world):
+    cores = sorted(os.sched_getaffinity(0))
+    spread = _reduce_once(tmp_path, "spread", world, lambda r: str(cores[r % len(cores)]),
+                          delay_seed=1)
+    one_core = _reduce_once(tmp_path, "one", world, lambda r: str(cores[0]), delay_seed=2)
+    reference = spread[0][0]
+    for layout in (spread, one_core):
+        for per_rank in layout:
+            assert per_rank == [reference] * 4, "every rank, repeat, layout and position: same bytes"
+
+
+def test_the_probe_values_are_order_sensitive():
+    # Otherwise the test above could not fail: float32 sums of these depend on the order.
+    values = [torch.randn(100_003, generator=torch.Generator().manual_seed(r))
+              * torch.logspace(-3, 8, 100_003) for r in range(4)]
+    assert not torch.equal((values[0] + values[1]) + (values[2] + values[3]),
+                           ((values[3] + values[2]) + values[1]) + values[0])
+
+
+def test_rank_order_reduction_adds_left_to_right():
+    rows = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8]), torch.tensor([1.0])]
+    expected = ((rows[0] + rows[1]) + rows[2]) + rows[3]
+    assert torch.equal(vpg._reduce_in_rank_order(rows, dist.ReduceOp.SUM), expected)
+    assert not torch.equal(expected, ((rows[0] + rows[2]) + rows[1]) + rows[3])
 
 
 @pytest.mark.parametrize("op,expected", [
     (dist.ReduceOp.SUM, [6.0, 3.0]), (dist.ReduceOp.AVG, [2.0, 1.0]),
     (dist.ReduceOp.MAX, [3.0, 2.0]), (dist.ReduceOp.MIN, [1.0, 0.0]),
     (dist.ReduceOp.PRODUCT, [6.0, 0.0])])
-def test_reduction_ops(op, expected):
-    gathered = [torch.tensor([1.0, 2.0]), torch.tensor([2.0, 0.0]), torch.tensor([3.0, 1.0])]
-    assert vpg._reduce_in_rank_order(gathered, op).tolist() == expected
+def test_rank_order_reduction_ops(op, expected):
+    rows = [torch.tensor([1.0, 2.0]), torch.tensor([2.0, 0.0]), torch.tensor([3.0, 1.0])]
+    assert vpg._reduce_in_rank_order(rows, op).tolist() == expected
 
 
 def test_meta_allreduce_without_a_group_is_local():

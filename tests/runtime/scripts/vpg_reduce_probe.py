@@ -1,0 +1,53 @@
+"""One rank of tests/runtime/test_vpg.py's determinism check: all-reduces order-sensitive float32
+values through the virtual group after a skewed, seeded delay, pinned to the cores it is given.
+
+Usage: vpg_reduce_probe.py RANK WORLD PORT CORES(comma list) DELAY_SEED OUT
+Writes the reduced tensor's bytes (hex; 3 repeats, then the same values shifted by 37,000 positions) and the virtual group's socket count after closing."""
+import datetime
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
+from runtime import vpg  # noqa: E402
+
+
+def main():
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    cores = [int(c) for c in sys.argv[4].split(",")]
+    delays = random.Random(int(sys.argv[5]) * 100 + rank)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(1)
+
+    def connect():
+        return vpg.InnerGroup(rank=rank, world_size=world, master_addr="127.0.0.1",
+                              master_port=port, key_prefix="probe",
+                              timeout=datetime.timedelta(seconds=60))
+    group = vpg.VirtualProcessGroup(rank, world, connect, vpg.CollectiveHooks())
+    # Magnitudes from 1e-3 to 1e8 with alternating signs: float32 sums of these depend on order.
+    generator = torch.Generator().manual_seed(rank)
+    values = torch.randn(100_003, generator=generator) * torch.logspace(-3, 8, 100_003)
+    results = []
+    for _ in range(3):
+        time.sleep(delays.uniform(0, 0.05))
+        tensor = values.clone()
+        group.allreduce([tensor]).wait()
+        results.append(tensor.numpy().tobytes().hex())
+    # The same values at other positions (as when DDP lays its buckets out anew): each element
+    # must come out the same wherever it sits.
+    shifted = torch.cat([values[37_000:], values[:37_000]])
+    group.allreduce([shifted]).wait()
+    unshifted = torch.cat([shifted[-37_000:], shifted[:-37_000]])
+    results.append(unshifted.numpy().tobytes().hex())
+    group.close_inner()
+    with open(sys.argv[6], "w") as handle:
+        json.dump({"results": results, "sockets": len(vpg.open_socket_fds())}, handle)
+
+
+if __name__ == "__main__":
+    main()
