@@ -372,10 +372,8 @@ class NodeReconciler:
         entrypoint = pathlib.Path(entry["entrypoint"])
         if not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
-        # Launch on W devices and splice down to the desired count once the launcher serves
-        # commands (the reconcile loop's resize): meridian-run started directly on fewer devices
-        # than ranks deadlocks in its first rendezvous in this tree (reported to the runtime).
-        launch_devices = int(entry["world_size"])
+        # Straight onto the desired device count: W ranks spliced onto d devices from the start.
+        launch_devices = int(entry["devices"])
         command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry["world_size"]),
                    "--devices", str(launch_devices), "--engine", self.engine, "--job-dir", str(job_dir),
                    "--job-id", f"j{job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
