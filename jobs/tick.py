@@ -264,9 +264,9 @@ def snapshot_build(*, now):
             checkpoint_bytes=r["checkpoint_bytes"], last_start_time=epoch(r["last_started_at"]),
             preemption_approved=bool(approved_at and (r["last_started_at"] is None
                                                       or approved_at >= r["last_started_at"])),
-            # one rank is on one device whatever the spread; the loosest spread gives the
-            # preemption plugin every option (a pinned spread makes it preempt whole jobs)
-            max_spread=scheduler.SPREAD_REGION if r["world_size"] == 1 else spread,
+            # also for W=1: the core shrinks elastic victims on a pinned preemptor's node
+            # before it preempts whole jobs
+            max_spread=spread,
             name=f"#{r['id']} {r['name']}",
         ))
     snap = scheduler.Snapshot(

@@ -252,3 +252,27 @@ def test_checkpoint_rows_beyond_the_newest_three_per_job_are_pruned(alice, team_
     assert Checkpoint.objects.filter(job=second).count() == 1
     first.refresh_from_db()
     assert first.last_checkpoint_step == 60
+
+
+@pytest.mark.django_db
+def test_a_one_rank_job_gets_the_deployments_spread_and_still_shrinks_an_elastic_victim(alice, team_a, job_spec,
+                                                                                       monkeypatch):
+    import scheduler
+
+    monkeypatch.setenv("MERIDIAN_JOB_MAX_SPREAD", "node")
+    node = make_node("n1", devices=2)
+    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
+    tick_run()
+    elastic.refresh_from_db()
+    report(node, elastic, "running", devices=2)
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+
+    index = snapshot_build(now=timezone.now())
+    tick_run()
+
+    spreads = dict(zip(index.snapshot.jobs.ids.tolist(), index.snapshot.jobs.max_spread.tolist()))
+    assert spreads == {elastic.pk: scheduler.SPREAD_NODE, premium.pk: scheduler.SPREAD_NODE}
+    elastic.refresh_from_db()
+    premium.refresh_from_db()
+    assert (elastic.state, elastic.device_count, elastic.preemption_count) == (S.RESIZING, 1, 0)
+    assert premium.state == S.SCHEDULED and nodes_of(premium) == {"n1"}
