@@ -141,6 +141,7 @@ class ControlPlane:
             "MERIDIAN_TICK_SECONDS": "1",
             "MERIDIAN_AGENT_HEARTBEAT_SECONDS": "1",
             "MERIDIAN_MIN_RUN_SECONDS": "0",
+            "MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS": "0",  # the elastic test grows back within a minute
             "MERIDIAN_ACCOUNTING_SECONDS": "0",
             "MERIDIAN_NODE_LOST_AFTER_SECONDS": "8",
             "MERIDIAN_WORKFLOW_TIMEOUT_SECONDS": "120",
