@@ -14,6 +14,7 @@ How the database maps onto the core's model:
   * A node whose agent missed heartbeats is LOST (node_lost_sweep); the core moves its jobs,
     which restart from their last checkpoint.
   * An approved PreemptionRequest decided after the job's last start sets preemption_approved.
+  * A running job's last_resize_time is when its newest resize Move was created.
 
 Applying the plan (all in one transaction, with JobEvents). Every new placement bumps the job's
 generation (agents' reports of older copies are then rejected: fencing). Preempt, Migrate and
@@ -32,6 +33,7 @@ Resize of a running job create a Move (jobs/moves.py) whose Celery chain runs it
 
 Policy knobs come from the environment so tests and the demo can use short times:
   MERIDIAN_MIN_RUN_SECONDS (default 600), MERIDIAN_STANDARD_SLA_FLOOR (0.70),
+  MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS (600: a job is not grown again sooner after a resize),
   MERIDIAN_NODE_LOST_AFTER_SECONDS (30), MERIDIAN_ACCOUNTING_SECONDS (10), MERIDIAN_JOB_MAX_SPREAD ("node": the meridian-run
   launcher runs all of a job's ranks on one host; "region" for hollow/scale runs).
 """
@@ -87,6 +89,7 @@ def policy_settings():
     return scheduler.PolicySettings(
         min_run_seconds=_env_float("MERIDIAN_MIN_RUN_SECONDS", 600.0),
         standard_sla_floor=_env_float("MERIDIAN_STANDARD_SLA_FLOOR", 0.70),
+        min_resize_interval_seconds=_env_float("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", 600.0),
     )
 
 
@@ -190,6 +193,14 @@ def snapshot_build(*, now):
         cursor.execute(f"SELECT {select} FROM {Job._meta.db_table} WHERE state NOT IN "
                        f"({', '.join(['%s'] * len(terminal))}) ORDER BY id", terminal)
         jobs = [dict(zip(job_columns, row)) for row in cursor.fetchall()]
+        # When each running job last changed its device count: its newest resize Move (grow or
+        # shrink), so min_resize_interval_seconds holds across ticks. One grouped query.
+        running_states = sorted(str(x) for x in RUNNING_STATES)
+        cursor.execute(f"SELECT m.job_id, MAX({_epoch_sql('m.created_at')}) FROM {Move._meta.db_table} m "
+                       f"JOIN {Job._meta.db_table} j ON j.id = m.job_id WHERE m.kind = %s AND j.state IN "
+                       f"({', '.join(['%s'] * len(running_states))}) GROUP BY m.job_id",
+                       [str(Move.Kind.RESIZE), *running_states])
+        resized_at = dict(cursor.fetchall())
     approved_since = dict(
         PreemptionRequest.objects.filter(state=PreemptionRequest.State.APPROVED)
         .values_list("job_id", "decided_at")
@@ -262,6 +273,7 @@ def snapshot_build(*, now):
             last_checkpoint_time=epoch(r["last_checkpoint_at"]),
             last_checkpoint_step=r["last_checkpoint_step"] or 0,
             checkpoint_bytes=r["checkpoint_bytes"], last_start_time=epoch(r["last_started_at"]),
+            last_resize_time=epoch(resized_at.get(r["id"])),
             preemption_approved=bool(approved_at and (r["last_started_at"] is None
                                                       or approved_at >= r["last_started_at"])),
             # also for W=1: the core shrinks elastic victims on a pinned preemptor's node

@@ -184,25 +184,26 @@ def test_a_node_that_misses_heartbeats_is_lost_and_its_job_restarts_elsewhere(al
 def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back(alice, team_a, job_spec):
     node = make_node("n1", devices=2)
     elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
-    tick_run()
+    t0 = timezone.now()
+    tick_run(now=t0)
     elastic.refresh_from_db()
-    report(node, elastic, "running", devices=2)
+    report(node, elastic, "running", devices=2, now=t0)
     premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
 
-    tick_run()
+    tick_run(now=t0 + timedelta(seconds=1))
 
     elastic.refresh_from_db()
     premium.refresh_from_db()
     assert elastic.state == S.RESIZING and elastic.device_count == 1
     assert premium.state == S.SCHEDULED
-    report(node, elastic, "running", devices=1)
+    report(node, elastic, "running", devices=1, now=t0 + timedelta(seconds=2))
     elastic.refresh_from_db()
     assert elastic.state == S.RUNNING
-    report(node, premium, "finished")
-    tick_run()
+    report(node, premium, "finished", now=t0 + timedelta(seconds=601))
+    tick_run(now=t0 + timedelta(seconds=602))  # past min_resize_interval_seconds (600) since the shrink
     elastic.refresh_from_db()
     assert elastic.state == S.RESIZING and elastic.device_count == 2
-    report(node, elastic, "running", devices=2)
+    report(node, elastic, "running", devices=2, now=t0 + timedelta(seconds=603))
     elastic.refresh_from_db()
     assert elastic.state == S.RUNNING and elastic.resize_count == 2
 
@@ -276,3 +277,53 @@ def test_a_one_rank_job_gets_the_deployments_spread_and_still_shrinks_an_elastic
     premium.refresh_from_db()
     assert (elastic.state, elastic.device_count, elastic.preemption_count) == (S.RESIZING, 1, 0)
     assert premium.state == S.SCHEDULED and nodes_of(premium) == {"n1"}
+
+
+@pytest.mark.django_db
+def test_a_shrunk_job_is_not_grown_again_before_the_minimum_resize_interval(alice, team_a, job_spec, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", "300")
+    node = make_node("n1", devices=2)
+    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
+    t0 = timezone.now()
+    tick_run(now=t0)
+    elastic.refresh_from_db()
+    report(node, elastic, "running", devices=2, now=t0)
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    tick_run(now=t0 + timedelta(seconds=10))  # the shrink: its resize Move is created at t0 + 10 s
+    report(node, elastic, "running", devices=1, now=t0 + timedelta(seconds=11))
+    report(node, premium, "finished", now=t0 + timedelta(seconds=12))
+
+    index = snapshot_build(now=t0 + timedelta(seconds=20))
+    tick_run(now=t0 + timedelta(seconds=20))
+
+    elastic.refresh_from_db()
+    position = index.snapshot.jobs.ids.tolist().index(elastic.pk)
+    assert index.snapshot.jobs.last_resize_time[position] == pytest.approx((t0 + timedelta(seconds=10)).timestamp())
+    assert (elastic.state, elastic.device_count) == (S.RUNNING, 1)  # a free device, but it was resized 10 s ago
+    report(node, elastic, "running", devices=1, now=t0 + timedelta(seconds=300))
+    tick_run(now=t0 + timedelta(seconds=311))
+    elastic.refresh_from_db()
+    assert (elastic.state, elastic.device_count) == (S.RESIZING, 2)
+
+
+@pytest.mark.django_db
+def test_the_snapshot_reads_resize_times_in_one_query_whatever_the_number_of_jobs(alice, team_a, job_spec):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from jobs.moves import move_create
+
+    def queries_with_resized_jobs(count):
+        node = make_node(f"n{count}", devices=count)
+        for i in range(count):
+            job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name=f"e{count}-{i}", world_size=1,
+                                                                             min_devices=1, tier="basic"))
+            Job.objects.filter(pk=job.pk).update(state=S.RUNNING)
+            move_create(job=job, kind=Move.Kind.RESIZE, reason="test", now=timezone.now(), from_node_id=node.pk)
+            Move.objects.filter(job=job).update(state=Move.State.DONE)
+        with CaptureQueriesContext(connection) as captured:
+            index = snapshot_build(now=timezone.now())
+        assert (index.snapshot.jobs.last_resize_time > 0).sum() == len(index.snapshot.jobs)
+        return len(captured)
+
+    assert queries_with_resized_jobs(1) == queries_with_resized_jobs(3)
