@@ -9,8 +9,14 @@ How the database maps onto the core's model:
   * Jobs in pending / preempted are PENDING; in scheduled / running they are RUNNING and hold
     the accelerators their Replica rows point at.
   * Jobs in the middle of a move (preempting, migrating, resizing) are left out of the tick:
-    the agents are still acting on them. Their devices are shown to the core as unhealthy, so
-    nothing else lands on them until the move finishes (jobs/moves.py).
+    the agents are still acting on them. The devices they keep (a migrating job's new ones, a
+    resizing job's current ones) are shown to the core as unhealthy, so nothing else lands on
+    them until the move finishes (jobs/moves.py). The devices a move gives up (all of a
+    preempting job's, a migrating job's old ones, the ones a shrink drops; recorded as
+    "released_devices" on the event of the job's entry into its moving state) are free with
+    releasing_until = the move's current step deadline: the core uses them last, and a Start on
+    them carries starts_at (written to its PLACED event), as the previous holder is still
+    stopping; the agents launch there only after that stop.
   * A node whose agent missed heartbeats is LOST (node_lost_sweep); the core moves its jobs,
     which restart from their last checkpoint.
   * An approved PreemptionRequest decided after the job's last start sets preemption_approved.
@@ -45,11 +51,12 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 import numpy as np
 from django.db import connection, transaction
-from django.db.models import F, Q
+from django.db.models import F, Max, Q, Subquery
 from django.utils import timezone
 
 import scheduler
@@ -207,6 +214,7 @@ def snapshot_build(*, now):
     )
     approved_since = {job_id: decided.timestamp() for job_id, decided in approved_since.items() if decided}
     teams = list(Team.objects.order_by("id").values_list("id", "name", "quotas"))
+    released = _devices_being_released(now=now) if any(r["state"] in MOVING_STATES for r in jobs) else {}
     t1 = time.perf_counter()
 
     n_acc = len(acc_rows)
@@ -250,6 +258,13 @@ def snapshot_build(*, now):
             else np.zeros((2, 0), np.int64)
         holder[pairs[0]] = pairs[1]
         held_count = np.bincount(pairs[1], minlength=len(in_tick)).astype(np.int64)
+    releasing_until = np.full(n_acc, -np.inf)
+    if released and n_acc:
+        r_dev = np.fromiter(released, np.int64, len(released))
+        r_until = np.fromiter(released.values(), np.float64, len(released))
+        pos = np.minimum(np.searchsorted(acc_ids, r_dev), n_acc - 1)
+        known = acc_ids[pos] == r_dev  # a device deleted since is skipped
+        releasing_until[pos[known]] = r_until[known]
 
     team_pos = {t[0]: i for i, t in enumerate(teams)}
     quota = np.zeros((len(teams), len(type_names)), np.int64)
@@ -285,7 +300,8 @@ def snapshot_build(*, now):
         accelerators=scheduler.Accelerators(
             type_id=type_codes, node=node_idx, rack=rack_codes[node_idx] if len(node_idx) else [],
             cluster=cluster_codes[node_idx] if len(node_idx) else [],
-            region=region_codes[node_idx] if len(node_idx) else [], healthy=healthy, holder=holder),
+            region=region_codes[node_idx] if len(node_idx) else [], healthy=healthy, holder=holder,
+            releasing_until=releasing_until),
         jobs=scheduler.Jobs.from_rows(rows),
         teams=scheduler.Teams(names=[t[1] for t in teams], quota=quota),
         now=now.timestamp(), type_names=type_names, node_status=node_status,
@@ -299,6 +315,30 @@ def snapshot_build(*, now):
     )
 
 
+def _devices_being_released(*, now):
+    """Returns {Accelerator.pk: seconds since the epoch} for the devices moves are giving up: the
+    "released_devices" recorded on each moving job's entry into its current moving state, until
+    its active Move's current step deadline (the move ends by then, done or timed out). Without
+    an active move (it just ended; the job leaves its moving state in the same transaction)
+    now + the step timeout. A device two moves give up gets the later time. Two queries.
+    """
+    from jobs.moves import step_timeout
+
+    entries = JobEvent.objects.filter(
+        type=JobEvent.Type.STATE_CHANGED, job__state__in=MOVING_STATES, to_state=F("job__state")
+    ).values("job_id").annotate(newest=Max("id")).values("newest")
+    events = JobEvent.objects.filter(id__in=Subquery(entries)).values_list("job_id", "extra_data")
+    deadlines = dict(Move.objects.filter(state=Move.State.ACTIVE, job__state__in=MOVING_STATES)
+                     .values_list("job_id", "step_deadline"))
+    fallback = (now + step_timeout()).timestamp()
+    until = {}
+    for job_id, extra in events:
+        deadline = deadlines[job_id].timestamp() if job_id in deadlines else fallback
+        for device_id in (extra or {}).get("released_devices") or ():
+            until[int(device_id)] = max(until.get(int(device_id), -np.inf), deadline)
+    return until
+
+
 # --- services: applying the plan ----------------------------------------------------------------
 
 
@@ -310,6 +350,11 @@ def _place_replicas(*, job, device_ids):
         replica.device_id = layout[replica.rank]
     Replica.objects.bulk_update(replicas, ["device"], batch_size=1000)
     return len(replicas)
+
+
+def _device_ids_held(job_id):
+    """Returns the Accelerator pks the job's replicas point at now, ascending."""
+    return sorted(set(Replica.objects.filter(job_id=job_id, device__isnull=False).values_list("device_id", flat=True)))
 
 
 def _nodes_of(index, devices):
@@ -368,9 +413,10 @@ def plan_apply(*, index, plan, now):
                     Job.objects.filter(pk=job.pk).update(device_count=len(devices))
                 else:
                     from_devices = job.device_count
+                    dropped = sorted(set(_device_ids_held(job.pk)) - set(devices))  # a shrink's; none on growth
                     job = job_transition(job=job, to=S.RESIZING, reason=decision.reason, now=now,
                                          extra={"code": decision.code, "from_devices": from_devices,
-                                                "to_devices": len(devices)})
+                                                "to_devices": len(devices), "released_devices": dropped})
                     rows += _place_replicas(job=job, device_ids=devices)
                     Job.objects.filter(pk=job.pk).update(device_count=len(devices))
                     node_id = _rank0_node(job.pk)
@@ -426,9 +472,15 @@ def _start_many(*, index, starts, now):
         events.append(JobEvent(job_id=job.pk, type=JobEvent.Type.STATE_CHANGED, from_state=from_state,
                                to_state=S.SCHEDULED, reason=decision.reason[:500], extra_data={"code": decision.code},
                                created_at=now))
+        placed = {"devices": devices, "nodes": _nodes_of(index, decision.devices),
+                  "resume_step": job.last_checkpoint_step}
+        if decision.starts_at is not None and decision.starts_at > snap.now:
+            # a previous holder is still stopping on some of these devices; the node's agent
+            # launches this job once that stop finished
+            placed["starts_at"] = datetime.fromtimestamp(decision.starts_at, tz=dt_timezone.utc).isoformat()
+            placed["starts_in_seconds"] = round(decision.starts_at - snap.now, 1)
         events.append(JobEvent(job_id=job.pk, type=JobEvent.Type.PLACED, reason=decision.reason[:500], created_at=now,
-                               extra_data={"devices": devices, "nodes": _nodes_of(index, decision.devices),
-                                           "resume_step": job.last_checkpoint_step}))
+                               extra_data=placed))
     # executemany of one-row UPDATEs (pipelined by psycopg) beats bulk_update's CASE WHEN lists
     # by an order of magnitude at 100k rows, on PostgreSQL and SQLite alike.
     with connection.cursor() as cursor:
@@ -480,7 +532,8 @@ def _preempt(*, job, decision, now):
         job_transition(job=job, to=S.PREEMPTED, reason=decision.reason, now=now, extra={"code": decision.code})
         return 2
     from_node = _rank0_node(job.pk)
-    job = job_transition(job=job, to=S.PREEMPTING, reason=decision.reason, now=now, extra={"code": decision.code})
+    job = job_transition(job=job, to=S.PREEMPTING, reason=decision.reason, now=now,
+                         extra={"code": decision.code, "released_devices": _device_ids_held(job.pk)})
     released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
     Job.objects.filter(pk=job.pk).update(device_count=0)
     job_event_add(job=job, type=JobEvent.Type.RELEASED, reason=decision.reason,
@@ -497,8 +550,10 @@ def _migrate(*, job, decision, devices, region, nodes, now):
         job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now)
         job = job_transition(job=job, to=S.SCHEDULED, reason=decision.reason, now=now)
     else:
+        old_devices = set(_device_ids_held(job.pk))
         job = job_transition(job=job, to=S.MIGRATING, reason=decision.reason, now=now,
-                             extra={"code": decision.code, "from_checkpoint": decision.from_checkpoint})
+                             extra={"code": decision.code, "from_checkpoint": decision.from_checkpoint,
+                                    "released_devices": sorted(old_devices - set(devices))})
     from_devices = job.device_count
     _generation_bump(job)  # the copy on the new devices
     rows = _place_replicas(job=job, device_ids=devices)

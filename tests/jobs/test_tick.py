@@ -298,7 +298,8 @@ def test_a_shrunk_job_is_not_grown_again_before_the_minimum_resize_interval(alic
 
     elastic.refresh_from_db()
     position = index.snapshot.jobs.ids.tolist().index(elastic.pk)
-    assert index.snapshot.jobs.last_resize_time[position] == pytest.approx((t0 + timedelta(seconds=10)).timestamp())
+    shrunk_at = (t0 + timedelta(seconds=10)).timestamp()
+    assert index.snapshot.jobs.last_resize_time[position] == pytest.approx(shrunk_at, rel=0, abs=1e-3)
     assert (elastic.state, elastic.device_count) == (S.RUNNING, 1)  # a free device, but it was resized 10 s ago
     report(node, elastic, "running", devices=1, now=t0 + timedelta(seconds=300))
     tick_run(now=t0 + timedelta(seconds=311))
@@ -327,3 +328,61 @@ def test_the_snapshot_reads_resize_times_in_one_query_whatever_the_number_of_job
         return len(captured)
 
     assert queries_with_resized_jobs(1) == queries_with_resized_jobs(3)
+
+
+@pytest.mark.django_db
+def test_devices_a_preempted_job_gives_up_are_free_but_releasing_until_its_step_deadline(alice, team_a, job_spec,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "120")
+    node = make_node("n1", devices=2)
+    rigid = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="r", world_size=2, min_devices=2, tier="basic"))
+    t0 = timezone.now()
+    tick_run(now=t0)
+    rigid.refresh_from_db()
+    report(node, rigid, "running", devices=2, now=t0)
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    tick_run(now=t0 + timedelta(seconds=1))  # rigid is preempted; premium takes one of its two devices
+    rigid.refresh_from_db()
+    premium.refresh_from_db()
+    assert rigid.state == S.PREEMPTING and premium.state == S.SCHEDULED
+    deadline = Move.objects.get(job=rigid, state=Move.State.ACTIVE).step_deadline
+    later = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b", world_size=1, min_devices=1, tier="basic"))
+
+    index = snapshot_build(now=t0 + timedelta(seconds=2))
+    tick_run(now=t0 + timedelta(seconds=2))
+
+    acc = index.snapshot.accelerators
+    other = [i for i in range(len(acc)) if acc.holder[i] == -1]
+    assert len(other) == 1 and acc.healthy[other[0]]  # free, not hidden
+    assert acc.releasing_until[other[0]] == pytest.approx(deadline.timestamp(), rel=0, abs=1e-3)
+    later.refresh_from_db()
+    assert later.state == S.SCHEDULED and nodes_of(later) == {"n1"}
+    placed = JobEvent.objects.get(job=later, type=JobEvent.Type.PLACED)
+    assert placed.extra_data["starts_at"] == deadline.isoformat()
+    assert placed.extra_data["starts_in_seconds"] == pytest.approx((deadline - t0).total_seconds() - 2, abs=0.1)
+
+
+@pytest.mark.django_db
+def test_a_shrinking_job_keeps_its_devices_hidden_and_releases_the_dropped_ones(alice, team_a, job_spec):
+    node = make_node("n1", devices=4)
+    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=4, min_devices=1, tier="basic"))
+    t0 = timezone.now()
+    tick_run(now=t0)
+    elastic.refresh_from_db()
+    report(node, elastic, "running", devices=4, now=t0)
+    job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    tick_run(now=t0 + timedelta(seconds=1))
+    elastic.refresh_from_db()
+    assert (elastic.state, elastic.device_count) == (S.RESIZING, 2)
+    deadline = Move.objects.get(job=elastic, state=Move.State.ACTIVE).step_deadline
+
+    index = snapshot_build(now=t0 + timedelta(seconds=2))
+
+    acc = index.snapshot.accelerators
+    kept = set(Replica.objects.filter(job=elastic).values_list("device_id", flat=True))
+    by_pk = dict(zip(index.accelerator_ids.tolist(), range(len(acc))))
+    assert len(kept) == 2 and not any(acc.healthy[by_pk[pk]] for pk in kept)
+    dropped = [i for i in range(len(acc)) if acc.holder[i] == -1 and acc.healthy[i]]
+    assert len(dropped) == 1  # the other dropped device went to the premium job
+    assert acc.releasing_until[dropped[0]] == pytest.approx(deadline.timestamp(), rel=0, abs=1e-3)
+    assert all(acc.releasing_until[by_pk[pk]] == float("-inf") for pk in kept)
