@@ -40,6 +40,7 @@ Resize of a running job create a Move (jobs/moves.py) whose Celery chain runs it
 Policy knobs come from the environment so tests and the demo can use short times:
   MERIDIAN_MIN_RUN_SECONDS (default 600), MERIDIAN_STANDARD_SLA_FLOOR (0.70),
   MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS (600: a job is not grown again sooner after a resize),
+  MERIDIAN_PREMIUM_RESERVE_DEVICES (0: free devices per region and type kept for Premium jobs),
   MERIDIAN_NODE_LOST_AFTER_SECONDS (30), MERIDIAN_ACCOUNTING_SECONDS (10), MERIDIAN_JOB_MAX_SPREAD ("node": the meridian-run
   launcher runs all of a job's ranks on one host; "region" for hollow/scale runs).
 """
@@ -91,12 +92,26 @@ def _env_float(name, default):
         raise ValueError(f"{name}={value!r} is not a number") from None
 
 
+def _env_count(name, default):
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a whole number") from None
+    if count < 0:
+        raise ValueError(f"{name}={value!r} must be 0 or more")
+    return count
+
+
 def policy_settings():
     """Returns the PolicySettings of this deployment (environment overrides, see module doc)."""
     return scheduler.PolicySettings(
         min_run_seconds=_env_float("MERIDIAN_MIN_RUN_SECONDS", 600.0),
         standard_sla_floor=_env_float("MERIDIAN_STANDARD_SLA_FLOOR", 0.70),
         min_resize_interval_seconds=_env_float("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", 600.0),
+        premium_reserve_devices=_env_count("MERIDIAN_PREMIUM_RESERVE_DEVICES", 0),
     )
 
 

@@ -386,3 +386,31 @@ def test_a_shrinking_job_keeps_its_devices_hidden_and_releases_the_dropped_ones(
     assert len(dropped) == 1  # the other dropped device went to the premium job
     assert acc.releasing_until[dropped[0]] == pytest.approx(deadline.timestamp(), rel=0, abs=1e-3)
     assert all(acc.releasing_until[by_pk[pk]] == float("-inf") for pk in kept)
+
+
+@pytest.mark.django_db
+def test_devices_reserved_for_premium_jobs_stay_idle_for_other_tiers(alice, team_a, job_spec, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_PREMIUM_RESERVE_DEVICES", "1")
+    make_node("n1", devices=2)
+    basics = [job_submit(team=team_a, submitted_by=alice, spec=job_spec(name=f"b{i}", world_size=1, min_devices=1,
+                                                                        tier="basic")) for i in range(2)]
+
+    tick_run()
+
+    states = sorted(Job.objects.filter(pk__in=[j.pk for j in basics]).values_list("state", flat=True))
+    assert states == [S.PENDING, S.SCHEDULED]
+    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1,
+                                                                        tier="premium"))
+    tick_run()
+    premium.refresh_from_db()
+    assert premium.state == S.SCHEDULED  # on the reserved device, nobody preempted
+    assert not Job.objects.filter(state=S.PREEMPTING).exists()
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "1.5"])
+def test_a_bad_premium_reserve_setting_names_the_variable(value, monkeypatch):
+    from jobs.tick import policy_settings
+
+    monkeypatch.setenv("MERIDIAN_PREMIUM_RESERVE_DEVICES", value)
+    with pytest.raises(ValueError, match="MERIDIAN_PREMIUM_RESERVE_DEVICES"):
+        policy_settings()
