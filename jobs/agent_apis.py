@@ -103,8 +103,8 @@ class NodeHeartbeatApi(AgentApi):
             raise ValidationError({"detail": "a heartbeat is a JSON object: {telemetry, jobs}"})
         if not isinstance(body.get("jobs", []), list):
             raise ValidationError({"jobs": "jobs must be a list of observed jobs"})
+        # node_report_apply keeps request.auth up to date (state, last heartbeat): no re-read.
         result = node_report_apply(node=request.auth, report=body)
-        request.auth.refresh_from_db()
         return Response({**result, "desired": node_desired_state(node=request.auth),
                          "heartbeat_seconds": heartbeat_seconds()})
 
