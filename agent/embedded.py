@@ -27,6 +27,7 @@ def processes(context):
     env.setdefault("MERIDIAN_AGENT_ENROLLMENT_TOKEN", secrets.token_urlsafe(24))
     env.setdefault("MERIDIAN_AGENT_HEARTBEAT_SECONDS", "2")
     env.setdefault("MERIDIAN_MIN_RUN_SECONDS", "30")  # the demo should show preemptions within minutes
+    env.setdefault("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", "30")  # ...and elastic jobs growing back
     env.setdefault("MERIDIAN_CHECKPOINT_STORE", str(context.data_dir / "checkpoints"))
     specs = []
     for hostname, region, cluster in DEMO_NODES:
