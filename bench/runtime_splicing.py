@@ -3,8 +3,8 @@
     .venv/bin/python bench/runtime_splicing.py [--steps 150] [--repeats 3] [--width 512]
 
 Each job of W ranks runs on d_ref = the largest divisor of W that is at most the core count cores
-(the launcher under `taskset`, so device k is core k when d = d_ref) and is then spliced onto
-fewer devices d (W/d ranks per device, taking turns). Splicing overhead, as Singularity defines
+(the launcher under `taskset -c 0..d-1`, so device k is core k) and is then spliced onto fewer
+devices d (W/d ranks per device = core, taking turns). Splicing overhead, as Singularity defines
 it, is the spliced step time over the time-slicing ideal (d_ref / d) x the step time on d_ref
 devices: what time-slicing itself costs (token hand-overs, context switches, caches), with the
 job's own communication in both. The table also gives the stricter compute-only ideal (W/d x one
@@ -49,12 +49,12 @@ def main():
     options = parser.parse_args()
     script_args = ["--steps", str(options.steps), "--width", str(options.width)]
     cores = sorted(os.sched_getaffinity(0))
-    # Each job runs on the first `reference` cores; its reference layout has one core per device.
     layouts = [(1, 1, "0")]
     for ranks in (int(r) for r in options.ranks.split(",")):
         reference = max(d for d in range(1, min(ranks, len(cores)) + 1) if ranks % d == 0)
-        pool = ",".join(str(c) for c in cores[:reference])
-        layouts += [(ranks, d, pool) for d in range(reference, 0, -1) if ranks % d == 0]
+        # A device is one core: d devices = the first d cores (the launcher under taskset).
+        layouts += [(ranks, d, ",".join(str(c) for c in cores[:d]))
+                    for d in range(reference, 0, -1) if ranks % d == 0]
     results = {layout: [] for layout in layouts}
     with tempfile.TemporaryDirectory(prefix="meridian-splice-") as workdir:
         for repeat in range(options.repeats):
