@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from runtime import framework  # noqa: E402
 
+RAW = False  # --raw: print every timing as it is taken
 WIDTH = 5000  # one Linear(5000, 5000) layer = 25M parameters = 100 MB in float32
 
 
@@ -48,10 +49,14 @@ def build(layers):
 
 
 def interleaved_medians(ours, baseline, repeats, before=None):
-    """Runs ours and the baseline alternately (order swapped every round, so neither always
+    """After one untimed warm-up run of each, runs ours and the baseline alternately (order swapped every round, so neither always
     runs on a warmer or quieter machine); returns (median ours, median baseline, load range)."""
     times = {"ours": [], "baseline": []}
     loads = []
+    for fn in (ours, baseline):  # one untimed warm-up each (page cache growth, first touch)
+        if before:
+            before()
+        fn()
     for i in range(repeats):
         pair = [("ours", ours), ("baseline", baseline)]
         for name, fn in (pair if i % 2 == 0 else pair[::-1]):
@@ -62,6 +67,9 @@ def interleaved_medians(ours, baseline, repeats, before=None):
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+            if RAW:
+                print(f"  {fn.__name__:<18} {times[name][-1]:6.2f} s  load {loads[-1]:.1f}",
+                      flush=True)
     return (statistics.median(times["ours"]), statistics.median(times["baseline"]),
             (min(loads), max(loads)))
 
@@ -129,7 +137,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-large", action="store_true", help="skip the ~1 GB model")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--raw", action="store_true", help="print every timing")
     args = parser.parse_args()
+    global RAW
+    RAW = args.raw
     torch.manual_seed(0)
     tracker = framework.install(rank=0, world_size=1)
     workdir = Path(tempfile.mkdtemp(prefix="meridian-bench-ckpt-", dir=args.dir))
