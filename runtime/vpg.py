@@ -120,16 +120,30 @@ def _rank_order_allreduce(pg, tensor, op, world_size):
     every rank) then an all-gather. Each rank sends and receives 2(W-1)/W of the tensor, as in a
     ring all-reduce (the first version all-gathered whole tensors: W x the traffic)."""
     flat = tensor.detach().reshape(-1)
-    n = flat.numel()
-    chunk = -(-n // world_size)
-    send = torch.zeros(chunk * world_size, dtype=tensor.dtype)
-    send[:n].copy_(flat)
-    received = torch.empty_like(send)
-    pg.alltoall_base(received, send, [], [], dist.AllToAllOptions()).wait()
-    mine = _reduce_in_rank_order(list(received.view(world_size, chunk)), op)
-    gathered = torch.empty_like(send)
-    pg._allgather_base(gathered, mine).wait()
-    tensor.copy_(gathered[:n].view(tensor.shape))
+    if not tensor.is_contiguous():
+        flat = flat.clone()
+    n, rank = flat.numel(), pg.rank()
+    base, extra = divmod(n, world_size)
+    sizes = [base + (1 if i < extra else 0) for i in range(world_size)]
+    received = torch.empty(world_size * sizes[rank], dtype=tensor.dtype)
+    # Chunk i of every rank goes to rank i (uneven chunks: no padded copy of the input).
+    pg.alltoall_base(received, flat, [sizes[rank]] * world_size, sizes,
+                     dist.AllToAllOptions()).wait()
+    mine = _reduce_in_rank_order(list(received.view(world_size, sizes[rank])), op)
+    if extra == 0:
+        pg._allgather_base(flat, mine).wait()  # straight into the tensor
+    else:
+        widest = base + 1
+        padded = torch.zeros(widest, dtype=tensor.dtype)
+        padded[:mine.numel()].copy_(mine)
+        gathered = torch.empty(world_size * widest, dtype=tensor.dtype).view(world_size, widest)
+        pg._allgather_base(gathered.view(-1), padded).wait()
+        offset = 0
+        for i, size in enumerate(sizes):
+            flat[offset:offset + size].copy_(gathered[i, :size])
+            offset += size
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view(tensor.shape))
 
 
 class VirtualProcessGroup(dist.ProcessGroup):

@@ -50,6 +50,7 @@ def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed):
     assert [p.wait(timeout=120) for p in processes] == [0] * world
     reports = [json.loads(out.read_text()) for out in outs]
     assert all(report["sockets"] == 0 for report in reports)
+    assert all(report["rank_order"] for report in reports), "not the left-to-right rank-order sum"
     return [report["results"] for report in reports]
 
 

@@ -30,8 +30,14 @@ def main():
                               timeout=datetime.timedelta(seconds=60))
     group = vpg.VirtualProcessGroup(rank, world, connect, vpg.CollectiveHooks())
     # Magnitudes from 1e-3 to 1e8 with alternating signs: float32 sums of these depend on order.
-    generator = torch.Generator().manual_seed(rank)
-    values = torch.randn(100_003, generator=generator) * torch.logspace(-3, 8, 100_003)
+    def values_of(r):
+        generator = torch.Generator().manual_seed(r)
+        return torch.randn(100_003, generator=generator) * torch.logspace(-3, 8, 100_003)
+    values = values_of(rank)
+    # What a left-to-right sum in rank order gives (W = 2: either order, addition commutes).
+    expected = values_of(0).clone()
+    for r in range(1, world):
+        expected.add_(values_of(r))
     results = []
     for _ in range(3):
         time.sleep(delays.uniform(0, 0.05))
@@ -44,9 +50,14 @@ def main():
     group.allreduce([shifted]).wait()
     unshifted = torch.cat([shifted[-37_000:], shifted[:-37_000]])
     results.append(unshifted.numpy().tobytes().hex())
+    # A size W divides (the all-gather then lands straight in the tensor) must be right too.
+    even = values[:100_000].clone()
+    group.allreduce([even]).wait()
+    rank_order = bool(torch.equal(tensor, expected) and torch.equal(even, expected[:100_000]))
     group.close_inner()
     with open(sys.argv[6], "w") as handle:
-        json.dump({"results": results, "sockets": len(vpg.open_socket_fds())}, handle)
+        json.dump({"results": results, "rank_order": rank_order,
+                   "sockets": len(vpg.open_socket_fds())}, handle)
 
 
 if __name__ == "__main__":
