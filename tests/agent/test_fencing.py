@@ -9,22 +9,13 @@ import threading
 import time
 
 import pytest
+from agent_test_helpers import poll
 
 from agent.main import Agent
 from agent.node import NodeReconciler, pid_alive, read_events
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.runtime]
-
-
-def poll(what, predicate, timeout=180):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def entry(store, *, generation, action="run"):

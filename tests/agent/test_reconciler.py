@@ -2,24 +2,14 @@
 control plane: desired state in, launches / stops / re-adoption out."""
 import pathlib
 import tempfile
-import time
 
 import pytest
+from agent_test_helpers import poll
 
 from agent.node import NodeReconciler, pid_alive
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.runtime]
-
-
-def poll(what, predicate, timeout=180):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def entry(store, epochs=30):
