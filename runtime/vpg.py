@@ -17,11 +17,14 @@ values, skewed timing, pinnings and shifted positions.
 
 Other collectives (and W = 2 reductions) are gloo's own, started asynchronously as under plain
 gloo, except on a shared device (splicing), where a rank waits for each one with its device
-token given away. Rank-order reductions run synchronously in the calling thread.
+token given away. A rank-order all-reduce is asynchronous too: its all-gather is handed to gloo
+from a callback when its all-to-all is done, and the next collective waits until that has
+happened, so every rank hands gloo its collectives in the same order.
 """
 import datetime
 import gc
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -114,36 +117,58 @@ def _reduce_in_rank_order(rows, op):
     return result
 
 
-def _rank_order_allreduce(pg, tensor, op, world_size):
-    """All-reduces `tensor` in place, each element combined in rank order 0, 1, ..., W-1 wherever
-    it sits in the tensor: a reduce-scatter (all-to-all of W chunks, rank r combines chunk r of
-    every rank) then an all-gather. Each rank sends and receives 2(W-1)/W of the tensor, as in a
-    ring all-reduce (the first version all-gathered whole tensors: W x the traffic)."""
-    flat = tensor.detach().reshape(-1)
-    if not tensor.is_contiguous():
-        flat = flat.clone()
-    n, rank = flat.numel(), pg.rank()
-    base, extra = divmod(n, world_size)
-    sizes = [base + (1 if i < extra else 0) for i in range(world_size)]
-    received = torch.empty(world_size * sizes[rank], dtype=tensor.dtype)
-    # Chunk i of every rank goes to rank i (uneven chunks: no padded copy of the input).
-    pg.alltoall_base(received, flat, [sizes[rank]] * world_size, sizes,
-                     dist.AllToAllOptions()).wait()
-    mine = _reduce_in_rank_order(list(received.view(world_size, sizes[rank])), op)
-    if extra == 0:
-        pg._allgather_base(flat, mine).wait()  # straight into the tensor
-    else:
-        widest = base + 1
-        padded = torch.zeros(widest, dtype=tensor.dtype)
+class _RankOrderAllreduce:
+    """All-reduces one tensor in place, each element combined in rank order 0, 1, ..., W-1
+    wherever it sits in the tensor: a reduce-scatter (all-to-all of W chunks, rank r combines
+    chunk r of every rank) then an all-gather. Each rank sends and receives 2(W-1)/W of the
+    tensor, as in a ring all-reduce (the first version all-gathered whole tensors: W x the
+    traffic). Two phases, so the caller decides when each is started: scatter(pg), then, once
+    its Work is done, gather(pg), then, once that is done, finish()."""
+
+    def __init__(self, tensor, op, world_size, rank):
+        self.tensor, self.op, self.world_size = tensor, op, world_size
+        flat = tensor.detach().reshape(-1)
+        self.flat = flat.clone() if not tensor.is_contiguous() else flat
+        base, self.extra = divmod(self.flat.numel(), world_size)
+        self.base = base
+        self.sizes = [base + (1 if i < self.extra else 0) for i in range(world_size)]
+        self.mine_size = self.sizes[rank]
+        self.received = torch.empty(world_size * self.mine_size, dtype=tensor.dtype)
+        self.gathered = None
+
+    def scatter(self, pg):
+        # Chunk i of every rank goes to rank i (uneven chunks: no padded copy of the input).
+        return pg.alltoall_base(self.received, self.flat, [self.mine_size] * self.world_size,
+                                self.sizes, dist.AllToAllOptions())
+
+    def gather(self, pg):
+        mine = _reduce_in_rank_order(list(self.received.view(self.world_size, self.mine_size)),
+                                     self.op)
+        if self.extra == 0:
+            return pg._allgather_base(self.flat, mine)  # straight into the tensor
+        widest = self.base + 1
+        padded = torch.zeros(widest, dtype=self.tensor.dtype)
         padded[:mine.numel()].copy_(mine)
-        gathered = torch.empty(world_size * widest, dtype=tensor.dtype).view(world_size, widest)
-        pg._allgather_base(gathered.view(-1), padded).wait()
-        offset = 0
-        for i, size in enumerate(sizes):
-            flat[offset:offset + size].copy_(gathered[i, :size])
-            offset += size
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view(tensor.shape))
+        self.gathered = torch.empty(self.world_size * widest, dtype=self.tensor.dtype)
+        return pg._allgather_base(self.gathered, padded)
+
+    def finish(self):
+        if self.gathered is not None:
+            rows = self.gathered.view(self.world_size, -1)
+            offset = 0
+            for i, size in enumerate(self.sizes):
+                self.flat[offset:offset + size].copy_(rows[i, :size])
+                offset += size
+        if self.flat.data_ptr() != self.tensor.data_ptr():
+            self.tensor.copy_(self.flat.view(self.tensor.shape))
+
+
+def _rank_order_allreduce(pg, tensor, op, world_size):
+    """The same, synchronously in the calling thread."""
+    reduction = _RankOrderAllreduce(tensor, op, world_size, pg.rank())
+    reduction.scatter(pg).wait()
+    reduction.gather(pg).wait()
+    reduction.finish()
 
 
 class VirtualProcessGroup(dist.ProcessGroup):
@@ -157,6 +182,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._connect = connect
         self._hooks = hooks
         self._in_flight = []  # futures of collectives issued since the last close
+        self._enqueued = []  # events: a second phase was handed to gloo (see _issue_rank_order)
         self.inner = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -174,6 +200,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
     def close_inner(self):
         # A collective in flight keeps the old communicator (and its sockets) alive, and every
         # rank issued it: let it finish first.
+        self._await_enqueued()
         for future in self._in_flight:
             self.wait(future)
         self._in_flight = []
@@ -201,6 +228,51 @@ class VirtualProcessGroup(dist.ProcessGroup):
         finally:
             self._hooks.after_collective()
 
+    def _await_enqueued(self):
+        """Returns once every second phase started from a gloo callback is in gloo's queue.
+
+        Every rank must hand its collectives to gloo in the same order; a rank-order
+        all-reduce's all-gather is handed over from a callback when its all-to-all is done, so
+        the next collective waits until that has happened (usually long since)."""
+        for event in self._enqueued:
+            event.wait()
+        self._enqueued = []
+
+    def _issue_rank_order(self, tensor, op):
+        """Starts a rank-order all-reduce of one tensor and returns at once (its all-gather
+        starts from a gloo callback when the all-to-all is done), so it overlaps the script's
+        computation as gloo's own all-reduce would."""
+        self._await_enqueued()
+        pg = self.ensure_inner().pg
+        reduction = _RankOrderAllreduce(tensor, op, self._world_size, self._rank)
+        result = torch.futures.Future()
+        enqueued = threading.Event()
+
+        def finished(gather_future):
+            try:
+                gather_future.value()
+                reduction.finish()
+            except BaseException as exc:  # a peer died, a timeout: the waiter gets it
+                result.set_exception(exc)
+            else:
+                result.set_result([tensor])
+
+        def scattered(scatter_future):
+            try:
+                scatter_future.value()
+                work = reduction.gather(pg)
+            except BaseException as exc:
+                enqueued.set()
+                result.set_exception(exc)
+                return
+            enqueued.set()
+            work.get_future().then(finished)
+
+        self._enqueued.append(enqueued)
+        reduction.scatter(pg).get_future().then(scattered)
+        self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
+        return _create_work_from_future(result)
+
     def _issue(self, start):
         """Starts a collective on the inner gloo group (start(pg) returns its gloo Work) and
         returns a Work for the script that holds only the result's future.
@@ -209,6 +281,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
         a gloo Work keeps its communicator's sockets alive. A rank alone on its device returns
         at once (gloo runs the collective while the script computes); a rank sharing its device
         waits here with the device token given away, so the others can compute their part."""
+        self._await_enqueued()
         future = start(self.ensure_inner().pg).get_future()
         self._in_flight = [f for f in self._in_flight if not f.done()] + [future]
         if self._hooks.shares_device():
@@ -226,6 +299,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
     def _run_here(self, fn, result):
         """Runs fn(pg) (synchronous collectives) in this thread, with the device token given away
         while it waits; returns a completed Work holding `result`."""
+        self._await_enqueued()
         pg = self.ensure_inner().pg
         self._hooks.before_collective()
         try:
@@ -239,26 +313,26 @@ class VirtualProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         op = getattr(op, "op", op)
-        if self._ordered(op):
-            world_size = self._world_size
-
-            def reduce_all(pg):
-                for tensor in tensors:
-                    _rank_order_allreduce(pg, tensor, op, world_size)
-            work = self._run_here(reduce_all, tensors)
-        else:
-            options = dist.AllreduceOptions()
-            options.reduceOp = op
-            work = self._issue(lambda pg: pg.allreduce(tensors, options))
         flags = _state["outgoing_flags"]
         if flags is not None:
-            # The cut's flags follow this all-reduce (decided at issue time: the same point on
+            # The cut's flags go with this all-reduce (decided at issue time: the same point on
             # every rank) as one more small collective that gloo runs while the script computes.
             _state["outgoing_flags"] = None
             summed = torch.tensor(flags, dtype=torch.int64)
             carried = self._issue(lambda pg: pg.allreduce([summed]))
             _state["carried_flags"] = carried.get_future().then(lambda _: summed.tolist())
-        return work
+        if not self._ordered(op):
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
+            return self._issue(lambda pg: pg.allreduce(tensors, options))
+        if len(tensors) == 1 and not self._hooks.shares_device():
+            return self._issue_rank_order(tensors[0], op)
+        world_size = self._world_size
+
+        def reduce_all(pg):
+            for tensor in tensors:
+                _rank_order_allreduce(pg, tensor, op, world_size)
+        return self._run_here(reduce_all, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
