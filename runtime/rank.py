@@ -76,7 +76,7 @@ class RankRuntime:
             {"rank": self.rank, "step": step, "status": status, **extra})
 
     def on_cut(self, request, step):
-        from runtime import splice, vpg
+        from runtime import localreduce, splice, vpg
         action = request["action"]
         if self.rank == 0:
             self.write_progress(step)
@@ -119,7 +119,8 @@ class RankRuntime:
         self.slot.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        leftovers = vpg.open_socket_fds()
+        # Neither a socket nor the shared reduction area may be left for CRIU to dump.
+        leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
         self.report(request, step, "parked" if not leftovers else "error",
                     open_sockets=leftovers)
         resume = self.spool_files.resume_path(self.spool, request["id"])

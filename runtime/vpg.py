@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
+from runtime.localreduce import LocalArea
+
 BACKEND_NAME = "meridian"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -70,8 +72,14 @@ class InnerGroup:
         self.pg = dist.ProcessGroupGloo(self._prefix_store, rank, world_size, options)
         # The options keep the gloo Device, and the Device keeps a listening socket.
         del options
+        # Ranks all on one host reduce through shared memory instead of loopback TCP.
+        self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
+                                    world_size=world_size)
 
     def close(self):
+        if self.local is not None:
+            self.local.close()
+            self.local = None
         self.pg = None
         self._prefix_store = None
         self._store = None
@@ -118,22 +126,21 @@ def _reduce_in_rank_order(rows, op):
 
 
 class _RankOrderAllreduce:
-    """All-reduces one tensor in place, each element combined in rank order 0, 1, ..., W-1
-    wherever it sits in the tensor: a reduce-scatter (all-to-all of W chunks, rank r combines
-    chunk r of every rank) then an all-gather. Each rank sends and receives 2(W-1)/W of the
-    tensor, as in a ring all-reduce (the first version all-gathered whole tensors: W x the
-    traffic). Two phases, so the caller decides when each is started: scatter(pg), then, once
-    its Work is done, gather(pg), then, once that is done, finish()."""
+    """All-reduces one contiguous 1-D tensor in place over gloo, each element combined in rank
+    order 0, 1, ..., W-1 wherever it sits in the tensor: a reduce-scatter (all-to-all of W
+    chunks, rank r combines chunk r of every rank) then an all-gather. Each rank sends and
+    receives 2(W-1)/W of the tensor, as in a ring all-reduce. Used when the ranks are not all on
+    one host (else localreduce's shared area does the same with no TCP). Three steps, so the
+    caller decides when each is started: scatter(pg), then, once its Work is done, gather(pg),
+    then, once that is done, finish()."""
 
-    def __init__(self, tensor, op, world_size, rank):
-        self.tensor, self.op, self.world_size = tensor, op, world_size
-        flat = tensor.detach().reshape(-1)
-        self.flat = flat.clone() if not tensor.is_contiguous() else flat
-        base, self.extra = divmod(self.flat.numel(), world_size)
+    def __init__(self, flat, op, world_size, rank):
+        self.flat, self.op, self.world_size = flat, op, world_size
+        base, self.extra = divmod(flat.numel(), world_size)
         self.base = base
         self.sizes = [base + (1 if i < self.extra else 0) for i in range(world_size)]
         self.mine_size = self.sizes[rank]
-        self.received = torch.empty(world_size * self.mine_size, dtype=tensor.dtype)
+        self.received = torch.empty(world_size * self.mine_size, dtype=flat.dtype)
         self.gathered = None
 
     def scatter(self, pg):
@@ -147,9 +154,9 @@ class _RankOrderAllreduce:
         if self.extra == 0:
             return pg._allgather_base(self.flat, mine)  # straight into the tensor
         widest = self.base + 1
-        padded = torch.zeros(widest, dtype=self.tensor.dtype)
+        padded = torch.zeros(widest, dtype=self.flat.dtype)
         padded[:mine.numel()].copy_(mine)
-        self.gathered = torch.empty(self.world_size * widest, dtype=self.tensor.dtype)
+        self.gathered = torch.empty(self.world_size * widest, dtype=self.flat.dtype)
         return pg._allgather_base(self.gathered, padded)
 
     def finish(self):
@@ -159,16 +166,6 @@ class _RankOrderAllreduce:
             for i, size in enumerate(self.sizes):
                 self.flat[offset:offset + size].copy_(rows[i, :size])
                 offset += size
-        if self.flat.data_ptr() != self.tensor.data_ptr():
-            self.tensor.copy_(self.flat.view(self.tensor.shape))
-
-
-def _rank_order_allreduce(pg, tensor, op, world_size):
-    """The same, synchronously in the calling thread."""
-    reduction = _RankOrderAllreduce(tensor, op, world_size, pg.rank())
-    reduction.scatter(pg).wait()
-    reduction.gather(pg).wait()
-    reduction.finish()
 
 
 class VirtualProcessGroup(dist.ProcessGroup):
@@ -182,7 +179,8 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._connect = connect
         self._hooks = hooks
         self._in_flight = []  # futures of collectives issued since the last close
-        self._enqueued = []  # events: a second phase was handed to gloo (see _issue_rank_order)
+        self._enqueued = []  # events: a second phase was handed to gloo (see _start_reduction)
+        self._local_pending = []  # futures of shared-area pieces in flight (oldest first)
         self.inner = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -204,6 +202,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
         for future in self._in_flight:
             self.wait(future)
         self._in_flight = []
+        self._local_pending = []
         if self.inner is not None:
             self.inner.close()
             self.inner = None
@@ -238,13 +237,11 @@ class VirtualProcessGroup(dist.ProcessGroup):
             event.wait()
         self._enqueued = []
 
-    def _issue_rank_order(self, tensor, op):
-        """Starts a rank-order all-reduce of one tensor and returns at once (its all-gather
-        starts from a gloo callback when the all-to-all is done), so it overlaps the script's
-        computation as gloo's own all-reduce would."""
-        self._await_enqueued()
-        pg = self.ensure_inner().pg
-        reduction = _RankOrderAllreduce(tensor, op, self._world_size, self._rank)
+    def _start_reduction(self, pg, reduction):
+        """Starts one reduction's three steps and returns at once with its future: scatter now,
+        gather from a gloo callback when the scatter is done (recorded in _enqueued, so the next
+        collective waits until it is in gloo's queue), finish when the gather is done."""
+        self._await_enqueued()  # the previous piece's gather first, on every rank
         result = torch.futures.Future()
         enqueued = threading.Event()
 
@@ -255,7 +252,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
             except BaseException as exc:  # a peer died, a timeout: the waiter gets it
                 result.set_exception(exc)
             else:
-                result.set_result([tensor])
+                result.set_result(None)
 
         def scattered(scatter_future):
             try:
@@ -270,8 +267,47 @@ class VirtualProcessGroup(dist.ProcessGroup):
 
         self._enqueued.append(enqueued)
         reduction.scatter(pg).get_future().then(scattered)
+        return result
+
+    def _issue_rank_order(self, tensors, op):
+        """Starts rank-order all-reduces of the tensors and returns a future of them at once, so
+        they overlap the script's computation as gloo's own all-reduce would. Ranks all on one
+        host go through the shared area (in pieces of its segment size, SLOTS in flight at
+        most), others through gloo (`_RankOrderAllreduce`); both give the same bits."""
+        self._await_enqueued()
+        inner = self.ensure_inner()
+        futures, copies = [], []
+        for tensor in tensors:
+            flat = tensor.detach().reshape(-1)
+            if not tensor.is_contiguous():
+                flat = flat.clone()
+                copies.append((tensor, flat))
+            if flat.numel() == 0:
+                continue
+            if inner.local is None:
+                reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank)
+                futures.append(self._start_reduction(inner.pg, reduction))
+                continue
+            step = inner.local.piece_elements(flat.dtype)
+            for start in range(0, flat.numel(), step):
+                # A slot's rows are reused SLOTS pieces later: that piece must be done here.
+                # (Every rank has then started its successor, so no rank still reads them.)
+                if len(self._local_pending) >= inner.local.slots:
+                    self.wait(self._local_pending.pop(0))
+                piece = inner.local.reduction(flat[start:start + step], op, _reduce_in_rank_order)
+                future = self._start_reduction(inner.pg, piece)
+                self._local_pending.append(future)
+                futures.append(future)
+
+        def done(all_futures):
+            for future in all_futures.value():
+                future.value()  # raises the first failure
+            for tensor, flat in copies:
+                tensor.copy_(flat.view(tensor.shape))
+            return tensors
+        result = torch.futures.collect_all(futures).then(done)
         self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
-        return _create_work_from_future(result)
+        return result
 
     def _issue(self, start):
         """Starts a collective on the inner gloo group (start(pg) returns its gloo Work) and
@@ -293,8 +329,10 @@ class VirtualProcessGroup(dist.ProcessGroup):
         # With two operands IEEE addition, multiplication, min and max are commutative, so
         # gloo's ring gives the same bits whichever rank adds first. From three on, its order
         # depends on where an element sits in the tensor: DDP's buckets are laid out anew when a
-        # script is re-run from a framework checkpoint, which would change the bits.
-        return self._world_size > 2 or op not in _COMMUTATIVE_IN_GLOO
+        # script is re-run from a framework checkpoint, which would change the bits. Ranks on
+        # one host always reduce here: the shared area is cheaper than gloo's loopback TCP.
+        return (self._world_size > 2 or op not in _COMMUTATIVE_IN_GLOO
+                or self.ensure_inner().local is not None)
 
     def _run_here(self, fn, result):
         """Runs fn(pg) (synchronous collectives) in this thread, with the device token given away
@@ -325,14 +363,10 @@ class VirtualProcessGroup(dist.ProcessGroup):
             options = dist.AllreduceOptions()
             options.reduceOp = op
             return self._issue(lambda pg: pg.allreduce(tensors, options))
-        if len(tensors) == 1 and not self._hooks.shares_device():
-            return self._issue_rank_order(tensors[0], op)
-        world_size = self._world_size
-
-        def reduce_all(pg):
-            for tensor in tensors:
-                _rank_order_allreduce(pg, tensor, op, world_size)
-        return self._run_here(reduce_all, tensors)
+        future = self._issue_rank_order(tensors, op)
+        if self._hooks.shares_device():
+            self.wait(future)
+        return _create_work_from_future(future)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)

@@ -38,30 +38,44 @@ def test_closing_the_inner_group_leaves_no_socket_open():
     del server
 
 
-def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed):
+def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed, transport="local",
+                 segment_bytes=None):
     """Runs one all-reduce of order-sensitive values over `world` rank processes; returns each
-    rank's result bytes (3 repeats each)."""
+    rank's result bytes (3 repeats each). transport "local": through the shared area (the ranks
+    are on one host), "gloo": forced over gloo's TCP."""
     server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                            use_libuv=False)
+    env = dict(os.environ, MERIDIAN_VPG_LOCAL="1" if transport == "local" else "0")
+    if segment_bytes:
+        env["MERIDIAN_VPG_SEGMENT_BYTES"] = str(segment_bytes)
+    areas_before = set(pathlib.Path("/dev/shm").glob("meridian-vpg-*"))
     outs = [tmp_path / f"{tag}-rank{r}.json" for r in range(world)]
     processes = [subprocess.Popen([sys.executable, str(PROBE), str(r), str(world), str(server.port),
-                                   core_of_rank(r), str(delay_seed), str(outs[r])])
+                                   core_of_rank(r), str(delay_seed), str(outs[r])], env=env)
                  for r in range(world)]
     assert [p.wait(timeout=120) for p in processes] == [0] * world
     reports = [json.loads(out.read_text()) for out in outs]
-    assert all(report["sockets"] == 0 for report in reports)
-    assert all(report["rank_order"] for report in reports), "not the left-to-right rank-order sum"
+    assert all(report["local"] == (transport == "local") for report in reports)
+    assert all(report["sockets"] == 0 and report["mappings"] == 0 for report in reports)
+    assert set(pathlib.Path("/dev/shm").glob("meridian-vpg-*")) == areas_before
+    assert all(report["rank_order"] for report in reports), f"{tag}: not the left-to-right rank-order sum"
     return [report["results"] for report in reports]
 
 
 @pytest.mark.parametrize("world", [4, 2])
-def test_reductions_are_bitwise_the_same_whatever_the_pinning_timing_and_position(tmp_path, world):
+def test_reductions_are_bitwise_the_same_whatever_the_transport_pinning_timing_and_position(
+        tmp_path, world):
     cores = sorted(os.sched_getaffinity(0))
     spread = _reduce_once(tmp_path, "spread", world, lambda r: str(cores[r % len(cores)]),
                           delay_seed=1)
     one_core = _reduce_once(tmp_path, "one", world, lambda r: str(cores[0]), delay_seed=2)
+    # Pieces smaller than the tensor, more of them than the area has slots (rows are reused).
+    pieces = _reduce_once(tmp_path, "pieces", world, lambda r: str(cores[r % len(cores)]),
+                          delay_seed=3, segment_bytes=64 << 10)
+    over_gloo = _reduce_once(tmp_path, "gloo", world, lambda r: str(cores[r % len(cores)]),
+                             delay_seed=4, transport="gloo")
     reference = spread[0][0]
-    for layout in (spread, one_core):
+    for layout in (spread, one_core, pieces, over_gloo):
         for per_rank in layout:
             assert per_rank == [reference] * 4, "every rank, repeat, layout and position: same bytes"
 

@@ -2,7 +2,9 @@
 values through the virtual group after a skewed, seeded delay, pinned to the cores it is given.
 
 Usage: vpg_reduce_probe.py RANK WORLD PORT CORES(comma list) DELAY_SEED OUT
-Writes the reduced tensor's bytes (hex; 3 repeats, then the same values shifted by 37,000 positions) and the virtual group's socket count after closing."""
+Writes the reduced tensor's bytes (hex; 3 repeats, then the same values shifted by 37,000 positions),
+whether the shared area (local reduction) or gloo carried them, and the sockets and shared mappings
+left after closing the virtual group. MERIDIAN_VPG_LOCAL=0 forces gloo."""
 import datetime
 import json
 import os
@@ -14,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))))
-from runtime import vpg  # noqa: E402
+from runtime import localreduce, vpg  # noqa: E402
 
 
 def main():
@@ -54,10 +56,12 @@ def main():
     even = values[:100_000].clone()
     group.allreduce([even]).wait()
     rank_order = bool(torch.equal(tensor, expected) and torch.equal(even, expected[:100_000]))
+    local = group.inner.local is not None
     group.close_inner()
     with open(sys.argv[6], "w") as handle:
-        json.dump({"results": results, "rank_order": rank_order,
-                   "sockets": len(vpg.open_socket_fds())}, handle)
+        json.dump({"results": results, "rank_order": rank_order, "local": local,
+                   "sockets": len(vpg.open_socket_fds()),
+                   "mappings": len(localreduce.shared_mappings())}, handle)
 
 
 if __name__ == "__main__":
