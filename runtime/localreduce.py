@@ -2,75 +2,118 @@
 
 When every rank of a job runs on the same host (one node of a splice, a small job, a job packed
 onto one machine), the gradients need not go through gloo's loopback TCP at all. Each rank copies
-its tensor into its own row of a shared area (a /dev/shm file every rank maps), the owner of each
-chunk combines that chunk of every row in rank order 0, 1, ..., W-1 and writes the result back into
-a result row, and every rank copies the result row out. Each element is combined in exactly the
-order the gloo path (`vpg._RankOrderAllreduce`) uses, so the bits are the same whichever path a
-step takes, and a job may move between them (a move to several hosts, a resize) at any cut.
+its tensor into its own input row of a shared area (a /dev/shm file every rank maps); the owner of
+each chunk combines that chunk of every input row in rank order 0, 1, ..., W-1 into the result
+row; every rank copies the result row out. Each element is combined in exactly the order of the
+gloo path (`vpg._RankOrderAllreduce`), so the bits are the same whichever path a step takes, and
+a job may move between them (to several hosts, back to one) at any cut.
 
-The two points where ranks must wait for each other (all rows written; all chunks combined) are
-one-int all-reduces on the inner gloo group: they carry a dead peer's error and the group's timeout
-like any collective, and they are asynchronous, so the reduction overlaps backward as gloo's would.
+Ranks wait for each other twice per piece (all input rows written; all chunks combined) at a
+barrier in the area itself: each rank publishes how many barriers it has passed in a 32-bit word
+of its own (one writer per word: no atomic read-modify-write needed) and wakes that word's
+futex; a rank that must wait sleeps on the futex of a peer that has not arrived yet. One
+syscall to arrive, one sleep per late peer: the gloo one-int all-reduce it replaced was a chain
+of 2(W-1) loopback round trips and cost more than the copies. The reduction runs in the calling
+thread and returns when done (with one host's memory bandwidth it is short; the device token is
+given away while sleeping). A dead peer never arrives: the launcher ends the job when a rank
+dies, and a wait gives up after the group's timeout. Store order: x86-64 keeps stores in program
+order, so the data a rank wrote is visible before its arrival word (aarch64 would need a fence
+first; this runtime is only built for x86-64 and falls back to gloo elsewhere).
 
-The area holds SLOTS pieces at once (rows of SEGMENT_BYTES each); a longer tensor goes through in
+The area holds one piece at a time (W + 1 rows of SEGMENT_BYTES); a longer tensor goes through in
 pieces. Rank 0 creates the file and reserves its memory (posix_fallocate: a full /dev/shm refuses
 here rather than crashing a rank later with SIGBUS); the others map it only if it exists and
 carries rank 0's token (so a rank on another host, or in another /dev/shm, never creates its own);
-every rank reports and the area is used only if all of them could map it. The file is unlinked as
-soon as everyone has mapped it, and `close()` unmaps it (CRIU then has no shared mapping to dump,
-and the restored job may be on other hosts).
+every rank reports over gloo and the area is used only if all of them could map it. The file is
+unlinked as soon as everyone has mapped it, and `close()` unmaps it (CRIU then has no shared
+mapping to dump, and the restored job may be on other hosts).
 """
+import ctypes
 import os
+import platform
 import secrets
+import time
 
 import torch
 
 SEGMENT_BYTES = int(os.environ.get("MERIDIAN_VPG_SEGMENT_BYTES", 4 << 20))
-SLOTS = 4
-HEADER_BYTES = 4096
 SHM_DIR = "/dev/shm"
 ENABLE_VARIABLE = "MERIDIAN_VPG_LOCAL"  # "0": always reduce over gloo (an escape hatch; tests)
+STORE_KEY = "meridian-local-area"
 _TOKEN_BYTES = 32
+_WORD_STRIDE = 64  # one cache line per rank's arrival word
+_PAGE = 4096
+
+_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_WAIT_SLICE_S = 0.5  # a sleeping rank looks at the clock this often
 
 
-def _sync(pg):
-    """Starts the cheapest collective that returns only when every rank has started it."""
-    return pg.allreduce([torch.zeros(1, dtype=torch.int32)])
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _futex(address, operation, value, timeout=None):
+    return _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address),
+                         ctypes.c_int(operation), ctypes.c_uint32(value),
+                         ctypes.byref(timeout) if timeout is not None else None,
+                         ctypes.c_void_p(None), ctypes.c_int(0))
+
+
+def _header_bytes(world_size):
+    needed = _TOKEN_BYTES + _WORD_STRIDE * (world_size + 1)
+    return -(-needed // _PAGE) * _PAGE
 
 
 class LocalArea:
     """The job's shared area for one inner group's lifetime (see the module docstring)."""
 
-    def __init__(self, buffer, *, rank, world_size, segment_bytes, slots):
+    def __init__(self, buffer, *, rank, world_size, segment_bytes, timeout_s):
         self._buffer = buffer
         self.rank, self.world_size = rank, world_size
-        self.segment_bytes, self.slots = segment_bytes, slots
-        self._sequence = 0
+        self.segment_bytes = segment_bytes
+        self.timeout_s = timeout_s
+        self._header = _header_bytes(world_size)
+        base = buffer.data_ptr()
+        self._words = [base + _WORD_STRIDE * (r + 1) for r in range(world_size)]
+        self._arrivals = [ctypes.c_uint32.from_address(word) for word in self._words]
+        self._passed = 0  # barriers this rank has arrived at
 
     @classmethod
-    def open(cls, pg, store, *, rank, world_size, segment_bytes=None, slots=SLOTS):
+    def open(cls, pg, store, *, rank, world_size, timeout_s, segment_bytes=None):
         """Maps the job's shared area if every rank can; returns it, or None (use gloo).
 
-        Collective: every rank of the inner group must call it right after building the group."""
-        if os.environ.get(ENABLE_VARIABLE, "1") == "0" or world_size < 2:
+        Collective: every rank of the inner group calls it right after building the group."""
+        if (os.environ.get(ENABLE_VARIABLE, "1") == "0" or world_size < 2
+                or _SYS_FUTEX is None):
             return None
         segment_bytes = segment_bytes or SEGMENT_BYTES
-        segment_bytes -= segment_bytes % 64
-        size = HEADER_BYTES + slots * (world_size + 1) * segment_bytes
-        buffer, path, error = None, None, None
+        segment_bytes -= segment_bytes % _WORD_STRIDE
+        size = _header_bytes(world_size) + (world_size + 1) * segment_bytes
+        buffer, path = None, None
         try:
             if rank == 0:
                 token = secrets.token_hex(_TOKEN_BYTES // 2)
                 path = os.path.join(SHM_DIR, f"meridian-vpg-{token}")
-                descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    os.posix_fallocate(descriptor, 0, size)
-                    os.pwrite(descriptor, token.encode(), 0)
-                finally:
-                    os.close(descriptor)
-                store.set("meridian-local-area", token)
+                    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        os.posix_fallocate(descriptor, 0, size)
+                        os.pwrite(descriptor, token.encode(), 0)
+                    finally:
+                        os.close(descriptor)
+                except OSError:
+                    store.set(STORE_KEY, "none")  # the others must not wait for a token
+                    raise
+                store.set(STORE_KEY, token)
             else:
-                token = store.get("meridian-local-area").decode()
+                token = store.get(STORE_KEY).decode()
+                if token == "none":
+                    raise OSError("rank 0 could not create the shared area")
                 path = os.path.join(SHM_DIR, f"meridian-vpg-{token}")
                 descriptor = os.open(path, os.O_RDONLY)  # never creates: another host has none
                 try:
@@ -81,8 +124,7 @@ class LocalArea:
                 finally:
                     os.close(descriptor)
             buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        except (OSError, RuntimeError, UnicodeDecodeError) as exc:
-            error = exc
+        except (OSError, RuntimeError, UnicodeDecodeError):
             buffer = None
         mapped = torch.tensor([0 if buffer is None else 1], dtype=torch.int32)
         pg.allreduce([mapped]).wait()  # everyone has tried before rank 0 unlinks the file
@@ -92,69 +134,75 @@ class LocalArea:
             except FileNotFoundError:
                 pass
         if int(mapped) != world_size:
-            del buffer
             return None
-        del error
         return cls(buffer, rank=rank, world_size=world_size, segment_bytes=segment_bytes,
-                   slots=slots)
+                   timeout_s=timeout_s)
 
-    def piece_elements(self, dtype):
-        return self.segment_bytes // torch.empty((), dtype=dtype).element_size()
+    # -- the barrier ------------------------------------------------------------------------
+    def barrier(self, hooks):
+        """Returns once every rank has arrived here as often as this one (see the docstring);
+        hooks.before_collective/after_collective surround a sleep (the device token)."""
+        self._passed = (self._passed + 1) & 0xFFFFFFFF
+        target = self._passed
+        self._arrivals[self.rank].value = target
+        _futex(self._words[self.rank], _FUTEX_WAKE, 0x7FFFFFFF)
+        slept = False
+        deadline = None
+        try:
+            for peer in range(self.world_size):
+                while True:
+                    seen = self._arrivals[peer].value
+                    if (seen - target) & 0xFFFFFFFF < 0x80000000:  # seen >= target, wrapping
+                        break
+                    if not slept:
+                        hooks.before_collective()
+                        slept = True
+                        deadline = time.monotonic() + self.timeout_s
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"meridian virtual group: rank {peer} did not reach the local "
+                            f"reduction within {self.timeout_s:.0f} s")
+                    _futex(self._words[peer], _FUTEX_WAIT, seen,
+                           _Timespec(0, int(_WAIT_SLICE_S * 1e9)))
+        finally:
+            if slept:
+                hooks.after_collective()
 
-    def reduction(self, piece, op, reduce_in_rank_order):
-        """Returns the reduction of one contiguous piece (at most piece_elements long) in the
-        next slot. The caller must not start it before the reduction SLOTS earlier has finished
-        on this rank: this rank's input row is reused at once (every owner has read it before that
-        one could finish), the result row once every rank has started this one (so every rank has
-        copied the earlier result out)."""
-        slot = self._sequence % self.slots
-        self._sequence += 1
-        return _LocalReduction(self, slot, piece, op, reduce_in_rank_order)
-
-    def row(self, slot, rank, dtype, count):
-        """Rank `rank`'s input row of a slot; rank W's row is the slot's result."""
-        start = HEADER_BYTES + (slot * (self.world_size + 1) + rank) * self.segment_bytes
+    # -- the reduction ----------------------------------------------------------------------
+    def _row(self, index, dtype, count):
+        """Rank `index`'s input row; index W is the result row."""
+        start = self._header + index * self.segment_bytes
         return self._buffer[start:start + self.segment_bytes].view(dtype)[:count]
 
+    def allreduce(self, flat, op, reduce_in_rank_order, hooks):
+        """All-reduces a contiguous 1-D tensor in place, piece by piece. Every rank calls it
+        with the same sizes in the same order."""
+        step = self.segment_bytes // flat.element_size()
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            count = piece.numel()
+            # Rows are reused by the next piece: every rank has copied this piece's result out
+            # before it writes its next input (it does so in order), and every owner has read the
+            # inputs before anyone passes the second barrier.
+            self._row(self.rank, piece.dtype, count).copy_(piece)
+            self.barrier(hooks)
+            base, extra = divmod(count, self.world_size)  # the gloo path's chunks
+            mine = self.rank * base + min(self.rank, extra)
+            end = mine + base + (1 if self.rank < extra else 0)
+            if end > mine:
+                rows = [self._row(r, piece.dtype, count)[mine:end]
+                        for r in range(self.world_size)]
+                combined = reduce_in_rank_order(rows, op)
+                self._row(self.world_size, piece.dtype, count)[mine:end].copy_(combined)
+            self.barrier(hooks)
+            piece.copy_(self._row(self.world_size, piece.dtype, count))
+
     def close(self):
+        self._arrivals = None
         self._buffer = None
-
-
-class _LocalReduction:
-    """One piece's rank-order all-reduce through the shared area, in the three steps the virtual
-    group drives (as for `vpg._RankOrderAllreduce`): scatter(pg) writes this rank's input row and
-    starts the first wait; gather(pg), once that is done, combines this rank's chunk of every
-    input row into the result row and starts the second; finish(), once that is done, copies the
-    result row out."""
-
-    def __init__(self, area, slot, piece, op, reduce_in_rank_order):
-        self.area, self.slot, self.piece, self.op = area, slot, piece, op
-        self._reduce = reduce_in_rank_order
-        # This rank's chunk: the same split into W chunks as the gloo path's.
-        base, extra = divmod(piece.numel(), area.world_size)
-        self.start = area.rank * base + min(area.rank, extra)
-        self.stop = self.start + base + (1 if area.rank < extra else 0)
-
-    def scatter(self, pg):
-        self._row(self.area.rank).copy_(self.piece)
-        return _sync(pg)
-
-    def gather(self, pg):
-        start, stop = self.start, self.stop
-        if stop > start:
-            rows = [self._row(r)[start:stop] for r in range(self.area.world_size)]
-            self._row(self.area.world_size)[start:stop].copy_(self._reduce(rows, self.op))
-        return _sync(pg)
-
-    def finish(self):
-        self.piece.copy_(self._row(self.area.world_size))
-
-    def _row(self, rank):
-        return self.area.row(self.slot, rank, self.piece.dtype, self.piece.numel())
 
 
 def shared_mappings():
     """Returns this process's mappings of local areas (none may be left when CRIU dumps it)."""
     with open("/proc/self/maps") as maps:
         return [line.split(None, 5)[-1].strip() for line in maps if "meridian-vpg-" in line]
-

@@ -74,7 +74,7 @@ class InnerGroup:
         del options
         # Ranks all on one host reduce through shared memory instead of loopback TCP.
         self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size, timeout_s=timeout.total_seconds())
 
     def close(self):
         if self.local is not None:
@@ -180,7 +180,6 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._hooks = hooks
         self._in_flight = []  # futures of collectives issued since the last close
         self._enqueued = []  # events: a second phase was handed to gloo (see _start_reduction)
-        self._local_pending = []  # futures of shared-area pieces in flight (oldest first)
         self.inner = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -202,7 +201,6 @@ class VirtualProcessGroup(dist.ProcessGroup):
         for future in self._in_flight:
             self.wait(future)
         self._in_flight = []
-        self._local_pending = []
         if self.inner is not None:
             self.inner.close()
             self.inner = None
@@ -241,7 +239,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
         """Starts one reduction's three steps and returns at once with its future: scatter now,
         gather from a gloo callback when the scatter is done (recorded in _enqueued, so the next
         collective waits until it is in gloo's queue), finish when the gather is done."""
-        self._await_enqueued()  # the previous piece's gather first, on every rank
+        self._await_enqueued()  # the previous reduction's gather first, on every rank
         result = torch.futures.Future()
         enqueued = threading.Event()
 
@@ -269,45 +267,40 @@ class VirtualProcessGroup(dist.ProcessGroup):
         reduction.scatter(pg).get_future().then(scattered)
         return result
 
-    def _issue_rank_order(self, tensors, op):
-        """Starts rank-order all-reduces of the tensors and returns a future of them at once, so
-        they overlap the script's computation as gloo's own all-reduce would. Ranks all on one
-        host go through the shared area (in pieces of its segment size, SLOTS in flight at
-        most), others through gloo (`_RankOrderAllreduce`); both give the same bits."""
-        self._await_enqueued()
-        inner = self.ensure_inner()
-        futures, copies = [], []
+    def _issue_rank_order(self, tensor, op):
+        """Starts a rank-order all-reduce of one tensor over gloo and returns a future of it at
+        once (it overlaps the script's computation as gloo's own all-reduce would)."""
+        flat = tensor.detach().reshape(-1)
+        copied = not tensor.is_contiguous()
+        if copied:
+            flat = flat.clone()
+        reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank)
+        future = self._start_reduction(self.ensure_inner().pg, reduction)
+
+        def done(finished):
+            finished.value()  # raises its failure
+            if copied:
+                tensor.copy_(flat.view(tensor.shape))
+            return [tensor]
+        result = future.then(done)
+        self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
+        return _create_work_from_future(result)
+
+    def _reduce_locally(self, tensors, op):
+        """All-reduces the tensors through the shared area (ranks all on one host), here and now;
+        returns a completed Work. Same bits as the gloo path."""
+        local = self.ensure_inner().local
         for tensor in tensors:
             flat = tensor.detach().reshape(-1)
-            if not tensor.is_contiguous():
+            if tensor.is_contiguous():
+                local.allreduce(flat, op, _reduce_in_rank_order, self._hooks)
+            else:
                 flat = flat.clone()
-                copies.append((tensor, flat))
-            if flat.numel() == 0:
-                continue
-            if inner.local is None:
-                reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank)
-                futures.append(self._start_reduction(inner.pg, reduction))
-                continue
-            step = inner.local.piece_elements(flat.dtype)
-            for start in range(0, flat.numel(), step):
-                # A slot's rows are reused SLOTS pieces later: that piece must be done here.
-                # (Every rank has then started its successor, so no rank still reads them.)
-                if len(self._local_pending) >= inner.local.slots:
-                    self.wait(self._local_pending.pop(0))
-                piece = inner.local.reduction(flat[start:start + step], op, _reduce_in_rank_order)
-                future = self._start_reduction(inner.pg, piece)
-                self._local_pending.append(future)
-                futures.append(future)
-
-        def done(all_futures):
-            for future in all_futures.value():
-                future.value()  # raises the first failure
-            for tensor, flat in copies:
+                local.allreduce(flat, op, _reduce_in_rank_order, self._hooks)
                 tensor.copy_(flat.view(tensor.shape))
-            return tensors
-        result = torch.futures.collect_all(futures).then(done)
-        self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
-        return result
+        future = torch.futures.Future()
+        future.set_result(tensors)
+        return _create_work_from_future(future)
 
     def _issue(self, start):
         """Starts a collective on the inner gloo group (start(pg) returns its gloo Work) and
@@ -363,10 +356,15 @@ class VirtualProcessGroup(dist.ProcessGroup):
             options = dist.AllreduceOptions()
             options.reduceOp = op
             return self._issue(lambda pg: pg.allreduce(tensors, options))
-        future = self._issue_rank_order(tensors, op)
-        if self._hooks.shares_device():
-            self.wait(future)
-        return _create_work_from_future(future)
+        if self.ensure_inner().local is not None:
+            return self._reduce_locally(tensors, op)
+        if len(tensors) == 1 and not self._hooks.shares_device():
+            return self._issue_rank_order(tensors[0], op)
+        works = [self._issue_rank_order(tensor, op) for tensor in tensors]
+        for work in works:
+            self.wait(work.get_future())
+        return _create_work_from_future(torch.futures.collect_all(
+            [work.get_future() for work in works]).then(lambda _: tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
