@@ -41,7 +41,8 @@ SHM_DIR = "/dev/shm"
 ENABLE_VARIABLE = "MERIDIAN_VPG_LOCAL"  # "0": always reduce over gloo (an escape hatch; tests)
 STORE_KEY = "meridian-local-area"
 _TOKEN_BYTES = 32
-_WORD_STRIDE = 64  # one cache line per rank's arrival word
+_WORD_STRIDE = 64  # one cache line per rank: its arrival word, then the flags it carries
+MAX_FLAGS = 7  # int64 flags that fit in the rest of the line
 _PAGE = 4096
 
 _SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
@@ -81,6 +82,7 @@ class LocalArea:
         base = buffer.data_ptr()
         self._words = [base + _WORD_STRIDE * (r + 1) for r in range(world_size)]
         self._arrivals = [ctypes.c_uint32.from_address(word) for word in self._words]
+        self._flags = [(ctypes.c_int64 * MAX_FLAGS).from_address(word + 8) for word in self._words]
         self._passed = 0  # barriers this rank has arrived at
 
     @classmethod
@@ -174,18 +176,26 @@ class LocalArea:
         start = self._header + index * self.segment_bytes
         return self._buffer[start:start + self.segment_bytes].view(dtype)[:count]
 
-    def allreduce(self, flat, op, reduce_in_rank_order, hooks):
+    def allreduce(self, flat, op, reduce_in_rank_order, hooks, flags=None):
         """All-reduces a contiguous 1-D tensor in place, piece by piece. Every rank calls it
-        with the same sizes in the same order."""
+        with the same sizes in the same order. `flags` (at most MAX_FLAGS ints, or None) ride
+        along with the first piece, at no extra wait: returns their sums over all ranks."""
         step = self.segment_bytes // flat.element_size()
-        for start in range(0, flat.numel(), step):
+        summed = None
+        for start in range(0, max(flat.numel(), 1), step):
             piece = flat[start:start + step]
             count = piece.numel()
             # Rows are reused by the next piece: every rank has copied this piece's result out
             # before it writes its next input (it does so in order), and every owner has read the
-            # inputs before anyone passes the second barrier.
+            # inputs before anyone passes the second barrier. The same holds for the flags.
             self._row(self.rank, piece.dtype, count).copy_(piece)
+            if flags is not None:
+                self._flags[self.rank][:len(flags)] = [int(v) for v in flags]
             self.barrier(hooks)
+            if flags is not None:
+                summed = [sum(self._flags[r][i] for r in range(self.world_size))
+                          for i in range(len(flags))]
+                flags = None
             base, extra = divmod(count, self.world_size)  # the gloo path's chunks
             mine = self.rank * base + min(self.rank, extra)
             end = mine + base + (1 if self.rank < extra else 0)
@@ -196,9 +206,10 @@ class LocalArea:
                 self._row(self.world_size, piece.dtype, count)[mine:end].copy_(combined)
             self.barrier(hooks)
             piece.copy_(self._row(self.world_size, piece.dtype, count))
+        return summed
 
     def close(self):
-        self._arrivals = None
+        self._arrivals = self._flags = None
         self._buffer = None
 
 

@@ -8,18 +8,23 @@ no io_uring fd left in the process: CRIU can then dump it) and rebuild on new ad
 (after a checkpoint, a restore, a move to another node).
 
 Reductions are deterministic: each element is combined in rank order 0, 1, ..., W-1, wherever
-it sits in the tensor (a reduce-scatter of W chunks, each combined in rank order by its owner,
-then an all-gather), so results are bitwise the same for every rank -> device layout and for
-DDP's bucket layout, which changes when a script is re-run from a framework checkpoint. With
-W = 2 there is only one way to add two numbers (IEEE addition is commutative), so gloo's own
-all-reduce runs, asynchronously. tests/runtime/test_vpg.py checks both with order-sensitive
-values, skewed timing, pinnings and shifted positions.
+it sits in the tensor, so results are bitwise the same for every rank -> device -> host layout
+and for DDP's bucket layout, which changes when a script is re-run from a framework checkpoint.
+Two transports give the same bits, so a job may switch between them at any cut:
+- ranks all on one host (`localreduce`): through a shared memory area, each chunk combined by its
+  owner, with a futex barrier; synchronous, and the cut's flags ride in the same area for free.
+  Cheaper than gloo's own ring over loopback TCP, which is what made the overhead goal reachable.
+- ranks on several hosts: a reduce-scatter over gloo (all-to-all of W chunks, each combined in
+  rank order by its owner) then an all-gather, asynchronous like gloo's own all-reduce: the
+  all-gather is handed to gloo from a callback when the all-to-all is done, and the next
+  collective waits until that has happened, so every rank hands gloo its collectives in the same
+  order. With W = 2 there is only one way to add two numbers (IEEE addition is commutative), so
+  gloo's own all-reduce runs there.
+tests/runtime/test_vpg.py checks both transports with order-sensitive values, skewed timing,
+pinnings, pieces and shifted positions.
 
-Other collectives (and W = 2 reductions) are gloo's own, started asynchronously as under plain
-gloo, except on a shared device (splicing), where a rank waits for each one with its device
-token given away. A rank-order all-reduce is asynchronous too: its all-gather is handed to gloo
-from a callback when its all-to-all is done, and the next collective waits until that has
-happened, so every rank hands gloo its collectives in the same order.
+Other collectives are gloo's own, started asynchronously as under plain gloo, except on a shared
+device (splicing), where a rank waits for each one with its device token given away.
 """
 import datetime
 import gc
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
+from runtime import localreduce
 from runtime.localreduce import LocalArea
 
 BACKEND_NAME = "meridian"
@@ -286,18 +292,23 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
         return _create_work_from_future(result)
 
-    def _reduce_locally(self, tensors, op):
+    def _reduce_locally(self, tensors, op, flags=None):
         """All-reduces the tensors through the shared area (ranks all on one host), here and now;
-        returns a completed Work. Same bits as the gloo path."""
+        returns a completed Work. Same bits as the gloo path. `flags` ride with the first tensor
+        (see localreduce); returns their sums too when given."""
         local = self.ensure_inner().local
-        for tensor in tensors:
+        summed = None
+        for tensor in tensors or [torch.empty(0)]:
             flat = tensor.detach().reshape(-1)
-            if tensor.is_contiguous():
-                local.allreduce(flat, op, _reduce_in_rank_order, self._hooks)
-            else:
-                flat = flat.clone()
-                local.allreduce(flat, op, _reduce_in_rank_order, self._hooks)
-                tensor.copy_(flat.view(tensor.shape))
+            copy = flat if tensor.is_contiguous() else flat.clone()
+            carried = local.allreduce(copy, op, _reduce_in_rank_order, self._hooks, flags)
+            if flags is not None:
+                summed, flags = carried, None
+            if copy is not flat:
+                tensor.copy_(copy.view(tensor.shape))
+        if summed is not None:
+            _state["carried_flags"] = torch.futures.Future()
+            _state["carried_flags"].set_result(summed)
         future = torch.futures.Future()
         future.set_result(tensors)
         return _create_work_from_future(future)
@@ -345,10 +356,14 @@ class VirtualProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         op = getattr(op, "op", op)
         flags = _state["outgoing_flags"]
+        _state["outgoing_flags"] = None
+        if self.ensure_inner().local is not None and (flags is None
+                                                      or len(flags) <= localreduce.MAX_FLAGS):
+            # On one host the cut's flags ride in the shared area with the data, at no cost.
+            return self._reduce_locally(tensors, op, flags)
         if flags is not None:
             # The cut's flags go with this all-reduce (decided at issue time: the same point on
             # every rank) as one more small collective that gloo runs while the script computes.
-            _state["outgoing_flags"] = None
             summed = torch.tensor(flags, dtype=torch.int64)
             carried = self._issue(lambda pg: pg.allreduce([summed]))
             _state["carried_flags"] = carried.get_future().then(lambda _: summed.tolist())
@@ -356,8 +371,6 @@ class VirtualProcessGroup(dist.ProcessGroup):
             options = dist.AllreduceOptions()
             options.reduceOp = op
             return self._issue(lambda pg: pg.allreduce(tensors, options))
-        if self.ensure_inner().local is not None:
-            return self._reduce_locally(tensors, op)
         if len(tensors) == 1 and not self._hooks.shares_device():
             return self._issue_rank_order(tensors[0], op)
         works = [self._issue_rank_order(tensor, op) for tensor in tensors]
@@ -411,7 +424,10 @@ def meta_allreduce(values):
     tensor = torch.tensor(values, dtype=torch.int64)
     if group is None or group._world_size == 1:
         return tensor.tolist()
-    group.wait(group._issue(lambda pg: pg.allreduce([tensor])).get_future())
+    if group.ensure_inner().local is not None:
+        group._reduce_locally([tensor], dist.ReduceOp.SUM)
+    else:
+        group.wait(group._issue(lambda pg: pg.allreduce([tensor])).get_future())
     return tensor.tolist()
 
 

@@ -59,6 +59,7 @@ def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed, transport="loca
     assert all(report["sockets"] == 0 and report["mappings"] == 0 for report in reports)
     assert set(pathlib.Path("/dev/shm").glob("meridian-vpg-*")) == areas_before
     assert all(report["rank_order"] for report in reports), f"{tag}: not the left-to-right rank-order sum"
+    assert all(report["flags"] == [world * (world - 1) // 2, world] for report in reports)
     return [report["results"] for report in reports]
 
 

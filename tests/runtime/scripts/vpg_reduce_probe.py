@@ -41,10 +41,14 @@ def main():
     for r in range(1, world):
         expected.add_(values_of(r))
     results = []
-    for _ in range(3):
+    for repeat in range(3):
         time.sleep(delays.uniform(0, 0.05))
         tensor = values.clone()
+        if repeat == 1:  # the cut's flags ride along with an all-reduce
+            vpg.send_flags_with_next_allreduce([rank, 1])
         group.allreduce([tensor]).wait()
+        if repeat == 1:
+            flags = vpg.take_carried_flags()
         results.append(tensor.numpy().tobytes().hex())
     # The same values at other positions (as when DDP lays its buckets out anew): each element
     # must come out the same wherever it sits.
@@ -59,7 +63,7 @@ def main():
     local = group.inner.local is not None
     group.close_inner()
     with open(sys.argv[6], "w") as handle:
-        json.dump({"results": results, "rank_order": rank_order, "local": local,
+        json.dump({"results": results, "rank_order": rank_order, "local": local, "flags": flags,
                    "sockets": len(vpg.open_socket_fds()),
                    "mappings": len(localreduce.shared_mappings())}, handle)
 
