@@ -21,6 +21,7 @@ client this project does not ship, and is refused with a clear error.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import io
@@ -127,35 +128,24 @@ def sha256_file(path) -> tuple[str, int]:
 
 
 class HashingFileWriter(io.RawIOBase):
-    """A sequential, write-only file whose sha256 is computed *behind* the writer.
+    """A sequential, write-only file that computes its sha256 while it is written.
 
-    ``write`` only copies the bytes into the file (the page cache) and advances a counter; a
-    helper thread reads the written bytes back through its own file descriptor, in large
-    chunks, and hashes them (``readinto`` and ``sha256.update`` release the GIL, so the two run
-    on two cores). The writer never waits for the hasher, and the hash is of what the file
-    holds, not of a buffer that might change. ``finish()`` fsyncs the file while the hasher
-    catches up and returns the manifest entry ``{"size", "sha256"}``. The writer must be
-    sequential (no seek): torch.save's zip writer is (it checks its own offsets)."""
+    A large buffer (``parallel_bytes`` or more) is hashed on a helper thread *while* the same
+    buffer is written to the file (``sha256.update`` and the write both release the GIL, so they
+    run on two cores); ``write`` returns when both are done, so the buffer is never used after
+    the caller got it back, and the digests follow the file's byte order. Smaller buffers are
+    hashed in line. ``finish()`` fsyncs and returns the manifest entry ``{"size", "sha256"}``.
+    (The first version hashed behind the writer by reading the file back from the page cache:
+    3 GB more copied through the kernel, and single 3 GB saves swung from 2 to 10 s.)"""
 
-    def __init__(self, path, chunk_bytes: int = HASH_CHUNK_BYTES):
+    def __init__(self, path, parallel_bytes: int = 1 << 20):
         self.path = Path(path)
         self.size = 0
-        self._chunk = chunk_bytes
+        self._parallel = parallel_bytes
         self._f = open(self.path, "wb", buffering=0)
-        try:
-            self._r = open(self.path, "rb", buffering=0)
-        except BaseException:
-            self._f.close()
-            raise
         self._digest = hashlib.sha256()
-        self._hashed = 0
-        self._cond = threading.Condition()
-        self._done = False
-        self._abort = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._hash_loop, name="sha256-behind-writer",
-                                        daemon=True)
-        self._thread.start()
+        self._hasher = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="sha256-beside-writer")
 
     def writable(self):
         return True
@@ -163,67 +153,31 @@ class HashingFileWriter(io.RawIOBase):
     def write(self, b):
         view = memoryview(b).cast("B")
         n = view.nbytes
-        while view.nbytes:
-            view = view[self._f.write(view):]
-        with self._cond:
-            self.size += n
-            if self.size - self._hashed >= self._chunk:
-                self._cond.notify()
+        hashing = self._hasher.submit(self._digest.update, view) if n >= self._parallel else None
+        try:
+            if hashing is None:
+                self._digest.update(view)
+            rest = view
+            while rest.nbytes:
+                rest = rest[self._f.write(rest):]
+        finally:
+            if hashing is not None:
+                hashing.result()  # the buffer is the caller's again only after this
+        self.size += n
         return n
 
-    def _hash_loop(self) -> None:
-        buf = bytearray(self._chunk)
-        view = memoryview(buf)
-        try:
-            while True:
-                with self._cond:
-                    while not (self._done or self._abort) \
-                            and self.size - self._hashed < self._chunk:
-                        self._cond.wait()
-                    if self._abort:
-                        return
-                    end, done = self.size, self._done
-                while self._hashed < end:
-                    n = self._r.readinto(view[:min(self._chunk, end - self._hashed)])
-                    if not n:
-                        raise CheckpointError(f"{self.path} is shorter than the "
-                                              f"{end} bytes written to it")
-                    self._digest.update(view[:n])
-                    self._hashed += n
-                if done:
-                    return
-        except BaseException as exc:  # reported by finish()
-            self._error = exc
-
-    def _stop(self, *, abort: bool) -> None:
-        with self._cond:
-            self._done = True
-            self._abort = abort
-            self._cond.notify()
-
     def finish(self, fsync: bool = True) -> dict:
-        """Ends the file: fsync (overlapping the hash's tail), waits for the hash, closes.
-        Returns ``{"size": bytes, "sha256": hex}``."""
+        """Ends the file: fsync, close. Returns ``{"size": bytes, "sha256": hex}``."""
         try:
-            self._stop(abort=False)
             if fsync:
                 os.fsync(self._f.fileno())
-            self._thread.join()
-            if self._error is not None:
-                raise CheckpointError(f"hashing {self.path} failed: {self._error}") \
-                    from self._error
-            if self._hashed != self.size:
-                raise CheckpointError(f"hashed {self._hashed} of the {self.size} bytes "
-                                      f"written to {self.path}")
             return {"size": self.size, "sha256": self._digest.hexdigest()}
         finally:
             self.close()
 
     def close(self):
         if not self.closed:
-            self._stop(abort=True)
-            self._thread.join()
-            self._r.close()
+            self._hasher.shutdown(wait=True)
             self._f.close()
         super().close()
 

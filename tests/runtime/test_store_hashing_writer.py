@@ -1,4 +1,4 @@
-"""store.HashingFileWriter: the sha256 computed behind the writer is the sha256 of the file."""
+"""store.HashingFileWriter: the sha256 computed beside the writer is the sha256 of the file."""
 import hashlib
 import os
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.runtime
 def test_the_digest_is_the_files_digest_for_small_and_large_writes(tmp_path):
     path = tmp_path / "f.bin"
     chunks = [os.urandom(n) for n in (1, 7, 3 << 20, 0, 100, 9 << 20, 5)]
-    writer = store.HashingFileWriter(path, chunk_bytes=1 << 20)
+    writer = store.HashingFileWriter(path, parallel_bytes=1 << 20)
     for chunk in chunks:
         assert writer.write(memoryview(chunk)) == len(chunk)
     entry = writer.finish()
@@ -34,7 +34,8 @@ def test_torch_save_through_it_loads_back_and_matches_the_manifest_check(tmp_pat
 
 
 def test_close_without_finish_stops_the_hasher(tmp_path):
-    writer = store.HashingFileWriter(tmp_path / "f.bin", chunk_bytes=1 << 20)
+    writer = store.HashingFileWriter(tmp_path / "f.bin", parallel_bytes=1 << 20)
     writer.write(os.urandom(3 << 20))
     writer.close()
-    assert writer.closed and not writer._thread.is_alive()
+    assert writer.closed and writer._hasher._shutdown
+
