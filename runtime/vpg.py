@@ -107,6 +107,7 @@ def open_socket_fds():
 
 _COMMUTATIVE_IN_GLOO = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN,
                         dist.ReduceOp.MAX)
+_RANK_ORDER_OPS = _COMMUTATIVE_IN_GLOO + (dist.ReduceOp.AVG,)
 
 
 def _reduce_in_rank_order(rows, op):
@@ -333,10 +334,8 @@ class VirtualProcessGroup(dist.ProcessGroup):
         # With two operands IEEE addition, multiplication, min and max are commutative, so
         # gloo's ring gives the same bits whichever rank adds first. From three on, its order
         # depends on where an element sits in the tensor: DDP's buckets are laid out anew when a
-        # script is re-run from a framework checkpoint, which would change the bits. Ranks on
-        # one host always reduce here: the shared area is cheaper than gloo's loopback TCP.
-        return (self._world_size > 2 or op not in _COMMUTATIVE_IN_GLOO
-                or self.ensure_inner().local is not None)
+        # script is re-run from a framework checkpoint, which would change the bits.
+        return self._world_size > 2 or op not in _COMMUTATIVE_IN_GLOO
 
     def _run_here(self, fn, result):
         """Runs fn(pg) (synchronous collectives) in this thread, with the device token given away
@@ -355,6 +354,8 @@ class VirtualProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         op = getattr(op, "op", op)
+        if op not in _RANK_ORDER_OPS:  # refused on every rank alike, before anyone waits
+            raise NotImplementedError(f"meridian virtual group: reduce op {op} is not supported")
         flags = _state["outgoing_flags"]
         _state["outgoing_flags"] = None
         if self.ensure_inner().local is not None and (flags is None

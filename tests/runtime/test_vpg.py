@@ -107,3 +107,14 @@ def test_rank_order_reduction_ops(op, expected):
 
 def test_meta_allreduce_without_a_group_is_local():
     assert vpg.meta_allreduce([1, 42]) == [1, 42]
+
+
+def test_an_unsupported_reduce_op_is_refused_before_any_rank_waits():
+    # Refused on every rank alike at the call, not by one chunk's owner mid-reduction (the
+    # others would wait for it at the next barrier until the group's timeout).
+    group = vpg.VirtualProcessGroup(0, 4, lambda: pytest.fail("must not connect"),
+                                    vpg.CollectiveHooks())
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.BAND
+    with pytest.raises(NotImplementedError, match="not supported"):
+        group.allreduce([torch.ones(3, dtype=torch.int64)], options)
