@@ -11,6 +11,7 @@ with AdamW state (checkpoint = parameters + 2 AdamW moments, about 3x the model)
                                     fingerprint checks, load_state_dict into model and optimizer
               baseline            = torch.load + model/optimizer load_state_dict
 
+Before each timed save both files are deleted and os.sync() runs (see fresh_dir).
 Medians of --repeats runs; the files are in the page cache for both sides (same disk, written
 just before). Usage:
   .venv/bin/python bench/runtime_checkpoint.py [--repeats 3] [--skip-large] [--dir /tmp]
@@ -84,7 +85,13 @@ def bench_case(tracker, layers, repeats, workdir):
     base_path = workdir / "baseline.pt"
 
     def fresh_dir():
+        # Both sides start with no file of their own and nothing pending on the disk: on a
+        # filesystem mounted with `discard` (this VM's ext4) freeing a 3 GB file costs a TRIM at
+        # the next journal commit, which the next fsync would otherwise pay for the previous
+        # round (ours sometimes 0.3 -> 0.8 s at 100 MB right after the baseline's round).
         shutil.rmtree(ours_dir, ignore_errors=True)
+        base_path.unlink(missing_ok=True)
+        os.sync()
 
     def ours_save():
         tracker.save(ours_dir)
@@ -95,10 +102,11 @@ def bench_case(tracker, layers, repeats, workdir):
             f.flush()
             os.fsync(f.fileno())
 
-    save_ours, save_base, save_load, save_best = interleaved_medians(ours_save, baseline_save, repeats,
-                                                          before=fresh_dir)
+    save_ours, save_base, save_load, save_best = interleaved_medians(
+        ours_save, baseline_save, repeats, before=fresh_dir)
     fresh_dir()
-    tracker.save(ours_dir)  # the restore side reads this one
+    tracker.save(ours_dir)  # the restore side reads these two
+    baseline_save()
     size_ours = sum(p.stat().st_size for p in ours_dir.rglob("*") if p.is_file())
     size_base = base_path.stat().st_size
 
@@ -111,10 +119,9 @@ def bench_case(tracker, layers, repeats, workdir):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
-    restore_ours, restore_base, restore_load, restore_best = interleaved_medians(ours_restore,
-                                                                   baseline_restore, repeats)
+    restore_ours, restore_base, restore_load, restore_best = interleaved_medians(
+        ours_restore, baseline_restore, repeats)
     fresh_dir()
-    base_path.unlink()
     del model, optimizer
     gc.collect()
     return {"model": f"{params_mb:,.0f} MB + AdamW", "size_ours": size_ours,
