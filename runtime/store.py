@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 import time
 import urllib.parse
 import uuid

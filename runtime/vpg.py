@@ -150,6 +150,18 @@ def _reduce_in_rank_order(rows, op):
     return result
 
 
+def _flat(tensor):
+    """A 1-D contiguous tensor to reduce in place: a view of `tensor`, or a copy of it."""
+    flat = tensor.detach().reshape(-1)
+    return flat if tensor.is_contiguous() else flat.clone()
+
+
+def _copy_back(tensor, flat):
+    """Puts a reduced copy made by _flat back into its tensor (nothing to do for a view)."""
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view(tensor.shape))
+
+
 class _RankOrderAllreduce:
     """All-reduces one contiguous 1-D tensor in place over gloo, each element combined in rank
     order 0, 1, ..., W-1 wherever it sits in the tensor: a reduce-scatter (all-to-all of W
@@ -161,9 +173,8 @@ class _RankOrderAllreduce:
 
     def __init__(self, flat, op, world_size, rank):
         self.flat, self.op, self.world_size = flat, op, world_size
-        base, self.extra = divmod(flat.numel(), world_size)
-        self.base = base
-        self.sizes = [base + (1 if i < self.extra else 0) for i in range(world_size)]
+        self.base, self.extra = divmod(flat.numel(), world_size)
+        self.sizes = [self.base + (1 if i < self.extra else 0) for i in range(world_size)]
         self.mine_size = self.sizes[rank]
         self.received = torch.empty(world_size * self.mine_size, dtype=flat.dtype)
         self.gathered = None
@@ -295,17 +306,13 @@ class VirtualProcessGroup(dist.ProcessGroup):
     def _issue_rank_order(self, tensor, op):
         """Starts a rank-order all-reduce of one tensor over gloo and returns a future of it at
         once (it overlaps the script's computation as gloo's own all-reduce would)."""
-        flat = tensor.detach().reshape(-1)
-        copied = not tensor.is_contiguous()
-        if copied:
-            flat = flat.clone()
+        flat = _flat(tensor)
         reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank)
         future = self._start_reduction(self.ensure_inner().pg, reduction)
 
         def done(finished):
             finished.value()  # raises its failure
-            if copied:
-                tensor.copy_(flat.view(tensor.shape))
+            _copy_back(tensor, flat)
             return [tensor]
         result = future.then(done)
         self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
@@ -318,13 +325,11 @@ class VirtualProcessGroup(dist.ProcessGroup):
         local = self.ensure_inner().local
         summed = None
         for tensor in tensors or [torch.empty(0)]:
-            flat = tensor.detach().reshape(-1)
-            copy = flat if tensor.is_contiguous() else flat.clone()
-            carried = local.allreduce(copy, op, _reduce_in_rank_order, self._hooks, flags)
+            flat = _flat(tensor)
+            carried = local.allreduce(flat, op, _reduce_in_rank_order, self._hooks, flags)
             if flags is not None:
                 summed, flags = carried, None
-            if copy is not flat:
-                tensor.copy_(copy.view(tensor.shape))
+            _copy_back(tensor, flat)
         if summed is not None:
             _state["carried_flags"] = torch.futures.Future()
             _state["carried_flags"].set_result(summed)
