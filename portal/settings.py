@@ -17,6 +17,7 @@ Environment variables:
 """
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -38,20 +39,28 @@ PRODUCTION = PROFILE == "production"
 def _secret_key_from_data_dir(data_dir):
     """Returns the key stored in <data_dir>/secret_key, creating it (mode 600) on first use.
 
-    O_EXCL makes two processes starting at once agree: the loser reads the winner's key.
+    The key is written whole to a private temporary file and then hard-linked into place:
+    link() is atomic and fails if the name exists, so processes starting at once agree on
+    one key and none can read a file that is created but not yet written.
     """
     path = data_dir / "secret_key"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        key = path.read_text().strip()
-        if key:
-            return key
-        raise ImproperlyConfigured(f"{path} is empty; delete it to generate a new key.")
-    key = secrets.token_urlsafe(50)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(key + "\n")
-    return key
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(prefix=".secret_key.", dir=data_dir)  # mode 600
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(50) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another process won; its key is read below
+        finally:
+            os.unlink(tmp)
+    key = path.read_text().strip()
+    if key:
+        return key
+    raise ImproperlyConfigured(f"{path} is empty; delete it to generate a new key.")
 
 
 SECRET_KEY = os.environ.get("SECRET_KEY") or _secret_key_from_data_dir(DATA_DIR)

@@ -5,6 +5,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,32 @@ def test_a_bad_profile_fails_at_start_with_a_clear_message(tmp_path, env, messag
 
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_processes_starting_at_once_agree_on_one_whole_secret_key(tmp_path):
+    """The web server, workers and beat start together on a fresh data dir: none may read a
+    key file that exists but is not written yet (CI saw a worker die on an empty one)."""
+    from portal.settings import _secret_key_from_data_dir
+
+    for round_ in range(30):
+        data_dir = tmp_path / str(round_)
+        data_dir.mkdir()
+        start = threading.Barrier(8)
+        keys, errors = [], []
+
+        def read_key():
+            start.wait()
+            try:
+                keys.append(_secret_key_from_data_dir(data_dir))
+            except Exception as error:  # noqa: BLE001 — any failure is the defect under test
+                errors.append(error)
+
+        threads = [threading.Thread(target=read_key) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+        assert errors == []
+        assert len(set(keys)) == 1 and keys[0] == (data_dir / "secret_key").read_text().strip()
+        assert sorted(p.name for p in data_dir.iterdir()) == ["secret_key"]
