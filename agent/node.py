@@ -8,7 +8,9 @@ should run; `reconcile(desired)` then
   2. resizes a running job whose desired device count differs (replica splicing);
   3. launches desired jobs that are not running, once no stop is in progress on the node,
      restoring the newest checkpoint of the job's store when it has one;
-  4. checkpoints running jobs every `checkpoint_every_s`.
+  4. checkpoints running jobs every `checkpoint_every_s`;
+  5. removes a desired job's store folders of generations older than its newest accepted
+     checkpoint's (prune_older_generations).
 Slow control calls (stop, checkpoint, resize) run in a thread per job, one at a time per job,
 so the heartbeat never blocks on a barrier.
 
@@ -30,6 +32,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -114,6 +117,43 @@ def seed_store(store, checkpoint_uri):
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+GENERATION_DIR = re.compile(r"g(\d+)")
+
+
+def prune_older_generations(store, checkpoint_uri):
+    """Removes the job's store folders of generations older than the one holding
+    `checkpoint_uri`, the newest checkpoint the control plane accepted; returns their paths.
+
+    Every placement generation writes a folder of its own (seed_store), and the store's
+    retention prunes only within one folder: without this, every preemption, migration and
+    lost node would leave its generation's checkpoints on the shared store for good. What a
+    future copy restores is the newest accepted checkpoint, or a newer one, never one in an
+    older folder; a fenced copy of an older generation that still writes finds its folder gone
+    and fails its commit, as it should. A URI outside this job's generation folders (a store
+    without generations) removes nothing.
+    """
+    import shutil
+
+    from runtime.store import path_from_uri
+
+    store = pathlib.Path(store).absolute()
+    job_folder = store.parent
+    accepted = path_from_uri(checkpoint_uri).absolute().parent
+    here, held = GENERATION_DIR.fullmatch(store.name), GENERATION_DIR.fullmatch(accepted.name)
+    if not here or not held or accepted.parent != job_folder or int(held.group(1)) > int(here.group(1)):
+        return []
+    removed = []
+    for folder in sorted(job_folder.iterdir()):
+        older = GENERATION_DIR.fullmatch(folder.name)
+        if older and int(older.group(1)) < int(held.group(1)) and folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.info("removed the store folders of older generations: %s (the accepted checkpoint is in %s)",
+                 ", ".join(f.name for f in removed), accepted.name)
+    return removed
 
 
 class LocalJob:
@@ -220,6 +260,7 @@ class NodeReconciler:
         self.python = python
         self.jobs: dict[int, LocalJob] = {}
         self.lock = threading.Lock()
+        self.pruned: dict[int, str] = {}  # job id -> the accepted checkpoint its store was pruned for
         self.adopt()
 
     # --- adoption ------------------------------------------------------------------------------
@@ -256,6 +297,7 @@ class NodeReconciler:
                 # was built is still "running" there, and must be reported once more.
                 if job_id in accepted_ids and job.reported_state in TERMINAL_EVENTS and job.busy is None:
                     del self.jobs[job_id]
+                    self.pruned.pop(job_id, None)
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
@@ -280,6 +322,7 @@ class NodeReconciler:
                 job = self.jobs.get(job_id)
                 if entry.get("action") != "run":
                     continue
+                self._prune_store(entry)
                 if job is not None and job.outcome() is None:
                     if job.stop_requested or not (job.job_dir / "control.sock").exists():
                         continue  # stopping, or its launcher is not serving commands yet
@@ -297,6 +340,22 @@ class NodeReconciler:
                 if stopping:
                     continue  # its devices may still be held by a job that is stopping
                 self.launch(entry)
+
+    def _prune_store(self, entry):
+        """Removes the store folders of generations older than the accepted checkpoint's (in a
+        thread: a large store takes a while to delete), once per accepted checkpoint."""
+        job_id, accepted = int(entry["job_id"]), entry.get("restore_from")
+        if not accepted or not entry.get("store") or self.pruned.get(job_id) == accepted:
+            return
+        self.pruned[job_id] = accepted
+
+        def run():
+            try:
+                prune_older_generations(entry["store"], accepted)
+            except (OSError, ValueError) as exc:
+                log.warning("job %s: cannot prune older store generations: %s", job_id, exc)
+
+        threading.Thread(target=run, daemon=True, name=f"job{job_id}-prune").start()
 
     def fence(self, job_ids=None, *, why=""):
         """Kills the copies of `job_ids` (all when None) without a checkpoint and forgets them;

@@ -12,7 +12,8 @@ import pytest
 from agent_test_helpers import poll
 
 from agent.main import Agent
-from agent.node import NodeReconciler, pid_alive, read_events
+from agent.node import NodeReconciler, pid_alive, prune_older_generations, read_events, seed_store
+from runtime.store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.runtime]
@@ -78,9 +79,6 @@ def test_an_agent_fences_itself_after_missing_heartbeats_for_the_lost_node_thres
 
 
 def test_a_new_generation_store_is_seeded_with_the_accepted_checkpoint_by_hard_links():
-    from agent.node import seed_store
-    from runtime.store import CheckpointStore
-
     with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
         tmp = pathlib.Path(tmp)
         (tmp / "state").mkdir()
@@ -98,3 +96,58 @@ def test_a_new_generation_store_is_seeded_with_the_accepted_checkpoint_by_hard_l
         assert seed_store(tmp / "job-1" / "g2", accepted.uri) == seeded  # idempotent
         with pytest.raises(ValueError):
             seed_store(tmp / "job-1" / "g3", (tmp / "state").as_uri())
+
+
+def commit_state(tmp, store, step):
+    (tmp / "state").mkdir(exist_ok=True)
+    (tmp / "state" / "rank-0.pt").write_bytes(b"weights %d" % step * 1000)
+    return CheckpointStore(store).commit(tmp / "state", step, "framework", meta={"world_size": 1})
+
+
+def test_older_generation_folders_go_once_a_newer_generation_holds_the_accepted_checkpoint():
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        job = tmp / "job-1"
+        first = commit_state(tmp, job / "g1", 10)
+        commit_state(tmp, job / "g1", 20)
+        seed_store(job / "g2", commit_state(tmp, job / "g1", 30).uri)
+        in_g2 = commit_state(tmp, job / "g2", 40)
+        seed_store(job / "g3", in_g2.uri)
+
+        # Nothing older than the accepted checkpoint's generation: nothing goes.
+        assert prune_older_generations(job / "g3", first.uri) == []
+        # A checkpoint outside this job's generation folders, or of a newer generation than the
+        # store's own, removes nothing.
+        assert prune_older_generations(job / "g3", commit_state(tmp, tmp / "job-2" / "g1", 50).uri) == []
+        assert prune_older_generations(job / "g1", in_g2.uri) == []
+        assert prune_older_generations(job, in_g2.uri) == []
+        assert sorted(p.name for p in job.iterdir()) == ["g1", "g2", "g3"]
+
+        assert prune_older_generations(job / "g3", in_g2.uri) == [job / "g1"]
+
+        assert sorted(p.name for p in job.iterdir()) == ["g2", "g3"]
+        # The hard-linked seeds outlive the folder they came from, and still verify.
+        assert CheckpointStore(job / "g3").latest_good().step == 40
+        assert [ref.step for ref in CheckpointStore(job / "g2").list()] == [30, 40]
+
+
+def test_the_reconciler_prunes_older_generations_of_a_job_it_runs():
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        job = tmp / "store" / "job-9"
+        commit_state(tmp, job / "g1", 1)
+        accepted = commit_state(tmp, job / "g2", 2)
+        node = NodeReconciler(tmp / "w", engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+        try:
+            desired = entry(job / "g3", generation=3)
+            node.reconcile([desired])  # no accepted checkpoint yet: nothing to prune by
+            time.sleep(0.5)
+            assert (job / "g1").exists()
+            seed_store(job / "g3", accepted.uri)
+
+            node.reconcile([{**desired, "restore_from": accepted.uri}])
+
+            poll("generation 1's folder to go", lambda: not (job / "g1").exists())
+            assert sorted(p.name for p in job.iterdir()) == ["g2", "g3"]
+        finally:
+            node.kill_all()
