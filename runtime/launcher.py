@@ -123,7 +123,7 @@ class Launcher:
         self.devices = options.devices or options.ranks
         self.job_dir = pathlib.Path(options.job_dir).absolute()
         self.job_id = options.job_id or self.job_dir.name
-        self.spool = spool_files.spool_dir_for(self.job_id)
+        self.spool = spool_files.spool_dir_for(self.job_id).absolute()
         self.script = os.path.abspath(options.script)
         if not os.path.isfile(self.script):
             raise LaunchError(f"script {options.script} does not exist", EXIT_USAGE)
@@ -349,7 +349,8 @@ class Launcher:
             dump_s = time.monotonic() - dump_began
             commit_began = time.monotonic()
             ref = self.store.commit(staging, step, self.engine, meta={
-                "job_id": self.job_id, "world_size": self.world_size, "request_id": request["id"],
+                "job_id": self.job_id, "spool": str(self.spool), "world_size": self.world_size,
+                "request_id": request["id"],
                 "devices": self.devices, "device_map": self.device_map, "action": action,
                 "script": self.script, "args": list(self.options.args)})
             commit_s = time.monotonic() - commit_began
@@ -421,6 +422,7 @@ class Launcher:
             # so they are restored straight from it (a shared filesystem on a fleet). Put the rank
             # logs back at their paths and sizes, then restore each rank into a new PID namespace.
             local = ref.path
+            self.restore_at_dumped_spool(meta)
             self.fresh_spool()
             for rank in range(self.world_size):
                 shutil.copyfile(local / "logs" / f"rank{rank}.log",
@@ -430,9 +432,17 @@ class Launcher:
                 self.ranks.append(RankProcess(rank, pid))
             self._last_id = int(meta["request_id"])
             self.resume_ranks(int(meta["request_id"]))
-        self.event("restored", step=ref.step, checkpoint=ref.uri,
+        self.event("restored", step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
                    seconds=round(time.monotonic() - began, 4))
         return ref
+
+    def restore_at_dumped_spool(self, meta):
+        """A CRIU-restored rank goes on using the spool path it had when it was dumped (its open
+        log, the launcher lock it probes, its cut files), so the restore happens there, whatever
+        this launcher's own --job-id names: a node agent names each attempt anew."""
+        dumped = meta.get("spool")
+        if dumped:
+            self.spool = pathlib.Path(dumped)
 
     # -- main loop ------------------------------------------------------------------------------
     def handle(self, request):

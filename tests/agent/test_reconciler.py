@@ -1,4 +1,4 @@
-"""The real-node reconciler driving the real runtime (meridian-run, framework engine), no
+"""The real-node reconciler driving the real runtime (meridian-run; framework engine, and CRIU where it works), no
 control plane: desired state in, launches / stops / re-adoption out."""
 import pathlib
 import tempfile
@@ -7,6 +7,9 @@ import pytest
 from agent_test_helpers import poll
 
 from agent.node import NodeReconciler, pid_alive
+from runtime.criu import check_available
+
+CRIU_OK, CRIU_DETAIL = check_available()
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.runtime]
@@ -45,3 +48,35 @@ def test_a_restarted_agent_readopts_its_running_job_and_stops_it_with_a_checkpoi
             assert not pid_alive(launched.pid)
         finally:
             first.kill_all()
+
+
+@pytest.mark.criu
+@pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")
+def test_a_criu_job_stopped_by_one_node_resumes_on_another_at_its_cut():
+    """The agent names every attempt's launcher anew (its job id, hence its spool): a CRIU
+    image still restores, at the spool path its ranks were dumped with."""
+    with tempfile.TemporaryDirectory(prefix="rec-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        store = tmp / "store" / "job-7"
+        node_a = NodeReconciler(tmp / "a", engine="criu", checkpoint_every_s=0, workload_root=ROOT)
+        node_b = NodeReconciler(tmp / "b", engine="criu", checkpoint_every_s=0, workload_root=ROOT)
+        try:
+            node_a.reconcile([{**entry(store / "g1", epochs=40), "generation": 1}])
+            poll("the job to serve commands", lambda: (by_id(node_a.observed())[7]["step"] or 0) >= 5
+                 and (node_a.jobs[7].job_dir / "control.sock").exists())
+            node_a.reconcile([{"job_id": 7, "action": "stop", "generation": 1}])
+            stopped = poll("the stop", lambda: (lambda o: o if o["state"] == "stopped" else None)(
+                by_id(node_a.observed())[7]))
+            assert stopped["engine"] == "criu" and stopped["checkpoint"]["engine"] == "criu"
+
+            node_b.reconcile([{**entry(store / "g2", epochs=40), "generation": 2,
+                               "restore_from": stopped["checkpoint"]["uri"]}])
+
+            finished = poll("the resumed copy to finish", lambda: (lambda o: o if o["state"] in (
+                "finished", "failed") else None)(by_id(node_b.observed())[7]))
+            assert finished["state"] == "finished", finished.get("error")
+            assert finished["restored_step"] == stopped["checkpoint"]["step"]
+            assert finished["step"] > stopped["checkpoint"]["step"]
+        finally:
+            node_a.kill_all()
+            node_b.kill_all()
