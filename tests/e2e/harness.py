@@ -27,7 +27,8 @@ BIN = pathlib.Path(sys.executable).parent
 ENROLL = "e2e-enrollment-token"
 TRAIN = "examples/train_mlp.py"
 PASSWORDS = {"alice": "alice-demo-pass", "carol": "carol-demo-pass", "admin": "admin-demo-pass"}
-ENGINE = "framework"  # explicit: the e2e tests exercise the framework checkpoint engine
+FINAL_STATES = {"succeeded", "failed", "cancelled"}  # jobs.models.Job.TERMINAL_STATES (no Django here)
+ENGINE = "framework"  # explicit: the e2e tests exercise the framework checkpoint engine unless they ask for CRIU
 
 
 def free_port():
@@ -189,7 +190,7 @@ class ControlPlane:
         return process
 
     def start_agent(self, hostname, *, devices=1, region="r1", cluster="c1", checkpoint_every=3.0,
-                    partitionable=False):
+                    partitionable=False, engine=ENGINE):
         """Starts an agent; partitionable=True puts a Partition between it and the control plane
         (self.partitions[hostname])."""
         work_dir = self.dir / "agents" / hostname
@@ -199,7 +200,7 @@ class ControlPlane:
             url = f"http://127.0.0.1:{self.partitions[hostname].port}"
         argv = [PYTHON, "-m", "agent.main", "--control-plane", url, "--enroll-token", ENROLL,
                 "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", region, "--cluster", cluster,
-                "--work-dir", str(work_dir), "--engine", ENGINE, "--checkpoint-every", str(checkpoint_every),
+                "--work-dir", str(work_dir), "--engine", engine, "--checkpoint-every", str(checkpoint_every),
                 "--interval", "1", "--workload-root", str(ROOT)]
         process = self._spawn(f"agent-{hostname}", argv)
         self.agents[hostname] = (process, work_dir)
@@ -311,10 +312,20 @@ class ControlPlane:
         return body["results"] if isinstance(body, dict) and "results" in body else body
 
     def wait_state(self, job_id, states, *, timeout=180):
+        """Waits for the job to reach one of `states`; fails at once if it ends in another."""
         states = {states} if isinstance(states, str) else set(states)
-        return poll(f"job {job_id} to reach {sorted(states)}",
-                    lambda: (lambda j: j if j["state"] in states else None)(self.job(job_id)),
-                    timeout=timeout, on_timeout=lambda: self.diagnose(job_id))
+
+        def reached():
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            if job["state"] in FINAL_STATES:
+                raise AssertionError(f"job {job_id} ended {job['state']}, not {sorted(states)}\n"
+                                     f"{self.diagnose(job_id)}")
+            return None
+
+        return poll(f"job {job_id} to reach {sorted(states)}", reached, timeout=timeout,
+                    on_timeout=lambda: self.diagnose(job_id))
 
     def diagnose(self, *job_ids):
         text = []

@@ -1,5 +1,5 @@
 """End to end: real Redis, daphne, Celery worker and beat, node agents, the real runtime (framework
-checkpoint engine, named explicitly in harness.ENGINE) on CPU slots. Every wait polls with a
+checkpoint engine, named explicitly in harness.ENGINE; CRIU too where a test says so) on CPU slots. Every wait polls with a
 deadline. Each test starts its own control plane from a migrated template database."""
 import json
 import pathlib
@@ -9,6 +9,9 @@ import pytest
 from harness import assert_same_parameters, poll
 
 from agent.node import pid_alive
+from runtime.criu import check_available
+
+CRIU_OK, CRIU_DETAIL = check_available()
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -37,10 +40,15 @@ def runtime_events(plane, hostname, kind, field):
     return found
 
 
-def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identical_results(stack):
+@pytest.mark.parametrize("engine", [
+    "framework",
+    pytest.param("criu", marks=[pytest.mark.criu,
+                                pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")]),
+])
+def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identical_results(stack, engine):
     plane = stack()
-    plane.start_agent("n1", devices=1)
-    plane.start_agent("n2", devices=1)
+    plane.start_agent("n1", devices=1, engine=engine)
+    plane.start_agent("n2", devices=1, engine=engine)
     out = pathlib.Path(plane.dir)
     basic = {name: plane.submit(name=name, tier="basic", epochs=8, step_sleep=0.1, out=out / f"{name}.pt")
              for name in ("basic-a", "basic-b")}
@@ -69,6 +77,7 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identic
     assert checkpointed and victim_job["last_checkpoint_step"] >= 20
     restored = restored_steps(plane, hosts[1])
     assert restored and restored[-1][1] >= 20, restored
+    assert {engine} == {e for _, e in runtime_events(plane, hosts[1], "restored", "engine")}
     assert_same_parameters(out / f"{plane.job(other)['name']}.pt", out / f"{victim_job['name']}.pt")
     # The preemption ran as a move whose steps each left an event, in order.
     assert plane.moves(victim) == [("preemption", ["started", "barrier", "checkpoint", "store", "release"])], \
