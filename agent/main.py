@@ -3,6 +3,7 @@
     meridian-agent --control-plane URL (--enroll-token T | --token NODE_TOKEN)
                    [--devices auto|cpu:N] [--hostname H] [--region R] [--cluster C] [--rack K]
                    [--work-dir DIR] [--engine auto|criu|framework] [--checkpoint-every S]
+                   [--keep-finished-checkpoints]
     meridian-agent --control-plane URL --enroll-token T --hollow N [--devices cpu:8 | --hollow-type H100-80GB]
 
 --enroll-token registers the node (hostname, devices) and stores the node token it gets in
@@ -63,6 +64,9 @@ def parse_args(argv):
     p.add_argument("--hollow-devices", type=int, default=8, help="devices per hollow node")
     p.add_argument("--hollow-prefix", default="hollow", help="hostname prefix of hollow nodes")
     p.add_argument("--hollow-threads", type=int, default=16, help="concurrent heartbeats of hollow nodes")
+    p.add_argument("--keep-finished-checkpoints", action="store_true",
+                   help="keep a finished job's checkpoint store (default: removed once the control plane "
+                        "has the outcome; its result is what the script wrote)")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
     p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
@@ -89,7 +93,8 @@ class Agent:
         self.interval = options.interval or 5.0
         self.reconciler = NodeReconciler(self.work_dir, engine=options.engine,
                                          checkpoint_every_s=options.checkpoint_every,
-                                         workload_root=options.workload_root)
+                                         workload_root=options.workload_root,
+                                         keep_finished_checkpoints=options.keep_finished_checkpoints)
         self.desired_jobs = []
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
         # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.

@@ -156,12 +156,32 @@ def prune_older_generations(store, checkpoint_uri):
     return removed
 
 
+def remove_finished_store(store, job_id):
+    """Removes the checkpoint store of a job that finished (its folder `job-<id>` with every
+    generation, or `store` itself when it has no generation folders); returns what it removed.
+
+    A finished job's checkpoints can no longer be resumed from (its result is what the script
+    wrote), and CRIU images hold whole processes: a small job leaves about a gigabyte."""
+    import shutil
+
+    store = pathlib.Path(store).absolute()
+    target = store.parent if (GENERATION_DIR.fullmatch(store.name)
+                              and store.parent.name == f"job-{int(job_id)}") else store
+    if not target.exists():
+        return None
+    shutil.rmtree(target, ignore_errors=True)
+    log.info("job %s finished: removed its checkpoint store %s", job_id, target)
+    return target
+
+
 class LocalJob:
     """One launcher this agent started or adopted."""
 
-    def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0, generation=None):
+    def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0, generation=None,
+                 store=None):
         self.job_id = int(job_id)
         self.generation = generation
+        self.store = store  # its checkpoint store folder (a path), when known
         self.job_dir = pathlib.Path(job_dir)
         self.popen = popen
         self.pid = pid or (popen.pid if popen else None)
@@ -248,7 +268,7 @@ class LocalJob:
 
 class NodeReconciler:
     def __init__(self, work_dir, *, engine="auto", checkpoint_every_s=60.0, workload_root=None,
-                 python=sys.executable):
+                 python=sys.executable, keep_finished_checkpoints=False):
         self.work_dir = pathlib.Path(work_dir).absolute()
         self.jobs_dir = self.work_dir / "j"
         self.spool_root = self.work_dir / "spool"
@@ -258,6 +278,7 @@ class NodeReconciler:
         self.checkpoint_every_s = checkpoint_every_s
         self.workload_root = pathlib.Path(workload_root or os.getcwd()).absolute()
         self.python = python
+        self.keep_finished_checkpoints = keep_finished_checkpoints
         self.jobs: dict[int, LocalJob] = {}
         self.lock = threading.Lock()
         self.pruned: dict[int, str] = {}  # job id -> the accepted checkpoint its store was pruned for
@@ -273,7 +294,8 @@ class NodeReconciler:
                 continue
             job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
             self.jobs[job_id] = LocalJob(job_id, job_dir, pid=info["pid"], devices=meta.get("devices", 0),
-                                         world_size=meta.get("world_size", 0), generation=meta.get("generation"))
+                                         world_size=meta.get("world_size", 0), generation=meta.get("generation"),
+                                         store=meta.get("store"))
             log.info("re-adopted job %s (pid %s) in %s", job_id, info["pid"], job_dir)
 
     # --- observation ---------------------------------------------------------------------------
@@ -298,6 +320,9 @@ class NodeReconciler:
                 if job_id in accepted_ids and job.reported_state in TERMINAL_EVENTS and job.busy is None:
                     del self.jobs[job_id]
                     self.pruned.pop(job_id, None)
+                    if job.reported_state == "finished" and job.store and not self.keep_finished_checkpoints:
+                        threading.Thread(target=remove_finished_store, args=(job.store, job_id), daemon=True,
+                                         name=f"job{job_id}-remove-store").start()
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
@@ -408,7 +433,7 @@ class NodeReconciler:
     def _write_meta(self, job):
         (job.job_dir / "agent.json").write_text(json.dumps({
             "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid,
-            "generation": job.generation}))
+            "generation": job.generation, "store": str(job.store) if job.store else None}))
 
     def launch(self, entry):
         job_id = int(entry["job_id"])
@@ -451,7 +476,7 @@ class NodeReconciler:
             popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
                                      stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
         job = LocalJob(job_id, job_dir, popen=popen, devices=launch_devices,
-                       world_size=int(entry["world_size"]), generation=generation)
+                       world_size=int(entry["world_size"]), generation=generation, store=store)
         self._write_meta(job)
         self.jobs[job_id] = job
         log.info("job %s: launched %s on %s device(s)%s", job_id, entrypoint.name, entry["devices"],

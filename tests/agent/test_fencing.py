@@ -69,7 +69,8 @@ def test_a_stop_entry_stops_the_copy_at_a_consistent_cut_and_reports_the_cut():
 def test_an_agent_fences_itself_after_missing_heartbeats_for_the_lost_node_threshold():
     with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
         options = argparse.Namespace(hostname="n1", work_dir=tmp, devices="cpu:1", control_plane="http://127.0.0.1:9",
-                                     engine="framework", checkpoint_every=0.0, workload_root=str(ROOT), interval=1.0)
+                                     engine="framework", checkpoint_every=0.0, workload_root=str(ROOT), interval=1.0,
+                                     keep_finished_checkpoints=False)
         agent = Agent(options, threading.Event())
         began = agent.last_heartbeat_ok
         assert not agent.self_fence_due(now=began + 1000)  # never told the threshold: never

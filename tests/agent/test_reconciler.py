@@ -2,6 +2,7 @@
 control plane: desired state in, launches / stops / re-adoption out."""
 import pathlib
 import tempfile
+import time
 
 import pytest
 from agent_test_helpers import poll
@@ -46,6 +47,11 @@ def test_a_restarted_agent_readopts_its_running_job_and_stops_it_with_a_checkpoi
                 by_id(second.observed())[7]))
             assert observed["checkpoint"]["step"] >= 5 and observed["checkpoint"]["uri"].startswith("file://")
             assert not pid_alive(launched.pid)
+            # A stopped job resumes from its store later: forgetting it keeps the store.
+            assert str(second.jobs[7].store) == str(store)  # known to the re-adopting agent too
+            second.forget_reported({7})
+            time.sleep(0.5)
+            assert 7 not in second.jobs and list(store.glob("ckpt-*"))
         finally:
             first.kill_all()
 
@@ -80,3 +86,36 @@ def test_a_criu_job_stopped_by_one_node_resumes_on_another_at_its_cut():
         finally:
             node_a.kill_all()
             node_b.kill_all()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_finished_jobs_store_is_removed_once_the_outcome_is_accepted_unless_kept(keep):
+    with tempfile.TemporaryDirectory(prefix="rec-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        store = tmp / "store" / "job-7" / "g1"
+        node = NodeReconciler(tmp / "w", engine="framework", checkpoint_every_s=0.5, workload_root=ROOT,
+                              keep_finished_checkpoints=keep)
+        desired = [{**entry(store, epochs=12), "generation": 1}]
+        try:
+            def finished():
+                node.reconcile(desired)  # checkpoints every 0.5 s while it runs
+                return (lambda o: o if o["state"] == "finished" else None)(by_id(node.observed())[7])
+
+            report = poll("the job to finish", finished)
+            assert report["checkpoint"]["uri"].startswith(store.as_uri())
+            assert list(store.glob("ckpt-*")), "it checkpointed while it ran"
+
+            node.forget_reported(set())  # not accepted yet: kept
+            time.sleep(0.5)
+            assert store.exists() and 7 in node.jobs
+            node.forget_reported({7})
+
+            assert 7 not in node.jobs
+            if keep:
+                time.sleep(0.5)
+                assert list(store.glob("ckpt-*"))
+            else:
+                poll("the store to go", lambda: not (tmp / "store" / "job-7").exists())
+                assert (tmp / "store").exists()  # other jobs' stores are untouched
+        finally:
+            node.kill_all()
