@@ -296,14 +296,24 @@ class Launcher:
             if self.check_ranks():
                 raise LaunchError(f"the job finished before reaching the cut for {action}")
             if time.monotonic() > deadline:
+                self.abandon_cut(request_id)
                 raise LaunchError(f"{action}: ranks {sorted(set(range(self.world_size)) - set(reports))} "
-                                  f"did not reach a consistent cut within {timeout_s} s")
+                                  f"did not reach a consistent cut within {timeout_s} s; the job goes on")
             time.sleep(POLL_S)
         steps = {r["step"] for r in reports.values()}
         if len(steps) != 1:
-            raise LaunchError(f"{action}: ranks cut at different steps {sorted(steps)}")
+            self.abandon_cut(request_id)
+            raise LaunchError(f"{action}: ranks cut at different steps {sorted(steps)} (its ranks share no "
+                              f"collective per step, so no one step holds for all); the job goes on")
         errors = {rank: r for rank, r in reports.items() if r["status"] == "error"}
         return request, steps.pop(), reports, errors
+
+    def abandon_cut(self, request_id):
+        """Lets the ranks go on after a cut that cannot be used: CRIU ranks that parked wait for
+        the resume file (a rank that reaches this cut later finds it and goes on at once);
+        framework ranks go on by themselves after reporting."""
+        if self.engine == "criu":
+            self.resume_ranks(request_id)
 
     def resume_ranks(self, request_id):
         spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), {

@@ -169,3 +169,22 @@ def test_framework_engine_refuses_a_script_it_cannot_resume_and_the_job_goes_on(
     job.finish(0)
     assert out.exists()
     assert not list((tmp_path / "node" / "checkpoints").glob("ckpt-*"))
+
+
+@pytest.mark.criu
+@needs_criu
+def test_a_cut_the_ranks_reach_at_different_steps_is_refused_and_the_job_goes_on(tmp_path, jobs):
+    """Ranks that share no collective per step cannot agree on one step: the stop is refused, and
+    the CRIU ranks that parked for it are let go (they used to wait for a resume forever)."""
+    out = tmp_path / "out.pt"
+    job = Job(tmp_path / "node", ranks=2, script=COUNTER_SCRIPT, out=out, engine="criu",
+              script_args=["--steps", "120", "--rank-skew", "1"], job_id=unique_id("skewed"))
+    jobs.append(job)
+    job.wait_ready()
+    job.wait_step(10)
+    with pytest.raises(JobControlError, match="different steps"):
+        job.control.stop()
+    assert job.control.progress()["state"] == "running"
+    job.finish(0)
+    assert out.exists()
+    assert not list((tmp_path / "node" / "checkpoints").glob("ckpt-*"))
