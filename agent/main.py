@@ -14,7 +14,8 @@ for a node already described in the database.
 Fencing: every heartbeat reply says the control plane's lost-node threshold. A thread kills
 every local job (no checkpoint) once no heartbeat sent in the last threshold seconds was
 answered: by then the control plane counts the node lost and restarts its jobs elsewhere from
-their last checkpoints. A report rejected with "fence" (a stale generation) kills that copy.
+their last checkpoints. A report rejected with "fence" (a stale generation) kills that copy; one
+rejected with "cancel" (the job was cancelled) kills it too and removes its checkpoint store.
 
 Environment: MERIDIAN_CONTROL_PLANE, MERIDIAN_AGENT_ENROLL_TOKEN, MERIDIAN_AGENT_TOKEN,
 MERIDIAN_AGENT_WORK_DIR stand in for the flags.
@@ -145,13 +146,17 @@ class Agent:
         if answer["desired"].get("lost_after_seconds"):
             self.lost_after_s = float(answer["desired"]["lost_after_seconds"])
         self.reconciler.forget_reported(set(answer.get("accepted", [])))
-        fenced = set()
+        fenced, cancelled = set(), set()
         for rejected in answer.get("rejected", []):
             log.warning("control plane rejected the report on job %s: %s", rejected.get("job_id"), rejected.get("error"))
             if rejected.get("fence"):
                 fenced.add(int(rejected["job_id"]))
+            elif rejected.get("cancel"):
+                cancelled.add(int(rejected["job_id"]))
         if fenced:
             self.reconciler.fence(fenced, why="the control plane runs a newer generation elsewhere")
+        if cancelled:
+            self.reconciler.fence(cancelled, why="the job was cancelled", remove_store=True)
         self.desired_jobs = answer["desired"]["jobs"]
         self.reconciler.reconcile(self.desired_jobs)
 

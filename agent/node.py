@@ -156,12 +156,13 @@ def prune_older_generations(store, checkpoint_uri):
     return removed
 
 
-def remove_finished_store(store, job_id):
-    """Removes the checkpoint store of a job that finished (its folder `job-<id>` with every
-    generation, or `store` itself when it has no generation folders); returns what it removed.
+def remove_job_store(store, job_id):
+    """Removes the checkpoint store of a job that finished or was cancelled (its folder
+    `job-<id>` with every generation, or `store` itself when it has no generation folders);
+    returns what it removed.
 
-    A finished job's checkpoints can no longer be resumed from (its result is what the script
-    wrote), and CRIU images hold whole processes: a small job leaves about a gigabyte."""
+    Such a job is never resumed (a finished job's result is what the script wrote), and CRIU
+    images hold whole processes: a small job leaves about a gigabyte."""
     import shutil
 
     store = pathlib.Path(store).absolute()
@@ -170,7 +171,7 @@ def remove_finished_store(store, job_id):
     if not target.exists():
         return None
     shutil.rmtree(target, ignore_errors=True)
-    log.info("job %s finished: removed its checkpoint store %s", job_id, target)
+    log.info("job %s: removed its checkpoint store %s", job_id, target)
     return target
 
 
@@ -321,7 +322,7 @@ class NodeReconciler:
                     del self.jobs[job_id]
                     self.pruned.pop(job_id, None)
                     if job.reported_state == "finished" and job.store and not self.keep_finished_checkpoints:
-                        threading.Thread(target=remove_finished_store, args=(job.store, job_id), daemon=True,
+                        threading.Thread(target=remove_job_store, args=(job.store, job_id), daemon=True,
                                          name=f"job{job_id}-remove-store").start()
 
     # --- reconcile ------------------------------------------------------------------------------
@@ -382,20 +383,25 @@ class NodeReconciler:
 
         threading.Thread(target=run, daemon=True, name=f"job{job_id}-prune").start()
 
-    def fence(self, job_ids=None, *, why=""):
+    def fence(self, job_ids=None, *, why="", remove_store=False):
         """Kills the copies of `job_ids` (all when None) without a checkpoint and forgets them;
         returns the job ids killed. For a copy the control plane has replaced (its report was
         rejected with "fence"), or every copy when this node could not heartbeat for longer than
-        the lost-node threshold (it has been restarted elsewhere from its last checkpoint)."""
+        the lost-node threshold (it has been restarted elsewhere from its last checkpoint); with
+        `remove_store`, for a cancelled job, whose checkpoint store goes too."""
         killed = []
         with self.lock:
             for job_id in list(self.jobs):
                 if job_ids is not None and job_id not in job_ids:
                     continue
                 job = self.jobs.pop(job_id)
+                self.pruned.pop(job_id, None)
                 if job.alive():
                     self._kill(job)
                     killed.append(job_id)
+                if remove_store and job.store:
+                    threading.Thread(target=remove_job_store, args=(job.store, job_id), daemon=True,
+                                     name=f"job{job_id}-remove-store").start()
                 try:
                     (job.job_dir / "fenced").write_text(why or "fenced")
                 except OSError:

@@ -139,7 +139,8 @@ def node_report_apply(*, node, report, now=None):
     A node may report only on jobs placed on it, or whose active move takes them off it (or a
     final "stopped" of a job just moved off it); other job ids are rejected (listed) and change
     nothing. A report naming a generation other than the job's current one (or, during a move,
-    the old copy's) is rejected with "fence": true. A finished report of a job still in the
+    the old copy's) is rejected with "fence": true; a running copy of a cancelled job with
+    "cancel": true (the agent kills it without a checkpoint and removes its store). A finished report of a job still in the
     middle of a migration is deferred (neither accepted nor rejected: the agent reports it again).
     Idempotent: a repeated report is a no-op.
     """
@@ -186,6 +187,10 @@ def node_report_apply(*, node, report, now=None):
                 job.state in (S.PREEMPTING, S.MIGRATING, S.PREEMPTED, S.CANCELLED, S.PENDING, S.RUNNING,
                               S.SCHEDULED) and entry.get("state") == "stopped"))
             if not (here or leaving):
+                if job.state == S.CANCELLED and entry.get("state") in ("starting", "running"):
+                    rejected.append({"job_id": job.pk, "cancel": True,
+                                     "error": "the job was cancelled; kill it without a checkpoint"})
+                    continue
                 rejected.append({"job_id": job.pk, "error": "this job is not placed on your node"})
                 continue
             current = here and generation == job.generation

@@ -129,3 +129,28 @@ def test_a_report_of_a_stale_generation_is_rejected_with_fence_and_changes_nothi
     job.refresh_from_db()
     assert answer["accepted"] == [] and answer["rejected"][0]["fence"] is True
     assert job.state == Job.State.SCHEDULED and job.progress_step == 0 and job.last_checkpoint_step is None
+
+
+@pytest.mark.django_db
+def test_a_running_copy_of_a_cancelled_job_is_rejected_with_cancel_and_its_stop_accepted(alice, team_a, job_spec):
+    from jobs.services import job_cancel
+
+    owner = register("n1", devices=[{"type": "CPU"}]).json()
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1, tier="basic"))
+    tick_run()
+    node = as_node(owner["token"])
+    node.post("/api/agent/heartbeat/", {"jobs": [{"job_id": job.pk, "generation": 1, "state": "running", "step": 5,
+                                                   "devices": 1}]}, format="json")
+    job_cancel(job=Job.objects.get(pk=job.pk), by=alice)
+
+    answer = node.post("/api/agent/heartbeat/", {"jobs": [
+        {"job_id": job.pk, "generation": 1, "state": "running", "step": 9, "devices": 1}]}, format="json").json()
+
+    assert answer["accepted"] == [] and answer["rejected"][0]["cancel"] is True
+    assert "cancelled" in answer["rejected"][0]["error"] and answer["desired"]["jobs"] == []
+    job.refresh_from_db()
+    assert job.state == Job.State.CANCELLED and job.progress_step == 5
+    # An agent that had stopped it already reports the stop: accepted, nothing to kill.
+    stopped = node.post("/api/agent/heartbeat/", {"jobs": [
+        {"job_id": job.pk, "generation": 1, "state": "stopped", "step": 9, "devices": 1}]}, format="json").json()
+    assert stopped["accepted"] == [job.pk] and stopped["rejected"] == []

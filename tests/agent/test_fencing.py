@@ -152,3 +152,23 @@ def test_the_reconciler_prunes_older_generations_of_a_job_it_runs():
             assert sorted(p.name for p in job.iterdir()) == ["g2", "g3"]
         finally:
             node.kill_all()
+
+
+def test_a_cancelled_copy_is_killed_without_a_checkpoint_and_its_store_removed():
+    with tempfile.TemporaryDirectory(prefix="fen-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        store = tmp / "store" / "job-9" / "g1"
+        node = NodeReconciler(tmp / "w", engine="framework", checkpoint_every_s=0.5, workload_root=ROOT)
+        try:
+            node.reconcile([entry(store, generation=1)])
+            copy = node.jobs[9]
+            poll("a periodic checkpoint", lambda: node.reconcile([entry(store, generation=1)]) or list(
+                store.glob("ckpt-*")))
+
+            assert node.fence({9}, why="the job was cancelled", remove_store=True) == [9]
+
+            assert not pid_alive(copy.pid) and node.observed() == []
+            poll("the store to go", lambda: not (tmp / "store" / "job-9").exists())
+            assert (copy.job_dir / "fenced").read_text() == "the job was cancelled"
+        finally:
+            node.kill_all()

@@ -90,6 +90,27 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identic
     assert "jobs.tasks.move_step" in worker_log and "jobs.tasks.move_advance" in worker_log
 
 
+def test_cancelling_a_running_job_kills_its_ranks_without_a_checkpoint_and_removes_its_store(stack):
+    plane = stack()
+    plane.start_agent("n1", devices=1)
+    job = plane.submit(name="to-cancel", tier="basic", epochs=40, step_sleep=0.1)
+    poll("a checkpoint", lambda: plane.job(job)["last_checkpoint_step"], timeout=180,
+         on_timeout=lambda: plane.diagnose(job))
+    store = plane.dir / "store" / f"job-{job}"
+    assert list(store.glob("g*/ckpt-*"))
+
+    assert plane.api("POST", f"jobs/{job}/cancel/").status_code == 200
+
+    assert plane.wait_state(job, "cancelled")["state"] == "cancelled"
+    job_dirs = list((plane.agents["n1"][1] / "j").glob(f"{job}.*"))
+    poll("the copy to be killed", lambda: all((d / "fenced").exists() for d in job_dirs), timeout=60,
+         on_timeout=lambda: plane.diagnose(job))
+    poll("its store to go", lambda: not store.exists(), timeout=60, on_timeout=lambda: plane.diagnose(job))
+    assert not runtime_events(plane, "n1", "stopped", "step")  # killed, not stopped at a cut
+    launched = [json.loads((d / "launcher.json").read_text())["pid"] for d in job_dirs]
+    assert launched and not any(pid_alive(pid) for pid in launched)
+
+
 def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(stack):
     # The standard job first waits behind a premium one, so its attained fraction of ideal
     # device-time stays well below a 0.99 floor while it runs: preempting it needs approval.
