@@ -559,6 +559,10 @@ class Launcher:
             if source.exists():
                 shutil.copyfile(source, logs / f"rank{rank}.log")
         self.write_progress()
+        if self._spool_lock is not None:
+            # Ours, and nothing in it is needed any more (the ranks are gone, their logs copied,
+            # a CRIU image carries its own): the spool root is often a tmpfs (/run/meridian).
+            shutil.rmtree(self.spool, ignore_errors=True)
         # Drain commands that arrived while we were finishing, so no client hangs.
         while True:
             try:
