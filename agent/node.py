@@ -33,6 +33,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -92,7 +93,6 @@ def seed_store(store, checkpoint_uri):
     either store only unlinks its own names), or copied across filesystems; the folder appears
     under its final name at once (rename), as the store's own commits do.
     """
-    import shutil
     import uuid
 
     from runtime.store import CHECKPOINT_DIR_PATTERN, MANIFEST_NAME, path_from_uri
@@ -134,8 +134,6 @@ def prune_older_generations(store, checkpoint_uri):
     and fails its commit, as it should. A URI outside this job's generation folders (a store
     without generations) removes nothing.
     """
-    import shutil
-
     from runtime.store import path_from_uri
 
     store = pathlib.Path(store).absolute()
@@ -163,8 +161,6 @@ def remove_job_store(store, job_id):
 
     Such a job is never resumed (a finished job's result is what the script wrote), and CRIU
     images hold whole processes: a small job leaves about a gigabyte."""
-    import shutil
-
     store = pathlib.Path(store).absolute()
     target = store.parent if (GENERATION_DIR.fullmatch(store.name)
                               and store.parent.name == f"job-{int(job_id)}") else store
@@ -321,9 +317,8 @@ class NodeReconciler:
                 if job_id in accepted_ids and job.reported_state in TERMINAL_EVENTS and job.busy is None:
                     del self.jobs[job_id]
                     self.pruned.pop(job_id, None)
-                    if job.reported_state == "finished" and job.store and not self.keep_finished_checkpoints:
-                        threading.Thread(target=remove_job_store, args=(job.store, job_id), daemon=True,
-                                         name=f"job{job_id}-remove-store").start()
+                    if job.reported_state == "finished" and not self.keep_finished_checkpoints:
+                        self._remove_store_soon(job)
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
@@ -383,6 +378,13 @@ class NodeReconciler:
 
         threading.Thread(target=run, daemon=True, name=f"job{job_id}-prune").start()
 
+    @staticmethod
+    def _remove_store_soon(job):
+        """remove_job_store in a thread (a large store takes a while to delete)."""
+        if job.store:
+            threading.Thread(target=remove_job_store, args=(job.store, job.job_id), daemon=True,
+                             name=f"job{job.job_id}-remove-store").start()
+
     def fence(self, job_ids=None, *, why="", remove_store=False):
         """Kills the copies of `job_ids` (all when None) without a checkpoint and forgets them;
         returns the job ids killed. For a copy the control plane has replaced (its report was
@@ -399,9 +401,8 @@ class NodeReconciler:
                 if job.alive():
                     self._kill(job)
                     killed.append(job_id)
-                if remove_store and job.store:
-                    threading.Thread(target=remove_job_store, args=(job.store, job_id), daemon=True,
-                                     name=f"job{job_id}-remove-store").start()
+                if remove_store:
+                    self._remove_store_soon(job)
                 try:
                     (job.job_dir / "fenced").write_text(why or "fenced")
                 except OSError:
