@@ -140,8 +140,9 @@ def node_report_apply(*, node, report, now=None):
     final "stopped" of a job just moved off it); other job ids are rejected (listed) and change
     nothing. A report naming a generation other than the job's current one (or, during a move,
     the old copy's) is rejected with "fence": true; a running copy of a cancelled job with
-    "cancel": true (the agent kills it without a checkpoint and removes its store). A finished report of a job still in the
-    middle of a migration is deferred (neither accepted nor rejected: the agent reports it again).
+    "cancel": true (the agent kills it without a checkpoint and removes its store). A finished
+    report of a job still in the middle of a migration is deferred (neither accepted nor
+    rejected: the agent reports it again).
     Idempotent: a repeated report is a no-op.
     """
     now = now or timezone.now()

@@ -329,8 +329,7 @@ class Launcher:
                 action, at_step=at_step, timeout_s=timeout_s, staging_dir=str(staging))
             cut_s = time.monotonic() - began
             if errors:
-                if self.engine == "criu":
-                    self.resume_ranks(request["id"])
+                self.abandon_cut(request["id"])
                 raise LaunchError(f"{action} refused at step {step}: "
                                   + "; ".join(f"rank {k}: {v.get('error') or v}" for k, v in errors.items()))
             dump_began = time.monotonic()
