@@ -3,7 +3,7 @@
     meridian-agent --control-plane URL (--enroll-token T | --token NODE_TOKEN)
                    [--devices auto|cpu:N] [--hostname H] [--region R] [--cluster C] [--rack K]
                    [--work-dir DIR] [--engine auto|criu|framework] [--checkpoint-every S]
-                   [--keep-finished-checkpoints]
+                   [--keep-finished-checkpoints] [--job-dir-retention-days D]
     meridian-agent --control-plane URL --enroll-token T --hollow N [--devices cpu:8 | --hollow-type H100-80GB]
 
 --enroll-token registers the node (hostname, devices) and stores the node token it gets in
@@ -68,6 +68,8 @@ def parse_args(argv):
     p.add_argument("--keep-finished-checkpoints", action="store_true",
                    help="keep a finished job's checkpoint store (default: removed once the control plane "
                         "has the outcome; its result is what the script wrote)")
+    p.add_argument("--job-dir-retention-days", type=float, default=7.0,
+                   help="remove the job directories (logs, events) of attempts that ended this long ago")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
     p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
@@ -180,8 +182,12 @@ class Agent:
         self.start()
         threading.Thread(target=self.watch_fence, daemon=True, name="self-fence").start()
         failures = 0
+        collected_at = None
         while not self.stop_event.is_set():
             began = time.monotonic()
+            if collected_at is None or began - collected_at > 3600:
+                collected_at = began
+                self.reconciler.collect_old_job_dirs(older_than_s=self.options.job_dir_retention_days * 86400)
             try:
                 self.beat()
                 failures = 0

@@ -171,6 +171,13 @@ def remove_job_store(store, job_id):
     return target
 
 
+def next_attempt(jobs_dir, job_id):
+    """Returns the number of job `job_id`'s next attempt on this node: one past the highest of
+    its job directories <jobs_dir>/<job_id>.<attempt> (old ones may have been collected)."""
+    attempts = [int(p.suffix[1:]) for p in pathlib.Path(jobs_dir).glob(f"{int(job_id)}.*") if p.suffix[1:].isdigit()]
+    return 1 + max(attempts, default=0)
+
+
 class LocalJob:
     """One launcher this agent started or adopted."""
 
@@ -294,6 +301,31 @@ class NodeReconciler:
                                          world_size=meta.get("world_size", 0), generation=meta.get("generation"),
                                          store=meta.get("store"))
             log.info("re-adopted job %s (pid %s) in %s", job_id, info["pid"], job_dir)
+
+    def collect_old_job_dirs(self, *, older_than_s, now=None):
+        """Removes the job directories (launcher logs and events) of attempts this agent no
+        longer tracks, whose launcher is gone and that nothing touched for `older_than_s`;
+        returns their paths."""
+        now = time.time() if now is None else now
+        removed = []
+        with self.lock:
+            tracked = {job.job_dir for job in self.jobs.values()}
+            for job_dir in sorted(self.jobs_dir.iterdir()):
+                if job_dir in tracked or not job_dir.is_dir() or job_dir.is_symlink():
+                    continue
+                info = read_json(job_dir / "launcher.json") or read_json(job_dir / "agent.json") or {}
+                if pid_alive(info.get("pid")):
+                    continue
+                try:
+                    touched = max(p.stat().st_mtime for p in [job_dir, *job_dir.iterdir()])
+                except OSError:
+                    continue
+                if now - touched > older_than_s:
+                    shutil.rmtree(job_dir, ignore_errors=True)
+                    removed.append(job_dir)
+        if removed:
+            log.info("removed %d job directories untouched for more than %.0f s", len(removed), older_than_s)
+        return removed
 
     # --- observation ---------------------------------------------------------------------------
     def observed(self):
@@ -456,7 +488,7 @@ class NodeReconciler:
                           store, exc)
                 return
         resume = any(p.name.startswith("ckpt-") and (p / "MANIFEST.json").exists() for p in store.iterdir())
-        attempt = 1 + sum(1 for p in self.jobs_dir.glob(f"{job_id}.*"))
+        attempt = next_attempt(self.jobs_dir, job_id)
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
         generation = entry.get("generation")

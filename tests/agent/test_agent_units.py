@@ -1,4 +1,4 @@
-"""The agent's own logic, without Django: backoff, device specs, the hollow job model."""
+"""The agent's own logic, without Django: backoff, device specs, the hollow job model, job-dir collection."""
 import random
 
 import pytest
@@ -42,3 +42,31 @@ def test_hollow_jobs_resume_at_their_checkpoint_and_know_their_length():
     job = HollowJob(entry, now=0.0)
     assert job.step == 40 and job.total_steps == 100
     assert total_steps_of({"args": ["--epochs", "3"]}) is None
+
+
+def test_old_job_directories_are_collected_and_attempt_numbers_never_reused(tmp_path):
+    import json
+    import os
+
+    from agent.node import NodeReconciler, next_attempt
+
+    node = NodeReconciler(tmp_path / "w")
+    jobs_dir = tmp_path / "w" / "j"
+    week_ago = 1_000_000.0
+
+    def job_dir(name, *, pid, touched):
+        path = jobs_dir / name
+        (path / "logs").mkdir(parents=True)
+        (path / "launcher.json").write_text(json.dumps({"pid": pid}))
+        for entry in [path / "logs", path / "launcher.json", path]:
+            os.utime(entry, (touched, touched))
+        return path
+
+    dead = job_dir("3.1", pid=2**22 + 7, touched=week_ago)          # ended long ago: collected
+    recent = job_dir("3.2", pid=2**22 + 7, touched=week_ago + 9000)  # ended 30 min ago: kept
+    running = job_dir("4.1", pid=os.getpid(), touched=week_ago)     # its launcher lives: kept
+
+    assert node.collect_old_job_dirs(older_than_s=3600, now=week_ago + 3 * 3600) == [dead]
+
+    assert not dead.exists() and recent.exists() and running.exists()
+    assert next_attempt(jobs_dir, 3) == 3 and next_attempt(jobs_dir, 4) == 2 and next_attempt(jobs_dir, 5) == 1
