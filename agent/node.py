@@ -171,11 +171,31 @@ def remove_job_store(store, job_id):
     return target
 
 
+def _in_background(name, function, *args):
+    """Runs function(*args) in a daemon thread, logging what it could not do (deleting a large
+    store takes a while: never on the heartbeat's thread)."""
+    def run():
+        try:
+            function(*args)
+        except (OSError, ValueError) as exc:
+            log.warning("%s: %s", name, exc)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+
+
 def next_attempt(jobs_dir, job_id):
     """Returns the number of job `job_id`'s next attempt on this node: one past the highest of
     its job directories <jobs_dir>/<job_id>.<attempt> (old ones may have been collected)."""
     attempts = [int(p.suffix[1:]) for p in pathlib.Path(jobs_dir).glob(f"{int(job_id)}.*") if p.suffix[1:].isdigit()]
     return 1 + max(attempts, default=0)
+
+
+def launcher_pid(job_dir):
+    """Returns the pid of the launcher that ran in `job_dir` (launcher.json, or agent.json
+    before the launcher wrote its own), or None."""
+    job_dir = pathlib.Path(job_dir)
+    info = read_json(job_dir / "launcher.json") or read_json(job_dir / "agent.json") or {}
+    return info.get("pid")
 
 
 class LocalJob:
@@ -185,7 +205,7 @@ class LocalJob:
                  store=None):
         self.job_id = int(job_id)
         self.generation = generation
-        self.store = store  # its checkpoint store folder (a path), when known
+        self.store = pathlib.Path(store) if store else None  # its checkpoint store folder, when known
         self.job_dir = pathlib.Path(job_dir)
         self.popen = popen
         self.pid = pid or (popen.pid if popen else None)
@@ -292,15 +312,15 @@ class NodeReconciler:
     def adopt(self):
         """Re-adopts launchers still running in job dirs (after an agent restart)."""
         for job_dir in sorted(self.jobs_dir.iterdir()):
-            info = read_json(job_dir / "launcher.json") or read_json(job_dir / "agent.json")
-            meta = read_json(job_dir / "agent.json") or {}
-            if not info or not pid_alive(info.get("pid")):
+            pid = launcher_pid(job_dir)
+            if not pid_alive(pid):
                 continue
+            meta = read_json(job_dir / "agent.json") or {}
             job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
-            self.jobs[job_id] = LocalJob(job_id, job_dir, pid=info["pid"], devices=meta.get("devices", 0),
+            self.jobs[job_id] = LocalJob(job_id, job_dir, pid=pid, devices=meta.get("devices", 0),
                                          world_size=meta.get("world_size", 0), generation=meta.get("generation"),
                                          store=meta.get("store"))
-            log.info("re-adopted job %s (pid %s) in %s", job_id, info["pid"], job_dir)
+            log.info("re-adopted job %s (pid %s) in %s", job_id, pid, job_dir)
 
     def collect_old_job_dirs(self, *, older_than_s, now=None):
         """Removes the job directories (launcher logs and events) of attempts this agent no
@@ -313,8 +333,7 @@ class NodeReconciler:
             for job_dir in sorted(self.jobs_dir.iterdir()):
                 if job_dir in tracked or not job_dir.is_dir() or job_dir.is_symlink():
                     continue
-                info = read_json(job_dir / "launcher.json") or read_json(job_dir / "agent.json") or {}
-                if pid_alive(info.get("pid")):
+                if pid_alive(launcher_pid(job_dir)):
                     continue
                 try:
                     touched = max(p.stat().st_mtime for p in [job_dir, *job_dir.iterdir()])
@@ -401,21 +420,12 @@ class NodeReconciler:
         if not accepted or not entry.get("store") or self.pruned.get(job_id) == accepted:
             return
         self.pruned[job_id] = accepted
-
-        def run():
-            try:
-                prune_older_generations(entry["store"], accepted)
-            except (OSError, ValueError) as exc:
-                log.warning("job %s: cannot prune older store generations: %s", job_id, exc)
-
-        threading.Thread(target=run, daemon=True, name=f"job{job_id}-prune").start()
+        _in_background(f"job{job_id}-prune", prune_older_generations, entry["store"], accepted)
 
     @staticmethod
     def _remove_store_soon(job):
-        """remove_job_store in a thread (a large store takes a while to delete)."""
         if job.store:
-            threading.Thread(target=remove_job_store, args=(job.store, job.job_id), daemon=True,
-                             name=f"job{job.job_id}-remove-store").start()
+            _in_background(f"job{job.job_id}-remove-store", remove_job_store, job.store, job.job_id)
 
     def fence(self, job_ids=None, *, why="", remove_store=False):
         """Kills the copies of `job_ids` (all when None) without a checkpoint and forgets them;
