@@ -54,3 +54,15 @@ def test_django_apps_import_only_down_the_arrows(package):
         if module in APP_FORBIDDEN[package]
     ]
     assert offenders == []
+
+
+def test_the_wire_protocol_imports_only_the_standard_library():
+    """Every side imports `protocol`, so it may depend on nothing but Python itself."""
+    import sys
+    offenders = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for path in sorted((ROOT / "protocol").rglob("*.py"))
+        for module, lineno in _imported_top_level_modules(path)
+        if module not in sys.stdlib_module_names and module != "protocol"
+    ]
+    assert offenders == []

@@ -1,0 +1,201 @@
+"""The base of every wire message: a frozen dataclass that encodes itself and checks what it decodes.
+
+A message type is declared once, with its fields' types and bounds:
+
+    @dataclass(frozen=True)
+    class Progress(Message):
+        step: int = bounded(minimum=0)
+        devices: int = bounded(minimum=1, maximum=4096)
+        engine: str | None = None
+
+`Progress.from_dict(obj)` returns a Progress or raises `ProtocolError("step", "...")` for the
+first field that is missing, of the wrong type or out of bounds. Supported field types: int,
+float, str, bool, `X | None`, `tuple[X, ...]`, `dict[str, X]`, `Literal[...]`, another Message,
+and `Any` (passed through untouched: for payloads another layer validates). Unknown keys are
+ignored, so an older receiver accepts a newer sender's additions; a message whose "v" is newer
+than this module's `PROTOCOL_VERSION` is refused by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+PROTOCOL_VERSION = 1
+VERSION_KEY = "v"
+
+M = TypeVar("M", bound="Message")
+
+
+class ProtocolError(ValueError):
+    """A received message does not have its type's shape. `field` is a dotted path ("jobs.2.step")."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}" if field else problem)
+        self.field = field
+        self.problem = problem
+
+
+def bounded(*, default: Any = dataclasses.MISSING, minimum: float | None = None,
+            maximum: float | None = None, max_length: int | None = None) -> Any:
+    """Returns a dataclass field whose value (a number, or a str/tuple/dict's length) is bounded."""
+    metadata = {"minimum": minimum, "maximum": maximum, "max_length": max_length}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple or None as a message field's default")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class Message:
+    """Base class of the wire messages; subclasses are `@dataclass(frozen=True)`."""
+
+    _hints: ClassVar[dict[type, dict[str, Any]]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the JSON-ready dict for the wire, with the protocol version under "v"."""
+        return {VERSION_KEY: PROTOCOL_VERSION, **_encode_fields(self)}
+
+    @classmethod
+    def from_dict(cls: type[M], obj: Any, *, path: str = "") -> M:
+        """Returns the message `obj` encodes; raises ProtocolError naming the first bad field."""
+        if not isinstance(obj, dict):
+            raise ProtocolError(path, f"must be a JSON object ({cls.__name__}), not {_kind(obj)}")
+        version = obj.get(VERSION_KEY, PROTOCOL_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ProtocolError(_join(path, VERSION_KEY), "must be a positive integer protocol version")
+        if version > PROTOCOL_VERSION:
+            raise ProtocolError(_join(path, VERSION_KEY),
+                                f"protocol version {version} is newer than this side's {PROTOCOL_VERSION}; "
+                                "upgrade this side first")
+        values = {}
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            name = _join(path, field.name)
+            if field.name not in obj or (obj[field.name] is None and _optional(_hints(cls)[field.name])):
+                if field.default is not dataclasses.MISSING:
+                    values[field.name] = field.default
+                    continue
+                if field.default_factory is not dataclasses.MISSING:
+                    values[field.name] = field.default_factory()
+                    continue
+                if field.name not in obj:
+                    raise ProtocolError(name, "is required")
+            value = _decode(_hints(cls)[field.name], obj[field.name], name)
+            _check_bounds(field, value, name)
+            values[field.name] = value
+        return cls(**values)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = Message._hints.get(cls)
+    if hints is None:
+        hints = Message._hints[cls] = get_type_hints(cls)
+    return hints
+
+
+def _encode_fields(message: Message) -> dict[str, Any]:
+    return {field.name: _encode(getattr(message, field.name))
+            for field in dataclasses.fields(message)}  # type: ignore[arg-type]
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Message):
+        return _encode_fields(value)
+    if isinstance(value, tuple):
+        return [_encode(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _encode(item) for key, item in value.items()}
+    return value
+
+
+def _optional(hint: Any) -> bool:
+    return _is_union(hint) and type(None) in get_args(hint)
+
+
+def _is_union(hint: Any) -> bool:
+    return get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _decode(hint: Any, value: Any, path: str) -> Any:
+    if hint is Any:
+        return value
+    if _is_union(hint):
+        options = [option for option in get_args(hint) if option is not type(None)]
+        if value is None:
+            if type(None) in get_args(hint):
+                return None
+            raise ProtocolError(path, "must not be null")
+        if len(options) == 1:
+            return _decode(options[0], value, path)
+        errors = []
+        for option in options:
+            try:
+                return _decode(option, value, path)
+            except ProtocolError as exc:
+                errors.append(exc.problem)
+        raise ProtocolError(path, " or ".join(errors))
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint) or isinstance(value, bool):
+            raise ProtocolError(path, f"must be one of {', '.join(map(repr, get_args(hint)))}, not {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(path, f"must be a list, not {_kind(value)}")
+        args = get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], item, f"{path}.{i}") for i, item in enumerate(value))
+        if len(value) != len(args):
+            raise ProtocolError(path, f"must be a list of {len(args)} items, not {len(value)}")
+        return tuple(_decode(arg, item, f"{path}.{i}") for i, (arg, item) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(path, f"must be a JSON object, not {_kind(value)}")
+        key_hint, value_hint = get_args(hint)
+        return {_decode(key_hint, key, f"{path}.{key}"): _decode(value_hint, item, f"{path}.{key}")
+                for key, item in value.items()}
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return hint.from_dict(value, path=path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(path, f"must be true or false, not {_kind(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(path, f"must be an integer, not {_kind(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(path, f"must be a number, not {_kind(value)}")
+        if not math.isfinite(value):
+            raise ProtocolError(path, "must be a finite number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ProtocolError(path, f"must be a string, not {_kind(value)}")
+        return value
+    raise TypeError(f"{path}: a message field of type {hint!r} is not supported")
+
+
+def _check_bounds(field: dataclasses.Field, value: Any, path: str) -> None:
+    if value is None:
+        return
+    minimum, maximum = field.metadata.get("minimum"), field.metadata.get("maximum")
+    if minimum is not None and value < minimum:
+        raise ProtocolError(path, f"must be at least {minimum}, not {value}")
+    if maximum is not None and value > maximum:
+        raise ProtocolError(path, f"must be at most {maximum}, not {value}")
+    max_length = field.metadata.get("max_length")
+    if max_length is not None and len(value) > max_length:
+        raise ProtocolError(path, f"must have at most {max_length} items or characters, not {len(value)}")
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
