@@ -127,3 +127,30 @@ def redis_url(tmp_path_factory):
     import shutil
 
     shutil.rmtree(directory, ignore_errors=True)
+
+
+# CI's second pass runs the suite again against the machine's PostgreSQL and Redis. Only tests
+# that reach a database or the channel layer can tell the two apart; the rest (the pure core,
+# the protocol, the runtime, the agent's units) already ran in the first pass and are left out.
+# The e2e stacks use their own SQLite files whatever DATABASE_URL says, and the browser tests
+# draw pages the page tests already render on PostgreSQL: both run once, in the first pass.
+DATABASE_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "live_server", "django_db_serialized_rollback"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--database-tests-only", action="store_true",
+                     help="run only the tests that use the database (CI's PostgreSQL + Redis pass)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--database-tests-only"):
+        return
+    kept, left_out = [], []
+    for item in items:
+        uses_database = item.get_closest_marker("django_db") is not None or \
+            DATABASE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        runs_own_stack = any(item.get_closest_marker(name) for name in ("e2e", "browser", "runtime"))
+        (kept if uses_database and not runs_own_stack else left_out).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
