@@ -122,7 +122,7 @@ def bench_case(tracker, layers, repeats, workdir):
     restore_ours, restore_base, restore_load, restore_best = interleaved_medians(
         ours_restore, baseline_restore, repeats)
     fresh_dir()
-    del model, optimizer
+    model = optimizer = None  # frees them (the closures above are done with them)
     gc.collect()
     return {"model": f"{params_mb:,.0f} MB + AdamW", "size_ours": size_ours,
             "size_base": size_base, "save_ours": save_ours, "save_base": save_base,
