@@ -21,6 +21,7 @@ from django.utils import timezone
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+from protocol.layout import device_counts_allowed, layout_fits
 
 S = Job.State
 
@@ -262,8 +263,8 @@ def job_spec_clean(spec):
     if min_devices is not None and world_size is not None:
         if not 1 <= min_devices <= world_size:
             errors["min_devices"] = f"min_devices must be between 1 and world_size ({world_size}), got {min_devices}"
-        elif world_size % min_devices:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        elif not layout_fits(world_size, min_devices):
+            divisors = device_counts_allowed(world_size)
             shown = ", ".join(map(str, divisors[:20])) + (", ..." if len(divisors) > 20 else "")
             errors["min_devices"] = (
                 f"min_devices must divide world_size {world_size} (ranks are spread evenly over "

@@ -23,6 +23,8 @@ from typing import Iterable
 
 import numpy as np
 
+from protocol.layout import device_counts_allowed
+
 # --- SLA tiers: a lower number is served first -------------------------------------------
 PREMIUM = 0  # >= 95% of ideal device-time; never preempted or shrunk without an approval
 STANDARD = 1  # >= 70%; may be shrunk or preempted while its attained fraction stays >= floor
@@ -260,12 +262,12 @@ class Jobs:
 def allowed_counts(world_size: int, min_devices: int) -> tuple[int, ...]:
     """Returns the divisors of world_size that are >= min_devices, largest first.
 
-    W ranks on d devices need d | W so every device runs the same number of ranks.
-    min_devices <= 0 means rigid (only W).
+    W ranks on d devices need d | W so every device runs the same number of ranks (the rule
+    lives in protocol.layout). min_devices <= 0 means rigid (only W).
     """
     if min_devices <= 0:
         min_devices = world_size
-    return tuple(d for d in range(world_size, 0, -1) if world_size % d == 0 and d >= min_devices)
+    return device_counts_allowed(world_size, at_least=min_devices)[::-1]
 
 
 @dataclass(frozen=True, eq=False)
