@@ -21,6 +21,7 @@ from django.utils import timezone
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
 
 S = Job.State
@@ -93,14 +94,11 @@ def user_team_role(*, user, team_id):
     )
 
 
-def user_can_approve_preemptions(*, user, team_id):
-    """True for capacity managers and admins of the team, and for global admins."""
+def user_can_approve_preemptions(*, user, team_id) -> bool:
+    """True for capacity managers and admins of the team, and for global admins (approver_team_ids)."""
     if user_is_global_admin(user):
-        return True
-    return user_team_role(user=user, team_id=team_id) in {
-        Membership.Role.CAPACITY_MANAGER,
-        Membership.Role.ADMIN,
-    }
+        return True  # without a query: every team is theirs
+    return team_id in approver_team_ids(user=user)
 
 
 def user_can_see_team(*, user, team_id):
