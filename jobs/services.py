@@ -226,7 +226,7 @@ def _int_field(spec, field, errors, *, default=None):
     return value
 
 
-def job_spec_clean(spec):
+def job_spec_clean(spec: object) -> dict:
     """Returns a cleaned copy of a job spec dict; raises ValidationError naming every bad field.
 
     Fields: name, tier (premium|standard|basic), accelerator_type (fleet registry),

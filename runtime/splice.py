@@ -13,12 +13,13 @@ in rank order and every rank runs with one intra-op thread (rank.py fixes it).
 import fcntl
 import os
 import pathlib
+from collections.abc import Iterable
 
 from protocol.layout import layout_check, rank_devices
 from runtime import spool as spool_files
 
 
-def device_map(*, world_size, devices, cores=None):
+def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = None) -> dict[str, dict]:
     """Returns the rank -> device and device -> cores map for W ranks on `devices` devices.
 
     Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). Cores
