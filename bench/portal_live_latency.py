@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "browser"))
+sys.path.insert(0, str(REPO / "tests"))  # browser_harness polls with tests/polling.py
 
 # The cycle a job page watches: every arrow is legal in jobs.services.TRANSITIONS.
 CYCLE = ["running", "preempting", "preempted", "scheduled", "running", "migrating", "running", "resizing"]

@@ -13,12 +13,13 @@ from rest_framework.views import APIView
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
 from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Team, Tier
 from jobs.selectors import (
+    approver_team_ids,
     job_event_list,
     job_get_visible,
+    job_get_visible_or_404,
     job_list_visible,
     preemption_get_visible,
     preemption_list_visible,
-    team_ids_for_user,
     team_list_for_user,
     team_usage_many,
 )
@@ -27,8 +28,6 @@ from jobs.services import (
     job_submit,
     preemption_approve,
     preemption_deny,
-    user_can_approve_preemptions,
-    user_is_global_admin,
 )
 from fleet.pagination import MeridianPagination, paginate
 
@@ -135,20 +134,13 @@ class JobListApi(APIView):
 class JobDetailApi(APIView):
     @extend_schema(responses={200: JobOutputSerializer}, summary="Get a job")
     def get(self, request, job_id):
-        return Response(JobOutputSerializer(_visible_job(request, job_id)).data)
-
-
-def _visible_job(request, job_id):
-    job = job_get_visible(user=request.user, job_id=job_id)
-    if job is None:
-        raise NotFound(f"no job {job_id} among your teams' jobs")
-    return job
+        return Response(JobOutputSerializer(job_get_visible_or_404(user=request.user, job_id=job_id)).data)
 
 
 class JobCancelApi(APIView):
     @extend_schema(request=None, responses={200: JobOutputSerializer}, summary="Cancel a job")
     def post(self, request, job_id):
-        job = _visible_job(request, job_id)
+        job = job_get_visible_or_404(user=request.user, job_id=job_id)
         job_cancel(job=job, by=request.user)
         return Response(JobOutputSerializer(job_get_visible(user=request.user, job_id=job_id)).data)
 
@@ -164,7 +156,8 @@ class JobEventListApi(APIView):
 
     @extend_schema(responses={200: OutputSerializer(many=True)}, summary="A job's timeline, oldest first")
     def get(self, request, job_id):
-        return paginate(self, job_event_list(job=_visible_job(request, job_id)), self.OutputSerializer)
+        job = job_get_visible_or_404(user=request.user, job_id=job_id)
+        return paginate(self, job_event_list(job=job), self.OutputSerializer)
 
 
 class TeamListApi(APIView):
@@ -222,16 +215,6 @@ class PreemptionOutputSerializer(serializers.ModelSerializer):
         return request.state == PreemptionRequest.State.PENDING and request.job.team_id in self.context.get("approver_team_ids", ())
 
 
-def _approver_team_ids(user):
-    if user_is_global_admin(user):
-        return set(team_ids_for_user(user))
-    return set(
-        Membership.objects.filter(
-            user_id=user.pk, role__in=[Membership.Role.CAPACITY_MANAGER, Membership.Role.ADMIN]
-        ).values_list("team_id", flat=True)
-    )
-
-
 class PreemptionListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         state = serializers.ChoiceField(choices=PreemptionRequest.State.choices, required=False)
@@ -241,7 +224,8 @@ class PreemptionListApi(APIView):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
         requests = preemption_list_visible(user=request.user, state=filters.validated_data.get("state"))
-        return paginate(self, requests, PreemptionOutputSerializer, context={"approver_team_ids": _approver_team_ids(request.user)})
+        context = {"approver_team_ids": approver_team_ids(user=request.user)}
+        return paginate(self, requests, PreemptionOutputSerializer, context=context)
 
 
 class _PreemptionDecisionApi(APIView):
@@ -259,7 +243,7 @@ class _PreemptionDecisionApi(APIView):
         serializer.is_valid(raise_exception=True)
         type(self).decide(request=preemption, by=request.user, note=serializer.validated_data["note"])
         preemption = preemption_get_visible(user=request.user, request_id=request_id)
-        context = {"approver_team_ids": _approver_team_ids(request.user)}
+        context = {"approver_team_ids": approver_team_ids(user=request.user)}
         return Response(PreemptionOutputSerializer(preemption, context=context).data)
 
 

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
 from fleet.models import Accelerator
+from protocol.layout import device_counts_allowed
 
 
 class Tier(models.TextChoices):
@@ -169,9 +170,9 @@ class Job(models.Model):
             return None
         return self.attained_device_seconds / self.ideal_device_seconds
 
-    def allowed_device_counts(self):
-        """Returns the device counts the job can run on: divisors of W that are >= min_devices."""
-        return [d for d in range(self.min_devices, self.world_size + 1) if self.world_size % d == 0]
+    def allowed_device_counts(self) -> list[int]:
+        """Returns the device counts the job can run on, ascending: divisors of W that are >= min_devices."""
+        return list(device_counts_allowed(self.world_size, at_least=self.min_devices))
 
 
 class Replica(models.Model):

@@ -4,8 +4,12 @@ List selectors return QuerySets with the joins their callers need already chosen
 so an API page of N jobs costs a constant number of queries.
 """
 from django.db.models import Count, Sum
+from django.http import Http404
 
 from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Team
+
+# Who decides a team's preemption requests: its capacity managers and admins (and global admins).
+APPROVER_ROLES = (Membership.Role.CAPACITY_MANAGER, Membership.Role.ADMIN)
 
 
 def team_ids_for_user(user):
@@ -15,6 +19,18 @@ def team_ids_for_user(user):
     if user.is_superuser:
         return list(Team.objects.values_list("id", flat=True))
     return list(Membership.objects.filter(user_id=user.pk).values_list("team_id", flat=True))
+
+
+def approver_team_ids(*, user) -> set[int]:
+    """Returns the ids of the teams whose preemption requests `user` may decide: every team for a
+    global admin, those where the user is a capacity manager or admin otherwise, none when anonymous."""
+    if not (user and user.is_authenticated):
+        return set()
+    if user.is_superuser:
+        return set(team_ids_for_user(user))
+    return set(
+        Membership.objects.filter(user_id=user.pk, role__in=APPROVER_ROLES).values_list("team_id", flat=True)
+    )
 
 
 def team_list_for_user(*, user):
@@ -42,6 +58,15 @@ def job_list_visible(*, user, filters=None):
 def job_get_visible(*, user, job_id):
     """Returns the job if the user may see it, else None (callers answer 404, not 403)."""
     return job_list_visible(user=user).filter(pk=job_id).first()
+
+
+def job_get_visible_or_404(*, user, job_id) -> Job:
+    """Returns the job if the user may see it; raises Http404 naming it otherwise (an API view's
+    handler turns that into the same 404 body, so pages and the API answer alike)."""
+    job = job_get_visible(user=user, job_id=job_id)
+    if job is None:
+        raise Http404(f"no job {job_id} among your teams' jobs")
+    return job
 
 
 def job_event_list(*, job):

@@ -21,6 +21,8 @@ from django.utils import timezone
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+from jobs.selectors import approver_team_ids
+from protocol.layout import device_counts_allowed, layout_fits
 
 S = Job.State
 
@@ -92,14 +94,11 @@ def user_team_role(*, user, team_id):
     )
 
 
-def user_can_approve_preemptions(*, user, team_id):
-    """True for capacity managers and admins of the team, and for global admins."""
+def user_can_approve_preemptions(*, user, team_id) -> bool:
+    """True for capacity managers and admins of the team, and for global admins (approver_team_ids)."""
     if user_is_global_admin(user):
-        return True
-    return user_team_role(user=user, team_id=team_id) in {
-        Membership.Role.CAPACITY_MANAGER,
-        Membership.Role.ADMIN,
-    }
+        return True  # without a query: every team is theirs
+    return team_id in approver_team_ids(user=user)
 
 
 def user_can_see_team(*, user, team_id):
@@ -227,7 +226,7 @@ def _int_field(spec, field, errors, *, default=None):
     return value
 
 
-def job_spec_clean(spec):
+def job_spec_clean(spec: object) -> dict:
     """Returns a cleaned copy of a job spec dict; raises ValidationError naming every bad field.
 
     Fields: name, tier (premium|standard|basic), accelerator_type (fleet registry),
@@ -262,8 +261,8 @@ def job_spec_clean(spec):
     if min_devices is not None and world_size is not None:
         if not 1 <= min_devices <= world_size:
             errors["min_devices"] = f"min_devices must be between 1 and world_size ({world_size}), got {min_devices}"
-        elif world_size % min_devices:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        elif not layout_fits(world_size, min_devices):
+            divisors = device_counts_allowed(world_size)
             shown = ", ".join(map(str, divisors[:20])) + (", ..." if len(divisors) > 20 else "")
             errors["min_devices"] = (
                 f"min_devices must divide world_size {world_size} (ranks are spread evenly over "

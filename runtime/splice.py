@@ -13,32 +13,30 @@ in rank order and every rank runs with one intra-op thread (rank.py fixes it).
 import fcntl
 import os
 import pathlib
+from collections.abc import Iterable
 
+from protocol.layout import layout_check, rank_devices
 from runtime import spool as spool_files
 
 
-def device_map(*, world_size, devices, cores=None):
+def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = None) -> dict[str, dict]:
     """Returns the rank -> device and device -> cores map for W ranks on `devices` devices.
 
     Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). Cores
     are split evenly when there are at least as many cores as devices, else devices share
-    cores round-robin. Raises ValueError when devices does not divide world_size.
+    cores round-robin. Raises protocol.layout.LayoutError (a ValueError) when devices does not
+    divide world_size.
     """
-    if devices < 1 or world_size < 1:
-        raise ValueError(f"need at least one rank and one device (got W={world_size}, d={devices})")
-    if world_size % devices != 0:
-        raise ValueError(f"{devices} devices do not divide the world size {world_size}: "
-                         f"choose d among {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    layout_check(world_size, devices)
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
     if devices <= len(cores):
         per_device = len(cores) // devices
         device_cores = {k: cores[k * per_device:(k + 1) * per_device] for k in range(devices)}
     else:
         device_cores = {k: [cores[k % len(cores)]] for k in range(devices)}
-    ranks_per_device = world_size // devices
     return {
         "devices": {str(k): v for k, v in device_cores.items()},
-        "ranks": {str(r): r // ranks_per_device for r in range(world_size)},
+        "ranks": {str(r): k for r, k in enumerate(rank_devices(world_size, devices))},
     }
 
 

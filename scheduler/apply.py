@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocol.layout import layout_fits
 from scheduler.plan import Migrate, Plan, Preempt, Resize, Start
 from scheduler.plugins.drain import REASON_LOST_REQUEUED as LOST_CODE
 from scheduler.snapshot import NO_JOB, NODE_READY, PENDING, RUNNING, Snapshot
@@ -59,7 +60,7 @@ def apply_plan(snapshot: Snapshot, plan: Plan, now: float) -> Snapshot:
         if np.unique(acc.region[devices]).size != 1:
             raise PlanConflict(f"{decision}: devices span regions")
         w, d = int(jobs.world_size[j]), int(devices.size)
-        if w % d or d < jobs.min_devices[j]:
+        if not layout_fits(w, d) or d < jobs.min_devices[j]:
             raise PlanConflict(f"{decision}: {d} devices is not an allowed count for W={w}")
 
     for decision in plan.decisions:

@@ -14,6 +14,8 @@ uniform fleets straight as arrays, for the simulator and the bench.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from scheduler.snapshot import (
@@ -38,9 +40,9 @@ class FleetBuilder:
 
     def build(self, type_names: list[str]) -> tuple[dict, list[str]]:
         """Returns (accelerator columns, region names); extends type_names with new types."""
-        cols = {c: [] for c in ("type_id", "node", "rack", "cluster", "region")}
+        cols: dict[str, list[int]] = {c: [] for c in ("type_id", "node", "rack", "cluster", "region")}
         node = rack = cluster = 0
-        names = []
+        names: list[str] = []
         regions = self._regions or [("region-0", 1, 1, 2, 8, DEFAULT_TYPE)]
         for r, (name, n_clusters, n_racks, n_nodes, n_devices, type_name) in enumerate(regions):
             names.append(name)
@@ -94,7 +96,7 @@ class JobBuilder:
     """One job; defaults: team of the first team added, Basic, 1 rank, rigid, pending."""
 
     def __init__(self, name: str):
-        self.fields = dict(name=name, team=None, tier=BASIC, type=None, world_size=1, min_devices=0,
+        self.fields: dict[str, Any] = dict(name=name, team=None, tier=BASIC, type=None, world_size=1, min_devices=0,
                            submit_time=0.0, attained=0.0, ideal=0.0, last_checkpoint_time=-np.inf,
                            last_checkpoint_step=0, checkpoint_bytes=0, last_start_time=-np.inf,
                            last_resize_time=-np.inf, approved=False, denied=False, max_spread=SPREAD_REGION, running=None, node=None,
@@ -221,9 +223,10 @@ class SnapshotBuilder:
                 decayed[i, types.index(type_name)] = u
         type_of_device = np.asarray(cols["type_id"], np.int64)
         node_of_device = np.asarray(cols["node"], np.int64)
-        rows = {k: [] for k in ("ids", "team", "tier", "type_id", "world_size", "min_devices", "state",
-                                "submit_time", "attained", "ideal", "ckpt_time", "ckpt_step",
-                                "ckpt_bytes", "start", "resized", "approved", "denied", "spread", "names")}
+        rows: dict[str, list[Any]] = {
+            k: [] for k in ("ids", "team", "tier", "type_id", "world_size", "min_devices", "state", "submit_time",
+                            "attained", "ideal", "ckpt_time", "ckpt_step", "ckpt_bytes", "start", "resized",
+                            "approved", "denied", "spread", "names")}
         for index, job in enumerate(self._jobs):
             f = job.fields
             type_name = f["type"] or (types[0] if types else DEFAULT_TYPE)

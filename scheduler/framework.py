@@ -21,7 +21,7 @@ their own phase. The core reads no clock: pass `timer` (e.g. time.perf_counter) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -30,22 +30,69 @@ from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
 from scheduler.plugins import quota as quota_plugin
 from scheduler.snapshot import PREMIUM, TIER_NAMES, Snapshot, allowed_counts
-from scheduler.state import POOL_RELEASING, POOL_RESERVE, WorkingState
+from scheduler.state import POOL_RELEASING, POOL_RESERVE, Placement, WorkingState
 
 PHASES = ("1. snapshot", "2. order", "3. place", "4. preempt", "5. resize", "6. defragment", "7. plan")
+
+
+# The plugin interfaces, one small one per step (kube-scheduler's FilterPlugin, ScorePlugin):
+# what `schedule` and the other plugins call on each. The plugins in scheduler/plugins satisfy
+# them by shape; nothing needs to inherit from them.
+class OrderPlugin(Protocol):
+    def order(self, tick: Tick, jobs: np.ndarray) -> np.ndarray:
+        """Returns the job indices `jobs` in the order they are served (2. order; resize reuses it)."""
+        ...
+
+
+class QuotaPlugin(Protocol):
+    def counts_allowed(self, tick: Tick, j: int, counts: Sequence[int]) -> tuple[tuple, tuple]:
+        """Returns (counts within quota, counts only by borrowing) of `counts` for job j."""
+        ...
+
+    def over_quota_reason(self, tick: Tick, j: int, counts: Sequence[int]) -> str:
+        """Returns why none of `counts` is allowed (the wait reason of a job over quota)."""
+        ...
+
+
+class PlacePlugin(Protocol):
+    def place(self, tick: Tick, j: int, counts: Sequence[int], region: int | None = None,
+              blocked_nodes: np.ndarray | None = None) -> Placement | None:
+        """Returns where job j fits with one of `counts` devices (largest first), or None; changes nothing."""
+        ...
+
+    def start_reason(self, tick: Tick, j: int, placement: Placement) -> str:
+        """Returns the reason of the Start that places job j at `placement`."""
+        ...
+
+    def no_room_reason(self, tick: Tick, j: int, counts: Sequence[int]) -> str:
+        """Returns why job j fits nowhere with any of `counts` (its wait reason)."""
+        ...
+
+
+class JobStepPlugin(Protocol):
+    def run(self, tick: Tick, j: int) -> bool:
+        """Makes room for job j, the head of the line, that did not fit (4. preempt, 6. defragment);
+        returns True when it placed j."""
+        ...
+
+
+class TickStepPlugin(Protocol):
+    def run(self, tick: Tick) -> None:
+        """Acts once per tick on every job it concerns (3. place: drain; 5. resize)."""
+        ...
 
 
 @dataclass(frozen=True)
 class Policy:
     """Which plugin does each step; None switches a step off (baselines do that)."""
 
-    order: object
-    quota: object
-    place: object
-    preempt: object = None
-    resize: object = None
-    defrag: object = None
-    drain: object = None
+    order: OrderPlugin
+    quota: QuotaPlugin
+    place: PlacePlugin
+    preempt: JobStepPlugin | None = None
+    resize: TickStepPlugin | None = None
+    defrag: JobStepPlugin | None = None
+    drain: TickStepPlugin | None = None
 
     @classmethod
     def from_names(cls, **names) -> "Policy":
@@ -56,7 +103,9 @@ class Policy:
         """
         chosen = dict(DEFAULT_PLUGIN_NAMES)
         chosen.update(names)
-        plugins = {}
+        # which interface a plugin serves follows from the step it is named for, not from a type
+        # mypy can see in REGISTRY (a dict of mixed factories); Policy's fields state each one
+        plugins: dict[str, Any] = {}
         for step, name in chosen.items():
             if step not in DEFAULT_PLUGIN_NAMES:
                 raise KeyError(f"unknown policy step {step!r}; steps are {sorted(DEFAULT_PLUGIN_NAMES)}")
@@ -116,7 +165,7 @@ class Tick:
         usable_held = self.state.holder[held & self.state.usable]
         # devices each job holds that are usable (what preempting it would give back)
         self.usable_alloc = np.bincount(usable_held, minlength=len(jobs)).astype(np.int64)
-        self._min_count = None
+        self._min_count: np.ndarray | None = None
         self._packed_level: dict = {}  # (W, type, max_spread) -> level, for Tick.spread
 
     # --- bookkeeping used by every plugin ------------------------------------------------

@@ -15,7 +15,9 @@ together").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Iterable, Union
+
+from protocol.layout import rank_devices
 
 
 @dataclass(frozen=True)
@@ -155,14 +157,12 @@ class Plan:
         return counts
 
 
-def rank_layout(devices, world_size: int) -> tuple:
+def rank_layout(devices: Iterable[int], world_size: int) -> tuple[int, ...]:
     """Returns, for each of the W ranks, the device it runs on.
 
     Ranks go in contiguous blocks of W/d, so ranks sharing a device (splicing) are
-    neighbours: rank r runs on devices[r * d // W]. Raises ValueError if d does not divide W.
+    neighbours: rank r runs on devices[r * d // W] (protocol.layout.rank_devices). Raises
+    protocol.layout.LayoutError (a ValueError) if d does not divide W.
     """
     devices = tuple(int(x) for x in devices)
-    d = len(devices)
-    if d == 0 or world_size % d != 0:
-        raise ValueError(f"{d} devices cannot evenly run {world_size} ranks")
-    return tuple(devices[r * d // world_size] for r in range(world_size))
+    return tuple(devices[k] for k in rank_devices(world_size, len(devices)))

@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable, Sequence, TypeAlias
 
 import numpy as np
+
+from protocol.layout import device_counts_allowed
 
 # --- SLA tiers: a lower number is served first -------------------------------------------
 PREMIUM = 0  # >= 95% of ideal device-time; never preempted or shrunk without an approval
@@ -55,6 +57,14 @@ class SnapshotError(ValueError):
     """The snapshot is inconsistent; the message names the first offending field and row."""
 
 
+# A column of Accelerators / Jobs / Teams / Snapshot: the constructor takes any array-like (a list,
+# an array; None where the field has a default) and __post_init__ stores a read-only np.ndarray of
+# the dtype its comment names. A dataclass field has one type for both sides, and neither
+# np.ndarray (a list is not one) nor ArrayLike | None (what is stored is never None) is true of
+# both, so a column is typed Any; `_column` and `_filled` are where its real type is made.
+Column: TypeAlias = Any
+
+
 def _column(value, dtype, length: int | None, name: str) -> np.ndarray:
     """Returns `value` as a read-only 1-D array of `dtype`; copies only when it must."""
     array = np.asarray(value, dtype=dtype)
@@ -82,14 +92,14 @@ class Accelerators:
     rack, cluster and region (checked by `Snapshot.validate`).
     """
 
-    type_id: np.ndarray  # int16[N]: index into Snapshot.type_names ("H100-80GB", ...)
-    node: np.ndarray  # int32[N]: node index, 0..n_nodes-1 (index into Snapshot.node_status)
-    rack: np.ndarray  # int32[N]: rack / NVLink domain index, global (not per cluster)
-    cluster: np.ndarray  # int32[N]: cluster index, global
-    region: np.ndarray  # int32[N]: region index, index into Snapshot.region_names
-    healthy: np.ndarray = None  # bool[N]: False = the device may not be given to anyone
-    holder: np.ndarray = None  # int32[N]: index of the job holding the device; NO_JOB if free
-    releasing_until: np.ndarray = None  # float64[N]: s; a free device whose last holder is still
+    type_id: Column  # int16[N]: index into Snapshot.type_names ("H100-80GB", ...)
+    node: Column  # int32[N]: node index, 0..n_nodes-1 (index into Snapshot.node_status)
+    rack: Column  # int32[N]: rack / NVLink domain index, global (not per cluster)
+    cluster: Column  # int32[N]: cluster index, global
+    region: Column  # int32[N]: region index, index into Snapshot.region_names
+    healthy: Column = None  # bool[N]: False = the device may not be given to anyone
+    holder: Column = None  # int32[N]: index of the job holding the device; NO_JOB if free
+    releasing_until: Column = None  # float64[N]: s; a free device whose last holder is still
     # stopping (checkpoint at a consistent cut) is only usable from this time on; a job placed on
     # it starts after that. <= Snapshot.now (default -inf) = free now. Ignored for held devices.
 
@@ -170,25 +180,25 @@ class Jobs:
     >= `min_devices` (see `allowed_counts`); a job with min_devices == world_size is rigid.
     """
 
-    ids: np.ndarray  # int64[J]: the caller's job ids, echoed in every decision
-    team: np.ndarray  # int32[J]: index into Teams
-    tier: np.ndarray  # int8[J]: PREMIUM / STANDARD / BASIC
-    type_id: np.ndarray  # int16[J]: accelerator type it needs
-    world_size: np.ndarray  # int32[J]: W logical ranks (>= 1)
-    min_devices: np.ndarray = None  # int32[J]: smallest allowed device count; default W (rigid)
-    state: np.ndarray = None  # int8[J]: PENDING / RUNNING; default PENDING
-    submit_time: np.ndarray = None  # float64[J]: s, submission time; default 0
-    attained_device_seconds: np.ndarray = None  # float64[J]: device-s received; default 0
-    ideal_device_seconds: np.ndarray = None  # float64[J]: device-s it would have had at W; default 0
-    last_checkpoint_time: np.ndarray = None  # float64[J]: s, -inf = never
-    last_checkpoint_step: np.ndarray = None  # int64[J]: step of the last checkpoint
-    checkpoint_bytes: np.ndarray = None  # int64[J]: bytes of the last checkpoint
-    last_start_time: np.ndarray = None  # float64[J]: s, last (re)start; -inf = never
-    last_resize_time: np.ndarray = None  # float64[J]: s, last grow or shrink; -inf = never
-    preemption_approved: np.ndarray = None  # bool[J]: an approval to preempt/shrink it was granted
-    preemption_denied: np.ndarray = None  # bool[J]: a denial holds: never a victim, never asked about
-    max_spread: np.ndarray = None  # int8[J]: SPREAD_NODE .. SPREAD_REGION; default SPREAD_REGION
-    names: tuple | None = None  # optional display names, for reasons only
+    ids: Column  # int64[J]: the caller's job ids, echoed in every decision
+    team: Column  # int32[J]: index into Teams
+    tier: Column  # int8[J]: PREMIUM / STANDARD / BASIC
+    type_id: Column  # int16[J]: accelerator type it needs
+    world_size: Column  # int32[J]: W logical ranks (>= 1)
+    min_devices: Column = None  # int32[J]: smallest allowed device count; default W (rigid)
+    state: Column = None  # int8[J]: PENDING / RUNNING; default PENDING
+    submit_time: Column = None  # float64[J]: s, submission time; default 0
+    attained_device_seconds: Column = None  # float64[J]: device-s received; default 0
+    ideal_device_seconds: Column = None  # float64[J]: device-s it would have had at W; default 0
+    last_checkpoint_time: Column = None  # float64[J]: s, -inf = never
+    last_checkpoint_step: Column = None  # int64[J]: step of the last checkpoint
+    checkpoint_bytes: Column = None  # int64[J]: bytes of the last checkpoint
+    last_start_time: Column = None  # float64[J]: s, last (re)start; -inf = never
+    last_resize_time: Column = None  # float64[J]: s, last grow or shrink; -inf = never
+    preemption_approved: Column = None  # bool[J]: an approval to preempt/shrink it was granted
+    preemption_denied: Column = None  # bool[J]: a denial holds: never a victim, never asked about
+    max_spread: Column = None  # int8[J]: SPREAD_NODE .. SPREAD_REGION; default SPREAD_REGION
+    names: Sequence[str] | None = None  # optional display names, for reasons only (stored as a tuple)
 
     def __post_init__(self):
         n = np.asarray(self.ids).shape[0]
@@ -260,23 +270,23 @@ class Jobs:
 def allowed_counts(world_size: int, min_devices: int) -> tuple[int, ...]:
     """Returns the divisors of world_size that are >= min_devices, largest first.
 
-    W ranks on d devices need d | W so every device runs the same number of ranks.
-    min_devices <= 0 means rigid (only W).
+    W ranks on d devices need d | W so every device runs the same number of ranks (the rule
+    lives in protocol.layout). min_devices <= 0 means rigid (only W).
     """
     if min_devices <= 0:
         min_devices = world_size
-    return tuple(d for d in range(world_size, 0, -1) if world_size % d == 0 and d >= min_devices)
+    return device_counts_allowed(world_size, at_least=min_devices)[::-1]
 
 
 @dataclass(frozen=True, eq=False)
 class Teams:
     """One row per team. Quotas and usage are per accelerator type: arrays of shape [T, K]."""
 
-    names: tuple  # T display names
-    quota: np.ndarray = None  # int64[T, K]: devices of each type the team may hold; UNLIMITED default
-    decayed_usage: np.ndarray = None  # float64[T, K]: past device-seconds, exponentially decayed
+    names: Sequence[str]  # T display names (stored as a tuple)
+    quota: Column = None  # int64[T, K]: devices of each type the team may hold; UNLIMITED default
+    decayed_usage: Column = None  # float64[T, K]: past device-seconds, exponentially decayed
     # by the caller with half-life PolicySettings.fair_share_half_life_seconds; default 0
-    weight: np.ndarray = None  # float64[T]: fair-share weight (2 = entitled to twice the share); default 1
+    weight: Column = None  # float64[T]: fair-share weight (2 = entitled to twice the share); default 1
 
     def __post_init__(self):
         object.__setattr__(self, "names", tuple(str(x) for x in self.names))
@@ -357,12 +367,12 @@ class Snapshot:
     jobs: Jobs
     teams: Teams
     now: float  # s, the caller's clock (the core never reads a clock)
-    type_names: tuple  # K accelerator type names, indexed by type_id ("H100-80GB", ...)
-    region_names: tuple = None  # R region names; default "region-<i>"
-    node_status: np.ndarray = None  # int8[n_nodes]: NODE_READY / NODE_DRAINING / NODE_LOST
-    region_drained: np.ndarray = None  # bool[R]: True = move everything out, place nothing new
+    type_names: Sequence[str]  # K accelerator type names, indexed by type_id ("H100-80GB", ...)
+    region_names: Sequence[str] | None = None  # R region names (stored as a tuple); default "region-<i>"
+    node_status: Column = None  # int8[n_nodes]: NODE_READY / NODE_DRAINING / NODE_LOST
+    region_drained: Column = None  # bool[R]: True = move everything out, place nothing new
     settings: PolicySettings = field(default_factory=PolicySettings)
-    node_names: tuple = None  # optional node names, for reasons only
+    node_names: Sequence[str] | None = None  # optional node names, for reasons only
 
     def __post_init__(self):
         acc = self.accelerators

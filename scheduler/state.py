@@ -91,8 +91,8 @@ class Topology:
             self.region_entities.append([_frozen(order[starts[r]:starts[r + 1]]) for r in range(n_regions)])
         # scalar lookups in Python lists: faster than numpy item access in per-node loops
         self.entity_list = [e.tolist() for e in self.node_entity]
-        self._capacity_key = None  # usable mask of the last capacity computed
-        self._capacity = None
+        self._capacity_key: tuple[np.ndarray, int] | None = None  # (usable mask, type) of the last capacity
+        self._capacity: list[np.ndarray] = []
 
     def capacity(self, usable: np.ndarray, k: int) -> list:
         """Returns capacity[level][entity, type]: usable devices, free or held; the last answer
@@ -208,7 +208,7 @@ class WorkingState:
         self._buckets = []
         for k in range(self.k):
             col = node_free[:, k]
-            buckets = [[] for _ in range(self.max_node_free[k] + 1)]
+            buckets: list[list[int]] = [[] for _ in range(self.max_node_free[k] + 1)]
             nodes = np.flatnonzero(col > 0)
             for c in np.unique(col[nodes]).tolist():
                 buckets[c] = np.flatnonzero(col == c).tolist()  # ascending: a valid heap

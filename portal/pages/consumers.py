@@ -24,8 +24,7 @@ from channels.consumer import get_handler_name
 
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET
 from jobs.models import Job
-from jobs.selectors import team_ids_for_user
-from portal.pages.selectors import approver_team_ids
+from jobs.selectors import approver_team_ids, team_ids_for_user
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ MAX_GROUPS_PER_SOCKET = 200
 
 @database_sync_to_async
 def _teams_of(user):
-    return set(team_ids_for_user(user)), approver_team_ids(user)
+    return set(team_ids_for_user(user)), approver_team_ids(user=user)
 
 
 @database_sync_to_async

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from fleet.models import Accelerator, Cluster, Node
 from fleet.selectors import fleet_summary, telemetry_series, telemetry_window
-from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Replica
+from jobs.models import Job, JobEvent, PreemptionRequest, Replica
 from jobs.selectors import team_ids_for_user
 
 # More cells than this and a heatmap stops being readable on a laptop screen:
@@ -34,21 +34,6 @@ def _fraction(part, whole):
 def _allocated_ids():
     """Returns a subquery of the ids of devices some replica points at (each once)."""
     return Replica.objects.filter(device__isnull=False).values("device_id")
-
-
-def approver_team_ids(user):
-    """Returns the ids of the teams whose preemptions `user` may decide (all for a superuser)."""
-    if not (user and user.is_authenticated):
-        return set()
-    if user.is_superuser:
-        return set(team_ids_for_user(user))
-    return set(
-        Membership.objects.filter(
-            user_id=user.pk, role__in=[Membership.Role.CAPACITY_MANAGER, Membership.Role.ADMIN]
-        ).values_list("team_id", flat=True)
-    )
-
-
 
 
 def fleet_nodes_needing_attention(*, limit=NODES_ATTENTION_LIMIT):

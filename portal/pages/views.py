@@ -21,8 +21,9 @@ from django.views.decorators.http import require_POST
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
 from jobs.models import Job, JobEvent, Membership, Tier
 from jobs.selectors import (
+    approver_team_ids,
     job_event_list,
-    job_get_visible,
+    job_get_visible_or_404,
     job_list_visible,
     preemption_get_visible,
     team_list_for_user,
@@ -31,7 +32,6 @@ from jobs.selectors import (
 from jobs.services import IllegalTransition, job_cancel, job_submit, preemption_approve, preemption_deny
 from portal.pages.forms import JobSubmitForm, PreemptionDecisionForm
 from portal.pages.selectors import (
-    approver_team_ids,
     fleet_page_data,
     job_place_in_line,
     job_timeline,
@@ -55,7 +55,7 @@ def _int_param(request, name):
 
 
 def _nav_context(request):
-    return {"can_approve": bool(approver_team_ids(request.user))}
+    return {"can_approve": bool(approver_team_ids(user=request.user))}
 
 
 # --- fleet -----------------------------------------------------------------------------
@@ -118,13 +118,6 @@ def job_list_page(request):
     )
 
 
-def _visible_job_or_404(request, job_id):
-    job = job_get_visible(user=request.user, job_id=job_id)
-    if job is None:
-        raise Http404(f"no job {job_id} among your teams' jobs")
-    return job
-
-
 def _job_detail_data(job):
     events = list(job_event_list(job=job).exclude(type=JobEvent.Type.PROGRESS))
     position, position_source = job_place_in_line(job=job)
@@ -152,7 +145,7 @@ def _job_detail_data(job):
 def job_detail_page(request, job_id):
     """A job: its state, progress, place in line, Gantt timeline and events; cancel.
     ?format=json returns the live data (state, progress, timeline, events HTML)."""
-    job = _visible_job_or_404(request, job_id)
+    job = job_get_visible_or_404(user=request.user, job_id=job_id)
     events, data = _job_detail_data(job)
     if request.GET.get("format") == "json":
         data["events_html"] = render(request, "pages/_job_events.html", {"events": events[-JOB_EVENTS_SHOWN:]}).content.decode()
@@ -168,7 +161,7 @@ def job_detail_page(request, job_id):
 @login_required
 @require_POST
 def job_cancel_page(request, job_id):
-    job = _visible_job_or_404(request, job_id)
+    job = job_get_visible_or_404(user=request.user, job_id=job_id)
     try:
         job_cancel(job=job, by=request.user, reason=request.POST.get("reason", "").strip())
     except IllegalTransition as error:
@@ -200,7 +193,7 @@ def job_submit_page(request):
 
 
 def _approver_teams_or_403(request):
-    team_ids = approver_team_ids(request.user)
+    team_ids = approver_team_ids(user=request.user)
     if not team_ids:
         raise PermissionDenied("only capacity managers see preemption approvals")
     return team_ids

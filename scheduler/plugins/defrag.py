@@ -99,7 +99,7 @@ class FreeADomain:
         return cache[level]
 
     def _free_entity(self, tick, j, level, k, e, deficit, movers, within, budget) -> bool:
-        snap, jobs, state = tick.snapshot, tick.snapshot.jobs, tick.state
+        jobs, state = tick.snapshot.jobs, tick.state
         order = np.lexsort((jobs.ids[movers], state.alloc[movers], jobs.checkpoint_bytes[movers]))
         movers = movers[order]
         take = np.cumsum(state.alloc[movers]) - state.alloc[movers] < deficit

@@ -59,6 +59,22 @@ def _job_regions(tick, cand: np.ndarray) -> np.ndarray:
     return region[cand]
 
 
+def _segment_starts(keys: np.ndarray) -> np.ndarray:
+    """Returns, for each row of `keys` (sorted so equal keys are adjacent), the index of the first row
+    of its run of equal keys: the segment it belongs to."""
+    first = np.r_[True, keys[1:] != keys[:-1]]
+    return np.maximum.accumulate(np.where(first, np.arange(keys.size), 0))
+
+
+def _cumsum_by_segment(values: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Returns running totals of `values` that restart at each segment's first row; start[i] is
+    the first row of row i's segment (from _segment_starts). One cumsum for all segments: what
+    the rows before a segment summed to is subtracted (start - 1 wraps to -1 only where start == 0,
+    and np.where discards those)."""
+    total = np.cumsum(values)
+    return total - np.where(start > 0, total[start - 1], 0)
+
+
 class SlaPreemption:
     """Finds the cheapest set of shrinks/preemptions that makes a job fit, and applies it."""
 
@@ -285,21 +301,16 @@ class SlaPreemption:
         if not keep.any():
             return None
         entity, row, first = devices["entity"][keep], devices["row"][keep], devices["first"][keep]
-        group_first = np.r_[True, entity[1:] != entity[:-1]]
-        start = np.maximum.accumulate(np.where(group_first, np.arange(entity.size), 0))
-
-        def within_entity(c):
-            c = np.cumsum(c)
-            return c - np.where(start > 0, c[start - 1], 0)
-
-        reached = state.free_count[level][entity, k] + within_entity(np.ones(entity.size, np.int64)) >= need
+        start = _segment_starts(entity)
+        freed = _cumsum_by_segment(np.ones(entity.size, np.int64), start)  # victim devices so far, per entity
+        reached = state.free_count[level][entity, k] + freed >= need
         if not reached.any():
             return None
         hit = np.flatnonzero(reached)
         hit_entity, first_hit = np.unique(entity[hit], return_index=True)
         ends = hit[first_hit]
-        n_victims = within_entity(first.astype(np.int64))[ends]
-        lost = within_entity(np.where(first, by_cost["lost"][row], 0.0))[ends]
+        n_victims = _cumsum_by_segment(first.astype(np.int64), start)[ends]
+        lost = _cumsum_by_segment(np.where(first, by_cost["lost"][row], 0.0), start)[ends]
         best = int(ends[np.lexsort((hit_entity, lost, n_victims))[0]])
         segment = np.arange(int(start[best]), best + 1)
         victims = row[segment[first[segment]]]
@@ -344,10 +355,8 @@ class SlaPreemption:
         g_wait = by_cost["ckpt"][g_row] if tier == PREMIUM else np.zeros(g_row.size)
         order = np.lexsort((g_row, -g_release, g_wait, g_entity))
         g_entity, g_row, g_release, g_wait = g_entity[order], g_row[order], g_release[order], g_wait[order]
-        g_first = np.r_[True, g_entity[1:] != g_entity[:-1]]
-        start = np.maximum.accumulate(np.where(g_first, np.arange(g_entity.size), 0))
-        total = np.cumsum(g_release)
-        within = total - np.where(start > 0, total[start - 1], 0)
+        start = _segment_starts(g_entity)
+        within = _cumsum_by_segment(g_release, start)
         free = state.free_count[level][g_entity, k]
         reached = free + within >= need
         if not reached.any():
@@ -356,8 +365,7 @@ class SlaPreemption:
         hit_entity, first_hit = np.unique(g_entity[hit], return_index=True)
         ends = hit[first_hit]
         n_shrinks = ends - start[ends] + 1
-        wait_total = np.cumsum(g_wait)
-        wait = (wait_total - np.where(start > 0, wait_total[start - 1], 0))[ends]
+        wait = _cumsum_by_segment(g_wait, start)[ends]
         best = int(ends[np.lexsort((hit_entity, within[ends], wait, n_shrinks))[0]])
         chosen = int(g_entity[best])
         victims = g_row[int(start[best]):best + 1].tolist()
@@ -415,21 +423,15 @@ class SlaPreemption:
         release = actions["release"][idx]
         is_preempt = (actions["group"][idx] != GROUP_SHRINK).astype(np.int64)
         lost = np.where(is_preempt == 1, actions["cost"][idx], 0.0)
-        first = np.r_[True, region[1:] != region[:-1]]
-        start = np.maximum.accumulate(np.where(first, np.arange(idx.size), 0))
-
-        def within_region(c):  # running totals restarted at each region's first row
-            c = np.cumsum(c)
-            return c - np.where(start > 0, c[start - 1], 0)
-
-        reached = within_region(release) + free[region] >= need
+        start = _segment_starts(region)  # running totals below restart at each region's first row
+        reached = _cumsum_by_segment(release, start) + free[region] >= need
         if not reached.any():
             return None
         hit = np.flatnonzero(reached)
         hit_region, first_hit = np.unique(region[hit], return_index=True)
         ends = hit[first_hit]
-        n_pre = within_region(is_preempt)[ends]
-        lost_total = within_region(lost)[ends]
+        n_pre = _cumsum_by_segment(is_preempt, start)[ends]
+        lost_total = _cumsum_by_segment(lost, start)[ends]
         n_rows = ends - start[ends] + 1
         best = np.lexsort((hit_region, n_rows, lost_total, n_pre))[0]
         end = int(ends[best])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .engine import MIGRATE, PREEMPT, RUNNING, START, Decision, Policy
+from .engine import MIGRATE, PREEMPT, START, Decision, Policy
 from .placement import Workspace
 
 

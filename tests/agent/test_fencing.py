@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from agent_test_helpers import poll
+from polling import poll
 
 from agent.main import Agent
 from agent.node import NodeReconciler, pid_alive, prune_older_generations, read_events, seed_store

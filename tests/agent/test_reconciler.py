@@ -5,7 +5,7 @@ import tempfile
 import time
 
 import pytest
-from agent_test_helpers import poll
+from polling import poll
 
 from agent.node import NodeReconciler, pid_alive
 from runtime.criu import check_available

@@ -22,13 +22,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import urlopen
+
+from polling import poll
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -68,20 +69,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(predicate, *, timeout, what):
-    """Polls `predicate` until it returns a truthy value (returned) or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout} s waiting for {what}")
-        time.sleep(delay)  # polling interval, not a wait for an event
-        delay = min(delay * 2, 0.25)
 
 
 def _die_with_parent():
@@ -203,7 +190,7 @@ class PortalServer:
             except redis.exceptions.ConnectionError:
                 return False
 
-        wait_until(redis_answers, timeout=START_TIMEOUT_S, what="the private redis-server")
+        poll("the private redis-server", redis_answers, timeout=START_TIMEOUT_S)
 
     def _seed(self):
         result = subprocess.run(
@@ -232,7 +219,7 @@ class PortalServer:
             except OSError:
                 return False
 
-        wait_until(serving, timeout=START_TIMEOUT_S, what=f"daphne at {self.url}")
+        poll(f"daphne at {self.url}", serving, timeout=START_TIMEOUT_S)
 
     def log_tail(self, chars=4000):
         try:

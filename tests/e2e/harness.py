@@ -21,6 +21,8 @@ import time
 
 import requests
 
+from polling import poll
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 BIN = pathlib.Path(sys.executable).parent
@@ -35,19 +37,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def poll(what, predicate, *, timeout, interval=0.25, on_timeout=None):
-    """Returns predicate()'s first truthy value; fails with `what` (and diagnostics) after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = on_timeout() if on_timeout else ""
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{extra}")
-        time.sleep(interval)
 
 
 class Partition:

@@ -6,7 +6,8 @@ import pathlib
 import time
 
 import pytest
-from harness import assert_same_parameters, poll
+from harness import assert_same_parameters
+from polling import poll
 
 from agent.node import pid_alive
 from runtime.criu import check_available

@@ -3,6 +3,7 @@ clock, the lost-chain sweep, one active move per job, stale-generation fencing.
 
 Agents are played by node_report_apply (what their heartbeat API calls), the Celery worker by
 the services its tasks call (move_step_run, move_advance) and by calling the task itself."""
+import os
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -22,19 +23,17 @@ from jobs.tick import _migrate, tick_run
 from jobs.workflows import node_desired_state, node_report_apply
 
 S = Job.State
-ENROLL = "test-enrollment-token"
 
 
 @pytest.fixture(autouse=True)
-def short_policy(monkeypatch):
-    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
-    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
-    monkeypatch.setenv("MERIDIAN_ACCOUNTING_SECONDS", "0")
+def moves_policy(short_policy, monkeypatch):
+    """short_policy (tests/jobs/conftest.py), and a workflow step times out after 60 s."""
     monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "60")
 
 
 def make_node(hostname, devices=1):
-    node, _token = node_register(enrollment=ENROLL, hostname=hostname, region="eu", cluster="c1",
+    enrollment = os.environ["MERIDIAN_AGENT_ENROLLMENT_TOKEN"]  # what short_policy set
+    node, _token = node_register(enrollment=enrollment, hostname=hostname, region="eu", cluster="c1",
                                  devices=[{"type": "CPU"}] * devices)
     return node
 

@@ -2,6 +2,7 @@
 
 Agents are played by calling the same service their heartbeat API calls (node_report_apply);
 the Celery worker by calling the service its move tasks call (jobs.moves.move_advance)."""
+import os
 from datetime import timedelta
 
 import pytest
@@ -16,19 +17,17 @@ from jobs.tick import accounting_run, snapshot_build, tick_lease_claim, tick_lea
 from jobs.workflows import node_desired_state, node_report_apply
 
 S = Job.State
-ENROLL = "test-enrollment-token"
 
 
 @pytest.fixture(autouse=True)
-def short_policy(monkeypatch):
-    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
-    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
+def tick_policy(short_policy, monkeypatch):
+    """short_policy (tests/jobs/conftest.py), and a node is lost after 30 s without a heartbeat."""
     monkeypatch.setenv("MERIDIAN_NODE_LOST_AFTER_SECONDS", "30")
-    monkeypatch.setenv("MERIDIAN_ACCOUNTING_SECONDS", "0")
 
 
 def make_node(hostname, devices=2, region="eu", cluster="c1"):
-    node, _token = node_register(enrollment=ENROLL, hostname=hostname, region=region, cluster=cluster,
+    enrollment = os.environ["MERIDIAN_AGENT_ENROLLMENT_TOKEN"]  # what short_policy set
+    node, _token = node_register(enrollment=enrollment, hostname=hostname, region=region, cluster=cluster,
                                  devices=[{"type": "CPU"}] * devices)
     return node
 

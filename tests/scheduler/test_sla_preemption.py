@@ -178,6 +178,7 @@ def test_the_per_tick_preemption_budget_holds():
 
 
 def two_nodes():
+    """eu: 1 rack of 2 nodes x 4 devices (node 0: devices 0-3, node 1: devices 4-7)."""
     return make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(NOW)
 
 
@@ -242,11 +243,6 @@ def test_a_job_pinned_to_a_rack_never_takes_victims_across_racks():
 
 
 # --- a preemptor pinned to one node / rack shrinks elastic victims there before preempting ----
-def two_nodes():
-    """eu: 1 rack of 2 nodes x 4 devices (node 0: devices 0-3, node 1: devices 4-7)."""
-    return make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4)).now(NOW)
-
-
 PINNED_CASES = [
     pytest.param(
         [old(make_job("elastic").ranks(4).elastic(1).running(4, node=0).checkpoint(NOW - 3000)),

@@ -1,7 +1,6 @@
 """Builders for the simulator tests: tiny traces and fleets whose outcomes are computed by hand."""
 import numpy as np
 from scheduler.sim import costs as costs_module
-from scheduler.sim import fleet as fleet_module
 from scheduler.sim import trace as trace_module
 
 # Checkpoint 5 s, restore 7 s, transfer free, whatever the job's size: easy to add up by hand.
