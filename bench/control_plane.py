@@ -416,7 +416,7 @@ def main():
               f"{result.seconds['apply']:>6.2f} {rows_written:>9} | {hb:>6.0f} {server_cpu:>10.1f} {samples:>13.0f} {fails:>4} | "
               f"{before / 2**20:>11.1f} → {after / 2**20:<11.1f} | {r['accrual'][0]:>9.2f} {r['accrual'][1]:>7}")
     if args.skip_history:
-        print(f"\nheartbeat telemetry write in process: " + ", ".join(
+        print("\nheartbeat telemetry write in process: " + ", ".join(
             f"{r['n']}: {r['inproc'][0]:.2f} ms, {r['inproc'][1]} statements" for r in rows))
     print()
     if not args.skip_history:

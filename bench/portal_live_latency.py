@@ -50,9 +50,9 @@ def main():
     import django
 
     django.setup()
+    from browser_harness import PortalServer, chromium_launch, chromium_missing_reason, free_devices, place_job
     from playwright.sync_api import expect, sync_playwright
 
-    from browser_harness import PortalServer, chromium_launch, chromium_missing_reason, free_devices, place_job
     from jobs.demo_cast import DEMO_PASSWORDS
 
     reason = chromium_missing_reason()

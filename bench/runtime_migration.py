@@ -10,7 +10,6 @@ sha256 manifest, fsync, rename), restore (node B: copy + verify, restore or re-l
 first step). --big adds a single-process ~100 MB-parameter model (three 2900x2900 layers + Adam).
 """
 import argparse
-import json
 import os
 import shutil
 import statistics

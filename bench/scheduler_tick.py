@@ -38,7 +38,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scheduler import (  # noqa: E402
-    BASIC, PREMIUM, RUNNING, STANDARD, Jobs, PolicySettings, Snapshot, Teams, schedule,
+    BASIC,
+    PREMIUM,
+    RUNNING,
+    STANDARD,
+    Jobs,
+    PolicySettings,
+    Snapshot,
+    Teams,
+    schedule,
 )
 from scheduler.builders import synthetic_fleet  # noqa: E402
 

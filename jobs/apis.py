@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
+from fleet.pagination import MeridianPagination, paginate
 from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Team, Tier
 from jobs.selectors import (
     approver_team_ids,
@@ -29,7 +30,6 @@ from jobs.services import (
     preemption_approve,
     preemption_deny,
 )
-from fleet.pagination import MeridianPagination, paginate
 
 TIER_MESSAGE = 'unknown tier "{input}"; choose one of ' + ", ".join(Tier.values)
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)

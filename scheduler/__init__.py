@@ -33,9 +33,27 @@ from scheduler.framework import PHASES, Policy, schedule
 from scheduler.plan import Migrate, Plan, Preempt, Resize, Start, WaitReason, rank_layout
 from scheduler.plugins.order import decay_usage
 from scheduler.snapshot import (
-    BASIC, NODE_DRAINING, NODE_LOST, NODE_READY, PENDING, PREMIUM, RUNNING, SPREAD_CLUSTER,
-    SPREAD_NODE, SPREAD_RACK, SPREAD_REGION, STANDARD, UNLIMITED, AcceleratorRow, Accelerators, JobRow, Jobs,
-    PolicySettings, Snapshot, SnapshotError, Teams,
+    BASIC,
+    NODE_DRAINING,
+    NODE_LOST,
+    NODE_READY,
+    PENDING,
+    PREMIUM,
+    RUNNING,
+    SPREAD_CLUSTER,
+    SPREAD_NODE,
+    SPREAD_RACK,
+    SPREAD_REGION,
+    STANDARD,
+    UNLIMITED,
+    AcceleratorRow,
+    Accelerators,
+    JobRow,
+    Jobs,
+    PolicySettings,
+    Snapshot,
+    SnapshotError,
+    Teams,
 )
 
 __all__ = [

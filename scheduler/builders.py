@@ -19,8 +19,18 @@ from typing import Any
 import numpy as np
 
 from scheduler.snapshot import (
-    BASIC, NO_JOB, NODE_READY, PENDING, RUNNING, SPREAD_REGION, UNLIMITED, Accelerators, Jobs,
-    PolicySettings, Snapshot, Teams,
+    BASIC,
+    NO_JOB,
+    NODE_READY,
+    PENDING,
+    RUNNING,
+    SPREAD_REGION,
+    UNLIMITED,
+    Accelerators,
+    Jobs,
+    PolicySettings,
+    Snapshot,
+    Teams,
 )
 
 DEFAULT_TYPE = "H100-80GB"

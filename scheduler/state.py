@@ -13,7 +13,11 @@ import heapq
 import numpy as np
 
 from scheduler.snapshot import (
-    NO_JOB, NODE_READY, SPREAD_NAMES, SPREAD_REGION, Snapshot,
+    NO_JOB,
+    NODE_READY,
+    SPREAD_NAMES,
+    SPREAD_REGION,
+    Snapshot,
 )
 
 LEVEL_NODE, LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION = 0, 1, 2, 3

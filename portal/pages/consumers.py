@@ -18,9 +18,9 @@ passed on as {"type": "fleet.changed"} too; other unknown types are dropped and 
 """
 import logging
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from channels.consumer import get_handler_name
 
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET
 from jobs.models import Job

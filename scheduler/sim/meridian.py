@@ -36,8 +36,19 @@ import numpy as np
 
 import scheduler
 from scheduler.snapshot import (
-    NODE_LOST, NODE_READY, PENDING as SNAP_PENDING, RUNNING as SNAP_RUNNING, Accelerators, Jobs,
-    PolicySettings, Snapshot, Teams,
+    NODE_LOST,
+    NODE_READY,
+    Accelerators,
+    Jobs,
+    PolicySettings,
+    Snapshot,
+    Teams,
+)
+from scheduler.snapshot import (
+    PENDING as SNAP_PENDING,
+)
+from scheduler.snapshot import (
+    RUNNING as SNAP_RUNNING,
 )
 
 from .engine import MIGRATE, PREEMPT, RESIZE, RUNNING, START, Decision, Policy

@@ -12,9 +12,8 @@ import time
 import uuid
 
 import pytest
-from playwright.sync_api import expect
-
 from browser_harness import artifacts_dir, free_devices, place_job
+from playwright.sync_api import expect
 
 pytestmark = pytest.mark.browser
 

@@ -20,7 +20,6 @@ import threading
 import time
 
 import requests
-
 from polling import poll
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -2,8 +2,8 @@
 import pytest
 
 from fleet.models import Accelerator, Node
-from fleet.services import fleet_generate, node_token_issue
 from fleet.selectors import node_get_by_token
+from fleet.services import fleet_generate, node_token_issue
 
 
 @pytest.fixture

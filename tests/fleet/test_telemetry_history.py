@@ -14,7 +14,6 @@ from fleet.models import (
     NodeTelemetryBucket,
     TelemetryResolution,
 )
-from fleet.selectors import telemetry_series
 from fleet.services import fleet_load, node_heartbeat_record, telemetry_rollup
 
 MINUTE, HOUR = TelemetryResolution.MINUTE, TelemetryResolution.HOUR

@@ -26,8 +26,25 @@ from hypothesis import strategies as st
 
 import scheduler
 from scheduler import (
-    BASIC, NODE_DRAINING, NODE_LOST, NODE_READY, PENDING, PREMIUM, RUNNING, SPREAD_REGION, STANDARD,
-    UNLIMITED, Accelerators, Jobs, Migrate, PolicySettings, Preempt, Resize, Snapshot, Start, Teams,
+    BASIC,
+    NODE_DRAINING,
+    NODE_LOST,
+    NODE_READY,
+    PENDING,
+    PREMIUM,
+    RUNNING,
+    SPREAD_REGION,
+    STANDARD,
+    UNLIMITED,
+    Accelerators,
+    Jobs,
+    Migrate,
+    PolicySettings,
+    Preempt,
+    Resize,
+    Snapshot,
+    Start,
+    Teams,
 )
 from scheduler.snapshot import allowed_counts
 

@@ -4,7 +4,16 @@ import pytest
 
 import scheduler
 from scheduler import (
-    BASIC, NODE_DRAINING, NODE_LOST, PREMIUM, SPREAD_NODE, Migrate, Policy, Preempt, Resize, Start,
+    BASIC,
+    NODE_DRAINING,
+    NODE_LOST,
+    PREMIUM,
+    SPREAD_NODE,
+    Migrate,
+    Policy,
+    Preempt,
+    Resize,
+    Start,
 )
 from scheduler.builders import make_fleet, make_job, make_snapshot, make_team
 

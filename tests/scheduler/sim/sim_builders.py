@@ -1,5 +1,6 @@
 """Builders for the simulator tests: tiny traces and fleets whose outcomes are computed by hand."""
 import numpy as np
+
 from scheduler.sim import costs as costs_module
 from scheduler.sim import trace as trace_module
 
