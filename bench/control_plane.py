@@ -360,7 +360,7 @@ def run_size(n, args, rng, data_dir):
         daphne.terminate()
         daphne.wait(timeout=20)
     steady = []
-    for k in range(args.ticks):
+    for _ in range(args.ticks):
         now = now + timedelta(seconds=5)
         steady.append(timed_tick(now))
     from jobs.tick import accounting_run
@@ -374,8 +374,9 @@ def run_size(n, args, rng, data_dir):
     # Last: their bulk writes would show in the ticks' row counters (published asynchronously).
     inproc = inproc_heartbeats(min(args.inproc_heartbeats, len(tokens)))
     history = None if args.skip_history else history_day(args.history_hours)
-    return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s, "placement": (placement, placement_wall, placement_rows),
-            "steady": steady, "heartbeats": rates, "telemetry_bytes": (telemetry_before, telemetry_after),
+    return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s,
+            "placement": (placement, placement_wall, placement_rows), "steady": steady, "heartbeats": rates,
+            "telemetry_bytes": (telemetry_before, telemetry_after),
             "heartbeat_history_rows": heartbeat_history_rows, "inproc": inproc, "history": history}
 
 
@@ -413,7 +414,8 @@ def main():
         before, after = r["telemetry_bytes"]
         print(f"{r['n']:>8} {r['jobs']:>7} | {placement_wall:>12.2f} {placement.counts.get('start', 0):>7} "
               f"{placement_rows:>8} | {wall:>13.3f} {result.seconds['snapshot']:>6.2f} {result.seconds['plan']:>6.2f} "
-              f"{result.seconds['apply']:>6.2f} {rows_written:>9} | {hb:>6.0f} {server_cpu:>10.1f} {samples:>13.0f} {fails:>4} | "
+              f"{result.seconds['apply']:>6.2f} {rows_written:>9} | "
+              f"{hb:>6.0f} {server_cpu:>10.1f} {samples:>13.0f} {fails:>4} | "
               f"{before / 2**20:>11.1f} → {after / 2**20:<11.1f} | {r['accrual'][0]:>9.2f} {r['accrual'][1]:>7}")
     if args.skip_history:
         print("\nheartbeat telemetry write in process: " + ", ".join(
@@ -423,8 +425,8 @@ def main():
         print(f"telemetry history (per-node minute buckets; {args.history_hours} h bulk-filled for every node; "
               f"rollup = fleet.tasks.telemetry_rollup; sizes include indexes)")
         header = (f"{'accel':>8} | {'hb write ms':>11} {'stmts':>5} | {'rows after hb':>13} | "
-                  f"{'filled rows':>11} {'MB':>7} | {'rollup s':>8} {'rows out':>8} {'+1 min s':>9} | {'retention s':>11} "
-                  f"{'deleted':>8} | {'rows left':>9} {'MB left':>7}")
+                  f"{'filled rows':>11} {'MB':>7} | {'rollup s':>8} {'rows out':>8} {'+1 min s':>9} | "
+                  f"{'retention s':>11} {'deleted':>8} | {'rows left':>9} {'MB left':>7}")
         print(header)
         print("-" * len(header))
         for r in rows:

@@ -82,7 +82,11 @@ def child(args):
         batch_size=1000,
     )
     Replica.objects.bulk_create(
-        (Replica(job_id=job.pk, rank=rank, device_id=device) for job, block in zip(jobs, busy) for rank, device in enumerate(block)),
+        (
+            Replica(job_id=job.pk, rank=rank, device_id=device)
+            for job, block in zip(jobs, busy)
+            for rank, device in enumerate(block)
+        ),
         batch_size=5000,
     )
     Accelerator.objects.update(utilization=(F("id") % 97) * 0.01)

@@ -50,11 +50,12 @@ def build(layers):
 
 
 def interleaved_medians(ours, baseline, repeats, before=None):
-    """After one untimed warm-up run of each, runs ours and the baseline alternately (order swapped every round, so neither always
-    runs on a warmer or quieter machine); returns (median ours, median baseline, load range,
-    best ours / best baseline). The best-of ratio is printed too: on this VM a write into memory
-    the process has not touched for a while is sometimes several times slower (the first 3 GB
-    torch.save in a process took 8-10 s, the next ones 2-4 s), whichever writer meets it."""
+    """After one untimed warm-up run of each, runs ours and the baseline alternately (order swapped
+    every round, so neither always runs on a warmer or quieter machine); returns (median ours,
+    median baseline, load range, best ours / best baseline). The best-of ratio is printed too:
+    on this VM a write into memory the process has not touched for a while is sometimes several
+    times slower (the first 3 GB torch.save in a process took 8-10 s, the next ones 2-4 s),
+    whichever writer meets it."""
     times = {"ours": [], "baseline": []}
     loads = []
     for fn in (ours, baseline):  # one untimed warm-up each (page cache growth, first touch)

@@ -135,7 +135,12 @@ def build_snapshot(n_acc: int, trace, seed: int, busy: float | None) -> Snapshot
     # running jobs: elastic ones at W or W/2; packed into random regions of their type with
     # random gaps, never across a region
     current = world[:n_running].copy()
-    halve = (busy is None) & elastic[:n_running] & (rng.random(n_running) < 0.5) & (world[:n_running] // 2 >= min_devices[:n_running])
+    halve = (
+        (busy is None)
+        & elastic[:n_running]
+        & (rng.random(n_running) < 0.5)
+        & (world[:n_running] // 2 >= min_devices[:n_running])
+    )
     current[halve] //= 2
     holder = np.full(n_acc, -1, np.int32)
     acc_type = acc.type_id.astype(np.int64)
@@ -302,7 +307,8 @@ def main(argv=None) -> int:
             median, cpu, plan, peak, phase_median = measure(snap)
             summary = plan.summary()
             decisions = len(plan.decisions)
-            print(f"{label:<10} {n:>12,} {running:>8,} {pending:>8,} {median * 1000:>9.1f} {cpu * 1000:>8.1f} {busy_pct:>4.0f}% {decisions:>9,} "
+            print(f"{label:<10} {n:>12,} {running:>8,} {pending:>8,} {median * 1000:>9.1f} {cpu * 1000:>8.1f} "
+                  f"{busy_pct:>4.0f}% {decisions:>9,} "
                   f"{decisions / median:>11,.0f} {peak / 2**20:>9.1f}  "
                   + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
             phase_rows.append((label, n, phase_median))

@@ -71,8 +71,12 @@ class JobSubmitApi(APIView):
             required=False, help_text="Team slug or id; may be left out by a user on exactly one team."
         )
         name = serializers.CharField(max_length=200)
-        tier = serializers.ChoiceField(choices=Tier.choices, default=Tier.STANDARD, error_messages={"invalid_choice": TIER_MESSAGE})
-        accelerator_type = serializers.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES, error_messages={"invalid_choice": TYPE_MESSAGE})
+        tier = serializers.ChoiceField(
+            choices=Tier.choices, default=Tier.STANDARD, error_messages={"invalid_choice": TIER_MESSAGE}
+        )
+        accelerator_type = serializers.ChoiceField(
+            choices=ACCELERATOR_TYPE_CHOICES, error_messages={"invalid_choice": TYPE_MESSAGE}
+        )
         world_size = serializers.IntegerField(
             min_value=1, max_value=100_000,
             error_messages={"min_value": "world_size (W, logical ranks) must be at least 1",
@@ -104,7 +108,8 @@ def _team_for_submission(*, user, ref):
         if len(teams) == 1:
             return teams[0]
         raise ValidationError({"team": [
-            "say which team submits the job: one of " + (", ".join(t.slug for t in teams) or "(you are on no team; ask a team admin)")
+            "say which team submits the job: one of "
+            + (", ".join(t.slug for t in teams) or "(you are on no team; ask a team admin)")
         ]})
     for team in teams:
         if ref in {team.slug, str(team.pk)}:
@@ -116,14 +121,20 @@ def _team_for_submission(*, user, ref):
 
 class JobListApi(APIView):
     class FilterSerializer(serializers.Serializer):
-        state = serializers.ChoiceField(choices=Job.State.choices, required=False, error_messages={"invalid_choice": STATE_MESSAGE})
-        tier = serializers.ChoiceField(choices=Tier.choices, required=False, error_messages={"invalid_choice": TIER_MESSAGE})
+        state = serializers.ChoiceField(
+            choices=Job.State.choices, required=False, error_messages={"invalid_choice": STATE_MESSAGE}
+        )
+        tier = serializers.ChoiceField(
+            choices=Tier.choices, required=False, error_messages={"invalid_choice": TIER_MESSAGE}
+        )
         team = serializers.CharField(required=False, help_text="team slug or id")
         accelerator_type = serializers.ChoiceField(
             choices=ACCELERATOR_TYPE_CHOICES, required=False, error_messages={"invalid_choice": TYPE_MESSAGE}
         )
 
-    @extend_schema(parameters=[FilterSerializer], responses={200: JobOutputSerializer(many=True)}, summary="List your teams' jobs")
+    @extend_schema(
+        parameters=[FilterSerializer], responses={200: JobOutputSerializer(many=True)}, summary="List your teams' jobs"
+    )
     def get(self, request):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
@@ -212,14 +223,21 @@ class PreemptionOutputSerializer(serializers.ModelSerializer):
         ]
 
     def get_can_decide(self, request) -> bool:
-        return request.state == PreemptionRequest.State.PENDING and request.job.team_id in self.context.get("approver_team_ids", ())
+        return (
+            request.state == PreemptionRequest.State.PENDING
+            and request.job.team_id in self.context.get("approver_team_ids", ())
+        )
 
 
 class PreemptionListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         state = serializers.ChoiceField(choices=PreemptionRequest.State.choices, required=False)
 
-    @extend_schema(parameters=[FilterSerializer], responses={200: PreemptionOutputSerializer(many=True)}, summary="Preemption requests on your teams' jobs")
+    @extend_schema(
+        parameters=[FilterSerializer],
+        responses={200: PreemptionOutputSerializer(many=True)},
+        summary="Preemption requests on your teams' jobs",
+    )
     def get(self, request):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
@@ -250,7 +268,11 @@ class _PreemptionDecisionApi(APIView):
 class PreemptionApproveApi(_PreemptionDecisionApi):
     decide = staticmethod(preemption_approve)
 
-    @extend_schema(request=_PreemptionDecisionApi.InputSerializer, responses={200: PreemptionOutputSerializer}, summary="Approve a preemption (capacity managers)")
+    @extend_schema(
+        request=_PreemptionDecisionApi.InputSerializer,
+        responses={200: PreemptionOutputSerializer},
+        summary="Approve a preemption (capacity managers)",
+    )
     def post(self, request, request_id):
         return super().post(request, request_id)
 
@@ -258,7 +280,11 @@ class PreemptionApproveApi(_PreemptionDecisionApi):
 class PreemptionDenyApi(_PreemptionDecisionApi):
     decide = staticmethod(preemption_deny)
 
-    @extend_schema(request=_PreemptionDecisionApi.InputSerializer, responses={200: PreemptionOutputSerializer}, summary="Deny a preemption (capacity managers)")
+    @extend_schema(
+        request=_PreemptionDecisionApi.InputSerializer,
+        responses={200: PreemptionOutputSerializer},
+        summary="Deny a preemption (capacity managers)",
+    )
     def post(self, request, request_id):
         return super().post(request, request_id)
 

@@ -109,8 +109,8 @@ class JobBuilder:
         self.fields: dict[str, Any] = dict(name=name, team=None, tier=BASIC, type=None, world_size=1, min_devices=0,
                            submit_time=0.0, attained=0.0, ideal=0.0, last_checkpoint_time=-np.inf,
                            last_checkpoint_step=0, checkpoint_bytes=0, last_start_time=-np.inf,
-                           last_resize_time=-np.inf, approved=False, denied=False, max_spread=SPREAD_REGION, running=None, node=None,
-                           devices=None, id=None)
+                           last_resize_time=-np.inf, approved=False, denied=False, max_spread=SPREAD_REGION,
+                           running=None, node=None, devices=None, id=None)
 
     def _set(self, **kw) -> "JobBuilder":
         self.fields.update(kw)

@@ -134,7 +134,9 @@ def redis_url(tmp_path_factory):
 # the protocol, the runtime, the agent's units) already ran in the first pass and are left out.
 # The e2e stacks use their own SQLite files whatever DATABASE_URL says, and the browser tests
 # draw pages the page tests already render on PostgreSQL: both run once, in the first pass.
-DATABASE_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "live_server", "django_db_serialized_rollback"}
+DATABASE_FIXTURES = {
+    "db", "transactional_db", "django_db_reset_sequences", "live_server", "django_db_serialized_rollback"
+}
 
 
 def pytest_addoption(parser):

@@ -59,7 +59,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict) or not isinstance(content.get("subscribe"), list):
-            await self.send_json({"type": "error", "error": 'send {"subscribe": ["fleet", "job.<id>", "team.<id>", "approvals"]}'})
+            await self.send_json(
+                {"type": "error", "error": 'send {"subscribe": ["fleet", "job.<id>", "team.<id>", "approvals"]}'}
+            )
             return
         joined, refused = [], []
         for group in content["subscribe"][:MAX_GROUPS_PER_SOCKET]:

@@ -14,7 +14,9 @@ class JobSubmitForm(forms.Form):
     name = forms.CharField(max_length=200, help_text="A short label, e.g. resnet50-imagenet.")
     entrypoint = forms.CharField(max_length=1000, help_text="The script or module to run, e.g. train.py.")
     args = forms.CharField(required=False, help_text='Arguments as on a shell line, e.g. --epochs 3 --lr "0.1"')
-    world_size = forms.IntegerField(label="W (logical ranks)", initial=4, help_text="Never changes, whatever the devices.")
+    world_size = forms.IntegerField(
+        label="W (logical ranks)", initial=4, help_text="Never changes, whatever the devices."
+    )
     min_devices = forms.IntegerField(initial=1, help_text="Fewest devices it may run on; must divide W.")
     tier = forms.ChoiceField(choices=Tier.choices, initial=Tier.STANDARD)
     accelerator_type = forms.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES)
@@ -34,7 +36,7 @@ class JobSubmitForm(forms.Form):
         try:
             return shlex.split(self.cleaned_data["args"] or "")
         except ValueError as error:
-            raise forms.ValidationError(f"could not split the arguments like a shell would: {error}")
+            raise forms.ValidationError(f"could not split the arguments like a shell would: {error}") from error
 
     def clean_env(self):
         env = {}
@@ -54,7 +56,8 @@ class JobSubmitForm(forms.Form):
     def spec(self):
         """Returns the job spec dict for jobs.services.job_submit."""
         data = self.cleaned_data
-        spec = {field: data[field] for field in ("name", "entrypoint", "args", "world_size", "min_devices", "tier", "accelerator_type", "env")}
+        fields = ("name", "entrypoint", "args", "world_size", "min_devices", "tier", "accelerator_type", "env")
+        spec = {field: data[field] for field in fields}
         if data.get("total_steps") is not None:
             spec["total_steps"] = data["total_steps"]
         return spec

@@ -138,7 +138,9 @@ def heatmap_cluster(*, cluster_id):
                     "label": node["hostname"],
                     "allocated": _fraction(row["allocated_n"], row["healthy_n"]),
                     "used": row["mean_utilization"],
-                    "detail": f"{row['allocated_n']}/{row['healthy_n']} healthy devices allocated; node {node['state']}",
+                    "detail": (
+                        f"{row['allocated_n']}/{row['healthy_n']} healthy devices allocated; node {node['state']}"
+                    ),
                 }
             )
     heatmap = _cells_to_heatmap(cells, drill=None if by_rack else "node")
@@ -345,7 +347,10 @@ def job_timeline(*, job, events, now=None):
         nonlocal placement
         if placement is not None:
             segments.append(
-                {"lane": "placement", "label": placement[0], "state": "placed", "start": placement[1], "end": at, "color": "#4c78a8"}
+                {
+                    "lane": "placement", "label": placement[0], "state": "placed",
+                    "start": placement[1], "end": at, "color": "#4c78a8",
+                }
             )
             placement = None
 
@@ -353,7 +358,10 @@ def job_timeline(*, job, events, now=None):
         if event.type == JobEvent.Type.STATE_CHANGED and event.to_state:
             if event.created_at > state_start or segments == []:
                 segments.append(
-                    {"lane": "state", "label": state, "state": state, "start": state_start, "end": event.created_at, "color": STATE_COLORS.get(state, "#888")}
+                    {
+                        "lane": "state", "label": state, "state": state, "start": state_start,
+                        "end": event.created_at, "color": STATE_COLORS.get(state, "#888"),
+                    }
                 )
             state, state_start = event.to_state, event.created_at
             if state in Job.WAITING_STATES or state in Job.TERMINAL_STATES:
@@ -369,7 +377,10 @@ def job_timeline(*, job, events, now=None):
                 label += f" at step {event.extra_data['step']}"
             markers.append({"label": label, "at": event.created_at, "type": event.type})
     segments.append(
-        {"lane": "state", "label": state, "state": state, "start": state_start, "end": max(end_of_time, state_start), "color": STATE_COLORS.get(state, "#888")}
+        {
+            "lane": "state", "label": state, "state": state, "start": state_start,
+            "end": max(end_of_time, state_start), "color": STATE_COLORS.get(state, "#888"),
+        }
     )
     close_placement(max(end_of_time, placement[1]) if placement else end_of_time)
     # A job that holds devices now but whose placement events the control loop did not

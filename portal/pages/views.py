@@ -148,8 +148,12 @@ def job_detail_page(request, job_id):
     job = job_get_visible_or_404(user=request.user, job_id=job_id)
     events, data = _job_detail_data(job)
     if request.GET.get("format") == "json":
-        data["events_html"] = render(request, "pages/_job_events.html", {"events": events[-JOB_EVENTS_SHOWN:]}).content.decode()
-        data["summary_html"] = render(request, "pages/_job_summary.html", {"job": job, "data": data["job"]}).content.decode()
+        data["events_html"] = render(
+            request, "pages/_job_events.html", {"events": events[-JOB_EVENTS_SHOWN:]}
+        ).content.decode()
+        data["summary_html"] = render(
+            request, "pages/_job_summary.html", {"job": job, "data": data["job"]}
+        ).content.decode()
         return JsonResponse(data)
     return render(
         request,

@@ -25,9 +25,10 @@ may be while attained/ideal >= PolicySettings.standard_sla_floor (else only with
 Basic freely. If the only way to fit needs an approval, the plan carries Preempt decisions
 with needs_approval=True for those victims (nothing else happens) and the job waits for the
 approval. A job whose preemption a capacity manager denied (Jobs.preemption_denied) is
-neither a victim nor asked about again while the denial holds. No thrash: a job (re)started less than PolicySettings.min_run_seconds ago is not
-preempted (it may still be shrunk). The preemptor never borrows by preempting: a job whose
-team would go over quota fits only into idle devices.
+neither a victim nor asked about again while the denial holds. No thrash: a job (re)started
+less than PolicySettings.min_run_seconds ago is not preempted (it may still be shrunk). The
+preemptor never borrows by preempting: a job whose team would go over quota fits only into
+idle devices.
 """
 from __future__ import annotations
 

@@ -75,7 +75,9 @@ def write_jobs_csv(results, path):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    command = "python -m scheduler.sim " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m scheduler.sim " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     try:
         fleet = by_name(args.fleet)
         names = [n.strip() for n in args.policies.split(",") if n.strip()]

@@ -34,7 +34,11 @@ def submit_as_alice(spec):
     from jobs.services import job_submit
 
     alice = get_user_model().objects.get(username="alice")
-    return job_submit(team=Team.objects.get(slug="team-a"), submitted_by=alice, spec={"entrypoint": "train.py", "accelerator_type": "CPU", **spec})
+    return job_submit(
+        team=Team.objects.get(slug="team-a"),
+        submitted_by=alice,
+        spec={"entrypoint": "train.py", "accelerator_type": "CPU", **spec},
+    )
 
 
 def transition(job_id, to, reason=""):
@@ -91,7 +95,9 @@ def test_a_submitter_submits_a_job_and_watches_it_appear_and_its_timeline_change
     latency_ms = int(form.get_by_test_id("job-state").get_attribute("data-rendered-at")) - started_ms
     expect(row.locator(".state")).to_have_text("running")
     labels = form.evaluate("window.meridianJob.data.timeline.segments.map(s => s.lane + ':' + s.label)")
-    assert [label for label in labels if label.startswith("state:")] == ["state:pending", "state:scheduled", "state:running"]
+    assert [label for label in labels if label.startswith("state:")] == [
+        "state:pending", "state:scheduled", "state:running"
+    ]
     expect(form.locator('#job-events tr[data-event-type="state_changed"]')).to_have_count(2)
     form.screenshot(path=str(artifacts_dir() / "job.png"), full_page=True)
 
@@ -117,7 +123,9 @@ def test_a_capacity_manager_approves_a_preemption_and_sees_the_job_move(login, o
         Job.objects.filter(pk=job.pk).update(
             progress_step=900, last_checkpoint_step=600, attained_device_seconds=60, ideal_device_seconds=100
         )
-        request = preemption_request_create(job=job, reason="a premium job needs 4 CPU devices", lost_work_seconds=480.0)
+        request = preemption_request_create(
+            job=job, reason="a premium job needs 4 CPU devices", lost_work_seconds=480.0
+        )
         return job.pk, request.pk
 
     job_id, request_id = on_server(running_job_with_a_preemption_request)
@@ -178,7 +186,8 @@ def test_the_heatmap_changes_when_a_job_starts(login, on_server):
     job_id = on_server(start_a_job)
     expect(page.get_by_test_id("total-allocated")).to_have_text(str(allocated_before + 8))
     page.wait_for_function(
-        "before => window.meridianFleet.data.heatmap.allocated.flat().reduce((a, v) => a + (v || 0), 0) > before + 0.01",
+        "before => window.meridianFleet.data.heatmap.allocated.flat()"
+        ".reduce((a, v) => a + (v || 0), 0) > before + 0.01",
         arg=cells_before,
     )
     page.screenshot(path=str(artifacts_dir() / "fleet.png"), full_page=True)
@@ -186,7 +195,8 @@ def test_the_heatmap_changes_when_a_job_starts(login, on_server):
     # Colour by what is actually used: the mean telemetry of the cluster's reporting devices.
     page.select_option("#metric", "used")
     page.wait_for_function(
-        "JSON.stringify(document.getElementById('heatmap').data[0].z) === JSON.stringify(window.meridianFleet.data.heatmap.used)"
+        "JSON.stringify(document.getElementById('heatmap').data[0].z)"
+        " === JSON.stringify(window.meridianFleet.data.heatmap.used)"
     )
     mean_used = sum(0.95 - 0.05 * i for i in range(8)) / 8
     page.wait_for_function(

@@ -232,7 +232,7 @@ class ControlPlane:
                 pass
 
     def stop(self):
-        for name, process in list(self.processes.items()):
+        for _, process in list(self.processes.items()):
             if process.poll() is None:
                 try:
                     os.killpg(process.pid, signal.SIGTERM)
@@ -272,8 +272,8 @@ class ControlPlane:
         return self.tokens[user]
 
     def api(self, method, path, *, user="alice", **kwargs):
-        response = requests.request(method, f"{self.url}/api/{path}", headers={"Authorization": f"Token {self.token(user)}"},
-                                    timeout=30, **kwargs)
+        response = requests.request(method, f"{self.url}/api/{path}",
+                                    headers={"Authorization": f"Token {self.token(user)}"}, timeout=30, **kwargs)
         return response
 
     def submit(self, *, name, tier, world_size=1, min_devices=None, epochs=6, step_sleep=0.0, out=None, samples=256):

@@ -1,6 +1,6 @@
 """End to end: real Redis, daphne, Celery worker and beat, node agents, the real runtime (framework
-checkpoint engine, named explicitly in harness.ENGINE; CRIU too where a test says so) on CPU slots. Every wait polls with a
-deadline. Each test starts its own control plane from a migrated template database."""
+checkpoint engine, named explicitly in harness.ENGINE; CRIU too where a test says so) on CPU slots.
+Every wait polls with a deadline. Each test starts its own control plane from a migrated template database."""
 import json
 import pathlib
 import time
@@ -127,7 +127,10 @@ def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(st
 
     def pending_request():
         body = plane.api("GET", "preemptions/?state=pending", user="carol").json()
-        rows = [r for r in body.get("results", body) if (r["job"]["id"] if isinstance(r["job"], dict) else r["job"]) == standard]
+        rows = [
+            r for r in body.get("results", body)
+            if (r["job"]["id"] if isinstance(r["job"], dict) else r["job"]) == standard
+        ]
         return rows[0] if rows else None
 
     request = poll("a preemption request for the standard job", pending_request, timeout=60,
@@ -151,8 +154,11 @@ def test_preempting_a_standard_job_below_its_sla_waits_for_a_capacity_manager(st
     base = plane.job(standard)["progress_step"]
     poll("the denied job to keep training", lambda: still_running_after(base, 15), timeout=120)
 
-    again = poll("the next request", lambda: (lambda r: r if r and r["id"] != request["id"] else None)(pending_request()),
-                 timeout=60)
+    def next_request():
+        r = pending_request()
+        return r if r and r["id"] != request["id"] else None
+
+    again = poll("the next request", next_request, timeout=60)
     approved = plane.api("POST", f"preemptions/{again['id']}/approve/", user="carol", json={"note": "ok"})
     assert approved.status_code == 200, approved.text
     plane.wait_state(premium, "succeeded", timeout=180)

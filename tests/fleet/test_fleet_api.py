@@ -11,7 +11,9 @@ def fleet(db):
     fleet_generate(regions=2, clusters=2, nodes=3, devices=4, accelerator_type="H100-80GB")
 
 
-def test_the_summary_counts_by_type_and_cluster(api_client_for, alice, fleet, submit, team_a, django_assert_max_num_queries):
+def test_the_summary_counts_by_type_and_cluster(
+    api_client_for, alice, fleet, submit, team_a, django_assert_max_num_queries
+):
     Accelerator.objects.filter(pk__in=Accelerator.objects.values("pk")[:2]).update(healthy=False)
     Node.objects.filter(hostname="gen-r00-c00-n0000").update(state=Node.State.DRAINING)
     job = submit(team_a, alice, accelerator_type="H100-80GB", world_size=4, min_devices=1)
@@ -57,7 +59,9 @@ def test_node_detail_lists_its_devices(api_client_for, alice, fleet):
 
 def test_accelerators_are_paginated_and_filtered(api_client_for, alice, fleet, django_assert_max_num_queries):
     with django_assert_max_num_queries(2):
-        body = api_client_for(alice).get("/api/accelerators/", {"page_size": 10, "type": "H100-80GB", "healthy": "true"}).json()
+        body = api_client_for(alice).get(
+            "/api/accelerators/", {"page_size": 10, "type": "H100-80GB", "healthy": "true"}
+        ).json()
 
     assert (body["count"], len(body["results"])) == (48, 10)
     assert api_client_for(alice).get("/api/accelerators/", {"type": "TPU"}).status_code == 400

@@ -11,7 +11,9 @@ def test_it_generates_regions_clusters_nodes_and_devices(db):
     result = fleet_generate(regions=2, clusters=3, nodes=4, devices=8, accelerator_type="H100-80GB")
 
     assert (result.regions, result.clusters, result.nodes, result.accelerators) == (2, 6, 24, 192)
-    assert (Region.objects.count(), Cluster.objects.count(), Node.objects.count(), Accelerator.objects.count()) == (2, 6, 24, 192)
+    assert (
+        Region.objects.count(), Cluster.objects.count(), Node.objects.count(), Accelerator.objects.count()
+    ) == (2, 6, 24, 192)
     node = Node.objects.get(hostname="gen-r01-c02-n0003")
     assert sorted(node.accelerators.values_list("index", flat=True)) == list(range(8))
     assert set(Accelerator.objects.values_list("type", "memory_gb")) == {("H100-80GB", 80)}
@@ -37,7 +39,9 @@ def test_it_refuses_non_positive_sizes(db, size):
 
 
 def test_the_command_prints_what_it_made(db, capsys):
-    call_command("fleet_generate", "--regions", "1", "--clusters", "2", "--nodes", "3", "--devices", "4", "--type", "A100-40GB")
+    call_command(
+        "fleet_generate", "--regions", "1", "--clusters", "2", "--nodes", "3", "--devices", "4", "--type", "A100-40GB"
+    )
 
     out = capsys.readouterr().out
     assert "24 accelerators" in out

@@ -14,8 +14,14 @@ DESCRIPTION = {
                 {
                     "name": "c0",
                     "nodes": [
-                        {"hostname": "n0", "rack": "r0", "nvlink_domain": "d0", "accelerators": {"type": "H100-80GB", "count": 8}},
-                        {"hostname": "n1", "accelerators": [{"type": "A100-40GB"}, {"type": "A100-40GB", "memory_gb": 40}]},
+                        {
+                            "hostname": "n0", "rack": "r0", "nvlink_domain": "d0",
+                            "accelerators": {"type": "H100-80GB", "count": 8},
+                        },
+                        {
+                            "hostname": "n1",
+                            "accelerators": [{"type": "A100-40GB"}, {"type": "A100-40GB", "memory_gb": 40}],
+                        },
                     ],
                 }
             ],
@@ -48,11 +54,15 @@ def test_loading_twice_creates_nothing_new(db):
         ({"nodes": []}, 'a fleet description is an object with a "regions" list'),
         ({"regions": [{"clusters": []}]}, "regions[0]: needs a 'name'"),
         (
-            {"regions": [{"name": "e", "clusters": [{"name": "c", "nodes": [{"hostname": "h", "accelerators": {"type": "TPU", "count": 1}}]}]}]},
+            {"regions": [{"name": "e", "clusters": [
+                {"name": "c", "nodes": [{"hostname": "h", "accelerators": {"type": "TPU", "count": 1}}]}
+            ]}]},
             "regions[0].clusters[0].nodes[0].accelerators[0]: unknown accelerator type 'TPU'",
         ),
         (
-            {"regions": [{"name": "e", "clusters": [{"name": "c", "nodes": [{"hostname": "h", "accelerators": {"type": "CPU", "count": -1}}]}]}]},
+            {"regions": [{"name": "e", "clusters": [
+                {"name": "c", "nodes": [{"hostname": "h", "accelerators": {"type": "CPU", "count": -1}}]}
+            ]}]},
             "nodes[0].accelerators.count: must be a whole number >= 0",
         ),
     ],

@@ -61,7 +61,9 @@ def test_heartbeats_in_the_same_minute_add_to_one_row_and_the_next_minute_opens_
     beat(fleet["n1"], T0 + timedelta(seconds=60), (1.0, 5.0), (1.0, 5.0))
 
     rows = list(NodeTelemetryBucket.objects.order_by("bucket_start"))
-    assert [(r.bucket_start, r.heartbeats, r.device_samples) for r in rows] == [(T0, 3, 6), (T0 + timedelta(minutes=1), 1, 2)]
+    assert [(r.bucket_start, r.heartbeats, r.device_samples) for r in rows] == [
+        (T0, 3, 6), (T0 + timedelta(minutes=1), 1, 2)
+    ]
     assert rows[0].utilization_sum == pytest.approx(1.8) and rows[0].utilization_max == 0.4
     assert rows[0].memory_used_gb_sum == pytest.approx(9.0)
 

@@ -26,7 +26,9 @@ def reporting_fleet(db):
     return {n.hostname: n for n in Node.objects.all()}
 
 
-def test_a_member_sees_the_fleets_utilization_by_minute(api_client_for, alice, reporting_fleet, django_assert_max_num_queries):
+def test_a_member_sees_the_fleets_utilization_by_minute(
+    api_client_for, alice, reporting_fleet, django_assert_max_num_queries
+):
     with django_assert_max_num_queries(4):
         response = api_client_for(alice).get(URL)
 

@@ -103,7 +103,9 @@ def test_the_job_list_filters_by_state_tier_team_and_type(client_for, alice, car
     assert "<html" not in content and f'data-job-id="{premium.pk}"' in content
 
 
-def test_the_job_list_costs_a_constant_number_of_queries(client_for, alice, team_a, submit, django_assert_max_num_queries):
+def test_the_job_list_costs_a_constant_number_of_queries(
+    client_for, alice, team_a, submit, django_assert_max_num_queries
+):
     for i in range(12):
         submit(team_a, alice, name=f"job-{i}", min_devices=1)
     client = client_for(alice)
@@ -210,7 +212,9 @@ def test_approvals_show_the_blast_radius_and_decide(client_for, alice, carol, te
     page = client.get(reverse("pages:approvals")).content.decode()
     assert f'data-request-id="{request.pk}"' in page
     assert "321 device-s" in page and "(300 steps)" in page and "0.500" in page and "Standard" in page
-    response = client.post(reverse("pages:approval-decide", args=[request.pk]), {"decision": "approve", "note": "ok, go"})
+    response = client.post(
+        reverse("pages:approval-decide", args=[request.pk]), {"decision": "approve", "note": "ok, go"}
+    )
     assert response.status_code == 302
     request.refresh_from_db()
     assert (request.state, request.decided_by, request.note) == ("approved", carol, "ok, go")
@@ -315,7 +319,9 @@ def test_the_fleet_summary_counts_allocated_free_unhealthy_and_draining(alice, t
     cpu = next(row for row in summary["by_type"] if row["type"] == "CPU")
     cpu_total = Accelerator.objects.filter(type="CPU").count()
     cpu_free = Accelerator.objects.filter(type="CPU", healthy=True, node__state="ready", replicas__isnull=True).count()
-    assert (cpu["accelerators"], cpu["allocated"], cpu["healthy"], cpu["free"]) == (cpu_total, 3, cpu_total - 1, cpu_free)
+    assert (cpu["accelerators"], cpu["allocated"], cpu["healthy"], cpu["free"]) == (
+        cpu_total, 3, cpu_total - 1, cpu_free
+    )
     assert {row["type"]: row["mean_utilization"] for row in summary["by_type"]} == {"CPU": 0.25, "H100-80GB": None}
     assert summary["totals"]["accelerators"] == cpu_total + 4
     assert summary["totals"]["allocated"] == 3
@@ -325,7 +331,9 @@ def test_the_fleet_summary_counts_allocated_free_unhealthy_and_draining(alice, t
 
 def test_progress_reports_stay_out_of_the_timeline_and_the_events_table(client_for, alice, team_a, submit):
     job = submit(team_a, alice)
-    JobEvent.objects.bulk_create([JobEvent(job=job, type=JobEvent.Type.PROGRESS, extra_data={"step": i}) for i in range(300)])
+    JobEvent.objects.bulk_create(
+        [JobEvent(job=job, type=JobEvent.Type.PROGRESS, extra_data={"step": i}) for i in range(300)]
+    )
     data = client_for(alice).get(reverse("pages:job-detail", args=[job.pk]) + "?format=json").json()
     assert 'data-event-type="progress"' not in data["events_html"]
     assert data["events_html"].count("<tr") == 1  # submitted

@@ -51,7 +51,9 @@ def test_a_user_joins_only_groups_they_may_see(alice, carol, team_a, team_b, sub
         communicator, connected, _ = await _connect(alice)
         assert connected
         reply = await _subscribe(
-            communicator, ["fleet", f"team.{team_a.pk}", f"job.{job_a.pk}", f"team.{team_b.pk}", f"job.{job_b.pk}", "approvals", "job.x", 7]
+            communicator,
+            ["fleet", f"team.{team_a.pk}", f"job.{job_a.pk}",
+             f"team.{team_b.pk}", f"job.{job_b.pk}", "approvals", "job.x", 7],
         )
         assert reply["type"] == "subscribed"
         assert reply["groups"] == ["fleet", f"team.{team_a.pk}", f"job.{job_a.pk}"]

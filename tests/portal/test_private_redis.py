@@ -74,7 +74,10 @@ def test_the_configured_layer_delivers_job_updates_after_commit(
     redis_url, settings, team_a, alice, submit, django_capture_on_commit_callbacks
 ):
     settings.CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [redis_url], "prefix": "meridian-test"}}
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [redis_url], "prefix": "meridian-test"},
+        }
     }
     layer = get_channel_layer()
     channel = in_own_thread(async_to_sync(layer.new_channel))
@@ -87,7 +90,9 @@ def test_the_configured_layer_delivers_job_updates_after_commit(
         in_own_thread(callback)
 
     message = in_own_thread(async_to_sync(layer.receive), channel)
-    assert (message["type"], message["job"]["job_id"], message["job"]["state"]) == ("jobs.job_updated", job.pk, "pending")
+    assert (message["type"], message["job"]["job_id"], message["job"]["state"]) == (
+        "jobs.job_updated", job.pk, "pending"
+    )
 
 
 def test_publishing_without_a_reachable_layer_never_breaks_the_write(settings, db):
@@ -95,7 +100,8 @@ def test_publishing_without_a_reachable_layer_never_breaks_the_write(settings, d
         "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": ["unix:///nonexistent/redis.sock"]}}
     }
 
-    events_publish(groups=["fleet"], type="fleet.node_updated", payload={"node_id": 1})  # outside a transaction: sends now
+    # outside a transaction: sends now
+    events_publish(groups=["fleet"], type="fleet.node_updated", payload={"node_id": 1})
 
     assert events_publish_now(groups=["fleet"], message={"type": "fleet.node_updated"}) == 0
 

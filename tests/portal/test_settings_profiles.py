@@ -69,7 +69,9 @@ def test_a_secret_key_from_the_environment_wins_and_nothing_is_written(tmp_path)
 def test_database_and_redis_urls_come_from_the_environment(tmp_path):
     env = {"DATABASE_URL": "postgres://meridian@db.example:5432/meridian", "REDIS_URL": "redis://cache.example:6380/2"}
 
-    seen = json.loads(settings_with(env, "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "CHANNEL_LAYERS", data_dir=tmp_path).stdout)
+    seen = json.loads(
+        settings_with(env, "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "CHANNEL_LAYERS", data_dir=tmp_path).stdout
+    )
 
     assert (seen["_db_engine"], seen["_db_name"]) == ("django.db.backends.postgresql", "meridian")
     assert seen["CELERY_BROKER_URL"] == seen["CELERY_RESULT_BACKEND"] == "redis://cache.example:6380/2"
@@ -110,20 +112,19 @@ def test_processes_starting_at_once_agree_on_one_whole_secret_key(tmp_path):
     key file that exists but is not written yet (CI saw a worker die on an empty one)."""
     from portal.settings import _secret_key_from_data_dir
 
+    def read_key(start, data_dir, keys, errors):
+        start.wait()
+        try:
+            keys.append(_secret_key_from_data_dir(data_dir))
+        except Exception as error:  # noqa: BLE001 — any failure is the defect under test
+            errors.append(error)
+
     for round_ in range(30):
         data_dir = tmp_path / str(round_)
         data_dir.mkdir()
         start = threading.Barrier(8)
         keys, errors = [], []
-
-        def read_key():
-            start.wait()
-            try:
-                keys.append(_secret_key_from_data_dir(data_dir))
-            except Exception as error:  # noqa: BLE001 — any failure is the defect under test
-                errors.append(error)
-
-        threads = [threading.Thread(target=read_key) for _ in range(8)]
+        threads = [threading.Thread(target=read_key, args=(start, data_dir, keys, errors)) for _ in range(8)]
         for thread in threads:
             thread.start()
         for thread in threads:

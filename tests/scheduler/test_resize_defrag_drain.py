@@ -127,7 +127,11 @@ def test_defrag_respects_its_limits(change):
 
 # --- drain and move -----------------------------------------------------------------------
 def two_regions():
-    return make_snapshot().fleet(make_fleet().region("eu", nodes=2, devices=4).region("us", nodes=1, devices=4)).now(NOW)
+    return (
+        make_snapshot()
+        .fleet(make_fleet().region("eu", nodes=2, devices=4).region("us", nodes=1, devices=4))
+        .now(NOW)
+    )
 
 
 def test_a_job_on_a_lost_node_restarts_from_its_checkpoint_elsewhere():
