@@ -107,8 +107,8 @@ def _message_schema(cls: type[Message], *, top: bool = False) -> dict[str, Any]:
         if metadata.get("maximum") is not None:
             schema["maximum"] = metadata["maximum"]
         if metadata.get("max_length") is not None:
-            schema[{"array": "maxItems", "object": "maxProperties"}.get(schema.get("type"), "maxLength")] = \
-                metadata["max_length"]
+            length_key = {"array": "maxItems", "object": "maxProperties"}.get(str(schema.get("type")), "maxLength")
+            schema[length_key] = metadata["max_length"]
         properties[field.name] = schema
         if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             required.append(field.name)
@@ -125,7 +125,8 @@ def _schema(hint: Any) -> dict[str, Any]:
         return {}
     if _is_union(hint):
         options = [option for option in get_args(hint) if option is not type(None)]
-        schema = _schema(options[0]) if len(options) == 1 else {"oneOf": [_schema(o) for o in options]}
+        schema: dict[str, Any] = (_schema(options[0]) if len(options) == 1
+                                  else {"oneOf": [_schema(o) for o in options]})
         if type(None) in get_args(hint):
             schema["nullable"] = True
         return schema

@@ -117,8 +117,8 @@ class CutReport(Message):
 class JobReport(Message):
     """What the agent observes of one copy of a job on its node."""
 
+    state: CopyState  # listed first: type checkers read bounded() as a default
     job_id: int = bounded(minimum=1, maximum=MAX_ID)
-    state: CopyState
     generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)  # None: not said
     step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
     steps_per_s: float | None = bounded(default=None, minimum=0.0, maximum=1e12)
@@ -149,8 +149,8 @@ class DesiredJob(Message):
     A "stop" entry carries only job_id, action, generation and the move taking the copy off
     the node (`move`, `move_step`); "run" and "wait" entries carry the job's launch details."""
 
+    action: DesiredAction  # listed first: type checkers read bounded() as a default
     job_id: int = bounded(minimum=1, maximum=MAX_ID)
-    action: DesiredAction
     generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)
     name: str = bounded(default="", max_length=MAX_NAME)
     tier: str = bounded(default="", max_length=MAX_WORD)
