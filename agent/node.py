@@ -1,11 +1,12 @@
 """The reconciler of one real node: drives the runtime (meridian-run) toward the desired state.
 
-Level-triggered: every heartbeat the agent reports what it observes and receives what it
-should run; `reconcile(desired)` then
+Level-triggered: every heartbeat the agent reports what it observes (protocol.node.JobReport)
+and receives what it should run (protocol.node.DesiredJob entries); `reconcile(desired)` then
   1. stops (checkpoint at a consistent cut, then exit) every local job that is not desired here,
      is listed with action "stop" (the barrier of a move), or runs an older placement generation
      than the one desired;
-  2. resizes a running job whose desired device count differs (replica splicing);
+  2. resizes a running job whose desired device count differs (replica splicing), telling the
+     launcher the node-local device indices too;
   3. launches desired jobs that are not running, once no stop is in progress on the node,
      restoring the newest checkpoint of the job's store when it has one;
   4. checkpoints running jobs every `checkpoint_every_s`;
