@@ -11,9 +11,11 @@ A message type is declared once, with its fields' types and bounds:
 `Progress.from_dict(obj)` returns a Progress or raises `ProtocolError("step", "...")` for the
 first field that is missing, of the wrong type or out of bounds. Supported field types: int,
 float, str, bool, `X | None`, `tuple[X, ...]`, `dict[str, X]`, `Literal[...]`, an `Enum` (a
-`StrEnum` of protocol.states: decoded to its member, encoded as its value), another Message, and `Any` (passed through untouched: for payloads another layer validates). Unknown keys are
+`StrEnum` of protocol.states: decoded to its member, encoded as its value), another Message,
+and `Any` (passed through untouched: for payloads another layer validates). Unknown keys are
 ignored, so an older receiver accepts a newer sender's additions; a message whose "v" is newer
-than this module's `PROTOCOL_VERSION` is refused by name.
+than this module's `PROTOCOL_VERSION` is refused by name. `json_schema()` publishes the shape
+(the agent API's generated OpenAPI schema uses it).
 """
 from __future__ import annotations
 
