@@ -12,6 +12,8 @@ it) and jobs/workflows.py reads their attributes and builds DesiredState.
 Bounds are physics and sanity, not policy: ids are >= 1, device counts fit a node, strings and
 lists are short enough that no agent can make the control plane store or loop over much.
 A field an older agent does not send has a default; a message without "v" is version 1.
+Messages are keyword-only (a required field may follow a bounded one, which type checkers read
+as a default).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ MAX_ARG = 100_000
 # --- registration ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceDescription(Message):
     """One device of a registering node, in index order."""
 
@@ -50,7 +52,7 @@ class DeviceDescription(Message):
     uuid: str | None = bounded(default=None, max_length=128)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Registration(Message):
     """POST register/ (with `Authorization: Enroll <enrollment token>`): this node and its devices."""
 
@@ -62,7 +64,7 @@ class Registration(Message):
     agent_version: str = bounded(default="", max_length=256)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RegistrationAnswer(Message):
     """201 to Registration: the node's id and its own token (the old one stops working)."""
 
@@ -75,7 +77,7 @@ class RegistrationAnswer(Message):
 # --- heartbeat ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceReading(Message):
     """One device's latest telemetry."""
 
@@ -84,7 +86,7 @@ class DeviceReading(Message):
     memory_used_gb: float | None = bounded(default=None, minimum=0.0, maximum=100_000)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Telemetry(Message):
     """The node's readings since its previous heartbeat (aggregated on the node)."""
 
@@ -93,7 +95,7 @@ class Telemetry(Message):
     devices: tuple[DeviceReading, ...] = bounded(default=(), max_length=MAX_DEVICES_PER_NODE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointReport(Message):
     """The newest checkpoint a copy committed to its store."""
 
@@ -104,7 +106,7 @@ class CheckpointReport(Message):
     sha256: str | None = bounded(default=None, max_length=64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CutReport(Message):
     """The newest consistent cut the copy's launcher took (a stop, checkpoint or resize)."""
 
@@ -113,12 +115,12 @@ class CutReport(Message):
     devices: int | None = bounded(default=None, minimum=0, maximum=MAX_DEVICES)  # a resize's new count
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobReport(Message):
     """What the agent observes of one copy of a job on its node."""
 
-    state: CopyState  # listed first: type checkers read bounded() as a default
     job_id: int = bounded(minimum=1, maximum=MAX_ID)
+    state: CopyState
     generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)  # None: not said
     step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
     steps_per_s: float | None = bounded(default=None, minimum=0.0, maximum=1e12)
@@ -131,7 +133,7 @@ class JobReport(Message):
     exit_code: int | None = bounded(default=None, minimum=-255, maximum=255)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     """POST heartbeat/: the node's telemetry and a report on every copy it holds."""
 
@@ -142,15 +144,15 @@ class Heartbeat(Message):
 # --- desired state --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DesiredJob(Message):
     """One job the node should run, wait for, or stop (see DesiredAction).
 
     A "stop" entry carries only job_id, action, generation and the move taking the copy off
     the node (`move`, `move_step`); "run" and "wait" entries carry the job's launch details."""
 
-    action: DesiredAction  # listed first: type checkers read bounded() as a default
     job_id: int = bounded(minimum=1, maximum=MAX_ID)
+    action: DesiredAction
     generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)
     name: str = bounded(default="", max_length=MAX_NAME)
     tier: str = bounded(default="", max_length=MAX_WORD)
@@ -169,7 +171,7 @@ class DesiredJob(Message):
     move_step: str | None = bounded(default=None, max_length=MAX_WORD)  # ... and the step it is at
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DesiredState(Message):
     """What a node's agent should run now; a local copy of a job not listed is stopped (with a cut)."""
 
@@ -182,7 +184,7 @@ class DesiredState(Message):
     jobs: tuple[DesiredJob, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rejection(Message):
     """A job report the control plane refused (changing nothing), and what the agent must do."""
 
@@ -192,7 +194,7 @@ class Rejection(Message):
     cancel: bool = False  # the job was cancelled: kill the copy and remove its store
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReportOutcome(Message):
     """What the control plane did with a heartbeat's job reports (jobs.workflows.node_report_record).
 
@@ -204,7 +206,7 @@ class ReportOutcome(Message):
     deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeartbeatAnswer(Message):
     """200 to Heartbeat: what became of each report, and the node's desired state."""
 

@@ -126,7 +126,7 @@ def test_the_json_schema_names_every_field_with_its_bounds():
     jobs = schema["properties"]["jobs"]
     assert jobs["type"] == "array" and jobs["maxItems"] == MAX_JOBS_PER_NODE
     report = jobs["items"]
-    assert sorted(report["required"]) == ["job_id", "state"]
+    assert report["required"] == ["job_id", "state"]
     assert report["properties"]["state"]["enum"] == [state.value for state in CopyState]
     assert report["properties"]["step"] == {"type": "integer", "nullable": True, "minimum": 0, "maximum": 2**63 - 1}
     assert report["properties"]["error"]["maxLength"] == 4096
