@@ -11,14 +11,21 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import requests
+
+from protocol import Message, ProtocolError
+from protocol.node import (DesiredState, Heartbeat, HeartbeatAnswer, JobReport, Registration, RegistrationAnswer,
+                           Telemetry)
 
 log = logging.getLogger("agent.client")
 
 
 class ControlPlaneError(RuntimeError):
-    """The control plane refused a request (4xx) or could not be reached within the retries."""
+    """The control plane refused a request (4xx), could not be reached within the retries, or
+    answered something this agent cannot decode."""
 
     def __init__(self, message, status=None):
         super().__init__(message)
@@ -68,20 +75,38 @@ class ControlPlaneClient:
                 time.sleep(delay)
         raise ControlPlaneError(f"{method} {path}: gave up after {retries + 1} attempts: {last}")
 
-    def register(self, *, enrollment_token, hostname, region, cluster, devices, rack="", agent_version=""):
-        """Returns {"node_id", "token", "heartbeat_seconds"}; remembers the token."""
-        answer = self._request("POST", "register/", auth=f"Enroll {enrollment_token}", json={
-            "hostname": hostname, "region": region, "cluster": cluster, "rack": rack,
-            "devices": devices, "agent_version": agent_version})
-        self.token = answer["token"]
+    def register(self, *, enrollment_token: str, registration: Registration) -> RegistrationAnswer:
+        """Registers this node; returns the answer (node id, token, heartbeat seconds) and
+        remembers the token."""
+        answer = _decoded(RegistrationAnswer, self._request("POST", "register/", auth=f"Enroll {enrollment_token}",
+                                                            json=registration.to_dict()), "register/")
+        self.token = answer.token
         return answer
 
-    def heartbeat(self, *, telemetry, jobs, retries=None):
-        """Returns {"accepted", "rejected", "desired", "heartbeat_seconds"}."""
-        return self._request("POST", "heartbeat/", json={"telemetry": telemetry, "jobs": jobs}, retries=retries)
+    def heartbeat(self, *, telemetry: Telemetry | dict | None, jobs: Sequence[JobReport],
+                  retries: int | None = None) -> HeartbeatAnswer:
+        """Sends one heartbeat (telemetry: a Telemetry or its wire dict); returns the answer:
+        what became of each report and the node's desired state."""
+        if isinstance(telemetry, dict):
+            telemetry = Telemetry.from_dict(telemetry)
+        heartbeat = Heartbeat(telemetry=telemetry, jobs=tuple(jobs))
+        return _decoded(HeartbeatAnswer, self._request("POST", "heartbeat/", json=heartbeat.to_dict(),
+                                                       retries=retries), "heartbeat/")
 
-    def desired(self):
-        return self._request("GET", "desired/")
+    def desired(self) -> DesiredState:
+        return _decoded(DesiredState, self._request("GET", "desired/"), "desired/")
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _decoded(message: type[M], body: Any, path: str) -> M:
+    """Returns `body` decoded as `message`; a malformed answer (or a newer protocol version) is a
+    ControlPlaneError naming the field: this agent cannot act on it."""
+    try:
+        return message.from_dict(body)
+    except ProtocolError as exc:
+        raise ControlPlaneError(f"{path}: the control plane's answer is not a {message.__name__}: {exc}") from None
 
 
 def _detail(response):

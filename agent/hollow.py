@@ -17,12 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected
+from protocol.node import CheckpointReport, DesiredJob, DeviceDescription, JobReport, Registration, Telemetry
+from protocol.states import CopyState, DesiredAction
 
 log = logging.getLogger("agent.hollow")
 
 
-def total_steps_of(entry):
-    args = [str(a) for a in entry.get("args", [])]
+def total_steps_of(entry: DesiredJob) -> int | None:
+    """Returns the job's length from its args (`--steps N` / `--total-steps N`), or None."""
+    args = [str(a) for a in entry.args]
     for flag in ("--steps", "--total-steps"):
         if flag in args and args.index(flag) + 1 < len(args):
             try:
@@ -33,15 +36,15 @@ def total_steps_of(entry):
 
 
 class HollowJob:
-    def __init__(self, entry, now):
-        self.job_id = int(entry["job_id"])
-        self.generation = entry.get("generation")
-        self.devices = int(entry["devices"])
-        self.step = float(entry.get("last_checkpoint_step") or 0)
+    def __init__(self, entry: DesiredJob, now: float):
+        self.job_id = entry.job_id
+        self.generation = entry.generation
+        self.devices = entry.devices
+        self.step = float(entry.last_checkpoint_step or 0)
         self.total_steps = total_steps_of(entry)
         self.checkpointed_at = now
-        self.checkpoint = None
-        self.state = "running"
+        self.checkpoint: CheckpointReport | None = None
+        self.state = CopyState.RUNNING
 
 
 class HollowNode:
@@ -57,45 +60,37 @@ class HollowNode:
         self.last_beat = None
 
     def register(self, enrollment_token, region, cluster):
-        self.client.register(enrollment_token=enrollment_token, hostname=self.hostname, region=region,
-                             cluster=cluster, devices=[{"type": self.device_type}] * self.devices,
-                             agent_version="meridian-agent/hollow")
+        self.client.register(enrollment_token=enrollment_token, registration=Registration(
+            hostname=self.hostname, region=region, cluster=cluster,
+            devices=(DeviceDescription(type=self.device_type),) * self.devices, agent_version="meridian-agent/hollow"))
 
     def _advance(self, now):
         dt = 0.0 if self.last_beat is None else now - self.last_beat
         self.last_beat = now
         for job in self.jobs.values():
-            if job.state != "running":
+            if job.state != CopyState.RUNNING:
                 continue
             job.step += self.rate * job.devices * dt
             if job.total_steps is not None and job.step >= job.total_steps:
                 job.step = float(job.total_steps)
-                job.state = "finished"
+                job.state = CopyState.FINISHED
             elif now - job.checkpointed_at >= self.checkpoint_every_s:
                 self._checkpoint(job, now)
 
     def _checkpoint(self, job, now):
         job.checkpointed_at = now
         step = int(job.step)
-        job.checkpoint = {"step": step, "uri": f"hollow://{self.hostname}/{job.job_id}/{step}",
-                          "bytes": 1 << 20, "engine": "framework"}
+        job.checkpoint = CheckpointReport(step=step, uri=f"hollow://{self.hostname}/{job.job_id}/{step}",
+                                          bytes=1 << 20, engine="framework")
 
-    def observed(self):
-        out = []
-        for job in self.jobs.values():
-            entry = {"job_id": job.job_id, "state": job.state, "step": int(job.step), "devices": job.devices,
-                     "steps_per_s": self.rate * job.devices}
-            if job.generation is not None:
-                entry["generation"] = job.generation
-            if job.checkpoint:
-                entry["checkpoint"] = job.checkpoint
-            out.append(entry)
-        return out
+    def observed(self) -> list[JobReport]:
+        return [JobReport(job_id=job.job_id, state=job.state, step=int(job.step), devices=job.devices,
+                          steps_per_s=self.rate * job.devices, generation=job.generation, checkpoint=job.checkpoint)
+                for job in self.jobs.values()]
 
-    def telemetry(self):
-        busy = sum(j.devices for j in self.jobs.values() if j.state == "running")
-        utilization = min(1.0, busy / max(1, self.devices))
-        return {"utilization": utilization, "memory_used_gb": None}
+    def telemetry(self) -> Telemetry:
+        busy = sum(j.devices for j in self.jobs.values() if j.state == CopyState.RUNNING)
+        return Telemetry(utilization=min(1.0, busy / max(1, self.devices)))
 
     def beat(self, now=None):
         """One heartbeat: advance the model, report, reconcile. Returns the number of jobs reported."""
@@ -103,23 +98,23 @@ class HollowNode:
         self._advance(now)
         observed = self.observed()
         answer = self.client.heartbeat(telemetry=self.telemetry(), jobs=observed, retries=2)
-        accepted = set(answer.get("accepted", []))
+        accepted = set(answer.accepted)
         for job_id in list(self.jobs):
-            if self.jobs[job_id].state in ("finished", "stopped") and job_id in accepted:
+            if self.jobs[job_id].state in (CopyState.FINISHED, CopyState.STOPPED) and job_id in accepted:
                 del self.jobs[job_id]
-        for rejected in answer.get("rejected", []):
-            if rejected.get("fence"):  # a stale copy: killed without a checkpoint
-                self.jobs.pop(int(rejected["job_id"]), None)
+        for rejected in answer.rejected:
+            if rejected.fence:  # a stale copy: killed without a checkpoint
+                self.jobs.pop(rejected.job_id, None)
         # "stop" entries (a move's barrier) are stopped like jobs no longer listed
-        desired = {int(e["job_id"]): e for e in answer["desired"]["jobs"] if e.get("action") != "stop"}
+        desired = {e.job_id: e for e in answer.desired.jobs if e.action != DesiredAction.STOP}
         for job_id, job in self.jobs.items():
-            if job.state == "running" and job_id not in desired:
+            if job.state == CopyState.RUNNING and job_id not in desired:
                 self._checkpoint(job, now)  # stop at a consistent cut
-                job.state = "stopped"
-            elif job.state == "running" and int(desired[job_id]["devices"]) != job.devices:
-                job.devices = int(desired[job_id]["devices"])  # resize
+                job.state = CopyState.STOPPED
+            elif job.state == CopyState.RUNNING and desired[job_id].devices != job.devices:
+                job.devices = desired[job_id].devices  # resize
         for job_id, entry in desired.items():
-            if job_id not in self.jobs and entry.get("action") == "run":
+            if job_id not in self.jobs and entry.action == DesiredAction.RUN:
                 self.jobs[job_id] = HollowJob(entry, now)
         return len(observed)
 

@@ -33,6 +33,8 @@ import time
 
 from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected, backoff_delay
 from agent.devices import DeviceError, Devices, hostname_default
+from protocol import ProtocolError
+from protocol.node import DesiredJob, DeviceDescription, Registration, Telemetry
 
 log = logging.getLogger("agent")
 AGENT_VERSION = "meridian-agent/0.1"
@@ -98,7 +100,7 @@ class Agent:
                                          checkpoint_every_s=options.checkpoint_every,
                                          workload_root=options.workload_root,
                                          keep_finished_checkpoints=options.keep_finished_checkpoints)
-        self.desired_jobs = []
+        self.desired_jobs: tuple[DesiredJob, ...] = ()
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
         # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.
         self.lost_after_s = None
@@ -109,16 +111,18 @@ class Agent:
         if self.options.token and not self.options.enroll_token:
             self.client.token = self.options.token
             return
-        answer = self.client.register(
-            enrollment_token=self.options.enroll_token, hostname=self.hostname, region=self.options.region,
-            cluster=self.options.cluster, rack=self.options.rack, devices=self.devices.describe(),
+        registration = Registration(
+            hostname=self.hostname, region=self.options.region, cluster=self.options.cluster, rack=self.options.rack,
+            devices=tuple(DeviceDescription(type=d["type"], memory_gb=d.get("memory_gb"), uuid=d.get("uuid"))
+                          for d in self.devices.describe()),
             agent_version=AGENT_VERSION)
+        answer = self.client.register(enrollment_token=self.options.enroll_token, registration=registration)
         fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
-            handle.write(answer["token"])
+            handle.write(answer.token)
         if not self.options.interval:
-            self.interval = float(answer.get("heartbeat_seconds") or self.interval)
-        log.info("registered %s as node %s with %d device(s)", self.hostname, answer["node_id"], self.devices.count)
+            self.interval = float(answer.heartbeat_seconds or self.interval)
+        log.info("registered %s as node %s with %d device(s)", self.hostname, answer.node_id, self.devices.count)
 
     def start(self):
         saved = self.token_path.read_text().strip() if self.token_path.exists() else ""
@@ -128,7 +132,7 @@ class Agent:
             self.register()
 
     def beat(self):
-        telemetry = self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs))
+        telemetry = telemetry_of(self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs)))
         observed = self.reconciler.observed()
         # The control plane recorded this heartbeat after we sent it: counting from the send keeps
         # our self-fencing clock ahead of its lost-node clock.
@@ -141,25 +145,25 @@ class Agent:
             log.warning("node token rejected; registering again")
             self.register()
             answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
-        if not self.options.interval and answer.get("heartbeat_seconds"):
-            self.interval = float(answer["heartbeat_seconds"])
+        if not self.options.interval and answer.heartbeat_seconds:
+            self.interval = answer.heartbeat_seconds
         self.last_heartbeat_ok = sent
         self.self_fenced = False
-        if answer["desired"].get("lost_after_seconds"):
-            self.lost_after_s = float(answer["desired"]["lost_after_seconds"])
-        self.reconciler.forget_reported(set(answer.get("accepted", [])))
+        if answer.desired.lost_after_seconds:
+            self.lost_after_s = answer.desired.lost_after_seconds
+        self.reconciler.forget_reported(set(answer.accepted))
         fenced, cancelled = set(), set()
-        for rejected in answer.get("rejected", []):
-            log.warning("control plane rejected the report on job %s: %s", rejected.get("job_id"), rejected.get("error"))
-            if rejected.get("fence"):
-                fenced.add(int(rejected["job_id"]))
-            elif rejected.get("cancel"):
-                cancelled.add(int(rejected["job_id"]))
+        for rejected in answer.rejected:
+            log.warning("control plane rejected the report on job %s: %s", rejected.job_id, rejected.error)
+            if rejected.fence:
+                fenced.add(rejected.job_id)
+            elif rejected.cancel:
+                cancelled.add(rejected.job_id)
         if fenced:
             self.reconciler.fence(fenced, why="the control plane runs a newer generation elsewhere")
         if cancelled:
             self.reconciler.fence(cancelled, why="the job was cancelled", remove_store=True)
-        self.desired_jobs = answer["desired"]["jobs"]
+        self.desired_jobs = answer.desired.jobs
         self.reconciler.reconcile(self.desired_jobs)
 
     def self_fence_due(self, now=None):
@@ -200,6 +204,16 @@ class Agent:
         if self.options.stop_jobs_on_exit:
             self.reconciler.kill_all()
         return 0
+
+
+def telemetry_of(sample: dict) -> Telemetry | None:
+    """Returns the Devices.sample() readings as a Telemetry, or None (logged) when a reading is
+    out of bounds: the heartbeat goes without telemetry rather than not at all."""
+    try:
+        return Telemetry.from_dict(sample)
+    except ProtocolError as exc:
+        log.warning("telemetry not sent: %s", exc)
+        return None
 
 
 def main(argv=None):

@@ -1,11 +1,12 @@
 """The reconciler of one real node: drives the runtime (meridian-run) toward the desired state.
 
-Level-triggered: every heartbeat the agent reports what it observes and receives what it
-should run; `reconcile(desired)` then
+Level-triggered: every heartbeat the agent reports what it observes (protocol.node.JobReport)
+and receives what it should run (protocol.node.DesiredJob entries); `reconcile(desired)` then
   1. stops (checkpoint at a consistent cut, then exit) every local job that is not desired here,
      is listed with action "stop" (the barrier of a move), or runs an older placement generation
      than the one desired;
-  2. resizes a running job whose desired device count differs (replica splicing);
+  2. resizes a running job whose desired device count differs (replica splicing), telling the
+     launcher the node-local device indices too;
   3. launches desired jobs that are not running, once no stop is in progress on the node,
      restoring the newest checkpoint of the job's store when it has one;
   4. checkpoints running jobs every `checkpoint_every_s`;
@@ -28,6 +29,7 @@ a stale copy must not write one over the new copy's.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,12 +40,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 
+from protocol import ProtocolError
+from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
+from protocol.states import FINAL_COPY_STATES, CopyState, DesiredAction
 from runtime.control import JobControl, JobControlError
 
 log = logging.getLogger("agent.node")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TERMINAL_EVENTS = {"finished": "finished", "stopped": "stopped", "failed": "failed"}
+# the launcher's final events (events.jsonl) -> the state of the copy they leave
+TERMINAL_EVENTS = {"finished": CopyState.FINISHED, "stopped": CopyState.STOPPED, "failed": CopyState.FAILED}
 
 
 def read_json(path, default=None):
@@ -190,6 +197,29 @@ def next_attempt(jobs_dir, job_id):
     return 1 + max(attempts, default=0)
 
 
+@functools.cache
+def launcher_takes_device_indices() -> bool:
+    """True when this checkout's runtime.launcher accepts --device-indices (and a resize request's
+    device_indices). An older launcher refuses the unknown option, so the agent leaves it out."""
+    try:
+        return "--device-indices" in (ROOT / "runtime" / "launcher.py").read_text()
+    except OSError:
+        return False
+
+
+def launcher_resize(control: JobControl, devices: int, device_indices: Sequence[int], *,
+                    timeout_s: float) -> dict:
+    """Asks the launcher behind `control` to splice its ranks onto `devices` devices (the node-local
+    `device_indices`, sorted); returns its answer {"step", "devices", "device_map", "seconds"}.
+
+    JobControl.resize sends the device count only; the request is the same with device_indices
+    added (a launcher that does not know the key ignores it)."""
+    if not device_indices:
+        return control.resize(devices, timeout_s=timeout_s)
+    return control._call({"cmd": "resize", "devices": int(devices), "device_indices": [int(i) for i in device_indices],
+                          "at_step": None, "timeout_s": timeout_s}, timeout_s + 30)
+
+
 def launcher_pid(job_dir):
     """Returns the pid of the launcher that ran in `job_dir` (launcher.json, or agent.json
     before the launcher wrote its own), or None."""
@@ -202,7 +232,7 @@ class LocalJob:
     """One launcher this agent started or adopted."""
 
     def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0, generation=None,
-                 store=None):
+                 store=None, device_indices: Iterable[int] = ()):
         self.job_id = int(job_id)
         self.generation = generation
         self.store = pathlib.Path(store) if store else None  # its checkpoint store folder, when known
@@ -210,6 +240,7 @@ class LocalJob:
         self.popen = popen
         self.pid = pid or (popen.pid if popen else None)
         self.devices = devices
+        self.device_indices = tuple(device_indices)  # the node-local devices it was given, when known
         self.world_size = world_size
         self.control = JobControl(self.job_dir)
         self.busy = None  # name of the control call in flight ("stop", "checkpoint", "resize")
@@ -256,28 +287,25 @@ class LocalJob:
                 return event.get("step")
         return None
 
-    def observed(self):
+    def observed(self) -> JobReport:
+        """Returns the report on this copy: its state, progress, newest checkpoint and cut."""
         progress = read_json(self.job_dir / "progress.json", {}) or {}
         outcome = self.outcome()
-        entry = {"job_id": self.job_id, "state": outcome or ("running" if progress.get("state") == "running"
-                                                             else "starting"),
-                 "step": progress.get("step"), "steps_per_s": progress.get("steps_per_s"),
-                 "devices": progress.get("devices") or self.devices, "engine": progress.get("engine")}
-        if self.generation is not None:
-            entry["generation"] = self.generation
+        state = CopyState(outcome) if outcome else (
+            CopyState.RUNNING if progress.get("state") == "running" else CopyState.STARTING)
         checkpoint = self.last_checkpoint()
-        if checkpoint:
-            entry["checkpoint"] = checkpoint
         cut = self.last_cut()
-        if cut:
-            entry["cut"] = cut
-        restored = self.restored_step()
-        if restored is not None:
-            entry["restored_step"] = restored
-        if outcome == "failed":
-            entry["error"] = self.error or self.failure_text()
-            entry["exit_code"] = self.popen.returncode if self.popen is not None else None
-        return entry
+        failed = state == CopyState.FAILED
+        return JobReport(
+            job_id=self.job_id, state=state, generation=self.generation, step=progress.get("step"),
+            steps_per_s=progress.get("steps_per_s"), devices=progress.get("devices") or self.devices,
+            engine=progress.get("engine"),
+            checkpoint=CheckpointReport(uri=checkpoint["uri"], step=checkpoint["step"], bytes=checkpoint["bytes"],
+                                        engine=checkpoint["engine"]) if checkpoint else None,
+            cut=CutReport(action=cut["action"], step=cut["step"], devices=cut.get("devices")) if cut else None,
+            restored_step=self.restored_step(),
+            error=(self.error or self.failure_text())[:MAX_ERROR] if failed else None,
+            exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
 
     def failure_text(self):
         for event in reversed(read_events(self.job_dir)):
@@ -319,7 +347,7 @@ class NodeReconciler:
             job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
             self.jobs[job_id] = LocalJob(job_id, job_dir, pid=pid, devices=meta.get("devices", 0),
                                          world_size=meta.get("world_size", 0), generation=meta.get("generation"),
-                                         store=meta.get("store"))
+                                         store=meta.get("store"), device_indices=meta.get("device_indices") or ())
             log.info("re-adopted job %s (pid %s) in %s", job_id, pid, job_dir)
 
     def collect_old_job_dirs(self, *, older_than_s, now=None):
@@ -347,16 +375,18 @@ class NodeReconciler:
         return removed
 
     # --- observation ---------------------------------------------------------------------------
-    def observed(self):
+    def observed(self) -> list[JobReport]:
+        """Returns a report on every local copy. A report the control plane would refuse (a
+        launcher that wrote something out of bounds) goes with its state only, so one odd value
+        never blocks the node's heartbeats."""
         with self.lock:
-            entries = [job.observed() for job in self.jobs.values()]
-            for entry in entries:
-                self.jobs[entry["job_id"]].reported_state = entry["state"]
-            return entries
+            reports = [_checked(job.observed()) for job in self.jobs.values()]
+            for report in reports:
+                self.jobs[report.job_id].reported_state = report.state
+            return reports
 
-    def busy_device_indices(self, desired_jobs):
-        return sorted({i for entry in desired_jobs for i in entry.get("device_indices", [])
-                       if int(entry["job_id"]) in self.jobs})
+    def busy_device_indices(self, desired_jobs: Iterable[DesiredJob]) -> list[int]:
+        return sorted({i for entry in desired_jobs for i in entry.device_indices if entry.job_id in self.jobs})
 
     def forget_reported(self, accepted_ids):
         """Drops jobs whose final state the control plane has accepted."""
@@ -365,24 +395,27 @@ class NodeReconciler:
                 job = self.jobs[job_id]
                 # Only an outcome the control plane has seen: a job that ended after this report
                 # was built is still "running" there, and must be reported once more.
-                if job_id in accepted_ids and job.reported_state in TERMINAL_EVENTS and job.busy is None:
+                if job_id in accepted_ids and job.reported_state in FINAL_COPY_STATES and job.busy is None:
                     del self.jobs[job_id]
                     self.pruned.pop(job_id, None)
-                    if job.reported_state == "finished" and not self.keep_finished_checkpoints:
+                    if job.reported_state == CopyState.FINISHED and not self.keep_finished_checkpoints:
                         self._remove_store_soon(job)
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
-    def _outdated(job, entry):
+    def _outdated(job, entry: DesiredJob | None) -> bool:
         """True when `job` (a local copy) is not what `entry` (its desired entry, or None) wants
         to run: not listed, listed with "stop", or listed with a newer generation."""
-        if entry is None or entry.get("action") == "stop":
+        if entry is None or entry.action == DesiredAction.STOP:
             return True
-        wanted = entry.get("generation")
-        return wanted is not None and job.generation is not None and int(wanted) != int(job.generation)
+        wanted = entry.generation
+        return wanted is not None and job.generation is not None and wanted != int(job.generation)
 
-    def reconcile(self, desired_jobs):
-        desired = {int(e["job_id"]): e for e in desired_jobs}
+    def reconcile(self, desired_jobs: Iterable[DesiredJob | dict]) -> None:
+        """Drives the local copies toward `desired_jobs` (the desired state's entries; a wire
+        dict is decoded first). See the module docstring for the order."""
+        entries = [e if isinstance(e, DesiredJob) else DesiredJob.from_dict(e) for e in desired_jobs]
+        desired = {e.job_id: e for e in entries}
         with self.lock:
             for job_id, job in list(self.jobs.items()):
                 if job.outcome() is not None:
@@ -392,35 +425,36 @@ class NodeReconciler:
             stopping = any(j.stop_requested and j.outcome() is None for j in self.jobs.values())
             for job_id, entry in desired.items():
                 job = self.jobs.get(job_id)
-                if entry.get("action") != "run":
+                if entry.action != DesiredAction.RUN:
                     continue
                 self._prune_store(entry)
                 if job is not None and job.outcome() is None:
                     if job.stop_requested or not (job.job_dir / "control.sock").exists():
                         continue  # stopping, or its launcher is not serving commands yet
-                    if int(entry["devices"]) != job.devices and job.busy is None:
-                        self._call(job, "resize", int(entry["devices"]))
+                    if entry.devices != job.devices and job.busy is None:
+                        self._call(job, "resize", entry.devices, entry.device_indices)
                     elif (job.busy is None and self.checkpoint_every_s > 0
                           and time.monotonic() - job.last_checkpoint_at > self.checkpoint_every_s):
                         self._call(job, "checkpoint")
                     continue
-                if job is not None and job.outcome() in ("finished", "failed") and not job.reported_final:
+                if job is not None and job.outcome() in (CopyState.FINISHED, CopyState.FAILED) \
+                        and not job.reported_final:
                     continue  # report the outcome before anything else
-                if job is not None and job.outcome() == "stopped" and self._outdated(job, entry) \
-                        and job.reported_state != "stopped":
+                if job is not None and job.outcome() == CopyState.STOPPED and self._outdated(job, entry) \
+                        and job.reported_state != CopyState.STOPPED:
                     continue  # an older copy's stop is reported before the new copy starts
                 if stopping:
                     continue  # its devices may still be held by a job that is stopping
                 self.launch(entry)
 
-    def _prune_store(self, entry):
+    def _prune_store(self, entry: DesiredJob) -> None:
         """Removes the store folders of generations older than the accepted checkpoint's (in a
         thread: a large store takes a while to delete), once per accepted checkpoint."""
-        job_id, accepted = int(entry["job_id"]), entry.get("restore_from")
-        if not accepted or not entry.get("store") or self.pruned.get(job_id) == accepted:
+        job_id, accepted = entry.job_id, entry.restore_from
+        if not accepted or not entry.store or self.pruned.get(job_id) == accepted:
             return
         self.pruned[job_id] = accepted
-        _in_background(f"job{job_id}-prune", prune_older_generations, entry["store"], accepted)
+        _in_background(f"job{job_id}-prune", prune_older_generations, entry.store, accepted)
 
     @staticmethod
     def _remove_store_soon(job):
@@ -465,8 +499,12 @@ class NodeReconciler:
                 elif action == "checkpoint":
                     job.control.checkpoint(timeout_s=300)
                 elif action == "resize":
-                    answer = job.control.resize(args[0], timeout_s=300)
+                    devices, device_indices = args
+                    if not launcher_takes_device_indices():
+                        device_indices = ()
+                    answer = launcher_resize(job.control, devices, device_indices, timeout_s=300)
                     job.devices = int(answer["devices"])
+                    job.device_indices = tuple(device_indices)
                     self._write_meta(job)
             except (JobControlError, OSError, ValueError) as exc:
                 if job.alive():
@@ -482,39 +520,51 @@ class NodeReconciler:
     def _write_meta(self, job):
         (job.job_dir / "agent.json").write_text(json.dumps({
             "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid,
-            "generation": job.generation, "store": str(job.store) if job.store else None}))
+            "generation": job.generation, "store": str(job.store) if job.store else None,
+            "device_indices": list(job.device_indices)}))
 
-    def launch(self, entry):
-        job_id = int(entry["job_id"])
-        store = pathlib.Path(entry["store"])
+    def launch_command(self, entry: DesiredJob, *, job_dir: pathlib.Path, attempt: int, store: pathlib.Path,
+                       resume: bool) -> list[str]:
+        """Returns the meridian-run command line of `entry`'s next attempt: straight onto the desired
+        device count (W ranks spliced onto d devices from the start), on the node-local devices
+        `device_indices` (--device-indices 0,2,5, when the launcher takes it)."""
+        entrypoint = pathlib.Path(entry.entrypoint)
+        if not entrypoint.is_absolute():
+            entrypoint = self.workload_root / entrypoint
+        command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
+                   "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
+                   "--job-id", f"j{entry.job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
+        if entry.device_indices and launcher_takes_device_indices():
+            if len(entry.device_indices) == entry.devices:
+                command += ["--device-indices", ",".join(str(i) for i in entry.device_indices)]
+            else:
+                log.warning("job %s: %d device indices for %d devices; launching without them",
+                            entry.job_id, len(entry.device_indices), entry.devices)
+        if resume:
+            command.append("--resume")
+        return command + [str(entrypoint)] + [str(a) for a in entry.args]
+
+    def launch(self, entry: DesiredJob) -> None:
+        job_id = entry.job_id
+        store = pathlib.Path(entry.store)
         store.mkdir(parents=True, exist_ok=True)
-        if entry.get("restore_from"):
+        if entry.restore_from:
             try:
-                seed_store(store, entry["restore_from"])
+                seed_store(store, entry.restore_from)
             except (OSError, ValueError) as exc:
                 # Starting afresh would silently lose the job's progress: wait (the move's restore
                 # step times out and the control plane decides again).
-                log.error("job %s: cannot restore %s into %s: %s; not launching", job_id, entry["restore_from"],
+                log.error("job %s: cannot restore %s into %s: %s; not launching", job_id, entry.restore_from,
                           store, exc)
                 return
         resume = any(p.name.startswith("ckpt-") and (p / "MANIFEST.json").exists() for p in store.iterdir())
         attempt = next_attempt(self.jobs_dir, job_id)
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
-        generation = entry.get("generation")
-        entrypoint = pathlib.Path(entry["entrypoint"])
-        if not entrypoint.is_absolute():
-            entrypoint = self.workload_root / entrypoint
-        # Straight onto the desired device count: W ranks spliced onto d devices from the start.
-        launch_devices = int(entry["devices"])
-        command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry["world_size"]),
-                   "--devices", str(launch_devices), "--engine", self.engine, "--job-dir", str(job_dir),
-                   "--job-id", f"j{job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
-        if resume:
-            command.append("--resume")
-        command += [str(entrypoint)] + [str(a) for a in entry.get("args", [])]
+        generation = entry.generation
+        command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume)
         env = dict(os.environ)
-        env.update({k: str(v) for k, v in (entry.get("env") or {}).items()})
+        env.update({k: str(v) for k, v in (entry.env or {}).items()})
         env["MERIDIAN_SPOOL_ROOT"] = str(self.spool_root)
         env["MERIDIAN_JOB_ID"] = str(job_id)
         if generation is not None:
@@ -524,11 +574,11 @@ class NodeReconciler:
             # A session of its own: the job outlives an agent restart (and is re-adopted).
             popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
                                      stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
-        job = LocalJob(job_id, job_dir, popen=popen, devices=launch_devices,
-                       world_size=int(entry["world_size"]), generation=generation, store=store)
+        job = LocalJob(job_id, job_dir, popen=popen, devices=entry.devices, world_size=entry.world_size,
+                       generation=generation, store=store, device_indices=entry.device_indices)
         self._write_meta(job)
         self.jobs[job_id] = job
-        log.info("job %s: launched %s on %s device(s)%s", job_id, entrypoint.name, entry["devices"],
+        log.info("job %s: launched %s on %s device(s)%s", job_id, pathlib.Path(entry.entrypoint).name, entry.devices,
                  " (restoring its newest checkpoint)" if resume else "")
 
     @staticmethod
@@ -552,3 +602,13 @@ class NodeReconciler:
         with self.lock:
             for job in self.jobs.values():
                 self._kill(job)
+
+
+def _checked(report: JobReport) -> JobReport:
+    """Returns `report` when the control plane will accept its shape, else the same report with
+    its state only (and logs what was wrong)."""
+    try:
+        return JobReport.from_dict(report.to_dict())
+    except ProtocolError as exc:
+        log.warning("job %s: its report is malformed (%s); reporting its state only", report.job_id, exc)
+        return JobReport(job_id=report.job_id, state=report.state, generation=report.generation)

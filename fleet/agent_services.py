@@ -10,8 +10,10 @@ from django.utils import timezone
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
 from fleet.models import Accelerator, Cluster, Node, Region
 from fleet.services import node_token_issue
+from protocol.node import MAX_DEVICES_PER_NODE
 
-MAX_DEVICES_PER_NODE = 64
+__all__ = ["MAX_DEVICES_PER_NODE", "enrollment_token", "enrollment_token_matches", "node_enrollment_check",
+           "node_register"]
 
 
 def enrollment_token():
@@ -25,6 +27,16 @@ def enrollment_token_matches(token):
     return bool(expected) and bool(token) and hmac.compare_digest(expected.encode(), token.encode())
 
 
+def node_enrollment_check(*, enrollment):
+    """Returns None when `enrollment` is the deployment's enrollment token; raises PermissionDenied
+    when it is not, or when enrollment is disabled (no token configured)."""
+    if not enrollment_token():
+        raise PermissionDenied("agent enrollment is disabled: set MERIDIAN_AGENT_ENROLLMENT_TOKEN on the "
+                               "control plane and pass the same value to meridian-agent --enroll-token")
+    if not enrollment_token_matches(enrollment):
+        raise PermissionDenied("wrong enrollment token")
+
+
 def node_register(*, enrollment, hostname, region, cluster, devices, rack="", agent_version=""):
     """Returns (node, token): the node for `hostname` (created or updated) and its new agent token.
 
@@ -32,11 +44,7 @@ def node_register(*, enrollment, hostname, region, cluster, devices, rack="", ag
     is configured), ValidationError for a bad device list. Registering again rotates the token
     (the old one stops working) and keeps the node's jobs; devices are matched by index.
     """
-    if not enrollment_token():
-        raise PermissionDenied("agent enrollment is disabled: set MERIDIAN_AGENT_ENROLLMENT_TOKEN on the "
-                               "control plane and pass the same value to meridian-agent --enroll-token")
-    if not enrollment_token_matches(enrollment):
-        raise PermissionDenied("wrong enrollment token")
+    node_enrollment_check(enrollment=enrollment)
     errors = {}
     if not isinstance(hostname, str) or not hostname.strip() or len(hostname) > 253:
         errors["hostname"] = "hostname is required (at most 253 characters)"

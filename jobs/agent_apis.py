@@ -6,12 +6,14 @@ another node's state is a 403; reporting on a job that is not placed on the node
 nothing and comes back under "rejected"; so does a report of a stale placement generation, with
 "fence": true (the agent kills that copy without a checkpoint).
 
+Every body is a message of protocol.node, decoded by a ProtocolSerializer: a malformed field is
+a 400 naming it (dotted: "jobs.0.step"), a newer protocol version a 400 naming "v".
+
   POST /api/agent/register/   Authorization: Enroll <enrollment token>
-       {"hostname", "region", "cluster", "rack", "agent_version", "devices": [{"type", "memory_gb", "uuid"}]}
-       -> 201 {"node_id", "token", "heartbeat_seconds"}
-  POST /api/agent/heartbeat/  {"telemetry": {...}, "jobs": [...]}   (see jobs.workflows.node_report_apply)
-       -> 200 {"accepted", "rejected", "deferred", "desired": <desired state (jobs.workflows.node_desired_state)>}
-  GET  /api/agent/desired/                       -> 200 the node's desired state
+       Registration -> 201 RegistrationAnswer
+  POST /api/agent/heartbeat/  Heartbeat (see jobs.workflows.node_report_record)
+       -> 200 HeartbeatAnswer (desired: DesiredState, see jobs.workflows.node_desired_state_build)
+  GET  /api/agent/desired/                       -> 200 the node's DesiredState
   GET  /api/agent/nodes/<node_id>/desired/       -> the same for your own id; 403 for another node's
 """
 import os
@@ -19,17 +21,22 @@ import os
 from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
-from rest_framework import status
+from drf_spectacular.extensions import OpenApiAuthenticationExtension, OpenApiSerializerExtension
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed, PermissionDenied, ValidationError
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from fleet.agent_services import node_register
+from fleet.agent_services import node_enrollment_check, node_register
 from fleet.models import Node
 from fleet.selectors import node_get_by_token
-from jobs.workflows import node_desired_state, node_report_apply
+from jobs.workflows import node_desired_state, node_desired_state_build, node_report_record
+from protocol import Message, ProtocolError
+from protocol.node import DesiredState, Heartbeat, HeartbeatAnswer, Registration, RegistrationAnswer
 
 NODE_SCHEME = b"node"
 ENROLL_SCHEME = b"enroll"
@@ -63,6 +70,15 @@ class NodeTokenAuthentication(BaseAuthentication):
         return "Node"
 
 
+class NodeTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "jobs.agent_apis.NodeTokenAuthentication"
+    name = "nodeToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "header", "name": "Authorization",
+                "description": "Node <token>: the token registration returned"}
+
+
 class IsNode(BasePermission):
     def has_permission(self, request, view):
         return isinstance(request.auth, Node)
@@ -73,43 +89,106 @@ class AgentApi(APIView):
     permission_classes = [IsNode]
 
 
+class ProtocolSerializer(serializers.Serializer):
+    """A request body that is one protocol message: `message.from_dict` is the one definition of
+    its shape, so a malformed field is a 400 naming it ({"jobs.0.step": ["must be at least 0, not
+    -1"]}), never a 500. validated_data is the decoded message."""
+
+    message: type[Message]
+
+    def to_internal_value(self, data):
+        try:
+            return self.message.from_dict(data)
+        except ProtocolError as exc:
+            raise ValidationError({exc.field or api_settings.NON_FIELD_ERRORS_KEY: [exc.problem]}) from None
+
+    def to_representation(self, instance):
+        return instance.to_dict()
+
+
+class ProtocolSerializerExtension(OpenApiSerializerExtension):
+    """Publishes a ProtocolSerializer in the generated OpenAPI schema as its message: a component
+    named after it (Heartbeat, DesiredState, ...) with the message's own JSON Schema."""
+
+    target_class = "jobs.agent_apis.ProtocolSerializer"
+    match_subclasses = True
+
+    def get_name(self, auto_schema, direction):
+        return self.target.message.__name__
+
+    def map_serializer(self, auto_schema, direction):
+        return self.target.message.json_schema()
+
+
+class RegistrationSerializer(ProtocolSerializer):
+    message = Registration
+
+
+class RegistrationAnswerSerializer(ProtocolSerializer):
+    message = RegistrationAnswer
+
+
+class HeartbeatSerializer(ProtocolSerializer):
+    message = Heartbeat
+
+
+class HeartbeatAnswerSerializer(ProtocolSerializer):
+    message = HeartbeatAnswer
+
+
+class DesiredStateSerializer(ProtocolSerializer):
+    message = DesiredState
+
+
+def _decoded(serializer_class: type[ProtocolSerializer], request) -> Message:
+    serializer = serializer_class(data=request.data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
 class NodeRegisterApi(APIView):
     authentication_classes = []
     permission_classes = []
 
+    @extend_schema(request=RegistrationSerializer, responses={201: RegistrationAnswerSerializer},
+                   summary="Register a node (Authorization: Enroll <enrollment token>)")
     def post(self, request):
         enrollment = _credentials(request, ENROLL_SCHEME)
         if enrollment is None:
             return Response({"detail": "send Authorization: Enroll <enrollment token>"},
                             status=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Enroll"})
-        body = request.data if isinstance(request.data, dict) else {}
         try:
+            # Before the body: a caller without the enrollment token learns nothing of its shape.
+            node_enrollment_check(enrollment=enrollment)
+            registration = _decoded(RegistrationSerializer, request)
             node, token = node_register(
-                enrollment=enrollment, hostname=body.get("hostname"), region=body.get("region", "local"),
-                cluster=body.get("cluster", "default"), devices=body.get("devices"),
-                rack=str(body.get("rack") or ""), agent_version=str(body.get("agent_version") or ""))
+                enrollment=enrollment, hostname=registration.hostname, region=registration.region,
+                cluster=registration.cluster, rack=registration.rack, agent_version=registration.agent_version,
+                devices=[{"type": d.type, "memory_gb": d.memory_gb, "uuid": d.uuid} for d in registration.devices])
         except DjangoPermissionDenied as exc:
             raise PermissionDenied(str(exc)) from None
         except DjangoValidationError as exc:
             raise ValidationError(exc.message_dict if hasattr(exc, "error_dict") else exc.messages) from None
-        return Response({"node_id": node.pk, "hostname": node.hostname, "token": token,
-                         "heartbeat_seconds": heartbeat_seconds()}, status=status.HTTP_201_CREATED)
+        answer = RegistrationAnswer(node_id=node.pk, hostname=node.hostname, token=token,
+                                    heartbeat_seconds=heartbeat_seconds())
+        return Response(answer.to_dict(), status=status.HTTP_201_CREATED)
 
 
 class NodeHeartbeatApi(AgentApi):
+    @extend_schema(request=HeartbeatSerializer, responses={200: HeartbeatAnswerSerializer},
+                   summary="Report telemetry and observed jobs; get the desired state")
     def post(self, request):
-        body = request.data if isinstance(request.data, dict) else None
-        if body is None:
-            raise ValidationError({"detail": "a heartbeat is a JSON object: {telemetry, jobs}"})
-        if not isinstance(body.get("jobs", []), list):
-            raise ValidationError({"jobs": "jobs must be a list of observed jobs"})
-        # node_report_apply keeps request.auth up to date (state, last heartbeat): no re-read.
-        result = node_report_apply(node=request.auth, report=body)
-        return Response({**result, "desired": node_desired_state(node=request.auth),
-                         "heartbeat_seconds": heartbeat_seconds()})
+        heartbeat = _decoded(HeartbeatSerializer, request)
+        # node_report_record keeps request.auth up to date (state, last heartbeat): no re-read.
+        outcome = node_report_record(node=request.auth, heartbeat=heartbeat)
+        answer = HeartbeatAnswer(desired=node_desired_state_build(node=request.auth), accepted=outcome.accepted,
+                                 rejected=outcome.rejected, deferred=outcome.deferred,
+                                 heartbeat_seconds=heartbeat_seconds())
+        return Response(answer.to_dict())
 
 
 class NodeDesiredStateApi(AgentApi):
+    @extend_schema(responses={200: DesiredStateSerializer}, summary="The node's desired state")
     def get(self, request, node_id=None):
         if node_id is not None and node_id != request.auth.pk:
             raise PermissionDenied("a node may read only its own desired state")

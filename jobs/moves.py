@@ -43,6 +43,7 @@ import logging
 import os
 import pathlib
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import unquote, urlparse
 
@@ -53,6 +54,9 @@ from django.utils import timezone
 from fleet.models import Node
 from jobs.models import Checkpoint, Job, JobEvent, Move
 from jobs.services import IllegalTransition, job_event_add, job_transition
+from protocol import ProtocolError
+from protocol.node import CheckpointReport, CutReport, JobReport
+from protocol.states import FINAL_COPY_STATES, CopyState, CutAction
 
 logger = logging.getLogger(__name__)
 S = Job.State
@@ -160,13 +164,17 @@ def move_active(*, job_id):
     return Move.objects.filter(job_id=job_id, state=Move.State.ACTIVE).first()
 
 
-def move_observe(*, move, generation, node, entry, now):
+OBSERVED_FIELDS = ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error")
+
+
+def move_observe(*, move, generation, node, entry: JobReport, now):
     """Records one agent report on a copy of the moving job (its `generation`) on the move, and
     enqueues jobs.tasks.move_advance after commit. Returns nothing."""
     record = {"node": node.pk, "hostname": node.hostname, "at": now.isoformat()}
-    for key in ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error"):
-        if entry.get(key) is not None:
-            record[key] = entry[key]
+    wire = entry.to_dict()
+    for key in OBSERVED_FIELDS:
+        if wire.get(key) is not None:
+            record[key] = wire[key]
     observed = dict(move.observed)
     observed[generation_key(generation)] = record
     Move.objects.filter(pk=move.pk).update(observed=observed)
@@ -191,12 +199,57 @@ class _Outcome:
         self.kind, self.note, self.extra, self.changes = kind, note, extra or {}, changes
 
 
-def _old(move):
-    return move.observed.get(generation_key(move.from_generation)) or {}
+@dataclass(frozen=True)
+class _Seen:
+    """The last report the move recorded on one copy (move_observe), or an empty one."""
+
+    report: JobReport | None = None
+    hostname: str | None = None
+
+    @property
+    def state(self) -> CopyState | None:
+        return self.report.state if self.report else None
+
+    @property
+    def step(self) -> int | None:
+        return self.report.step if self.report else None
+
+    @property
+    def devices(self) -> int:
+        return (self.report.devices or 0) if self.report else 0
+
+    @property
+    def cut(self) -> CutReport | None:
+        return self.report.cut if self.report else None
+
+    @property
+    def checkpoint(self) -> CheckpointReport | None:
+        return self.report.checkpoint if self.report else None
+
+    @property
+    def error(self) -> str:
+        return (self.report.error or "") if self.report else ""
 
 
-def _new(move):
-    return move.observed.get(generation_key(move.to_generation)) or {}
+def _seen(move, generation) -> _Seen:
+    record = move.observed.get(generation_key(generation))
+    if not record:
+        return _Seen()
+    try:
+        report = JobReport.from_dict({"job_id": move.job_id, **record})
+    except ProtocolError as exc:  # written by move_observe from a decoded report: never, unless edited
+        logger.warning("move %s: the record of generation %s is unreadable (%s); treated as not seen",
+                       move.pk, generation, exc)
+        return _Seen()
+    return _Seen(report=report, hostname=record.get("hostname"))
+
+
+def _old(move) -> _Seen:
+    return _seen(move, move.from_generation)
+
+
+def _new(move) -> _Seen:
+    return _seen(move, move.to_generation)
 
 
 def _node_lost(node_id):
@@ -214,28 +267,27 @@ def _checkpoint_visible(uri):
 def _check_barrier(move, job):
     if move.kind == K.RESIZE:
         seen = _new(move)
-        cut = seen.get("cut") or {}
-        if cut.get("action") == "resize" and int(cut.get("devices") or 0) == move.to_devices \
-                and int(cut.get("step") or 0) >= move.start_step:
-            return _Outcome(DONE, f"cut at step {cut['step']} for the splice onto {move.to_devices} device(s)",
-                            {"cut_step": cut["step"]}, cut_step=int(cut["step"]))
-        if seen.get("state") in ("running", "finished") and int(seen.get("devices") or 0) == move.to_devices:
-            return _Outcome(DONE, f"runs on {move.to_devices} device(s) at step {seen.get('step')}",
-                            {"cut_step": seen.get("step")}, cut_step=int(seen.get("step") or 0))
+        cut = seen.cut
+        if cut is not None and cut.action == CutAction.RESIZE and (cut.devices or 0) == move.to_devices \
+                and cut.step >= move.start_step:
+            return _Outcome(DONE, f"cut at step {cut.step} for the splice onto {move.to_devices} device(s)",
+                            {"cut_step": cut.step}, cut_step=cut.step)
+        if seen.state in (CopyState.RUNNING, CopyState.FINISHED) and seen.devices == move.to_devices:
+            return _Outcome(DONE, f"runs on {move.to_devices} device(s) at step {seen.step}",
+                            {"cut_step": seen.step}, cut_step=seen.step or 0)
         return None
     seen = _old(move)
-    cut = seen.get("cut") or {}
-    checkpoint = seen.get("checkpoint") or {}
-    if cut.get("action") == "stop" and cut.get("step") is not None:
-        return _Outcome(DONE, f"consistent cut at step {cut['step']}", {"cut_step": cut["step"]},
-                        cut_step=int(cut["step"]))
-    if seen.get("state") == "stopped" and checkpoint.get("step") is not None:
-        return _Outcome(DONE, f"stopped at a consistent cut at step {checkpoint['step']}",
-                        {"cut_step": checkpoint["step"]}, cut_step=int(checkpoint["step"]))
-    if seen.get("state") == "finished":
-        return _Outcome("finished", f"the job finished on {seen.get('hostname')} before the cut")
-    if seen.get("state") == "failed":
-        return _Outcome("failed", f"the old copy failed before the cut: {str(seen.get('error') or '')[:200]}")
+    cut = seen.cut
+    checkpoint = seen.checkpoint
+    if cut is not None and cut.action == CutAction.STOP:
+        return _Outcome(DONE, f"consistent cut at step {cut.step}", {"cut_step": cut.step}, cut_step=cut.step)
+    if seen.state == CopyState.STOPPED and checkpoint is not None and checkpoint.step is not None:
+        return _Outcome(DONE, f"stopped at a consistent cut at step {checkpoint.step}",
+                        {"cut_step": checkpoint.step}, cut_step=checkpoint.step)
+    if seen.state == CopyState.FINISHED:
+        return _Outcome("finished", f"the job finished on {seen.hostname} before the cut")
+    if seen.state == CopyState.FAILED:
+        return _Outcome("failed", f"the old copy failed before the cut: {seen.error[:200]}")
     if _node_lost(move.from_node_id):
         return _Outcome("failed", "its node was lost before the cut")
     return None
@@ -254,7 +306,7 @@ def _check_store(move, job):
     if _checkpoint_visible(move.checkpoint_uri):
         return _Outcome(DONE, f"step {move.cut_step} committed in the store", {"checkpoint_step": move.cut_step,
                                                                                   "uri": move.checkpoint_uri})
-    if _old(move).get("state") == "stopped":
+    if _old(move).state == CopyState.STOPPED:
         return _Outcome(DONE, f"step {move.cut_step} committed (the old copy exited after its commit)",
                         {"checkpoint_step": move.cut_step, "uri": move.checkpoint_uri})
     return None
@@ -262,28 +314,28 @@ def _check_store(move, job):
 
 def _check_restore(move, job):
     seen = _new(move)
-    if seen.get("state") in ("running", "finished") and int(seen.get("step") or 0) >= (move.cut_step or 0):
-        return _Outcome(DONE, f"running on {seen.get('hostname')} at step {seen.get('step')} "
+    if seen.state in (CopyState.RUNNING, CopyState.FINISHED) and (seen.step or 0) >= (move.cut_step or 0):
+        return _Outcome(DONE, f"running on {seen.hostname} at step {seen.step} "
                               f"(restored checkpoint step {move.cut_step})",
-                        {"checkpoint_step": move.cut_step, "running_step": seen.get("step")})
-    if seen.get("state") == "failed":
-        return _Outcome("failed", f"the restore failed: {str(seen.get('error') or '')[:200]}")
+                        {"checkpoint_step": move.cut_step, "running_step": seen.step})
+    if seen.state == CopyState.FAILED:
+        return _Outcome("failed", f"the restore failed: {seen.error[:200]}")
     return None
 
 
 def _check_resize(move, job):
     seen = _new(move)
-    if seen.get("state") in ("running", "finished") and int(seen.get("devices") or 0) == move.to_devices:
-        return _Outcome(DONE, f"{job.world_size} rank(s) on {move.to_devices} device(s) at step {seen.get('step')}",
+    if seen.state in (CopyState.RUNNING, CopyState.FINISHED) and seen.devices == move.to_devices:
+        return _Outcome(DONE, f"{job.world_size} rank(s) on {move.to_devices} device(s) at step {seen.step}",
                         {"devices": move.to_devices, "checkpoint_step": job.last_checkpoint_step,
-                         "running_step": seen.get("step")})
+                         "running_step": seen.step})
     return None
 
 
 def _check_release(move, job):
     if move.kind == K.RESIZE:
         return _Outcome(DONE, f"devices {move.from_devices} -> {move.to_devices} confirmed")
-    gone = _old(move).get("state") in ("stopped", "failed", "finished")
+    gone = _old(move).state in FINAL_COPY_STATES
     if move.from_node_id is None:
         return _Outcome(DONE, "the old copy is fenced (its node was lost)", {"checkpoint_step": move.cut_step})
     if gone or _node_lost(move.from_node_id):

@@ -32,13 +32,14 @@ from fleet.services import node_heartbeat_record
 from jobs.models import Checkpoint, Job, Move, Replica
 from jobs.moves import move_observe
 from jobs.services import IllegalTransition, checkpoint_record, job_transition
+from protocol.node import DesiredJob, DesiredState, Heartbeat, JobReport, Rejection, ReportOutcome, Telemetry
+from protocol.states import LIVE_COPY_STATES, CopyState, DesiredAction, JobState
 
 logger = logging.getLogger(__name__)
 S = Job.State
 
 DESIRED_STATES = (S.SCHEDULED, S.RUNNING, S.MIGRATING, S.RESIZING)
 MOVING_STATES = (S.PREEMPTING, S.MIGRATING, S.RESIZING)
-OBSERVED_STATES = {"starting", "running", "stopped", "finished", "failed"}
 # Steps of a migration from which the new node may restore (the old copy's checkpoint is stored).
 RESTORE_STEPS = (Move.Step.RESTORE, Move.Step.RELEASE)
 # Steps during which the old node is told to stop its copy.
@@ -69,17 +70,17 @@ def job_store_uri(job_id, *, generation=None):
 # --- desired state -------------------------------------------------------------------------------
 
 
-def node_desired_state(*, node):
-    """Returns {"node_id", "hostname", "state", "lost_after_seconds", "jobs": [...]}: what `node`'s
-    agent should run now.
+def node_desired_state_build(*, node) -> DesiredState:
+    """Returns what `node`'s agent should run now.
 
     One entry per job with replicas on this node's devices: action "run" (launch, restore, or
-    resize to `devices`) or "wait" (a migration that has not reached its restore step), with the
-    generation's own `store` folder and `restore_from`, the newest checkpoint the control plane
-    accepted (the agent seeds the new store with it; None: start afresh), plus one
-    entry with action "stop" per job whose active move takes its old copy off this node. Every
-    entry has the placement `generation` the agent must run (or stop). A job the agent runs that
-    is not listed must be stopped with a checkpoint. Three queries.
+    resize to `devices`, on the node-local devices `device_indices`) or "wait" (a migration that
+    has not reached its restore step), with the generation's own `store` folder and
+    `restore_from`, the newest checkpoint the control plane accepted (the agent seeds the new
+    store with it; None: start afresh), plus one entry with action "stop" per job whose active
+    move takes its old copy off this node. Every entry has the placement `generation` the agent
+    must run (or stop). A job the agent runs that is not listed must be stopped with a
+    checkpoint. Three queries.
     """
     rows = (
         Replica.objects.filter(device__node_id=node.pk, job__state__in=DESIRED_STATES)
@@ -100,23 +101,29 @@ def node_desired_state(*, node):
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
         waiting = job.state == S.MIGRATING and not (move and move.step in RESTORE_STEPS)
-        entries.append({
-            "job_id": job.pk, "name": job.name, "tier": job.tier, "state": job.state,
-            "action": "wait" if waiting else "run", "generation": job.generation,
-            "world_size": job.world_size, "devices": len(devices[job.pk]),
-            "device_indices": sorted(devices[job.pk]), "entrypoint": job.entrypoint,
-            "args": list(job.args), "env": dict(job.env),
-            "store": job_store_uri(job.pk, generation=job.generation), "restore_from": job.restore_from,
-            "last_checkpoint_step": job.last_checkpoint_step,
-        })
-    listed = {e["job_id"] for e in entries}
+        entries.append(DesiredJob(
+            job_id=job.pk, name=job.name, tier=job.tier, state=JobState(job.state),
+            action=DesiredAction.WAIT if waiting else DesiredAction.RUN, generation=job.generation,
+            world_size=job.world_size, devices=len(devices[job.pk]),
+            device_indices=tuple(sorted(devices[job.pk])), entrypoint=job.entrypoint,
+            args=tuple(job.args), env=dict(job.env),
+            store=job_store_uri(job.pk, generation=job.generation), restore_from=job.restore_from,
+            last_checkpoint_step=job.last_checkpoint_step,
+        ))
+    listed = {e.job_id for e in entries}
     for move in moves.values():
         if (move.from_node_id == node.pk and move.kind != Move.Kind.RESIZE and move.step in STOP_STEPS
                 and move.job_id not in listed):
-            entries.append({"job_id": move.job_id, "action": "stop", "generation": move.from_generation,
-                            "move": move.kind, "step": move.step})
-    return {"node_id": node.pk, "hostname": node.hostname, "state": node.state,
-            "lost_after_seconds": node_lost_after_seconds(), "jobs": entries}
+            entries.append(DesiredJob(job_id=move.job_id, action=DesiredAction.STOP,
+                                      generation=move.from_generation, move=str(move.kind),
+                                      move_step=str(move.step)))
+    return DesiredState(node_id=node.pk, hostname=node.hostname, state=str(node.state),
+                        lost_after_seconds=node_lost_after_seconds(), jobs=tuple(entries))
+
+
+def node_desired_state(*, node) -> dict:
+    """Returns node_desired_state_build(node=node) as its wire dict (what GET desired/ answers)."""
+    return node_desired_state_build(node=node).to_dict()
 
 
 # --- observed state -----------------------------------------------------------------------------
@@ -128,14 +135,30 @@ def _placed_on(node_id, job_ids):
     )
 
 
-def node_report_apply(*, node, report, now=None):
-    """Applies one agent report (heartbeat, telemetry, observed jobs); returns {"accepted",
-    "rejected", "deferred"}.
+def node_report_apply(*, node, report: Heartbeat | dict, now=None) -> dict:
+    """Applies one agent report (node_report_record); returns its ReportOutcome as a wire dict
+    ({"accepted", "rejected", "deferred"}). `report` is a Heartbeat or its wire dict, decoded
+    here (a malformed one raises protocol.ProtocolError, naming the field)."""
+    heartbeat = report if isinstance(report, Heartbeat) else Heartbeat.from_dict(report)
+    return node_report_record(node=node, heartbeat=heartbeat, now=now).to_dict()
 
-    `report` = {"telemetry": {"utilization", "memory_used_gb", "devices": [{"index",
-    "utilization", "memory_used_gb"}]}, "jobs": [{"job_id", "generation", "state", "step",
-    "steps_per_s", "devices", "cut": {"action", "step", "devices"}, "restored_step",
-    "checkpoint": {"step", "uri", "bytes", "engine", "sha256"}, "exit_code", "error"}]}.
+
+def _telemetry_dict(telemetry: Telemetry | None) -> dict:
+    """Returns the telemetry as fleet.services.node_heartbeat_record reads it: no "utilization"
+    key when the node did not say (its last reading stays)."""
+    if telemetry is None:
+        return {}
+    readings = {"devices": [{"index": device.index, "utilization": device.utilization,
+                             "memory_used_gb": device.memory_used_gb} for device in telemetry.devices]}
+    if telemetry.utilization is not None:
+        readings["utilization"] = telemetry.utilization
+    return readings
+
+
+def node_report_record(*, node, heartbeat: Heartbeat, now=None) -> ReportOutcome:
+    """Applies one agent report (heartbeat, telemetry, observed jobs); returns what became of each
+    job report: accepted, rejected (with why) or deferred.
+
     A node may report only on jobs placed on it, or whose active move takes them off it (or a
     final "stopped" of a job just moved off it); other job ids are rejected (listed) and change
     nothing. A report naming a generation other than the job's current one (or, during a move,
@@ -153,90 +176,83 @@ def node_report_apply(*, node, report, now=None):
             # no need to wait for its WAL flush (the biggest cost of a heartbeat at scale).
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit = off")
-        node_heartbeat_record(node=node, telemetry=report.get("telemetry") or {}, now=now)
-        observed = [j for j in report.get("jobs") or [] if isinstance(j, dict) and "job_id" in j]
-        ids = [int(j["job_id"]) for j in observed]
+        node_heartbeat_record(node=node, telemetry=_telemetry_dict(heartbeat.telemetry), now=now)
+        observed = heartbeat.jobs
+        ids = [entry.job_id for entry in observed]
         jobs = Job.objects.in_bulk(ids)
         placed = _placed_on(node.pk, ids)
         moves = {m.job_id: m for m in Move.objects.filter(job_id__in=ids, state=Move.State.ACTIVE)} if ids else {}
         for entry in observed:
-            job = jobs.get(int(entry["job_id"]))
+            job = jobs.get(entry.job_id)
             if job is None:
-                rejected.append({"job_id": entry["job_id"], "error": "no such job"})
+                rejected.append(Rejection(job_id=entry.job_id, error="no such job"))
                 continue
             here = job.pk in placed
             move = moves.get(job.pk)
-            said = entry.get("generation")
-            if said is None:  # an agent that does not say (hollow nodes, older agents)
+            if entry.generation is None:  # an agent that does not say (hollow nodes, older agents)
                 old_node = move is not None and move.from_node_id == node.pk
                 generation = move.from_generation if old_node and not here else job.generation
             else:
-                try:
-                    generation = int(said)
-                except (TypeError, ValueError):
-                    rejected.append({"job_id": job.pk, "error": f"generation must be a whole number, got {said!r}"})
-                    continue
+                generation = entry.generation
             old_copy = move is not None and move.from_node_id == node.pk and generation == move.from_generation
             if generation != job.generation and not old_copy:
-                rejected.append({"job_id": job.pk, "fence": True,
-                                 "error": f"stale copy: generation {generation}, the job now runs as generation "
-                                          f"{job.generation}; kill it without a checkpoint"})
+                rejected.append(Rejection(job_id=job.pk, fence=True,
+                                          error=f"stale copy: generation {generation}, the job now runs as "
+                                                f"generation {job.generation}; kill it without a checkpoint"))
                 continue
             # A node may also report on the copy a move takes off it, and the final checkpoint of
             # a job just moved off it.
             leaving = not here and (old_copy or (
                 job.state in (S.PREEMPTING, S.MIGRATING, S.PREEMPTED, S.CANCELLED, S.PENDING, S.RUNNING,
-                              S.SCHEDULED) and entry.get("state") == "stopped"))
+                              S.SCHEDULED) and entry.state == CopyState.STOPPED))
             if not (here or leaving):
-                if job.state == S.CANCELLED and entry.get("state") in ("starting", "running"):
-                    rejected.append({"job_id": job.pk, "cancel": True,
-                                     "error": "the job was cancelled; kill it without a checkpoint"})
+                if job.state == S.CANCELLED and entry.state in LIVE_COPY_STATES:
+                    rejected.append(Rejection(job_id=job.pk, cancel=True,
+                                              error="the job was cancelled; kill it without a checkpoint"))
                     continue
-                rejected.append({"job_id": job.pk, "error": "this job is not placed on your node"})
+                rejected.append(Rejection(job_id=job.pk, error="this job is not placed on your node"))
                 continue
             current = here and generation == job.generation
             result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now)
             if move is not None and (old_copy or current):
                 move_observe(move=move, generation=generation, node=node, entry=entry, now=now)
             (deferred if result == "deferred" else accepted).append(job.pk)
-    return {"accepted": accepted, "rejected": rejected, "deferred": deferred}
+    return ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
 
 
-def _observed_apply(*, job, entry, current, node, now):
+def _observed_apply(*, job, entry: JobReport, current, node, now):
     """Records one accepted report on `job`; `current`: it comes from the job's current copy on
-    its placed node. Returns "deferred" when a final state must wait (see node_report_apply)."""
-    state = entry.get("state")
-    checkpoint = entry.get("checkpoint") or {}
-    if checkpoint.get("uri") and checkpoint.get("step") is not None:
-        step = int(checkpoint["step"])
-        if not Checkpoint.objects.filter(job=job, uri=checkpoint["uri"]).exists():
-            checkpoint_record(job=job, step=step, engine=checkpoint.get("engine") or "framework",
-                              uri=checkpoint["uri"], size_bytes=int(checkpoint.get("bytes") or 0),
-                              sha256=checkpoint.get("sha256") or "", now=now)
+    its placed node. Returns "deferred" when a final state must wait (see node_report_record)."""
+    state = entry.state
+    checkpoint = entry.checkpoint
+    if checkpoint is not None and checkpoint.uri and checkpoint.step is not None:
+        if not Checkpoint.objects.filter(job=job, uri=checkpoint.uri).exists():
+            checkpoint_record(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework",
+                              uri=checkpoint.uri, size_bytes=checkpoint.bytes, sha256=checkpoint.sha256 or "",
+                              now=now)
             job.refresh_from_db()
-    if current and entry.get("step") is not None:
-        step = int(entry["step"])
-        updates = {"steps_per_second": entry.get("steps_per_s")}
-        if step >= job.progress_step or state in ("starting", "running"):
-            updates["progress_step"] = step
+    if current and entry.step is not None:
+        updates = {"steps_per_second": entry.steps_per_s}
+        if entry.step >= job.progress_step or state in LIVE_COPY_STATES:
+            updates["progress_step"] = entry.step
         Job.objects.filter(pk=job.pk).update(**updates)
     if not current:
         return None
     try:
-        if state == "running" and job.state == S.SCHEDULED:
+        if state == CopyState.RUNNING and job.state == S.SCHEDULED:
             job_transition(job=job, to=S.RUNNING, reason=f"running on {node.hostname}", now=now,
-                           extra={"node": node.hostname, "devices": entry.get("devices")})
-        elif state == "finished" and job.state == S.MIGRATING:
+                           extra={"node": node.hostname, "devices": entry.devices})
+        elif state == CopyState.FINISHED and job.state == S.MIGRATING:
             return "deferred"  # the move's restore/release steps run first; reported again then
-        elif state == "finished" and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
+        elif state == CopyState.FINISHED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
             if job.state == S.SCHEDULED:
                 job = job_transition(job=job, to=S.RUNNING, now=now, reason=f"ran on {node.hostname}")
             Job.objects.filter(pk=job.pk).update(exit_code=0)
             job_transition(job=job, to=S.SUCCEEDED, now=now, reason=f"finished on {node.hostname}",
-                           extra={"step": entry.get("step")})
-        elif state == "failed" and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
-            error = str(entry.get("error") or "the job's launcher failed")
-            Job.objects.filter(pk=job.pk).update(exit_code=entry.get("exit_code"), failure_reason=error[:4000])
+                           extra={"step": entry.step})
+        elif state == CopyState.FAILED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
+            error = str(entry.error or "the job's launcher failed")
+            Job.objects.filter(pk=job.pk).update(exit_code=entry.exit_code, failure_reason=error[:4000])
             job_transition(job=job, to=S.FAILED, now=now, reason=error[:500])
     except IllegalTransition as exc:
         logger.info("report from %s on job %s: %s", node.hostname, job.pk, exc)

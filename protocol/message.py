@@ -10,14 +10,17 @@ A message type is declared once, with its fields' types and bounds:
 
 `Progress.from_dict(obj)` returns a Progress or raises `ProtocolError("step", "...")` for the
 first field that is missing, of the wrong type or out of bounds. Supported field types: int,
-float, str, bool, `X | None`, `tuple[X, ...]`, `dict[str, X]`, `Literal[...]`, another Message,
+float, str, bool, `X | None`, `tuple[X, ...]`, `dict[str, X]`, `Literal[...]`, an `Enum` (a
+`StrEnum` of protocol.states: decoded to its member, encoded as its value), another Message,
 and `Any` (passed through untouched: for payloads another layer validates). Unknown keys are
 ignored, so an older receiver accepts a newer sender's additions; a message whose "v" is newer
-than this module's `PROTOCOL_VERSION` is refused by name.
+than this module's `PROTOCOL_VERSION` is refused by name. `json_schema()` publishes the shape
+(the agent API's generated OpenAPI schema uses it).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -85,6 +88,66 @@ class Message:
             values[field.name] = value
         return cls(**values)
 
+    @classmethod
+    def json_schema(cls) -> dict[str, Any]:
+        """Returns the JSON Schema (OpenAPI 3.0 dialect: "nullable") of this message's wire dict,
+        with its bounds: what the HTTP edge publishes in the generated OpenAPI schema."""
+        return _message_schema(cls, top=True)
+
+
+def _message_schema(cls: type[Message], *, top: bool = False) -> dict[str, Any]:
+    properties: dict[str, Any] = {}
+    if top:
+        properties[VERSION_KEY] = {"type": "integer", "minimum": 1, "maximum": PROTOCOL_VERSION,
+                                   "description": "protocol version (absent: 1)"}
+    required = []
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        schema = _schema(_hints(cls)[field.name])
+        metadata = field.metadata
+        if metadata.get("minimum") is not None:
+            schema["minimum"] = metadata["minimum"]
+        if metadata.get("maximum") is not None:
+            schema["maximum"] = metadata["maximum"]
+        if metadata.get("max_length") is not None:
+            length_key = {"array": "maxItems", "object": "maxProperties"}.get(str(schema.get("type")), "maxLength")
+            schema[length_key] = metadata["max_length"]
+        properties[field.name] = schema
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            required.append(field.name)
+    schema = {"type": "object", "title": cls.__name__, "properties": properties}
+    if cls.__doc__:
+        schema["description"] = " ".join(cls.__doc__.split())
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _schema(hint: Any) -> dict[str, Any]:
+    if hint is Any:
+        return {}
+    if _is_union(hint):
+        options = [option for option in get_args(hint) if option is not type(None)]
+        schema: dict[str, Any] = (_schema(options[0]) if len(options) == 1
+                                  else {"oneOf": [_schema(o) for o in options]})
+        if type(None) in get_args(hint):
+            schema["nullable"] = True
+        return schema
+    origin = get_origin(hint)
+    if origin is Literal:
+        return {"enum": list(get_args(hint))}
+    if origin is tuple:
+        args = get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return {"type": "array", "items": _schema(args[0])}
+        return {"type": "array", "minItems": len(args), "maxItems": len(args)}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _schema(get_args(hint)[1])}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return {"type": "string", "enum": [member.value for member in hint]}
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return _message_schema(hint)
+    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[hint]}
+
 
 def _hints(cls: type) -> dict[str, Any]:
     hints = Message._hints.get(cls)
@@ -99,6 +162,8 @@ def _encode_fields(message: Message) -> dict[str, Any]:
 
 
 def _encode(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
     if isinstance(value, Message):
         return _encode_fields(value)
     if isinstance(value, tuple):
@@ -154,6 +219,11 @@ def _decode(hint: Any, value: Any, path: str) -> Any:
         key_hint, value_hint = get_args(hint)
         return {_decode(key_hint, key, f"{path}.{key}"): _decode(value_hint, item, f"{path}.{key}")
                 for key, item in value.items()}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        values = [member.value for member in hint]
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or value not in values:
+            raise ProtocolError(path, f"must be one of {', '.join(map(repr, values))}, not {value!r}")
+        return hint(value)
     if isinstance(hint, type) and issubclass(hint, Message):
         return hint.from_dict(value, path=path)
     if hint is bool:

@@ -154,3 +154,71 @@ def test_a_running_copy_of_a_cancelled_job_is_rejected_with_cancel_and_its_stop_
     stopped = node.post("/api/agent/heartbeat/", {"jobs": [
         {"job_id": job.pk, "generation": 1, "state": "stopped", "step": 9, "devices": 1}]}, format="json").json()
     assert stopped["accepted"] == [job.pk] and stopped["rejected"] == []
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body, field", [
+    ({"jobs": [{"job_id": "abc"}]}, "jobs.0.job_id"),
+    ({"telemetry": []}, "telemetry"),
+    ({"jobs": [{"job_id": 1, "state": "running", "step": -1}]}, "jobs.0.step"),
+    ({"jobs": [{"job_id": 1, "state": "running"}] * 1025}, "jobs"),
+    ([{"job_id": 1, "state": "running"}], "non_field_errors"),
+    ({"v": 2, "jobs": []}, "v"),
+], ids=["string-job-id", "list-for-telemetry", "negative-step", "too-many-jobs", "non-object", "newer-version"])
+def test_a_malformed_heartbeat_is_a_400_naming_the_field_and_changes_nothing(body, field):
+    node = as_node(register("n1").json()["token"])
+    before = Node.objects.get(hostname="n1").last_heartbeat
+
+    response = node.post("/api/agent/heartbeat/", body, format="json")
+
+    assert response.status_code == 400, response.content
+    assert list(response.json()) == [field] and response.json()[field][0]
+    assert Node.objects.get(hostname="n1").last_heartbeat == before
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("devices, field", [
+    ("CPU", "devices"),
+    ([{"type": 5}], "devices.0.type"),
+    ([{"memory_gb": 80}], "devices.0.type"),
+    ([{"type": "CPU"}] * 65, "devices"),
+], ids=["string", "number-type", "no-type", "too-many"])
+def test_registration_with_a_malformed_device_list_is_a_400_naming_the_field(devices, field):
+    response = register("n1", devices=devices)
+
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert not Node.objects.filter(hostname="n1").exists()
+
+
+@pytest.mark.django_db
+def test_registration_with_a_wrong_enrollment_token_is_refused_before_its_body_is_read():
+    assert register("n1", enroll="guess", devices="CPU").status_code == 403
+
+
+@pytest.mark.django_db
+def test_the_heartbeat_answer_is_a_heartbeat_answer_with_the_jobs_device_indices(alice, team_a, job_spec):
+    from protocol.node import HeartbeatAnswer
+
+    owner = register("n1", devices=[{"type": "CPU"}] * 3).json()
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=2, min_devices=2, tier="basic"))
+    tick_run()
+
+    wire = as_node(owner["token"]).post("/api/agent/heartbeat/", {"jobs": []}, format="json").json()
+
+    answer = HeartbeatAnswer.from_dict(wire)
+    entry = answer.desired.jobs[0]
+    held = sorted(job.replicas.values_list("device__index", flat=True).distinct())
+    assert entry.job_id == job.pk and entry.devices == 2 and list(entry.device_indices) == held
+    assert answer.heartbeat_seconds == 5.0 and answer.desired.node_id == owner["node_id"]
+
+
+@pytest.mark.django_db
+def test_the_openapi_schema_names_the_agent_messages(client):
+    schema = client.get("/api/schema/", {"format": "json"}).json()
+
+    heartbeat = schema["paths"]["/api/agent/heartbeat/"]["post"]
+    assert heartbeat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/HeartbeatRequest")
+    components = schema["components"]["schemas"]
+    assert components["HeartbeatRequest"]["properties"]["jobs"]["maxItems"] == 1024
+    assert {"RegistrationRequest", "RegistrationAnswer", "HeartbeatAnswer", "DesiredState"} <= set(components)

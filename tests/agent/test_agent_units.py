@@ -6,6 +6,7 @@ import pytest
 from agent.client import backoff_delay
 from agent.devices import DeviceError, Devices, parse_devices
 from agent.hollow import HollowJob, total_steps_of
+from protocol.node import DesiredJob
 
 
 def test_backoff_grows_exponentially_with_full_jitter_and_a_cap():
@@ -38,10 +39,11 @@ def test_cpu_devices_describe_and_sample_telemetry():
 
 
 def test_hollow_jobs_resume_at_their_checkpoint_and_know_their_length():
-    entry = {"job_id": 3, "devices": 2, "last_checkpoint_step": 40, "args": ["--steps", "100"]}
+    entry = DesiredJob.from_dict({"job_id": 3, "action": "run", "devices": 2, "last_checkpoint_step": 40,
+                                  "args": ["--steps", "100"]})
     job = HollowJob(entry, now=0.0)
     assert job.step == 40 and job.total_steps == 100
-    assert total_steps_of({"args": ["--epochs", "3"]}) is None
+    assert total_steps_of(DesiredJob.from_dict({"job_id": 3, "action": "run", "args": ["--epochs", "3"]})) is None
 
 
 def test_old_job_directories_are_collected_and_attempt_numbers_never_reused(tmp_path):
@@ -70,3 +72,125 @@ def test_old_job_directories_are_collected_and_attempt_numbers_never_reused(tmp_
 
     assert not dead.exists() and recent.exists() and running.exists()
     assert next_attempt(jobs_dir, 3) == 3 and next_attempt(jobs_dir, 4) == 2 and next_attempt(jobs_dir, 5) == 1
+
+
+def desired_job(**fields):
+    from protocol.node import DesiredJob
+
+    return DesiredJob.from_dict({"job_id": 7, "action": "run", "world_size": 6, "devices": 3,
+                                 "device_indices": [0, 2, 5], "entrypoint": "train.py", "args": ["--steps", "9"],
+                                 "store": "/store/job-7/g1", **fields})
+
+
+def test_the_launch_command_gives_the_launcher_the_device_count_and_the_node_local_indices(tmp_path, monkeypatch):
+    from agent import node as agent_node
+
+    reconciler = agent_node.NodeReconciler(tmp_path / "w", workload_root=tmp_path)
+    monkeypatch.setattr(agent_node, "launcher_takes_device_indices", lambda: True)
+
+    command = reconciler.launch_command(desired_job(), job_dir=tmp_path / "j", attempt=1, store=tmp_path / "s",
+                                        resume=True)
+
+    assert command[command.index("--devices") + 1] == "3"
+    assert command[command.index("--device-indices") + 1] == "0,2,5"
+    assert command[-3:] == [str(tmp_path / "train.py"), "--steps", "9"] and "--resume" in command
+    # indices that do not match the count, or a launcher without the option: the count alone
+    mismatched = reconciler.launch_command(desired_job(device_indices=[0, 1]), job_dir=tmp_path / "j", attempt=1,
+                                           store=tmp_path / "s", resume=False)
+    monkeypatch.setattr(agent_node, "launcher_takes_device_indices", lambda: False)
+    older = reconciler.launch_command(desired_job(), job_dir=tmp_path / "j", attempt=1, store=tmp_path / "s",
+                                      resume=False)
+    assert "--device-indices" not in mismatched and "--device-indices" not in older
+
+
+def test_a_resize_request_carries_the_device_indices_next_to_the_count():
+    from agent.node import launcher_resize
+
+    class Control:
+        def _call(self, payload, timeout_s):
+            self.sent = payload
+            return {"ok": True, "devices": payload["devices"]}
+
+        def resize(self, devices, *, timeout_s):
+            self.sent = {"cmd": "resize", "devices": devices}
+            return {"ok": True, "devices": devices}
+
+    control = Control()
+    assert launcher_resize(control, 2, (1, 3), timeout_s=30)["devices"] == 2
+    assert control.sent["cmd"] == "resize" and control.sent["devices"] == 2 and control.sent["device_indices"] == [1, 3]
+    launcher_resize(control, 2, (), timeout_s=30)
+    assert "device_indices" not in control.sent
+
+
+def test_a_report_the_control_plane_would_refuse_goes_with_its_state_only(caplog):
+    from agent.node import _checked
+    from protocol.node import JobReport
+
+    sound = JobReport(job_id=3, state="running", generation=1, step=5)
+    assert _checked(sound) == sound
+    odd = JobReport(job_id=3, state="running", generation=1, step=-5, steps_per_s=float("nan"))
+    assert _checked(odd) == JobReport(job_id=3, state="running", generation=1)
+    assert "malformed (step: must be at least 0" in caplog.text
+
+
+def test_the_client_refuses_an_answer_it_cannot_decode():
+    from agent.client import ControlPlaneClient, ControlPlaneError
+
+    class Response:
+        status_code = 200
+
+        def __init__(self, body):
+            self.body = body
+
+        def json(self):
+            return self.body
+
+    class Session:
+        def __init__(self):
+            self.body = {"v": 2, "desired": {"node_id": 1}}
+
+        def request(self, method, url, **kwargs):
+            self.sent = kwargs["json"]
+            return Response(self.body)
+
+    session = Session()
+    client = ControlPlaneClient("http://cp", token="t", session=session, retries=0)
+    with pytest.raises(ControlPlaneError, match="protocol version 2"):
+        client.heartbeat(telemetry={"utilization": 0.5}, jobs=())
+    assert session.sent == {"v": 1, "telemetry": {"utilization": 0.5, "memory_used_gb": None, "devices": []},
+                            "jobs": []}
+    session.body = {"desired": {"node_id": 1, "jobs": [{"job_id": 4, "action": "run", "devices": 1,
+                                                         "device_indices": [2]}]}, "accepted": [3]}
+    answer = client.heartbeat(telemetry=None, jobs=())
+    assert answer.accepted == (3,) and answer.desired.jobs[0].device_indices == (2,)
+
+
+def test_an_agent_acts_on_a_typed_heartbeat_answer(tmp_path):
+    import argparse
+    import threading
+
+    from agent.main import Agent
+    from protocol.node import DesiredState, HeartbeatAnswer, Rejection
+
+    options = argparse.Namespace(hostname="n1", work_dir=str(tmp_path), devices="cpu:2", control_plane="http://cp",
+                                 engine="framework", checkpoint_every=0.0, workload_root=str(tmp_path), interval=None,
+                                 keep_finished_checkpoints=False, enroll_token=None, token="t")
+    agent = Agent(options, threading.Event())
+    fenced = []
+    agent.reconciler.fence = lambda job_ids=None, *, why="", remove_store=False: fenced.append(
+        (set(job_ids), remove_store))
+    agent.reconciler.reconcile = lambda jobs: fenced.append(("reconciled", tuple(jobs)))
+
+    class Client:
+        def heartbeat(self, *, telemetry, jobs):
+            self.telemetry = telemetry
+            return HeartbeatAnswer(desired=DesiredState(node_id=1, lost_after_seconds=12.0), heartbeat_seconds=2.5,
+                                   rejected=(Rejection(job_id=4, fence=True), Rejection(job_id=5, cancel=True),
+                                             Rejection(job_id=6, error="not yours")))
+
+    agent.client = Client()
+    agent.beat()
+
+    assert agent.interval == 2.5 and agent.lost_after_s == 12.0
+    assert fenced == [({4}, False), ({5}, True), ("reconciled", ())]
+    assert len(agent.client.telemetry.devices) == 2

@@ -26,7 +26,8 @@ def entry(store, *, generation, action="run"):
 
 
 def observed(reconciler):
-    return {e["job_id"]: e for e in reconciler.observed()}
+    """Returns {job id: the report's wire dict}."""
+    return {report.job_id: report.to_dict() for report in reconciler.observed()}
 
 
 def test_a_fenced_copy_is_killed_without_a_checkpoint_and_forgotten():

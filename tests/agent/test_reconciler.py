@@ -22,8 +22,9 @@ def entry(store, epochs=30):
             "env": {}, "store": str(store)}
 
 
-def by_id(entries):
-    return {e["job_id"]: e for e in entries}
+def by_id(reports):
+    """Returns {job id: the report's wire dict}."""
+    return {report.job_id: report.to_dict() for report in reports}
 
 
 def test_a_restarted_agent_readopts_its_running_job_and_stops_it_with_a_checkpoint():

@@ -360,3 +360,21 @@ def test_a_cancelled_job_ends_its_move(running, alice, team_a, job_spec):
     assert move_step_run(move_id=move.pk, step="barrier") == ENDED
     move.refresh_from_db()
     assert move.state == Move.State.FAILED and move.log[-1]["note"] == "the job is cancelled"
+
+
+@pytest.mark.django_db
+def test_a_move_records_the_typed_report_as_wire_words_and_reads_a_garbled_record_as_unseen(running, alice, team_a,
+                                                                                            job_spec):
+    victim, n1, premium = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    report(n1, victim.pk, "running", generation=1, step=41, cut={"action": "stop", "step": 42})
+    move.refresh_from_db()
+    record = move.observed["g1"]
+    assert record["state"] == "running" and type(record["state"]) is str and record["hostname"] == "n1"
+    assert record["cut"]["action"] == "stop" and record["cut"]["step"] == 42 and "v" not in record
+
+    Move.objects.filter(pk=move.pk).update(observed={"g1": {"state": "exploded", "cut": {"action": "stop"}}})
+
+    assert move_step_run(move_id=move.pk, step="barrier") == WAITING  # not seen: no crash, no step done
+    report(n1, victim.pk, "running", generation=1, step=42, cut={"action": "stop", "step": 42})
+    assert move_step_run(move_id=move.pk, step="barrier") == DONE

@@ -1,0 +1,217 @@
+"""Control plane <-> node agent: every message of the agent API (/api/agent/), defined once.
+
+  POST register/   Registration            -> RegistrationAnswer
+  POST heartbeat/  Heartbeat               -> HeartbeatAnswer (with the node's DesiredState)
+  GET  desired/    (no body)               -> DesiredState
+
+Built and decoded on both sides: the agent (agent/main.py, agent/hollow.py, agent/client.py)
+builds Registration and Heartbeat and decodes the answers; the control plane's HTTP edge
+(jobs/agent_apis.py) decodes the requests through these types (a malformed field is a 400 naming
+it) and jobs/workflows.py reads their attributes and builds DesiredState.
+
+Bounds are physics and sanity, not policy: ids are >= 1, device counts fit a node, strings and
+lists are short enough that no agent can make the control plane store or loop over much.
+A field an older agent does not send has a default; a message without "v" is version 1.
+Messages are keyword-only (a required field may follow a bounded one, which type checkers read
+as a default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.message import Message, bounded
+from protocol.states import CopyState, CutAction, DesiredAction, JobState
+
+MAX_DEVICES_PER_NODE = 64  # devices one node may register (and report telemetry for)
+MAX_DEVICE_INDEX = 2**15 - 1
+MAX_DEVICES = 4096  # a device count (of a job on a node, of a cut)
+MAX_WORLD_SIZE = 100_000  # logical ranks of one job (as jobs.services allows at submission)
+MAX_JOBS_PER_NODE = 1024  # entries of one heartbeat or one desired state
+MAX_STEP = 2**63 - 1  # a training step (the database's PositiveBigIntegerField)
+MAX_ID = 2**63 - 1
+MAX_GENERATION = 2**31 - 1
+MAX_NAME = 253  # a hostname, a region, a cluster, a job name
+MAX_WORD = 64  # a version string, a device type, an engine, a state word
+MAX_URI = 2000  # a checkpoint URI (the database's Checkpoint.uri)
+MAX_PATH = 4096
+MAX_ERROR = 4096  # a failure text (the control plane keeps 4000 characters)
+MAX_ARGS = 1000  # a job's args (as jobs.services allows at submission)
+MAX_ENV = 500
+MAX_ARG = 100_000
+
+
+# --- registration ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceDescription(Message):
+    """One device of a registering node, in index order."""
+
+    type: str = bounded(max_length=MAX_WORD)  # an accelerator type ("H100-80GB", "CPU")
+    memory_gb: float | None = bounded(default=None, minimum=0, maximum=100_000)  # None: the type's
+    uuid: str | None = bounded(default=None, max_length=128)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registration(Message):
+    """POST register/ (with `Authorization: Enroll <enrollment token>`): this node and its devices."""
+
+    hostname: str = bounded(max_length=MAX_NAME)
+    devices: tuple[DeviceDescription, ...] = bounded(max_length=MAX_DEVICES_PER_NODE)
+    region: str = bounded(default="local", max_length=MAX_NAME)
+    cluster: str = bounded(default="default", max_length=MAX_NAME)
+    rack: str = bounded(default="", max_length=MAX_NAME)
+    agent_version: str = bounded(default="", max_length=256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistrationAnswer(Message):
+    """201 to Registration: the node's id and its own token (the old one stops working)."""
+
+    node_id: int = bounded(minimum=1, maximum=MAX_ID)
+    token: str = bounded(max_length=512)
+    hostname: str = bounded(default="", max_length=MAX_NAME)
+    heartbeat_seconds: float | None = bounded(default=None, minimum=0, maximum=86_400)
+
+
+# --- heartbeat ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceReading(Message):
+    """One device's latest telemetry."""
+
+    index: int = bounded(minimum=0, maximum=MAX_DEVICE_INDEX)  # node-local Accelerator.index
+    utilization: float | None = bounded(default=None, minimum=0.0, maximum=1.0)
+    memory_used_gb: float | None = bounded(default=None, minimum=0.0, maximum=100_000)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Telemetry(Message):
+    """The node's readings since its previous heartbeat (aggregated on the node)."""
+
+    utilization: float | None = bounded(default=None, minimum=0.0, maximum=1.0)  # mean over devices
+    memory_used_gb: float | None = bounded(default=None, minimum=0.0, maximum=MAX_DEVICES_PER_NODE * 100_000)
+    devices: tuple[DeviceReading, ...] = bounded(default=(), max_length=MAX_DEVICES_PER_NODE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointReport(Message):
+    """The newest checkpoint a copy committed to its store."""
+
+    uri: str = bounded(max_length=MAX_URI)
+    step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
+    bytes: int = bounded(default=0, minimum=0, maximum=2**62)
+    engine: str | None = bounded(default=None, max_length=16)  # "criu" | "framework"
+    sha256: str | None = bounded(default=None, max_length=64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CutReport(Message):
+    """The newest consistent cut the copy's launcher took (a stop, checkpoint or resize)."""
+
+    action: CutAction
+    step: int = bounded(minimum=0, maximum=MAX_STEP)
+    devices: int | None = bounded(default=None, minimum=0, maximum=MAX_DEVICES)  # a resize's new count
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobReport(Message):
+    """What the agent observes of one copy of a job on its node."""
+
+    job_id: int = bounded(minimum=1, maximum=MAX_ID)
+    state: CopyState
+    generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)  # None: not said
+    step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
+    steps_per_s: float | None = bounded(default=None, minimum=0.0, maximum=1e12)
+    devices: int | None = bounded(default=None, minimum=0, maximum=MAX_DEVICES)
+    engine: str | None = bounded(default=None, max_length=MAX_WORD)
+    checkpoint: CheckpointReport | None = None
+    cut: CutReport | None = None
+    restored_step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
+    error: str | None = bounded(default=None, max_length=MAX_ERROR)  # why it failed
+    exit_code: int | None = bounded(default=None, minimum=-255, maximum=255)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """POST heartbeat/: the node's telemetry and a report on every copy it holds."""
+
+    telemetry: Telemetry | None = None
+    jobs: tuple[JobReport, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+
+
+# --- desired state --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DesiredJob(Message):
+    """One job the node should run, wait for, or stop (see DesiredAction).
+
+    A "stop" entry carries only job_id, action, generation and the move taking the copy off
+    the node (`move`, `move_step`); "run" and "wait" entries carry the job's launch details."""
+
+    job_id: int = bounded(minimum=1, maximum=MAX_ID)
+    action: DesiredAction
+    generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)
+    name: str = bounded(default="", max_length=MAX_NAME)
+    tier: str = bounded(default="", max_length=MAX_WORD)
+    state: JobState | None = None  # the job's state in the control plane
+    world_size: int = bounded(default=0, minimum=0, maximum=MAX_WORLD_SIZE)
+    devices: int = bounded(default=0, minimum=0, maximum=MAX_DEVICES)  # how many of this node's devices
+    # The node-local Accelerator.index of each device its replicas hold, sorted; len == devices.
+    device_indices: tuple[int, ...] = bounded(default=(), max_length=MAX_DEVICES)
+    entrypoint: str = bounded(default="", max_length=MAX_PATH)
+    args: tuple[str, ...] = bounded(default=(), max_length=MAX_ARGS)
+    env: dict[str, str] | None = bounded(default=None, max_length=MAX_ENV)
+    store: str | None = bounded(default=None, max_length=MAX_URI)  # this generation's store folder
+    restore_from: str | None = bounded(default=None, max_length=MAX_URI)  # None: start afresh
+    last_checkpoint_step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
+    move: str | None = bounded(default=None, max_length=MAX_WORD)  # a stop's move kind
+    move_step: str | None = bounded(default=None, max_length=MAX_WORD)  # ... and the step it is at
+
+
+@dataclass(frozen=True, kw_only=True)
+class DesiredState(Message):
+    """What a node's agent should run now; a local copy of a job not listed is stopped (with a cut)."""
+
+    node_id: int = bounded(minimum=1, maximum=MAX_ID)
+    hostname: str = bounded(default="", max_length=MAX_NAME)
+    state: str = bounded(default="", max_length=MAX_WORD)  # the node's state ("ready", "draining", "lost")
+    # The control plane counts the node lost after this long without a heartbeat: the agent fences
+    # itself (kills its jobs without a checkpoint) after as long without an answer.
+    lost_after_seconds: float | None = bounded(default=None, minimum=0, maximum=86_400 * 365)
+    jobs: tuple[DesiredJob, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection(Message):
+    """A job report the control plane refused (changing nothing), and what the agent must do."""
+
+    job_id: int = bounded(minimum=1, maximum=MAX_ID)
+    error: str = bounded(default="", max_length=MAX_ERROR)
+    fence: bool = False  # a stale generation: kill the copy without a checkpoint
+    cancel: bool = False  # the job was cancelled: kill the copy and remove its store
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportOutcome(Message):
+    """What the control plane did with a heartbeat's job reports (jobs.workflows.node_report_record).
+
+    accepted: recorded; rejected: refused (see Rejection); deferred: a final state that must wait
+    (the agent reports it again)."""
+
+    accepted: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatAnswer(Message):
+    """200 to Heartbeat: what became of each report, and the node's desired state."""
+
+    desired: DesiredState
+    accepted: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    heartbeat_seconds: float | None = bounded(default=None, minimum=0, maximum=86_400)
