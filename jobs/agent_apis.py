@@ -14,8 +14,7 @@ nothing and comes back under "rejected"; so does a report of a stale placement g
   GET  /api/agent/desired/                       -> 200 the node's desired state
   GET  /api/agent/nodes/<node_id>/desired/       -> the same for your own id; 403 for another node's
 """
-import os
-
+from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -36,7 +35,7 @@ ENROLL_SCHEME = b"enroll"
 
 
 def heartbeat_seconds():
-    return float(os.environ.get("MERIDIAN_AGENT_HEARTBEAT_SECONDS", "5"))
+    return settings.MERIDIAN_AGENT_HEARTBEAT_SECONDS
 
 
 def _credentials(request, scheme):

@@ -18,7 +18,8 @@ from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import (DONE, ENDED, PASSED, SUPERSEDED, WAITING, move_advance, move_create, move_step_run,
                         moves_sweep)
 from jobs.services import job_submit
-from jobs.tick import _migrate, tick_run
+from jobs.plan_apply import _migrate
+from jobs.tick import tick_run
 from jobs.workflows import node_desired_state, node_report_apply
 
 S = Job.State
@@ -26,11 +27,12 @@ ENROLL = "test-enrollment-token"
 
 
 @pytest.fixture(autouse=True)
-def short_policy(monkeypatch):
-    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
-    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
-    monkeypatch.setenv("MERIDIAN_ACCOUNTING_SECONDS", "0")
-    monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "60")
+def short_policy(monkeypatch, settings):
+    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ENROLL
+    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
+    settings.MERIDIAN_ACCOUNTING_SECONDS = 0.0
+    settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = 60.0
+    monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "60")  # jobs/moves.py (step_timeout) still reads the environment
 
 
 def make_node(hostname, devices=1):
