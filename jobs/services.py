@@ -253,9 +253,10 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     columns, a conditional UPDATE per group of from-states that write alike (usually one), a
     STATE_CHANGED JobEvent per job (reason and extra from `reasons` / `extras` by job id) written
     with the caller's `events` in one bulk_create, all in one transaction. StaleJobState when a job
-    left its state first (nothing is written then; lock the rows with select_for_update to avoid
-    it). "jobs.job_updated" is pushed after commit, with what the objects hold then, unless there
-    are more than `publish_max` jobs (None: no limit): pages catch up on their next poll.
+    left its state first (nothing is written then, but a caller's enclosing transaction must end:
+    no savepoint is taken; lock the rows with select_for_update to avoid it). "jobs.job_updated"
+    is pushed after commit, with what the objects hold at the call, unless there are more than
+    `publish_max` jobs (None: no limit): pages catch up on their next poll.
     Deferred fields that the move changes (a counter, started_at) stay deferred and load fresh.
     """
     to = S(to)
@@ -279,7 +280,9 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
         else:
             groups.append((writes, [from_state]))
     writes_of = {state: writes for writes, states in groups for state in states}
-    with transaction.atomic():
+    # No savepoint inside a caller's transaction: a tick's start path pays no extra statements.
+    # A StaleJobState then dooms that transaction (it must end), which rolls this back with it.
+    with transaction.atomic(savepoint=False):
         updated = 0
         for writes, states in groups:
             changes = dict(writes.columns)
@@ -292,8 +295,10 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
                 where |= Q(pk__in=ids_by_state[state], state=state)
             updated += Job.objects.filter(where).update(**changes)
         if updated != len(jobs):
+            # This UPDATE moved the others to `to` already (rolled back with the raise); the stale
+            # one is elsewhere (or was moved to `to` by someone else: then name the first).
             current = dict(Job.objects.filter(pk__in=[job.pk for job in jobs]).values_list("id", "state"))
-            stale = next(job for job in jobs if current.get(job.pk) != job.state)
+            stale = next((job for job in jobs if current.get(job.pk) != to), jobs[0])
             raise StaleJobState(
                 job_id=stale.pk, from_state=S(stale.state), to_state=to,
                 message=f"job {stale.pk} is no longer {stale.state} (it is {current.get(stale.pk)}); "

@@ -15,10 +15,19 @@ from fleet.agent_services import node_register
 from fleet.models import Accelerator, Node
 from jobs import tasks
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
-from jobs.moves import (DONE, ENDED, PASSED, SUPERSEDED, WAITING, move_advance, move_create, move_step_run,
-                        moves_sweep)
-from jobs.services import job_submit
+from jobs.moves import (
+    DONE,
+    ENDED,
+    PASSED,
+    SUPERSEDED,
+    WAITING,
+    move_advance,
+    move_create,
+    move_step_run,
+    moves_sweep,
+)
 from jobs.plan_apply import _migrate
+from jobs.services import job_submit
 from jobs.tick import tick_run
 from jobs.workflows import node_desired_state, node_report_apply
 

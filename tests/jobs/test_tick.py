@@ -9,11 +9,11 @@ from django.utils import timezone
 
 from fleet.agent_services import node_register
 from fleet.models import Node
+from jobs.accounting import accounting_run
+from jobs.lease import tick_lease_claim, tick_lease_release
 from jobs.models import Job, JobEvent, Move, PreemptionRequest, Replica
 from jobs.moves import move_advance
 from jobs.services import job_submit, preemption_approve, preemption_deny
-from jobs.accounting import accounting_run
-from jobs.lease import tick_lease_claim, tick_lease_release
 from jobs.snapshot import snapshot_build
 from jobs.tick import tick_run
 from jobs.workflows import node_desired_state, node_report_apply
