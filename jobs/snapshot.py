@@ -38,6 +38,7 @@ from django.db.models import F, Max, Subquery
 import scheduler
 from fleet.models import Accelerator, Node
 from jobs.models import Job, JobEvent, Move, PreemptionRequest, Replica, Team
+from jobs.moves import step_timeout
 
 S = Job.State
 
@@ -252,8 +253,6 @@ def _devices_being_released(*, now: datetime) -> dict[int, float]:
     an active move (it just ended; the job leaves its moving state in the same transaction)
     now + the step timeout. A device two moves give up gets the later time. Two queries.
     """
-    from jobs.moves import step_timeout
-
     entries = JobEvent.objects.filter(
         type=JobEvent.Type.STATE_CHANGED, job__state__in=MOVING_STATES, to_state=F("job__state")
     ).values("job_id").annotate(newest=Max("id")).values("newest")
