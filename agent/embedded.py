@@ -1,15 +1,20 @@
-"""The node agents of the embedded run (`./meridian run`): portal/launch.py calls
-`processes(context)` and supervises what it returns.
+"""The node agents of the embedded run (`./meridian run`): portal/launch.py asks for the
+environment defaults and the processes here, and supervises them.
 
 Four local agents, one per node of the demo fleet (fleet/fixtures/demo_fleet.yaml: 2 regions x
 2 clusters, 4 CPU slots each), each with its own work dir under <data dir>/agents/. They enrol
-with a per-run enrollment token that this hook puts into the run's environment (so the web
-server, which validates it, sees the same value). With --demo-workload, examples/demo_workload.py
-submits small real training jobs of every tier as alice.
+with a per-run enrollment token that the run's environment carries (so the web server, which
+validates it, sees the same value). With a demo workload, examples/demo_workload.py submits
+small real training jobs of every tier as alice.
 
-No Django here: ProcessSpec comes from portal.launch, which imports no Django either.
+No Django and no portal here (the agent never imports the control plane): the launcher turns
+these plain (name, argv) pairs into its own process specs.
 """
+from __future__ import annotations
+
 import secrets
+from dataclasses import dataclass
+from pathlib import Path
 
 DEMO_NODES = (
     ("demo-east-c0-n0", "demo-east", "c0"),
@@ -20,25 +25,39 @@ DEMO_NODES = (
 DEVICES_PER_NODE = 4
 
 
-def processes(context):
-    from portal.launch import ProcessSpec
+@dataclass(frozen=True)
+class EmbeddedProcess:
+    """One process of the embedded run: a name for its output prefix and its command line."""
 
-    env = context.env
-    env.setdefault("MERIDIAN_AGENT_ENROLLMENT_TOKEN", secrets.token_urlsafe(24))
-    env.setdefault("MERIDIAN_AGENT_HEARTBEAT_SECONDS", "2")
-    env.setdefault("MERIDIAN_MIN_RUN_SECONDS", "30")  # the demo should show preemptions within minutes
-    env.setdefault("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", "30")  # ...and elastic jobs growing back
-    env.setdefault("MERIDIAN_CHECKPOINT_STORE", str(context.data_dir / "checkpoints"))
-    specs = []
-    for hostname, region, cluster in DEMO_NODES:
-        specs.append(ProcessSpec(f"agent-{hostname}", [
-            context.python, "-m", "agent.main", "--control-plane", context.url,
-            "--enroll-token", env["MERIDIAN_AGENT_ENROLLMENT_TOKEN"], "--devices", f"cpu:{DEVICES_PER_NODE}",
+    name: str
+    argv: list[str]
+
+
+def embedded_env_defaults(*, data_dir: Path) -> dict[str, str]:
+    """Returns the environment the embedded run needs unless the caller set it: a fresh
+    enrollment token, a fast heartbeat, short policy times and the checkpoint store."""
+    return {
+        "MERIDIAN_AGENT_ENROLLMENT_TOKEN": secrets.token_urlsafe(24),
+        "MERIDIAN_AGENT_HEARTBEAT_SECONDS": "2",
+        "MERIDIAN_MIN_RUN_SECONDS": "30",  # the demo should show preemptions within minutes
+        "MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS": "30",  # ...and elastic jobs growing back
+        "MERIDIAN_CHECKPOINT_STORE": str(data_dir / "checkpoints"),
+    }
+
+
+def embedded_processes(*, python: str, url: str, root: Path, data_dir: Path, enrollment_token: str,
+                       demo_workload: bool) -> list[EmbeddedProcess]:
+    """Returns the demo fleet's agents (and the demo workload when asked) for control plane `url`."""
+    processes = [
+        EmbeddedProcess(f"agent-{hostname}", [
+            python, "-m", "agent.main", "--control-plane", url,
+            "--enroll-token", enrollment_token, "--devices", f"cpu:{DEVICES_PER_NODE}",
             "--hostname", hostname, "--region", region, "--cluster", cluster,
-            "--work-dir", str(context.data_dir / "agents" / hostname), "--checkpoint-every", "30",
-            "--workload-root", str(context.root), "--stop-jobs-on-exit"]))
-    if context.demo_workload:
-        context.handled.add("demo_workload")
-        specs.append(ProcessSpec("demo", [context.python, str(context.root / "examples" / "demo_workload.py"),
-                                          "--control-plane", context.url]))
-    return specs
+            "--work-dir", str(data_dir / "agents" / hostname), "--checkpoint-every", "30",
+            "--workload-root", str(root), "--stop-jobs-on-exit"])
+        for hostname, region, cluster in DEMO_NODES
+    ]
+    if demo_workload:
+        processes.append(EmbeddedProcess("demo", [python, str(root / "examples" / "demo_workload.py"),
+                                                  "--control-plane", url]))
+    return processes

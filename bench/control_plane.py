@@ -363,7 +363,7 @@ def run_size(n, args, rng, data_dir):
     for _ in range(args.ticks):
         now = now + timedelta(seconds=5)
         steady.append(timed_tick(now))
-    from jobs.tick import accounting_run
+    from jobs.accounting import accounting_run
 
     accounting_run(now=now)  # the first accrual reaches back to submission
     now = now + timedelta(seconds=10)

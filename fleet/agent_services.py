@@ -1,6 +1,5 @@
 """Services for node agents: enrolment. (Reports and desired state: jobs/workflows.py.)"""
 import hmac
-import os
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -18,8 +17,7 @@ __all__ = ["MAX_DEVICES_PER_NODE", "enrollment_token", "enrollment_token_matches
 
 def enrollment_token():
     """Returns the bootstrap token agents present to register (MERIDIAN_AGENT_ENROLLMENT_TOKEN), or ""."""
-    return getattr(settings, "MERIDIAN_AGENT_ENROLLMENT_TOKEN", None) or os.environ.get(
-        "MERIDIAN_AGENT_ENROLLMENT_TOKEN", "")
+    return settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN
 
 
 def enrollment_token_matches(token):

@@ -84,7 +84,7 @@ class PreemptionRequestAdmin(admin.ModelAdmin):
 
 @admin.register(ControlLoopLease)
 class ControlLoopLeaseAdmin(admin.ModelAdmin):
-    """Read-only: the lease is claimed by conditional updates in jobs.tick; editing it by
+    """Read-only: the lease is claimed by conditional updates in jobs.lease; editing it by
     hand could let two ticks apply plans at once."""
 
     list_display = ["name", "holder", "expires_at", "last_tick_at"]

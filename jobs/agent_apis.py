@@ -16,8 +16,7 @@ a 400 naming it (dotted: "jobs.0.step"), a newer protocol version a 400 naming "
   GET  /api/agent/desired/                       -> 200 the node's DesiredState
   GET  /api/agent/nodes/<node_id>/desired/       -> the same for your own id; 403 for another node's
 """
-import os
-
+from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -43,7 +42,7 @@ ENROLL_SCHEME = b"enroll"
 
 
 def heartbeat_seconds():
-    return float(os.environ.get("MERIDIAN_AGENT_HEARTBEAT_SECONDS", "5"))
+    return settings.MERIDIAN_AGENT_HEARTBEAT_SECONDS
 
 
 def _credentials(request, scheme):

@@ -40,13 +40,13 @@ past its deadline is timed out there too.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import unquote, urlparse
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -75,19 +75,15 @@ LOG_KEEP = 50  # entries of Move.log kept (a lost chain re-enqueued many times m
 DONE, WAITING, PASSED, ENDED, SUPERSEDED = "done", "waiting", "passed", "ended", "superseded"
 
 
-def _env_seconds(name, default):
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else default
-
-
 def step_timeout():
-    """Seconds a step may take before the move is ended (MERIDIAN_WORKFLOW_TIMEOUT_SECONDS, 300)."""
-    return timedelta(seconds=_env_seconds("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", 300.0))
+    """Returns how long a step may take before the move is ended (settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS)."""
+    return timedelta(seconds=settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS)
 
 
 def move_poll_seconds():
-    """Countdown of a step task's retry while its step is not observed yet (MERIDIAN_MOVE_POLL_SECONDS, 1)."""
-    return _env_seconds("MERIDIAN_MOVE_POLL_SECONDS", 1.0)
+    """Returns the countdown of a step task's retry while its step is not observed yet
+    (settings.MERIDIAN_MOVE_POLL_SECONDS)."""
+    return settings.MERIDIAN_MOVE_POLL_SECONDS
 
 
 def lost_chain_after():

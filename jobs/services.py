@@ -10,20 +10,29 @@ Errors:
   IllegalTransition                        the state machine forbids the move
   StaleJobState (an IllegalTransition)     someone else moved the job first
 """
-import re
-from datetime import timedelta
+from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Count, DateTimeField, F, Q, Sum, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
+from fleet.models import Node
 from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
 from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
 
+logger = logging.getLogger(__name__)
 S = Job.State
 
 # The job state machine. A move not listed here raises IllegalTransition.
@@ -143,6 +152,43 @@ def job_event_add(*, job, type, reason="", actor=None, extra=None, from_state=""
 # --- the state machine --------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _TransitionWrites:
+    """What a move from one state to another writes on the job row: one rule for job_transition
+    and jobs_transition_bulk."""
+
+    columns: dict  # column -> value, the same for every job making this move
+    counter: str | None  # a *_count column that goes up by one, or None
+    sets_started_at: bool  # started_at = now unless it is set (the first entry into running)
+    releases_devices: bool  # replicas unplaced, device_count 0, region None
+
+
+def _transition_writes(*, from_state: S, to: S, now: datetime) -> _TransitionWrites:
+    columns = {"state": to, "state_changed_at": now, "updated_at": now}
+    if to == S.RUNNING:
+        columns["last_started_at"] = now
+    if to in Job.TERMINAL_STATES:
+        columns["finished_at"] = now
+        columns["queue_position"] = None
+        columns["wait_reason"] = ""
+    releases_devices = to in Job.TERMINAL_STATES or to in Job.WAITING_STATES
+    if releases_devices:
+        columns["device_count"] = 0
+        columns["region"] = None
+    if from_state in Job.WAITING_STATES and to not in Job.WAITING_STATES:
+        columns["queue_position"] = None
+        columns["wait_reason"] = ""
+    counter = None
+    if to == S.PREEMPTED and from_state != S.MIGRATING:
+        counter = "preemption_count"
+    if to == S.MIGRATING:
+        counter = "migration_count"
+    if to == S.RESIZING:
+        counter = "resize_count"
+    return _TransitionWrites(columns=columns, counter=counter, sets_started_at=to == S.RUNNING,
+                             releases_devices=releases_devices)
+
+
 def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
     """Moves `job` from its current (in-memory) state to `to`; returns the refreshed job.
 
@@ -159,28 +205,13 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
     if to not in TRANSITIONS[from_state]:
         raise IllegalTransition(job_id=job.pk, from_state=from_state, to_state=to)
     now = now or timezone.now()
-    changes = {"state": to, "state_changed_at": now, "updated_at": now}
-    if to == S.RUNNING:
-        changes["last_started_at"] = now
-        if job.started_at is None:
-            changes["started_at"] = now
-    if to in Job.TERMINAL_STATES:
-        changes["finished_at"] = now
-        changes["queue_position"] = None
-        changes["wait_reason"] = ""
-    releases_devices = to in Job.TERMINAL_STATES or to in Job.WAITING_STATES
-    if releases_devices:
-        changes["device_count"] = 0
-        changes["region"] = None
-    if from_state in Job.WAITING_STATES and to not in Job.WAITING_STATES:
-        changes["queue_position"] = None
-        changes["wait_reason"] = ""
-    if to == S.PREEMPTED and from_state != S.MIGRATING:
-        changes["preemption_count"] = job.preemption_count + 1
-    if to == S.MIGRATING:
-        changes["migration_count"] = job.migration_count + 1
-    if to == S.RESIZING:
-        changes["resize_count"] = job.resize_count + 1
+    writes = _transition_writes(from_state=from_state, to=to, now=now)
+    changes = dict(writes.columns)
+    if writes.sets_started_at and job.started_at is None:
+        changes["started_at"] = now
+    if writes.counter:
+        changes[writes.counter] = getattr(job, writes.counter) + 1
+    releases_devices = writes.releases_devices
 
     with transaction.atomic():
         updated = Job.objects.filter(pk=job.pk, state=from_state).update(**changes)
@@ -209,6 +240,97 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
         )
         job_publish_updated(job=job, fleet=releases_devices or to == S.SCHEDULED)
     return job
+
+
+def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, str] | None = None,
+                         extras: Mapping[int, dict] | None = None, events: Iterable[JobEvent] = (),
+                         by=None, now: datetime | None = None, publish_max: int | None = None) -> list[Job]:
+    """Moves every job in `jobs` from its (in-memory) state to `to`; returns them, updated in memory.
+
+    job_transition for many jobs in a constant number of statements: the same TRANSITIONS table
+    (IllegalTransition, before anything is written, when any job has no such arrow), the same
+    columns, a conditional UPDATE per group of from-states that write alike (usually one), a
+    STATE_CHANGED JobEvent per job (reason and extra from `reasons` / `extras` by job id) written
+    with the caller's `events` in one bulk_create, all in one transaction. StaleJobState when a job
+    left its state first (nothing is written then, but a caller's enclosing transaction must end:
+    no savepoint is taken; lock the rows with select_for_update to avoid it). "jobs.job_updated"
+    is pushed after commit, with what the objects hold at the call, unless there are more than
+    `publish_max` jobs (None: no limit): pages catch up on their next poll.
+    Deferred fields that the move changes (a counter, started_at) stay deferred and load fresh.
+    """
+    to = S(to)
+    jobs = list(jobs)
+    now = now or timezone.now()
+    reasons, extras = reasons or {}, extras or {}
+    ids_by_state: dict[S, list[int]] = {}
+    for job in jobs:
+        from_state = S(job.state)
+        if to not in TRANSITIONS[from_state]:
+            raise IllegalTransition(job_id=job.pk, from_state=from_state, to_state=to)
+        ids_by_state.setdefault(from_state, []).append(job.pk)
+    # From-states that write the same columns share one UPDATE.
+    groups: list[tuple[_TransitionWrites, list[S]]] = []
+    for from_state in ids_by_state:
+        writes = _transition_writes(from_state=from_state, to=to, now=now)
+        for group_writes, states in groups:
+            if group_writes == writes:
+                states.append(from_state)
+                break
+        else:
+            groups.append((writes, [from_state]))
+    writes_of = {state: writes for writes, states in groups for state in states}
+    # No savepoint inside a caller's transaction: a tick's start path pays no extra statements.
+    # A StaleJobState then dooms that transaction (it must end), which rolls this back with it.
+    with transaction.atomic(savepoint=False):
+        updated = 0
+        for writes, states in groups:
+            changes = dict(writes.columns)
+            if writes.sets_started_at:
+                changes["started_at"] = Coalesce("started_at", Value(now, output_field=DateTimeField()))
+            if writes.counter:
+                changes[writes.counter] = F(writes.counter) + 1
+            where = Q()
+            for state in states:
+                where |= Q(pk__in=ids_by_state[state], state=state)
+            updated += Job.objects.filter(where).update(**changes)
+        if updated != len(jobs):
+            # This UPDATE moved the others to `to` already (rolled back with the raise); the stale
+            # one is elsewhere (or was moved to `to` by someone else: then name the first).
+            current = dict(Job.objects.filter(pk__in=[job.pk for job in jobs]).values_list("id", "state"))
+            stale = next((job for job in jobs if current.get(job.pk) != to), jobs[0])
+            raise StaleJobState(
+                job_id=stale.pk, from_state=S(stale.state), to_state=to,
+                message=f"job {stale.pk} is no longer {stale.state} (it is {current.get(stale.pk)}); "
+                        f"reload it and decide again")
+        releasing = [job.pk for job in jobs if writes_of[S(job.state)].releases_devices]
+        released = {}
+        if releasing:
+            placed = Replica.objects.filter(job_id__in=releasing, device__isnull=False)
+            released = dict(placed.values("job_id").annotate(n=Count("id")).values_list("job_id", "n"))
+            placed.update(device=None)
+        state_events = []
+        for job in jobs:
+            from_state = S(job.state)
+            writes = writes_of[from_state]
+            deferred = job.get_deferred_fields()
+            for field, value in writes.columns.items():
+                setattr(job, field, value)
+            if writes.sets_started_at and "started_at" not in deferred and job.started_at is None:
+                job.started_at = now
+            if writes.counter and writes.counter not in deferred:
+                setattr(job, writes.counter, getattr(job, writes.counter) + 1)
+            extra = {**extras.get(job.pk, {}),
+                     **({"released_replicas": released[job.pk]} if released.get(job.pk) else {})}
+            state_events.append(JobEvent(
+                job_id=job.pk, type=JobEvent.Type.STATE_CHANGED, from_state=from_state, to_state=to,
+                reason=reasons.get(job.pk, "")[:500], extra_data=extra, created_at=now,
+                actor=by if (by is not None and by.is_authenticated) else None))
+        JobEvent.objects.bulk_create([*state_events, *events], batch_size=2000)
+        if publish_max is None or len(jobs) <= publish_max:
+            releases_devices = to in Job.TERMINAL_STATES or to in Job.WAITING_STATES
+            for job in jobs:
+                job_publish_updated(job=job, fleet=releases_devices or to == S.SCHEDULED)
+    return jobs
 
 
 # --- submit and cancel --------------------------------------------------------------------
@@ -542,3 +664,32 @@ def membership_set(*, team, user, role):
     """Returns the user's Membership in `team` with `role`, creating or updating it."""
     membership, _ = Membership.objects.update_or_create(team=team, user=user, defaults={"role": role})
     return membership
+
+
+# --- lost nodes ------------------------------------------------------------------------------
+
+
+def node_lost_after() -> timedelta:
+    """A node whose agent has not reported for this long is lost (settings.MERIDIAN_NODE_LOST_AFTER_SECONDS)."""
+    return timedelta(seconds=float(settings.MERIDIAN_NODE_LOST_AFTER_SECONDS))
+
+
+def node_lost_sweep(*, now: datetime) -> list[str]:
+    """Marks ready/draining nodes whose agent missed heartbeats for node_lost_after() as lost.
+
+    Returns the hostnames marked. Nodes that never reported (last_heartbeat null) are left
+    alone: they were created by a fleet description and have no agent yet.
+    """
+    cutoff = now - node_lost_after()
+    stale = Node.objects.filter(last_heartbeat__lt=cutoff).exclude(state=Node.State.LOST)
+    hostnames = list(stale.values_list("hostname", flat=True))
+    if hostnames:
+        Node.objects.filter(hostname__in=hostnames, last_heartbeat__lt=cutoff).update(state=Node.State.LOST)
+        held = Replica.objects.filter(device__node__hostname__in=hostnames).exclude(
+            job__state__in=Job.TERMINAL_STATES).values_list("job_id", flat=True).distinct()
+        for job in Job.objects.filter(pk__in=list(held)):
+            job_event_add(job=job, type=JobEvent.Type.NODE_LOST,
+                          reason=f"node(s) {', '.join(hostnames)} missed heartbeats for "
+                                 f"{node_lost_after().total_seconds():.0f} s")
+        logger.warning("nodes lost (missed heartbeats): %s", ", ".join(hostnames))
+    return hostnames

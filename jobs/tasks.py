@@ -3,7 +3,7 @@
   jobs.tasks.scheduler_tick          beat, every MERIDIAN_TICK_SECONDS: jobs.tick.tick_run
                                      (lost-node sweep, preemption expiry, move timeouts,
                                      snapshot -> plan -> apply, one leader at a time)
-  jobs.tasks.accounting             beat, every MERIDIAN_ACCOUNTING_SECONDS: device-time accrual
+  jobs.tasks.accounting             beat, every MERIDIAN_ACCOUNTING_SECONDS: jobs.accounting.accounting_run
   jobs.tasks.node_lost_sweep         the heartbeat-loss sweep alone (also run inside every tick)
   jobs.tasks.preemption_expiry       expires approval requests past their deadline
   jobs.tasks.workflow_timeouts       ends stuck preemptions / migrations / resizes (and lost chains)
@@ -34,14 +34,14 @@ def scheduler_tick():
 
 @shared_task(name="jobs.tasks.accounting", ignore_result=True)
 def accounting():
-    from jobs.tick import accounting_run
+    from jobs.accounting import accounting_run
 
     return accounting_run()
 
 
 @shared_task(name="jobs.tasks.node_lost_sweep", ignore_result=True)
 def node_lost_sweep():
-    from jobs.tick import node_lost_sweep as sweep
+    from jobs.services import node_lost_sweep as sweep
 
     with transaction.atomic():
         return sweep(now=timezone.now())

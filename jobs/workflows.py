@@ -19,7 +19,6 @@ heartbeat; a step that already happened is a no-op.
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 from datetime import timedelta
 
@@ -47,17 +46,16 @@ STOP_STEPS = (Move.Step.BARRIER, Move.Step.CHECKPOINT, Move.Step.STORE, Move.Ste
 
 
 def workflow_timeout():
-    return timedelta(seconds=float(os.environ.get("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "300")))
+    return timedelta(seconds=settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS)
 
 
 def node_lost_after_seconds():
-    return float(os.environ.get("MERIDIAN_NODE_LOST_AFTER_SECONDS", "30"))
+    return settings.MERIDIAN_NODE_LOST_AFTER_SECONDS
 
 
 def checkpoint_store_root():
     """Returns the shared checkpoint store root: MERIDIAN_CHECKPOINT_STORE or <data dir>/checkpoints."""
-    root = os.environ.get("MERIDIAN_CHECKPOINT_STORE") or str(settings.DATA_DIR / "checkpoints")
-    return root.rstrip("/")
+    return str(settings.MERIDIAN_CHECKPOINT_STORE).rstrip("/")
 
 
 def job_store_uri(job_id, *, generation=None):

@@ -1,7 +1,6 @@
 """ASGI entry point (daphne): HTTP through Django, WebSockets through Channels.
 
-WebSocket routes are collected from `portal.routing.websocket_urlpatterns`, a list
-the pages' consumers extend; it is empty until they exist.
+WebSocket routes are `portal.routing.websocket_urlpatterns` (the pages' consumers).
 """
 import os
 

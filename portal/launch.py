@@ -4,20 +4,13 @@
     python -m portal.launch test [pytest args...]
 
 `run` starts a private Redis (unless REDIS_URL is set), migrates, seeds the demo fleet
-and users, then supervises daphne (ASGI), a Celery worker and Celery beat, plus any
-processes that embedded hooks add; Ctrl-C (or SIGTERM) stops everything, children first.
-
-Embedded hooks: a module listed in EMBEDDED_HOOKS that exists is imported and its
-`processes(context: LaunchContext) -> list[ProcessSpec]` is called after the
-database is ready; the node agents (issue 5) join the run this way, from
-`agent/embedded.py`, without editing this file.
+and users, then supervises daphne (ASGI), a Celery worker and Celery beat, and the demo
+fleet's node agents (agent/embedded.py); Ctrl-C (or SIGTERM) stops everything, children first.
 
 No Django import at module level: this process only supervises; Django runs in the
 children (manage.py, daphne, celery).
 """
 import argparse
-import importlib
-import importlib.util
 import os
 import signal
 import socket
@@ -29,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.embedded import embedded_env_defaults, embedded_processes
 from portal.private_redis import PrivateRedis, PrivateRedisError
 
 ROOT = Path(__file__).resolve().parent.parent
-EMBEDDED_HOOKS = ("agent.embedded",)
 DEMO_LOGINS = (
     ("alice", "alice-demo-pass", "member of Team A: submits jobs"),
     ("bob", "bob-demo-pass", "member of Team A"),
@@ -61,7 +54,6 @@ class LaunchContext:
     url: str
     env: dict
     demo_workload: bool
-    handled: set = field(default_factory=set)
 
     def manage(self, *args):
         """Runs `manage.py args` with the run's environment; returns its stdout or raises."""
@@ -200,16 +192,16 @@ def run(args):
             ProcessSpec("beat", [_bin("celery"), "-A", "portal", "beat", "--loglevel", "INFO",
                                  "--schedule", str(data_dir / "celerybeat-schedule")]),
         ]
-        for hook in EMBEDDED_HOOKS:
-            if importlib.util.find_spec(hook.rsplit(".", 1)[0]) and importlib.util.find_spec(hook):
-                specs += importlib.import_module(hook).processes(context)
+        # Set only now (as before): migrate and demo_seed never needed them.
+        for name, value in embedded_env_defaults(data_dir=data_dir).items():
+            env.setdefault(name, value)
+        specs += [ProcessSpec(process.name, process.argv) for process in embedded_processes(
+            python=context.python, url=context.url, root=context.root, data_dir=data_dir,
+            enrollment_token=env["MERIDIAN_AGENT_ENROLLMENT_TOKEN"], demo_workload=args.demo_workload)]
         for spec in specs:
             supervisor.start(spec, env)
         if not _wait_for_port(port, process=supervisor.children[0][1], timeout=60):
             raise LaunchError("the web server did not start; see the [web] lines above")
-        if args.demo_workload and "demo_workload" not in context.handled:
-            print("[meridian] --demo-workload needs the node agents (agent/embedded.py), which this build "
-                  "does not have yet; starting without a demo workload", flush=True)
         _print_banner(context.url)
         while not stop_requested.is_set():
             exited = supervisor.first_exited()

@@ -14,6 +14,9 @@ Environment variables:
   MERIDIAN_PROFILE    "development" (default) or "production"
   ALLOWED_HOSTS       comma-separated; required in production
   CSRF_TRUSTED_ORIGINS comma-separated origins, e.g. https://meridian.example.com
+
+The control loop's knobs (read here once; code reads django.conf.settings at call time, so
+tests override them with pytest-django's `settings` fixture): see "control loop" below.
 """
 import os
 import secrets
@@ -27,6 +30,44 @@ from django.core.exceptions import ImproperlyConfigured
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("MERIDIAN_DATA_DIR") or BASE_DIR / "data").resolve()
 DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+
+
+def _env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    """Returns the number in environment variable `name`, or `default` when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not a number") from None
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name}={value!r} must be {minimum:g} or more")
+    return number
+
+
+def _env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    """Returns the whole number in environment variable `name`, or `default` when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not a whole number") from None
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name}={value!r} must be {minimum} or more")
+    return number
+
+
+def _env_choice(name: str, default: str, *, choices: tuple[str, ...]) -> str:
+    """Returns environment variable `name` (lower-cased) if it is one of `choices`, else raises."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name}={value!r}; choose one of {', '.join(choices)}")
+    return value
+
 
 PROFILE = os.environ.get("MERIDIAN_PROFILE", "development").strip().lower()
 if PROFILE not in {"development", "production"}:
@@ -128,7 +169,7 @@ DEFAULT_SQLITE_PATH = DATA_DIR / "meridian.sqlite3"
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL") or f"sqlite:///{DEFAULT_SQLITE_PATH}",
-        conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "60")),
+        conn_max_age=_env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0),
         conn_health_checks=True,
     )
 }
@@ -173,19 +214,42 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_RESULT_EXPIRES = 3600
-# The control loop's periodic task, by name, so this file never imports it.
-MERIDIAN_TICK_TASK = os.environ.get("MERIDIAN_TICK_TASK", "jobs.tasks.scheduler_tick")
-MERIDIAN_TICK_SECONDS = float(os.environ.get("MERIDIAN_TICK_SECONDS", "2.0"))
+# --- control loop ---------------------------------------------------------------------
+# Scheduling policy (jobs.snapshot.policy_settings): short times for tests and the demo.
+MERIDIAN_MIN_RUN_SECONDS = _env_float("MERIDIAN_MIN_RUN_SECONDS", 600.0, minimum=0.0)
+MERIDIAN_STANDARD_SLA_FLOOR = _env_float("MERIDIAN_STANDARD_SLA_FLOOR", 0.70)
+# A job is not grown again sooner than this after a resize.
+MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = _env_float("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", 600.0, minimum=0.0)
+# Free devices per region and type kept for Premium jobs.
+MERIDIAN_PREMIUM_RESERVE_DEVICES = _env_int("MERIDIAN_PREMIUM_RESERVE_DEVICES", 0, minimum=0)
+# How far one job's ranks may spread: "node" (the meridian-run launcher runs all of a job's
+# ranks on one host), "rack", "cluster", or "region" (hollow / scale runs).
+MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "node",
+                                      choices=("node", "rack", "cluster", "region"))
+# A node whose agent missed heartbeats this long is lost (jobs.services.node_lost_sweep).
+MERIDIAN_NODE_LOST_AFTER_SECONDS = _env_float("MERIDIAN_NODE_LOST_AFTER_SECONDS", 30.0, minimum=0.0)
+# Device-time is accrued at most this often (jobs.accounting.accounting_run).
+MERIDIAN_ACCOUNTING_SECONDS = _env_float("MERIDIAN_ACCOUNTING_SECONDS", 10.0, minimum=0.0)
+# A move's step (or a stuck workflow) that takes longer than this is ended (jobs.moves).
+MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = _env_float("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", 300.0, minimum=0.0)
+# Countdown of a move step task's retry while its step is not observed yet.
+MERIDIAN_MOVE_POLL_SECONDS = _env_float("MERIDIAN_MOVE_POLL_SECONDS", 1.0, minimum=0.0)
+# The shared checkpoint store every node and the control plane see.
+MERIDIAN_CHECKPOINT_STORE = os.environ.get("MERIDIAN_CHECKPOINT_STORE") or str(DATA_DIR / "checkpoints")
+# Agents' heartbeat period, told to them at registration.
+MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS", 5.0, minimum=0.0)
+# The bootstrap token agents present to register; empty disables registration.
+MERIDIAN_AGENT_ENROLLMENT_TOKEN = os.environ.get("MERIDIAN_AGENT_ENROLLMENT_TOKEN", "")
+MERIDIAN_TICK_SECONDS = _env_float("MERIDIAN_TICK_SECONDS", 2.0, minimum=0.0)
 CELERY_BEAT_SCHEDULE = {
     "scheduler-tick": {
-        "task": MERIDIAN_TICK_TASK,
+        "task": "jobs.tasks.scheduler_tick",
         "schedule": MERIDIAN_TICK_SECONDS,
         # A tick that could not start before the next one is due is useless: drop it.
         "options": {"expires": MERIDIAN_TICK_SECONDS},
     },
-    # Device-time accrual (attained / ideal), apart from the tick: jobs.tick.accounting_run.
-    "accounting": {"task": "jobs.tasks.accounting",
-                   "schedule": max(1.0, float(os.environ.get("MERIDIAN_ACCOUNTING_SECONDS") or 10.0))},
+    # Device-time accrual (attained / ideal), apart from the tick: jobs.accounting.accounting_run.
+    "accounting": {"task": "jobs.tasks.accounting", "schedule": max(1.0, MERIDIAN_ACCOUNTING_SECONDS)},
     # Checkpoint rows beyond the newest few per job (the store keeps only those).
     "records-retention": {"task": "jobs.tasks.records_retention", "schedule": 600.0},
     # Telemetry history: node minutes → cluster minutes and hours, retention (fleet.services).
@@ -212,7 +276,7 @@ LOGOUT_REDIRECT_URL = "login"
 
 # --- REST API ---------------------------------------------------------------------
 # Bodies above this size get a 413 with a message, never a 500 (see portal.api_errors).
-DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("MERIDIAN_MAX_BODY_BYTES", str(256 * 1024)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("MERIDIAN_MAX_BODY_BYTES", 256 * 1024, minimum=1)
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
@@ -258,7 +322,7 @@ if PRODUCTION:
     CSRF_COOKIE_SECURE = True
     SECURE_SSL_REDIRECT = os.environ.get("SECURE_SSL_REDIRECT", "1") == "1"
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
-    SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", "31536000"))
+    SECURE_HSTS_SECONDS = _env_int("SECURE_HSTS_SECONDS", 31536000, minimum=0)
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
     SECURE_CONTENT_TYPE_NOSNIFF = True
     SESSION_COOKIE_HTTPONLY = True

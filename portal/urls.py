@@ -1,14 +1,11 @@
 """URLs.
 
-  /                    dashboard pages: portal.pages.urls when that module exists (issue 6),
-                       else a start page
+  /                    dashboard pages (portal.pages.urls)
   /accounts/login/ …   session login/logout (django.contrib.auth)
   /admin/              Django admin
   /api/                REST API (fleet.urls, jobs.urls); /api/auth/token/ trades a username
                        and password for an API token; /api/schema/ (OpenAPI), /api/docs/
 """
-from importlib.util import find_spec
-
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
@@ -31,9 +28,5 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include(api_patterns)),
+    path("", include("portal.pages.urls")),
 ]
-
-if find_spec("portal.pages") and find_spec("portal.pages.urls"):
-    urlpatterns.append(path("", include("portal.pages.urls")))
-else:
-    urlpatterns.append(path("", views.home, name="home"))

@@ -1,15 +1,8 @@
-"""Views of the project itself: the API docs page and a start page that the dashboard
-pages (portal/pages/, issue 6) replace when they exist."""
-from django.contrib.auth.decorators import login_required
+"""Views of the project itself: the API docs page (the dashboard's pages are portal/pages/)."""
 from django.shortcuts import render
 from drf_spectacular.generators import SchemaGenerator
 
 HTTP_METHODS = ("get", "post", "put", "patch", "delete")
-
-
-@login_required
-def home(request):
-    return render(request, "portal/home.html")
 
 
 def _schema_ref(schema, ref):

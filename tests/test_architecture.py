@@ -56,6 +56,34 @@ def test_django_apps_import_only_down_the_arrows(package):
     assert offenders == []
 
 
+# The node side's arrows: the agent may import the runtime (and protocol), the runtime only
+# protocol; neither may reach back into the control plane, which runs far from the nodes.
+NODE_FORBIDDEN = {"agent": {"portal", "fleet", "jobs"}, "runtime": {"agent", "portal", "fleet", "jobs"}}
+
+
+def _offenders(package: str, forbidden: set[str], *, root: pathlib.Path = ROOT) -> list[str]:
+    return [
+        f"{path.relative_to(root)}:{lineno} imports {module}"
+        for path in sorted((root / package).rglob("*.py"))
+        for module, lineno in _imported_top_level_modules(path)
+        if module in forbidden
+    ]
+
+
+@pytest.mark.parametrize("package", sorted(NODE_FORBIDDEN))
+def test_the_node_side_never_imports_the_control_plane(package):
+    assert _offenders(package, NODE_FORBIDDEN[package]) == []
+
+
+def test_the_node_side_check_sees_an_import_inside_a_function(tmp_path):
+    # agent/embedded.py once imported portal.launch inside its hook function, out of sight of
+    # a module-level check.
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "embedded.py").write_text(
+        "def processes(context):\n    from portal.launch import ProcessSpec\n    return [ProcessSpec]\n")
+    assert _offenders("agent", NODE_FORBIDDEN["agent"], root=tmp_path) == ["agent/embedded.py:2 imports portal"]
+
+
 def test_the_wire_protocol_imports_only_the_standard_library():
     """Every side imports `protocol`, so it may depend on nothing but Python itself."""
     import sys

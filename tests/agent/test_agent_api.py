@@ -13,9 +13,9 @@ DEVICES = [{"type": "CPU"}, {"type": "CPU"}]
 
 
 @pytest.fixture(autouse=True)
-def enrollment(monkeypatch):
-    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
-    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
+def enrollment(settings):
+    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ENROLL
+    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
 
 
 def register(hostname, *, enroll=ENROLL, devices=DEVICES):
@@ -49,8 +49,8 @@ def test_registration_without_or_with_a_wrong_enrollment_token_is_refused():
 
 
 @pytest.mark.django_db
-def test_registration_is_disabled_without_a_configured_enrollment_token(monkeypatch):
-    monkeypatch.delenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN")
+def test_registration_is_disabled_without_a_configured_enrollment_token(settings):
+    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ""
     response = register("n1", enroll="anything")
     assert response.status_code == 403 and "MERIDIAN_AGENT_ENROLLMENT_TOKEN" in response.json()["detail"]
 

@@ -15,10 +15,10 @@ ENROLL = "hollow-enroll"
 
 
 @pytest.fixture(autouse=True)
-def enrollment(monkeypatch):
-    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", ENROLL)
-    monkeypatch.setenv("MERIDIAN_MIN_RUN_SECONDS", "0")
-    monkeypatch.setenv("MERIDIAN_JOB_MAX_SPREAD", "region")
+def enrollment(settings):
+    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ENROLL
+    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
+    settings.MERIDIAN_JOB_MAX_SPREAD = "region"
 
 
 def run_move_tasks():

@@ -3,12 +3,12 @@ clock, the lost-chain sweep, one active move per job, stale-generation fencing.
 
 Agents are played by node_report_apply (what their heartbeat API calls), the Celery worker by
 the services its tasks call (move_step_run, move_advance) and by calling the task itself."""
-import os
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 from celery.exceptions import Retry
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -16,23 +16,33 @@ from fleet.agent_services import node_register
 from fleet.models import Accelerator, Node
 from jobs import tasks
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
-from jobs.moves import (DONE, ENDED, PASSED, SUPERSEDED, WAITING, move_advance, move_create, move_step_run,
-                        moves_sweep)
+from jobs.moves import (
+    DONE,
+    ENDED,
+    PASSED,
+    SUPERSEDED,
+    WAITING,
+    move_advance,
+    move_create,
+    move_step_run,
+    moves_sweep,
+)
+from jobs.plan_apply import _migrate
 from jobs.services import job_submit
-from jobs.tick import _migrate, tick_run
+from jobs.tick import tick_run
 from jobs.workflows import node_desired_state, node_report_apply
 
 S = Job.State
 
 
 @pytest.fixture(autouse=True)
-def moves_policy(short_policy, monkeypatch):
+def moves_policy(short_policy, settings):
     """short_policy (tests/jobs/conftest.py), and a workflow step times out after 60 s."""
-    monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "60")
+    settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = 60.0
 
 
 def make_node(hostname, devices=1):
-    enrollment = os.environ["MERIDIAN_AGENT_ENROLLMENT_TOKEN"]  # what short_policy set
+    enrollment = settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN  # what short_policy set
     node, _token = node_register(enrollment=enrollment, hostname=hostname, region="eu", cluster="c1",
                                  devices=[{"type": "CPU"}] * devices)
     return node

@@ -2,31 +2,34 @@
 
 Agents are played by calling the same service their heartbeat API calls (node_report_apply);
 the Celery worker by calling the service its move tasks call (jobs.moves.move_advance)."""
-import os
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.utils import timezone
 
 from fleet.agent_services import node_register
 from fleet.models import Node
+from jobs.accounting import accounting_run
+from jobs.lease import tick_lease_claim, tick_lease_release
 from jobs.models import Job, JobEvent, Move, PreemptionRequest, Replica
 from jobs.moves import move_advance
 from jobs.services import job_submit, preemption_approve, preemption_deny
-from jobs.tick import accounting_run, snapshot_build, tick_lease_claim, tick_lease_release, tick_run
+from jobs.snapshot import snapshot_build
+from jobs.tick import tick_run
 from jobs.workflows import node_desired_state, node_report_apply
 
 S = Job.State
 
 
 @pytest.fixture(autouse=True)
-def tick_policy(short_policy, monkeypatch):
+def tick_policy(short_policy, settings):
     """short_policy (tests/jobs/conftest.py), and a node is lost after 30 s without a heartbeat."""
-    monkeypatch.setenv("MERIDIAN_NODE_LOST_AFTER_SECONDS", "30")
+    settings.MERIDIAN_NODE_LOST_AFTER_SECONDS = 30.0
 
 
 def make_node(hostname, devices=2, region="eu", cluster="c1"):
-    enrollment = os.environ["MERIDIAN_AGENT_ENROLLMENT_TOKEN"]  # what short_policy set
+    enrollment = settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN  # what short_policy set
     node, _token = node_register(enrollment=enrollment, hostname=hostname, region=region, cluster=cluster,
                                  devices=[{"type": "CPU"}] * devices)
     return node
@@ -115,8 +118,8 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_after_its_checkpoint(a
 
 
 @pytest.mark.django_db
-def test_preempting_a_standard_job_below_its_sla_waits_for_approval(alice, carol, team_a, job_spec, monkeypatch):
-    monkeypatch.setenv("MERIDIAN_STANDARD_SLA_FLOOR", "1.0")  # any Standard job is below its floor
+def test_preempting_a_standard_job_below_its_sla_waits_for_approval(alice, carol, team_a, job_spec, settings):
+    settings.MERIDIAN_STANDARD_SLA_FLOOR = 1.0  # any Standard job is below its floor
     n1 = make_node("n1", devices=1)
     standard = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="s", world_size=1, min_devices=1, tier="standard"))
     t0 = timezone.now()
@@ -256,10 +259,10 @@ def test_checkpoint_rows_beyond_the_newest_three_per_job_are_pruned(alice, team_
 
 @pytest.mark.django_db
 def test_a_one_rank_job_gets_the_deployments_spread_and_still_shrinks_an_elastic_victim(alice, team_a, job_spec,
-                                                                                       monkeypatch):
+                                                                                       settings):
     import scheduler
 
-    monkeypatch.setenv("MERIDIAN_JOB_MAX_SPREAD", "node")
+    settings.MERIDIAN_JOB_MAX_SPREAD = "node"
     node = make_node("n1", devices=2)
     elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
     tick_run()
@@ -279,8 +282,8 @@ def test_a_one_rank_job_gets_the_deployments_spread_and_still_shrinks_an_elastic
 
 
 @pytest.mark.django_db
-def test_a_shrunk_job_is_not_grown_again_before_the_minimum_resize_interval(alice, team_a, job_spec, monkeypatch):
-    monkeypatch.setenv("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", "300")
+def test_a_shrunk_job_is_not_grown_again_before_the_minimum_resize_interval(alice, team_a, job_spec, settings):
+    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 300.0
     node = make_node("n1", devices=2)
     elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
     t0 = timezone.now()
@@ -331,8 +334,8 @@ def test_the_snapshot_reads_resize_times_in_one_query_whatever_the_number_of_job
 
 @pytest.mark.django_db
 def test_devices_a_preempted_job_gives_up_are_free_but_releasing_until_its_step_deadline(alice, team_a, job_spec,
-                                                                                        monkeypatch):
-    monkeypatch.setenv("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "120")
+                                                                                        settings):
+    settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = 120.0
     node = make_node("n1", devices=2)
     rigid = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="r", world_size=2, min_devices=2, tier="basic"))
     t0 = timezone.now()
@@ -388,8 +391,8 @@ def test_a_shrinking_job_keeps_its_devices_hidden_and_releases_the_dropped_ones(
 
 
 @pytest.mark.django_db
-def test_devices_reserved_for_premium_jobs_stay_idle_for_other_tiers(alice, team_a, job_spec, monkeypatch):
-    monkeypatch.setenv("MERIDIAN_PREMIUM_RESERVE_DEVICES", "1")
+def test_devices_reserved_for_premium_jobs_stay_idle_for_other_tiers(alice, team_a, job_spec, settings):
+    settings.MERIDIAN_PREMIUM_RESERVE_DEVICES = 1
     make_node("n1", devices=2)
     basics = [job_submit(team=team_a, submitted_by=alice, spec=job_spec(name=f"b{i}", world_size=1, min_devices=1,
                                                                         tier="basic")) for i in range(2)]
@@ -408,8 +411,11 @@ def test_devices_reserved_for_premium_jobs_stay_idle_for_other_tiers(alice, team
 
 @pytest.mark.parametrize("value", ["two", "-1", "1.5"])
 def test_a_bad_premium_reserve_setting_names_the_variable(value, monkeypatch):
-    from jobs.tick import policy_settings
+    # portal/settings.py reads it once, at start-up, with this helper
+    from django.core.exceptions import ImproperlyConfigured
+
+    from portal.settings import _env_int
 
     monkeypatch.setenv("MERIDIAN_PREMIUM_RESERVE_DEVICES", value)
-    with pytest.raises(ValueError, match="MERIDIAN_PREMIUM_RESERVE_DEVICES"):
-        policy_settings()
+    with pytest.raises(ImproperlyConfigured, match="MERIDIAN_PREMIUM_RESERVE_DEVICES"):
+        _env_int("MERIDIAN_PREMIUM_RESERVE_DEVICES", 0, minimum=0)
