@@ -16,7 +16,7 @@ import runpy
 import sys
 import time
 
-EXIT_CUT_STOP = 0  # a rank that stopped at a cut exits 0; the launcher knows it asked
+from runtime import engines
 
 
 def _redirect_output(log_path):
@@ -32,7 +32,7 @@ def _redirect_output(log_path):
 
 
 class RankRuntime:
-    """What the rank does at a consistent cut, per engine."""
+    """What the rank does at a consistent cut: a resize itself, a checkpoint or stop by its engine."""
 
     PROGRESS_INTERVAL_S = 0.5
 
@@ -42,7 +42,7 @@ class RankRuntime:
         self.rank = rank
         self.world_size = world_size
         self.spool = spool
-        self.engine = engine
+        self.engine = engine  # an engines.Engine
         self.tracker = tracker
         self.slot = slot
         self.connection = connection
@@ -66,7 +66,7 @@ class RankRuntime:
         first_t, first_step = self._window[0]
         rate = (step - first_step) / (now - first_t) if now > first_t else None
         self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), {
-            "step": step, "steps_per_s": rate, "engine": self.engine,
+            "step": step, "steps_per_s": rate, "engine": self.engine.name,
             "world_size": self.world_size, "updated_unix": time.time()})
 
     # -- the cut ------------------------------------------------------------------------------
@@ -76,7 +76,6 @@ class RankRuntime:
             {"rank": self.rank, "step": step, "status": status, **extra})
 
     def on_cut(self, request, step):
-        from runtime import localreduce, splice, vpg
         action = request["action"]
         if self.rank == 0:
             self.write_progress(step)
@@ -89,52 +88,10 @@ class RankRuntime:
         if action not in ("checkpoint", "stop"):
             self.report(request, step, "error", error=f"unknown cut action {action!r}")
             return
-        if self.engine == "framework":
-            try:
-                self.tracker.save(request["staging_dir"])
-                error = None
-            except Exception as exc:  # framework.UnresumableScript and I/O errors alike
-                error = f"{type(exc).__name__}: {exc}"
-            # Everyone has written before anyone reports "saved" (the launcher commits then),
-            # and if one rank could not save, no rank stops.
-            (failures,) = vpg.meta_allreduce([1 if error else 0])
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if failures:
-                self.report(request, step, "error",
-                            error=error or f"{failures} other rank(s) could not save")
-                return
-            self.report(request, step, "saved")
-            if action == "stop":
-                group = vpg.current_group()
-                if group is not None:
-                    group.close_inner()
-                os._exit(EXIT_CUT_STOP)
-            return
-        # CRIU: close every socket, give up the device, and wait to be dumped (and maybe restored
-        # elsewhere); then rebuild the inner group on the addresses the launcher gives.
-        group = vpg.current_group()
-        if group is not None:
-            group.close_inner()
-        self.slot.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Neither a socket nor the shared reduction area may be left for CRIU to dump.
-        leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
-        self.report(request, step, "parked" if not leftovers else "error",
-                    open_sockets=leftovers)
-        resume = self.spool_files.resume_path(self.spool, request["id"])
-        while True:
-            payload = self.spool_files.read_json(resume)
-            if payload is not None:
-                break
-            time.sleep(0.005)
-        self.connection.update(addr=payload["master_addr"], port=payload["master_port"],
-                               prefix=payload["key_prefix"])
-        self.slot.apply(payload["devices"])
-        self.slot.acquire()
-        if group is not None:
-            group.ensure_inner()
+        self.engine.cut(self, request, step)
+
+    def resumed(self):
+        """Called by the engine when this rank goes on after being parked at a cut."""
         self._progress_at = 0.0  # report the first step after a resume at once
 
 
@@ -236,21 +193,6 @@ class LauncherWatch:
             self.check()
 
 
-def _die_with_launcher():
-    """A rank whose launcher died can never be checkpointed or stopped: end with it at once
-    (the LauncherWatch, for both engines, is the slower mechanism that also survives CRIU).
-
-    Not for CRIU ranks: CRIU restores the parent-death signal, and a restored rank's first parent
-    is the criu process that exits right after restoring it."""
-    import ctypes
-    import signal
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    launcher_pid = os.environ.get("MERIDIAN_LAUNCHER_PID")
-    if launcher_pid and os.getppid() != int(launcher_pid):
-        os._exit(1)  # the launcher died before the prctl took effect
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m runtime.rank")
     parser.add_argument("--spool", required=True)
@@ -260,9 +202,8 @@ def main(argv=None):
 
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    engine = os.environ.get("MERIDIAN_ENGINE", "criu")
-    if engine == "framework":
-        _die_with_launcher()
+    engine = engines.engine_named(os.environ.get("MERIDIAN_ENGINE", "criu"))
+    engine.start_rank()
     spool = os.path.abspath(options.spool)
     rank_dir = os.path.join(spool, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
@@ -296,15 +237,8 @@ def main(argv=None):
     vpg.install(rank=rank, world_size=world_size, connection=Connection(), hooks=slot)
 
     resume_dir = os.environ.get("MERIDIAN_RESUME") or None
-    try:
-        from runtime import framework
-    except ImportError as exc:
-        if engine == "framework":
-            raise RuntimeError(f"--engine framework needs runtime/framework.py: {exc}") from exc
-        from runtime.steps import StepTracker
-        tracker = StepTracker()
-    else:
-        tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+    from runtime import framework
+    tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
 
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())
