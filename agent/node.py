@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 
+from protocol import ProtocolError
+from protocol.launch import CheckpointTaken, Failed, LaunchEvent, Progress, Resized, Restored, parse_events
 from runtime.control import JobControl, JobControlError
 
 log = logging.getLogger("agent.node")
@@ -53,18 +55,23 @@ def read_json(path, default=None):
         return default
 
 
-def read_events(job_dir):
+def read_events(job_dir) -> list[LaunchEvent]:
+    """Returns the launcher's events of `job_dir` (events.jsonl), oldest first; [] without a log.
+    A torn last line (the launcher is writing it) and records this side does not know are skipped."""
     try:
-        lines = (pathlib.Path(job_dir) / "events.jsonl").read_text().splitlines()
+        text = (pathlib.Path(job_dir) / "events.jsonl").read_text()
     except OSError:
         return []
-    events = []
-    for line in lines:
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line while the launcher writes it
-    return events
+    return parse_events(text)
+
+
+def read_progress(job_dir) -> Progress | None:
+    """Returns the launcher's progress.json of `job_dir`, or None when there is none yet (or it is
+    not a Progress: a launcher of another kind)."""
+    try:
+        return Progress.from_dict(read_json(pathlib.Path(job_dir) / "progress.json"))
+    except ProtocolError:
+        return None
 
 
 def pid_alive(pid):
@@ -229,40 +236,42 @@ class LocalJob:
         if self.alive():
             return None
         for event in reversed(read_events(self.job_dir)):
-            if event.get("event") in TERMINAL_EVENTS:
-                return TERMINAL_EVENTS[event["event"]]
+            if event.event in TERMINAL_EVENTS:
+                return TERMINAL_EVENTS[event.event]
         return "failed"
 
     def last_checkpoint(self):
         for event in reversed(read_events(self.job_dir)):
-            if event.get("event") == "checkpoint" and event.get("checkpoint"):
-                return {"step": event.get("step"), "uri": event["checkpoint"], "bytes": event.get("bytes") or 0,
-                        "engine": event.get("engine") or "framework"}
+            if isinstance(event, CheckpointTaken) and event.checkpoint:
+                return {"step": event.step, "uri": event.checkpoint, "bytes": event.bytes,
+                        "engine": event.engine or "framework"}
         return None
 
     def last_cut(self):
         """Returns the newest consistent cut the launcher took: {"action": stop|checkpoint|resize,
         "step", "devices"?} (its checkpoint and resize events), or None."""
         for event in reversed(read_events(self.job_dir)):
-            if event.get("event") == "checkpoint" and event.get("step") is not None:
-                return {"action": event.get("action") or "checkpoint", "step": event["step"]}
-            if event.get("event") == "resize" and event.get("step") is not None:
-                return {"action": "resize", "step": event["step"], "devices": event.get("devices")}
+            if isinstance(event, CheckpointTaken):
+                return {"action": event.action, "step": event.step}
+            if isinstance(event, Resized):
+                return {"action": "resize", "step": event.step, "devices": event.devices}
         return None
 
     def restored_step(self):
         for event in read_events(self.job_dir):
-            if event.get("event") == "restored":
-                return event.get("step")
+            if isinstance(event, Restored):
+                return event.step
         return None
 
     def observed(self):
-        progress = read_json(self.job_dir / "progress.json", {}) or {}
+        progress = read_progress(self.job_dir)
         outcome = self.outcome()
-        entry = {"job_id": self.job_id, "state": outcome or ("running" if progress.get("state") == "running"
-                                                             else "starting"),
-                 "step": progress.get("step"), "steps_per_s": progress.get("steps_per_s"),
-                 "devices": progress.get("devices") or self.devices, "engine": progress.get("engine")}
+        running = progress is not None and progress.state == "running"
+        entry = {"job_id": self.job_id, "state": outcome or ("running" if running else "starting"),
+                 "step": progress.step if progress else None,
+                 "steps_per_s": progress.steps_per_s if progress else None,
+                 "devices": (progress.devices if progress else None) or self.devices,
+                 "engine": progress.engine if progress else None}
         if self.generation is not None:
             entry["generation"] = self.generation
         checkpoint = self.last_checkpoint()
@@ -281,8 +290,8 @@ class LocalJob:
 
     def failure_text(self):
         for event in reversed(read_events(self.job_dir)):
-            if event.get("event") == "failed":
-                return str(event.get("error"))[:2000]
+            if isinstance(event, Failed):
+                return event.error[:2000]
         try:
             tail = (self.job_dir / "launcher.err").read_text(errors="replace")[-2000:]
         except OSError:

@@ -29,6 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
+from protocol.cut import CutRequest, ResumeFile
 from runtime import criu
 from runtime import spool as spool_files
 from runtime.exits import EXIT_USAGE, LaunchError
@@ -116,7 +117,7 @@ class Engine(ABC):
         """Starts one rank process running `command`; returns (its host PID, the Popen)."""
 
     @abstractmethod
-    def dump(self, launcher: Launcher, request: dict[str, Any], step: int, staging: os.PathLike, *,
+    def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
              stop: bool, timeout_s: float) -> None:
         """Called once every rank reported ready at the cut `request` (after `step`): writes the checkpoint's
         files into `staging` (the launcher commits it). With `stop`, the ranks are gone when this
@@ -140,7 +141,7 @@ class Engine(ABC):
         """Called in a rank process before it sets anything up."""
 
     @abstractmethod
-    def cut(self, runtime: RankRuntime, request: dict[str, Any], step: int) -> None:
+    def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         """Called in every rank at the same step for a checkpoint or stop cut: saves or parks this
         rank and reports to the launcher (runtime.report). Returns when the rank goes on."""
 
@@ -172,7 +173,7 @@ class CriuEngine(Engine):
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return criu.namespace_init_pid(popen.pid), popen
 
-    def dump(self, launcher: Launcher, request: dict[str, Any], step: int, staging: os.PathLike, *,
+    def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
              stop: bool, timeout_s: float) -> None:
         staging = os.fspath(staging)
         logs = os.path.join(staging, "logs")
@@ -188,10 +189,10 @@ class CriuEngine(Engine):
             if stop:  # some ranks may be dumped (gone) already: the job cannot go on
                 launcher.kill_all()
                 raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
-            launcher.resume_ranks(request["id"])  # a failed dump leaves the rank running
+            launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
             raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
         if not stop:
-            launcher.resume_ranks(request["id"])
+            launcher.resume_ranks(request.id)
 
     def abandon(self, launcher: Launcher, request_id: int) -> None:
         # Parked ranks wait for the resume file; a rank that reaches the cut later finds it.
@@ -217,7 +218,7 @@ class CriuEngine(Engine):
         launcher.last_request_id = int(meta["request_id"])
         launcher.resume_ranks(int(meta["request_id"]))
 
-    def cut(self, runtime: RankRuntime, request: dict[str, Any], step: int) -> None:
+    def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         from runtime import localreduce, vpg
         # Close every socket, give up the device, and wait to be dumped (and maybe restored
         # elsewhere); then rebuild the inner group on the addresses the launcher gives.
@@ -229,16 +230,16 @@ class CriuEngine(Engine):
         sys.stderr.flush()
         # Neither a socket nor the shared reduction area may be left for CRIU to dump.
         leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
-        runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=leftovers)
-        resume = spool_files.resume_path(runtime.spool, request["id"])
+        runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=tuple(leftovers))
+        path = spool_files.resume_path(runtime.spool, request.id)
         while True:
-            payload = spool_files.read_json(resume)
+            payload = spool_files.read_json(path)
             if payload is not None:
                 break
             time.sleep(0.005)
-        runtime.connection.update(addr=payload["master_addr"], port=payload["master_port"],
-                                  prefix=payload["key_prefix"])
-        runtime.slot.apply(payload["devices"])
+        resume = ResumeFile.from_dict(payload)
+        runtime.connection.update(addr=resume.master_addr, port=resume.master_port, prefix=resume.key_prefix)
+        runtime.move_to(resume.devices, resume.device_indices)
         runtime.slot.acquire()
         if group is not None:
             group.ensure_inner()
@@ -260,7 +261,7 @@ class FrameworkEngine(Engine):
                                  stderr=subprocess.STDOUT, process_group=0)
         return popen.pid, popen
 
-    def dump(self, launcher: Launcher, request: dict[str, Any], step: int, staging: os.PathLike, *,
+    def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
              stop: bool, timeout_s: float) -> None:
         # The ranks wrote their state into staging before they reported "saved".
         if stop:
@@ -273,10 +274,10 @@ class FrameworkEngine(Engine):
     def start_rank(self) -> None:
         _die_with_launcher()
 
-    def cut(self, runtime: RankRuntime, request: dict[str, Any], step: int) -> None:
+    def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         from runtime import vpg
         try:
-            runtime.tracker.save(request["staging_dir"])
+            runtime.tracker.save(request.staging_dir)
             error = None
         except Exception as exc:  # framework.UnresumableScript and I/O errors alike
             error = f"{type(exc).__name__}: {exc}"
@@ -289,7 +290,7 @@ class FrameworkEngine(Engine):
             runtime.report(request, step, "error", error=error or f"{failures} other rank(s) could not save")
             return
         runtime.report(request, step, "saved")
-        if request["action"] == "stop":
+        if request.action == "stop":
             group = vpg.current_group()
             if group is not None:
                 group.close_inner()
@@ -328,7 +329,7 @@ def choose_engine(requested: str) -> tuple[str, str]:
             raise LaunchError(f"--engine {requested}: {engine.label} is unavailable: {detail}. "
                               f"Use --engine framework or --engine auto.", EXIT_USAGE)
         return requested, engine.requested_reason(detail)
-    refusals = []
+    refusals: list[str] = []
     for name, engine in ENGINES.items():
         ok, detail = engine.available()
         if ok:

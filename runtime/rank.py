@@ -16,7 +16,10 @@ import runpy
 import sys
 import time
 
+from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress
 from runtime import engines
+
+DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"  # node-local indices of this job's devices, when known
 
 
 def _redirect_output(log_path):
@@ -65,32 +68,39 @@ class RankRuntime:
         self._window = self._window[-10:]
         first_t, first_step = self._window[0]
         rate = (step - first_step) / (now - first_t) if now > first_t else None
-        self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), {
-            "step": step, "steps_per_s": rate, "engine": self.engine.name,
-            "world_size": self.world_size, "updated_unix": time.time()})
+        progress = RankProgress(step=step, steps_per_s=rate, engine=self.engine.name,
+                                world_size=self.world_size, updated_unix=time.time())
+        self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), progress.to_dict())
 
     # -- the cut ------------------------------------------------------------------------------
-    def report(self, request, step, status, **extra):
+    def report(self, request: CutRequest, step: int, status: CutStatus, **fields) -> None:
+        """Tells the launcher that this rank is `status` after `step` for `request` (a CutReport)."""
+        report = CutReport(rank=self.rank, step=step, status=status, **fields)
         self.spool_files.write_json_atomic(
-            self.spool_files.cut_report_path(self.spool, self.rank, request["id"]),
-            {"rank": self.rank, "step": step, "status": status, **extra})
+            self.spool_files.cut_report_path(self.spool, self.rank, request.id), report.to_dict())
 
-    def on_cut(self, request, step):
-        action = request["action"]
+    def on_cut(self, request: CutRequest, step: int) -> None:
         if self.rank == 0:
             self.write_progress(step)
-        if action == "resize":
+        if request.action == "resize":
+            assert request.devices is not None  # CutRequest refuses a resize without its map
             self.slot.release()
-            self.slot.apply(request["devices"])
+            self.move_to(request.devices, request.device_indices)
             self.slot.acquire()
-            self.report(request, step, "resized", device=self.slot.device, cores=self.slot.cores)
-            return
-        if action not in ("checkpoint", "stop"):
-            self.report(request, step, "error", error=f"unknown cut action {action!r}")
+            self.report(request, step, "resized", device=self.slot.device, cores=tuple(self.slot.cores))
             return
         self.engine.cut(self, request, step)
 
-    def resumed(self):
+    def move_to(self, devices: DeviceMap, device_indices: tuple[int, ...] | None) -> None:
+        """Moves this rank to its device in `devices` (token not held) and records the job's
+        node-local device indices for the script (unset when the launcher does not know them)."""
+        self.slot.apply(devices.plain())
+        if device_indices is None:
+            os.environ.pop(DEVICE_INDICES_ENV, None)
+        else:
+            os.environ[DEVICE_INDICES_ENV] = ",".join(map(str, device_indices))
+
+    def resumed(self) -> None:
         """Called by the engine when this rank goes on after being parked at a cut."""
         self._progress_at = 0.0  # report the first step after a resume at once
 
@@ -221,7 +231,7 @@ def main(argv=None):
 
     from runtime import cut, splice, spool as spool_files, vpg
     slot = splice.DeviceSlot(spool=spool, rank=rank)
-    slot.apply(spool_files.read_json(os.path.join(spool, "devices.json")))
+    slot.apply(DeviceMap.from_dict(spool_files.read_json(os.path.join(spool, "devices.json"))).plain())
     slot.acquire()
 
     connection = {"addr": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),

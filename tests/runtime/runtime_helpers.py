@@ -31,12 +31,14 @@ class Job:
     """One meridian-run launcher process (one "node")."""
 
     def __init__(self, job_dir, *, ranks, script, out, script_args=(), engine="auto",
-                 devices=None, store=None, job_id=None, resume=False, keep=2):
+                 devices=None, device_indices=None, store=None, job_id=None, resume=False, keep=2):
         self.job_dir = pathlib.Path(job_dir)
         command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks),
                    "--engine", engine, "--job-dir", str(job_dir), "--keep", str(keep)]
         if devices:
             command += ["--devices", str(devices)]
+        if device_indices is not None:
+            command += ["--device-indices", ",".join(map(str, device_indices))]
         if store:
             command += ["--store", str(store)]
         if job_id:
