@@ -1,7 +1,6 @@
 """Helpers for the runtime proofs (imported by the tests as runtime_helpers): launch meridian-run jobs and compare their final states."""
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
