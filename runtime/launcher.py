@@ -70,7 +70,7 @@ class Launcher:
         from runtime.store import CheckpointStore
         self.options = options
         self.world_size = options.ranks
-        self.device_indices = getattr(options, "device_indices", None)  # node-local, when the agent gave them
+        self.device_indices = options.device_indices  # node-local, when the agent gave them
         if self.device_indices is not None and options.devices and options.devices != len(self.device_indices):
             raise LaunchError(f"--device-indices lists {len(self.device_indices)} device(s) "
                               f"({','.join(map(str, self.device_indices))}) but --devices is {options.devices}; "

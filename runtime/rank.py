@@ -3,7 +3,9 @@
 Started by the launcher as ``python -m runtime.rank --spool DIR script.py args...`` with the
 torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus
 MERIDIAN_JOB_DIR, MERIDIAN_ENGINE (criu|framework), MERIDIAN_RESUME (framework checkpoint
-folder to resume from, or unset) and MERIDIAN_NONCE (this launch attempt's rendezvous prefix).
+folder to resume from, or unset), MERIDIAN_NONCE (this launch attempt's rendezvous prefix) and,
+when the launcher was given them, MERIDIAN_DEVICE_INDICES (the job's node-local device indices,
+"0,2,5"; a resize or a CRIU resume that brings new ones updates it in the running rank).
 
 Before the script runs: stdout/stderr go to ``<spool>/rank<r>/out.log`` (opened here, inside
 the rank's PID namespace, so CRIU sees a plain file), one intra-op thread, the rank is pinned
