@@ -55,7 +55,7 @@ def read_json(path, default=None):
         return default
 
 
-def read_events(job_dir) -> list[LaunchEvent]:
+def read_launch_events(job_dir) -> list[LaunchEvent]:
     """Returns the launcher's events of `job_dir` (events.jsonl), oldest first; [] without a log.
     A torn last line (the launcher is writing it) and records this side does not know are skipped."""
     try:
@@ -63,6 +63,11 @@ def read_events(job_dir) -> list[LaunchEvent]:
     except OSError:
         return []
     return parse_events(text)
+
+
+def read_events(job_dir) -> list[dict]:
+    """Returns the same events as read_launch_events, as their wire dicts (for callers that index them)."""
+    return [event.to_dict() for event in read_launch_events(job_dir)]
 
 
 def read_progress(job_dir) -> Progress | None:
@@ -235,13 +240,13 @@ class LocalJob:
         """Returns None while running, else "finished" / "stopped" / "failed"."""
         if self.alive():
             return None
-        for event in reversed(read_events(self.job_dir)):
+        for event in reversed(read_launch_events(self.job_dir)):
             if event.event in TERMINAL_EVENTS:
                 return TERMINAL_EVENTS[event.event]
         return "failed"
 
     def last_checkpoint(self):
-        for event in reversed(read_events(self.job_dir)):
+        for event in reversed(read_launch_events(self.job_dir)):
             if isinstance(event, CheckpointTaken) and event.checkpoint:
                 return {"step": event.step, "uri": event.checkpoint, "bytes": event.bytes,
                         "engine": event.engine or "framework"}
@@ -250,7 +255,7 @@ class LocalJob:
     def last_cut(self):
         """Returns the newest consistent cut the launcher took: {"action": stop|checkpoint|resize,
         "step", "devices"?} (its checkpoint and resize events), or None."""
-        for event in reversed(read_events(self.job_dir)):
+        for event in reversed(read_launch_events(self.job_dir)):
             if isinstance(event, CheckpointTaken):
                 return {"action": event.action, "step": event.step}
             if isinstance(event, Resized):
@@ -258,7 +263,7 @@ class LocalJob:
         return None
 
     def restored_step(self):
-        for event in read_events(self.job_dir):
+        for event in read_launch_events(self.job_dir):
             if isinstance(event, Restored):
                 return event.step
         return None
@@ -289,7 +294,7 @@ class LocalJob:
         return entry
 
     def failure_text(self):
-        for event in reversed(read_events(self.job_dir)):
+        for event in reversed(read_launch_events(self.job_dir)):
             if isinstance(event, Failed):
                 return event.error[:2000]
         try:
