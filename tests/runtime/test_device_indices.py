@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from runtime_helpers import ROOT, SCRIPTS, Job, unique_id
+from runtime_helpers import ROOT, SCRIPTS, Job, needs_criu, unique_id
 
 from runtime import launcher
 from runtime.control import JobControlError, read_line, socket_path
@@ -85,3 +85,29 @@ def test_device_indices_are_recorded_passed_to_the_ranks_and_replaced_by_a_resiz
     assert store.verify(ref)["meta"]["device_indices"] == [4]
     for rank in (0, 1):
         assert (tmp_path / f"out.pt.rank{rank}.indices").read_text().splitlines() == ["3,5", "4"]
+
+
+@pytest.mark.criu
+@needs_criu
+def test_ranks_restored_by_criu_see_the_indices_of_their_new_launcher(tmp_path, jobs):
+    """A CRIU rank keeps its environment through a dump; the resume file carries the new launcher's
+    indices, and the rank takes them before its next step."""
+    out = tmp_path / "out.pt"
+    node = tmp_path / "node"
+    first = Job(node, ranks=2, script=SCRIPT, out=out, engine="criu", device_indices=(3, 5),
+                job_id=unique_id("indices-criu"))
+    jobs.append(first)
+    first.wait_ready()
+    first.wait_step(3)
+    stopped = first.control.stop()
+    first.finish(launcher.EXIT_STOPPED)
+
+    second = Job(node, ranks=2, script=SCRIPT, out=out, engine="criu", device_indices=(1, 2),
+                 job_id=unique_id("indices-criu"), resume=True)
+    jobs.append(second)
+    second.finish(0)
+    events = [json.loads(line) for line in (node / "events.jsonl").read_text().splitlines()]
+    restored = [e for e in events if e["event"] == "restored"]
+    assert restored[0]["device_indices"] == [1, 2] and restored[0]["checkpoint"] == stopped["checkpoint"]
+    for rank in (0, 1):
+        assert (tmp_path / f"out.pt.rank{rank}.indices").read_text().splitlines() == ["3,5", "1,2"]
