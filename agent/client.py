@@ -17,8 +17,15 @@ from typing import Any, TypeVar
 import requests
 
 from protocol import Message, ProtocolError
-from protocol.node import (DesiredState, Heartbeat, HeartbeatAnswer, JobReport, Registration, RegistrationAnswer,
-                           Telemetry)
+from protocol.node import (
+    DesiredState,
+    Heartbeat,
+    HeartbeatAnswer,
+    JobReport,
+    Registration,
+    RegistrationAnswer,
+    Telemetry,
+)
 
 log = logging.getLogger("agent.client")
 

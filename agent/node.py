@@ -29,7 +29,6 @@ a stale copy must not write one over the new copy's.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -40,11 +39,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from protocol import ProtocolError
+from protocol.launch import CheckpointTaken, Failed, LaunchEvent, Progress, Resized, Restored, parse_events
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
-from protocol.states import FINAL_COPY_STATES, CopyState, DesiredAction
+from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState
 from runtime.control import JobControl, JobControlError
 
 log = logging.getLogger("agent.node")
@@ -60,18 +60,28 @@ def read_json(path, default=None):
         return default
 
 
-def read_events(job_dir):
+def read_launch_events(job_dir) -> list[LaunchEvent]:
+    """Returns the launcher's events of `job_dir` (events.jsonl), oldest first; [] without a log.
+    A torn last line (the launcher is writing it) and records this side does not know are skipped."""
     try:
-        lines = (pathlib.Path(job_dir) / "events.jsonl").read_text().splitlines()
+        text = (pathlib.Path(job_dir) / "events.jsonl").read_text()
     except OSError:
         return []
-    events = []
-    for line in lines:
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line while the launcher writes it
-    return events
+    return parse_events(text)
+
+
+def read_events(job_dir) -> list[dict]:
+    """Returns the same events as read_launch_events, as their wire dicts (for callers that index them)."""
+    return [event.to_dict() for event in read_launch_events(job_dir)]
+
+
+def read_progress(job_dir) -> Progress | None:
+    """Returns the launcher's progress.json of `job_dir`, or None when there is none yet (or it is
+    not a Progress: a launcher of another kind)."""
+    try:
+        return Progress.from_dict(read_json(pathlib.Path(job_dir) / "progress.json"))
+    except ProtocolError:
+        return None
 
 
 def pid_alive(pid):
@@ -197,29 +207,6 @@ def next_attempt(jobs_dir, job_id):
     return 1 + max(attempts, default=0)
 
 
-@functools.cache
-def launcher_takes_device_indices() -> bool:
-    """True when this checkout's runtime.launcher accepts --device-indices (and a resize request's
-    device_indices). An older launcher refuses the unknown option, so the agent leaves it out."""
-    try:
-        return "--device-indices" in (ROOT / "runtime" / "launcher.py").read_text()
-    except OSError:
-        return False
-
-
-def launcher_resize(control: JobControl, devices: int, device_indices: Sequence[int], *,
-                    timeout_s: float) -> dict:
-    """Asks the launcher behind `control` to splice its ranks onto `devices` devices (the node-local
-    `device_indices`, sorted); returns its answer {"step", "devices", "device_map", "seconds"}.
-
-    JobControl.resize sends the device count only; the request is the same with device_indices
-    added (a launcher that does not know the key ignores it)."""
-    if not device_indices:
-        return control.resize(devices, timeout_s=timeout_s)
-    return control._call({"cmd": "resize", "devices": int(devices), "device_indices": [int(i) for i in device_indices],
-                          "at_step": None, "timeout_s": timeout_s}, timeout_s + 30)
-
-
 def launcher_pid(job_dir):
     """Returns the pid of the launcher that ran in `job_dir` (launcher.json, or agent.json
     before the launcher wrote its own), or None."""
@@ -259,58 +246,54 @@ class LocalJob:
         """Returns None while running, else "finished" / "stopped" / "failed"."""
         if self.alive():
             return None
-        for event in reversed(read_events(self.job_dir)):
-            if event.get("event") in TERMINAL_EVENTS:
-                return TERMINAL_EVENTS[event["event"]]
+        for event in reversed(read_launch_events(self.job_dir)):
+            if event.event in TERMINAL_EVENTS:
+                return TERMINAL_EVENTS[event.event]
         return "failed"
 
-    def last_checkpoint(self):
-        for event in reversed(read_events(self.job_dir)):
-            if event.get("event") == "checkpoint" and event.get("checkpoint"):
-                return {"step": event.get("step"), "uri": event["checkpoint"], "bytes": event.get("bytes") or 0,
-                        "engine": event.get("engine") or "framework"}
+    def last_checkpoint(self) -> CheckpointReport | None:
+        """Returns the newest checkpoint the launcher wrote (its checkpoint events), or None."""
+        for event in reversed(read_launch_events(self.job_dir)):
+            if isinstance(event, CheckpointTaken) and event.checkpoint:
+                return CheckpointReport(step=event.step, uri=event.checkpoint, bytes=event.bytes,
+                                        engine=event.engine or "framework")
         return None
 
-    def last_cut(self):
-        """Returns the newest consistent cut the launcher took: {"action": stop|checkpoint|resize,
-        "step", "devices"?} (its checkpoint and resize events), or None."""
-        for event in reversed(read_events(self.job_dir)):
-            if event.get("event") == "checkpoint" and event.get("step") is not None:
-                return {"action": event.get("action") or "checkpoint", "step": event["step"]}
-            if event.get("event") == "resize" and event.get("step") is not None:
-                return {"action": "resize", "step": event["step"], "devices": event.get("devices")}
+    def last_cut(self) -> CutReport | None:
+        """Returns the newest consistent cut the launcher took (its checkpoint and resize events), or None."""
+        for event in reversed(read_launch_events(self.job_dir)):
+            if isinstance(event, CheckpointTaken):
+                return CutReport(action=CutAction(event.action), step=event.step)
+            if isinstance(event, Resized):
+                return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
 
     def restored_step(self):
-        for event in read_events(self.job_dir):
-            if event.get("event") == "restored":
-                return event.get("step")
+        for event in read_launch_events(self.job_dir):
+            if isinstance(event, Restored):
+                return event.step
         return None
 
     def observed(self) -> JobReport:
         """Returns the report on this copy: its state, progress, newest checkpoint and cut."""
-        progress = read_json(self.job_dir / "progress.json", {}) or {}
+        progress = read_progress(self.job_dir)
         outcome = self.outcome()
         state = CopyState(outcome) if outcome else (
-            CopyState.RUNNING if progress.get("state") == "running" else CopyState.STARTING)
-        checkpoint = self.last_checkpoint()
-        cut = self.last_cut()
+            CopyState.RUNNING if progress is not None and progress.state == LaunchState.RUNNING else CopyState.STARTING)
         failed = state == CopyState.FAILED
         return JobReport(
-            job_id=self.job_id, state=state, generation=self.generation, step=progress.get("step"),
-            steps_per_s=progress.get("steps_per_s"), devices=progress.get("devices") or self.devices,
-            engine=progress.get("engine"),
-            checkpoint=CheckpointReport(uri=checkpoint["uri"], step=checkpoint["step"], bytes=checkpoint["bytes"],
-                                        engine=checkpoint["engine"]) if checkpoint else None,
-            cut=CutReport(action=cut["action"], step=cut["step"], devices=cut.get("devices")) if cut else None,
-            restored_step=self.restored_step(),
+            job_id=self.job_id, state=state, generation=self.generation,
+            step=progress.step if progress else None, steps_per_s=progress.steps_per_s if progress else None,
+            devices=(progress.devices if progress else None) or self.devices,
+            engine=progress.engine if progress else None,
+            checkpoint=self.last_checkpoint(), cut=self.last_cut(), restored_step=self.restored_step(),
             error=(self.error or self.failure_text())[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
 
     def failure_text(self):
-        for event in reversed(read_events(self.job_dir)):
-            if event.get("event") == "failed":
-                return str(event.get("error"))[:2000]
+        for event in reversed(read_launch_events(self.job_dir)):
+            if isinstance(event, Failed):
+                return event.error[:2000]
         try:
             tail = (self.job_dir / "launcher.err").read_text(errors="replace")[-2000:]
         except OSError:
@@ -500,9 +483,7 @@ class NodeReconciler:
                     job.control.checkpoint(timeout_s=300)
                 elif action == "resize":
                     devices, device_indices = args
-                    if not launcher_takes_device_indices():
-                        device_indices = ()
-                    answer = launcher_resize(job.control, devices, device_indices, timeout_s=300)
+                    answer = job.control.resize(devices, device_indices=device_indices or None, timeout_s=300)
                     job.devices = int(answer["devices"])
                     job.device_indices = tuple(device_indices)
                     self._write_meta(job)
@@ -527,14 +508,14 @@ class NodeReconciler:
                        resume: bool) -> list[str]:
         """Returns the meridian-run command line of `entry`'s next attempt: straight onto the desired
         device count (W ranks spliced onto d devices from the start), on the node-local devices
-        `device_indices` (--device-indices 0,2,5, when the launcher takes it)."""
+        `device_indices` (--device-indices 0,2,5)."""
         entrypoint = pathlib.Path(entry.entrypoint)
         if not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
         command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
                    "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
                    "--job-id", f"j{entry.job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
-        if entry.device_indices and launcher_takes_device_indices():
+        if entry.device_indices:
             if len(entry.device_indices) == entry.devices:
                 command += ["--device-indices", ",".join(str(i) for i in entry.device_indices)]
             else:

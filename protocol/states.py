@@ -5,6 +5,7 @@ JSON, a JSONField or a log line as the word itself, and a message field typed wi
 other word by name.
 
   CopyState      what one copy of a job on a node is doing (the agent reports it)
+  LaunchState    what a launcher says it is doing (its progress.json, read by the agent)
   DesiredAction  what the control plane tells the agent to do with a job (desired state)
   CutAction      why the launcher took a consistent cut (its checkpoint and resize events)
   JobState       the job's own state as the desired state names it: the values of the
@@ -32,6 +33,17 @@ class CopyState(StrEnum):
 
 FINAL_COPY_STATES = frozenset({CopyState.STOPPED, CopyState.FINISHED, CopyState.FAILED})
 LIVE_COPY_STATES = frozenset({CopyState.STARTING, CopyState.RUNNING})
+
+
+class LaunchState(StrEnum):
+    """What a launcher says it is doing in its progress.json (the agent derives CopyState from it)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"  # a stop's cut is being taken
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
 
 
 class DesiredAction(StrEnum):

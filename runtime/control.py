@@ -1,16 +1,31 @@
 """The control interface of a running job: a unix socket in the job directory.
 
-Protocol: one JSON object per connection, one line each way. Requests:
-    {"cmd": "progress"}
-    {"cmd": "checkpoint", "at_step": optional int, "timeout_s": optional float}
-    {"cmd": "stop", "at_step": optional int, "timeout_s": optional float}   checkpoint, then exit
-    {"cmd": "resize", "devices": int, "at_step": optional int, "timeout_s": optional float}
-Every answer has "ok" (bool); on failure "error" says why in words a person can act on.
+Protocol: one JSON object per connection, one line each way; the messages are protocol.launch's:
+    ProgressRequest    {"cmd": "progress"}                                       -> Progress
+    CheckpointRequest  {"cmd": "checkpoint", "at_step"?, "timeout_s"?}           -> CheckpointAnswer
+    StopRequest        {"cmd": "stop", "at_step"?, "timeout_s"?}  checkpoint, then exit
+    ResizeRequest      {"cmd": "resize", "devices", "device_indices"?, "at_step"?, "timeout_s"?}
+Every answer has "ok" (bool); on failure (ControlFailure) "error" says why in words a person can act on.
 """
+from __future__ import annotations
+
 import json
 import os
 import pathlib
 import socket
+from typing import Any, Callable
+
+from protocol import Message, ProtocolError
+from protocol.launch import (
+    CheckpointRequest,
+    ControlFailure,
+    ControlRequest,
+    ProgressRequest,
+    ResizeRequest,
+    StopRequest,
+    control_answer_from_dict,
+    control_request_from_dict,
+)
 
 SOCKET_NAME = "control.sock"
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
@@ -43,15 +58,17 @@ def read_line(conn):
 class JobControl:
     """The agent's handle on one job, addressed by its job directory.
 
-    Each method sends one command and returns the launcher's JSON answer as a dict; it raises
-    JobControlError when the answer has ok=false or the launcher is not running.
+    Each method sends one typed command and returns the launcher's answer as its wire dict, once
+    it decoded as that command's answer type (protocol.launch); it raises JobControlError when the
+    answer has ok=false, does not decode, or the launcher is not running.
     """
 
     def __init__(self, job_dir, *, connect_timeout_s=5.0):
         self.job_dir = pathlib.Path(job_dir)
         self.connect_timeout_s = connect_timeout_s
 
-    def _call(self, payload, timeout_s):
+    def _call(self, request: ControlRequest, timeout_s: float) -> dict[str, Any]:
+        payload = request.to_dict()
         path = socket_path(self.job_dir)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(self.connect_timeout_s)
@@ -69,30 +86,40 @@ class JobControl:
             raise JobControlError(f"launcher at {path} closed the connection without answering "
                                   f"{payload['cmd']!r}")
         answer = json.loads(line)
-        if not answer.get("ok"):
-            raise JobControlError(answer.get("error") or f"{payload['cmd']} failed: {answer}")
+        try:
+            typed = control_answer_from_dict(request.cmd, answer)
+        except ProtocolError as exc:
+            raise JobControlError(f"launcher at {path} answered {request.cmd!r} with a malformed "
+                                  f"message ({exc}): {line[:500]}") from None
+        if isinstance(typed, ControlFailure):
+            raise JobControlError(typed.error or f"{request.cmd} failed: {answer}")
         return answer
 
     def progress(self):
         """Returns {"step", "steps_per_s", "engine", "devices", "device_map", "state", ...}."""
-        return self._call({"cmd": "progress"}, 30)
+        return self._call(ProgressRequest(), 30)
 
     def checkpoint(self, *, at_step=None, timeout_s=600):
         """Checkpoints at a consistent cut and goes on; returns {"step", "checkpoint" (URI),
         "engine", "bytes", "seconds"}."""
-        return self._call({"cmd": "checkpoint", "at_step": at_step, "timeout_s": timeout_s},
-                          timeout_s + 30)
+        return self._call(CheckpointRequest(at_step=at_step, timeout_s=timeout_s), timeout_s + 30)
 
     def stop(self, *, at_step=None, timeout_s=600):
         """Checkpoints at a consistent cut, then the job exits (launcher exit code 75)."""
-        return self._call({"cmd": "stop", "at_step": at_step, "timeout_s": timeout_s},
-                          timeout_s + 30)
+        return self._call(StopRequest(at_step=at_step, timeout_s=timeout_s), timeout_s + 30)
 
-    def resize(self, devices, *, at_step=None, timeout_s=600):
+    def resize(self, devices, *, device_indices=None, at_step=None, timeout_s=600):
         """Maps the W ranks onto `devices` devices (must divide W) at the next step boundary
-        (or after step at_step); returns {"step", "devices", "device_map", "seconds"}."""
-        return self._call({"cmd": "resize", "devices": int(devices), "at_step": at_step,
-                           "timeout_s": timeout_s}, timeout_s + 30)
+        (or after step at_step); `device_indices`, when given, are the node-local indices of those
+        devices (as many as `devices`; recorded by the launcher and passed to the ranks). Returns
+        {"step", "devices", "device_map", "device_indices", "seconds"}."""
+        indices = None if device_indices is None else tuple(int(index) for index in device_indices)
+        try:
+            request = ResizeRequest(devices=int(devices), device_indices=indices, at_step=at_step,
+                                    timeout_s=timeout_s)
+        except ProtocolError as exc:
+            raise JobControlError(f"resize: {exc}") from None
+        return self._call(request, timeout_s + 30)
 
     def is_running(self):
         try:
@@ -102,8 +129,11 @@ class JobControl:
         return True
 
 
-def serve(job_dir, handle, on_sent=None):
-    """Accepts connections forever (run in a daemon thread); handle(request) -> answer dict.
+def serve(job_dir, handle: Callable[[ControlRequest], Message],
+          on_sent: Callable[[ControlRequest | None, Message | None], None] | None = None):
+    """Accepts connections forever (run in a daemon thread); handle(request) -> answer message.
+    A request that does not decode is answered with a ControlFailure naming its bad field, and
+    never reaches `handle`.
 
     on_sent(request, answer), when given, is called once the answer was written (or could not
     be): a launcher about to exit waits for it, so its last answer is not lost."""
@@ -125,11 +155,13 @@ def serve(job_dir, handle, on_sent=None):
             try:
                 line = read_line(conn)
                 try:
-                    request = json.loads(line)
+                    request = control_request_from_dict(json.loads(line))
                     answer = handle(request)
+                except ProtocolError as exc:
+                    answer = ControlFailure(error=f"bad control request: {exc}")
                 except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
-                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                conn.sendall((json.dumps(answer) + "\n").encode())
+                    answer = ControlFailure(error=f"{type(exc).__name__}: {exc}")
+                conn.sendall((json.dumps(answer.to_dict()) + "\n").encode())
             except OSError:
                 pass
             finally:

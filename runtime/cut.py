@@ -22,12 +22,13 @@ unless it changed. A single-process job needs no allreduce: its cut is local.
 import os
 import pathlib
 
+from protocol.cut import CutRequest
 from runtime import spool as spool_files
 from runtime import vpg
 
 
 class CutBarrier:
-    """A step listener; calls on_cut(request, step) on every rank at the same step."""
+    """A step listener; calls on_cut(request: CutRequest, step) on every rank at the same step."""
 
     def __init__(self, *, spool, on_cut):
         self.request_path = pathlib.Path(spool) / "request.json"
@@ -37,7 +38,7 @@ class CutBarrier:
         self._request = None
         self._sent = None
 
-    def _pending_request(self, *, force=False):
+    def _pending_request(self, *, force: bool = False) -> CutRequest | None:
         try:
             stat = os.stat(self.request_path)
         except FileNotFoundError:
@@ -45,9 +46,10 @@ class CutBarrier:
         key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if force or key != self._seen_stat:
             self._seen_stat = key
-            self._request = spool_files.read_json(self.request_path)
+            payload = spool_files.read_json(self.request_path)
+            self._request = None if payload is None else CutRequest.from_dict(payload)
         request = self._request
-        if request is None or int(request["id"]) <= self.handled_id:
+        if request is None or request.id <= self.handled_id:
             return None
         return request
 
@@ -62,8 +64,8 @@ class CutBarrier:
                 self._cut(need_sum, ack_sum, step)
                 return
         request = self._pending_request()
-        due = request is not None and step + 1 >= int(request.get("at_step") or 0)
-        self._sent = [1 if due else 0, int(request["id"]) if due else 0]
+        due = request is not None and step + 1 >= (request.at_step or 0)
+        self._sent = [1 if due else 0, request.id if due else 0]
         vpg.send_flags_with_next_allreduce(self._sent)
 
     def drain(self):
@@ -77,9 +79,9 @@ class CutBarrier:
                                f"(sum of ids {ack_sum} over {need_sum} ranks)")
         request_id = ack_sum // need_sum
         request = self._pending_request()
-        if request is None or int(request["id"]) != request_id:
+        if request is None or request.id != request_id:
             request = self._pending_request(force=True)
-        if request is None or int(request["id"]) != request_id:
+        if request is None or request.id != request_id:
             raise RuntimeError(f"consistent cut: request {request_id} is not readable at "
                                f"{self.request_path}")
         self.handled_id = request_id

@@ -1,7 +1,7 @@
 """meridian-run: runs an unmodified PyTorch script as W rank processes, preemptible and resizable.
 
-    meridian-run --ranks W [--devices d] [--engine criu|framework|auto] [--job-dir DIR]
-                 [--job-id ID] [--store URI] [--keep K] [--resume] script.py args...
+    meridian-run --ranks W [--devices d] [--device-indices i,j,...] [--engine criu|framework|auto]
+                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K] [--resume] script.py args...
 
 The launcher hosts the job's rendezvous store (ranks are store clients only), starts every rank
 through runtime/rank.py, serves the control socket (runtime/control.py) and carries out the
@@ -10,9 +10,10 @@ agent's commands: checkpoint, stop, resize, progress.
 Job directory (node-local):
     control.sock     the control socket (JobControl(job_dir))
     launcher.json    job id, engine and why it was chosen, world size, spool, store, pid
-    progress.json    step, steps/s, engine, devices, device map, state (refreshed ~0.5 s)
+    progress.json    step, steps/s, engine, devices, device map, state (refreshed ~0.5 s):
+                     protocol.launch.Progress
     events.jsonl     one JSON object per event: started, restored, checkpoint, resize, stopped,
-                     finished, failed (each names the engine)
+                     finished, failed (each names the engine): protocol.launch's LaunchEvents
     logs/rank<r>.log copies of the ranks' output, made when the launcher exits
 Checkpoints go to --store (default <job-dir>/checkpoints): one folder per checkpoint with a
 MANIFEST.json that names the engine and the step (runtime/store.py).
@@ -21,98 +22,67 @@ Exit codes: 0 the script finished; 75 stopped after a checkpoint (resume with --
 1 a rank or a checkpoint failed; 2 bad arguments or the requested engine is unavailable.
 """
 import argparse
-import json
 import os
 import pathlib
 import queue
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 import uuid
 
-from runtime import control, criu, splice
+from protocol import ProtocolError
+from protocol.cut import CutReport, CutRequest, DeviceMap, RankProgress, ResumeFile, check_device_indices
+from protocol.launch import (
+    CheckpointAnswer,
+    CheckpointRequest,
+    CheckpointSeconds,
+    CheckpointTaken,
+    CommandFailed,
+    ControlFailure,
+    ControlRequest,
+    Failed,
+    Finished,
+    LastCheckpoint,
+    LaunchEvent,
+    Progress,
+    ProgressRequest,
+    ResizeAnswer,
+    Resized,
+    ResizeRequest,
+    Restored,
+    Started,
+    Stopped,
+    StopRequest,
+    event_line,
+)
+from protocol.states import LaunchState
+from runtime import control, engines, splice
 from runtime import rank as rank_liveness
 from runtime import spool as spool_files
+from runtime.engines import RankProcess, choose_engine
+from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError
 
-EXIT_FINISHED = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_STOPPED = 75
-ENGINES = ("criu", "framework", "auto")
+ENGINES = (*engines.ENGINES, engines.AUTO)
 POLL_S = 0.01
+DEFAULT_TIMEOUT_S = 600.0
+DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"
 
 
-class LaunchError(RuntimeError):
-    """A failure the launcher reports in words and an exit code, not a traceback."""
-
-    def __init__(self, message, code=EXIT_FAILED):
-        super().__init__(message)
-        self.code = code
-
-
-def choose_engine(requested):
-    """Returns (engine, reason). `auto` picks CRIU when usable, else framework, and says why;
-    an explicit `criu` that is unusable raises LaunchError (no silent fallback)."""
-    if requested not in ENGINES:
-        raise LaunchError(f"unknown engine {requested!r}; choose one of {', '.join(ENGINES)}",
-                          EXIT_USAGE)
-    if requested == "framework":
-        return "framework", "requested"
-    ok, detail = criu.check_available()
-    if requested == "criu":
-        if not ok:
-            raise LaunchError(f"--engine criu: CRIU is unavailable: {detail}. "
-                              "Use --engine framework or --engine auto.", EXIT_USAGE)
-        return "criu", f"requested (criu {detail})"
-    if ok:
-        return "criu", f"auto: criu {detail} passed `criu check`"
-    return "framework", f"auto: CRIU unusable ({detail})"
-
-
-class RankProcess:
-    """One rank: its host PID, and how to learn that it ended."""
-
-    def __init__(self, rank, pid, popen=None):
-        self.rank = rank
-        self.pid = pid
-        self.popen = popen
-        self.returncode = None
-
-    def poll(self):
-        if self.returncode is not None:
-            return self.returncode
-        if self.popen is not None:
-            code = self.popen.poll()
-            if code is not None:
-                self.returncode = code
-        else:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                # Not our child (should not happen: the launcher is a subreaper). Gone means
-                # its exit status is unknown, which counts as a failure.
-                if os.path.exists(f"/proc/{self.pid}"):
-                    return None
-                self.returncode = -1
-                return self.returncode
-            if pid == self.pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def kill(self):
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.popen is not None:
-            try:
-                self.popen.kill()
-            except ProcessLookupError:
-                pass
+def parse_device_indices(text):
+    """Returns the node-local device indices of `--device-indices 0,2,5` as a tuple; raises
+    argparse.ArgumentTypeError for anything else."""
+    try:
+        indices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of device indices "
+                                         "(e.g. 0,2,5)") from None
+    try:
+        check_device_indices(indices, len(indices), field="--device-indices")
+    except ProtocolError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return indices
 
 
 class Launcher:
@@ -120,7 +90,12 @@ class Launcher:
         from runtime.store import CheckpointStore
         self.options = options
         self.world_size = options.ranks
-        self.devices = options.devices or options.ranks
+        self.device_indices = options.device_indices  # node-local, when the agent gave them
+        if self.device_indices is not None and options.devices and options.devices != len(self.device_indices):
+            raise LaunchError(f"--device-indices lists {len(self.device_indices)} device(s) "
+                              f"({','.join(map(str, self.device_indices))}) but --devices is {options.devices}; "
+                              "give as many indices as devices", EXIT_USAGE)
+        self.devices = options.devices or (len(self.device_indices) if self.device_indices else options.ranks)
         self.job_dir = pathlib.Path(options.job_dir).absolute()
         self.job_id = options.job_id or self.job_dir.name
         self.spool = spool_files.spool_dir_for(self.job_id).absolute()
@@ -130,7 +105,8 @@ class Launcher:
         if self.world_size < 1:
             raise LaunchError("--ranks must be at least 1", EXIT_USAGE)
         try:
-            self.device_map = splice.device_map(world_size=self.world_size, devices=self.devices)
+            self.device_map = DeviceMap.from_dict(splice.device_map(world_size=self.world_size,
+                                                                    devices=self.devices))
         except ValueError as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -138,34 +114,42 @@ class Launcher:
                                      keep=options.keep)
         self.nonce = uuid.uuid4().hex[:10]
         self.ranks = []
-        self.state = "starting"
+        self.state = LaunchState.STARTING
         self.last_checkpoint = None
         self.commands = queue.Queue()
         self._stop_answered = threading.Event()
         self.rendezvous = None
-        self.engine = None
+        self.engine = None  # the name of self.checkpoints' engine, once chosen
+        self._checkpoints: engines.Engine | None = None
         self.engine_reason = None
+        self.last_request_id = 0
         self._spool_lock = None  # fd of <spool>/launcher.lock, held until this process exits
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def event(self, kind, **fields):
-        record = {"time_unix": time.time(), "event": kind, "engine": self.engine, **fields}
+    def event(self, event_type: type[LaunchEvent], **fields) -> None:
+        """Appends one event of `event_type` to events.jsonl, stamped with the time and the engine."""
+        event = event_type(time_unix=time.time(), engine=self.engine, **fields)
         with open(self.job_dir / "events.jsonl", "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(event_line(event))
 
-    def progress(self):
-        ranks_view = spool_files.read_json(self.spool / "progress.json", default={}) or {}
-        return {
-            "ok": True, "job_id": self.job_id, "state": self.state, "engine": self.engine,
-            "engine_reason": self.engine_reason, "step": ranks_view.get("step", 0),
-            "steps_per_s": ranks_view.get("steps_per_s"), "world_size": self.world_size,
-            "devices": self.devices, "device_map": self.device_map,
-            "last_checkpoint": self.last_checkpoint, "updated_unix": time.time(),
-            "rank_pids": [r.pid for r in self.ranks], "spool": str(self.spool),
-        }
+    def ranks_progress(self) -> RankProgress | None:
+        """Returns what rank 0 last wrote to the spool's progress.json, or None (none yet)."""
+        try:
+            return RankProgress.from_dict(spool_files.read_json(self.spool / "progress.json"))
+        except (ProtocolError, ValueError):
+            return None
 
-    def write_progress(self):
-        spool_files.write_json_atomic(self.job_dir / "progress.json", self.progress())
+    def progress(self) -> Progress:
+        ranks_view = self.ranks_progress()
+        return Progress(
+            job_id=self.job_id, state=self.state, engine=self.engine, engine_reason=self.engine_reason,
+            step=ranks_view.step if ranks_view else 0, steps_per_s=ranks_view.steps_per_s if ranks_view else None,
+            world_size=self.world_size, devices=self.devices, device_map=self.device_map,
+            device_indices=self.device_indices, last_checkpoint=self.last_checkpoint,
+            updated_unix=time.time(), rank_pids=tuple(r.pid for r in self.ranks), spool=str(self.spool))
+
+    def write_progress(self) -> None:
+        spool_files.write_json_atomic(self.job_dir / "progress.json", self.progress().to_dict())
 
     # -- rendezvous -----------------------------------------------------------------------------
     def start_rendezvous(self):
@@ -186,6 +170,10 @@ class Launcher:
             "OMP_NUM_THREADS": "1", "MERIDIAN_LAUNCHER_PID": str(os.getpid()),
         })
         env.pop("MERIDIAN_RESUME", None)
+        env.pop(DEVICE_INDICES_ENV, None)
+        if self.device_indices is not None:
+            # Recorded only (runtime/splice.py still pins by its own map); a later change pins by them.
+            env[DEVICE_INDICES_ENV] = ",".join(map(str, self.device_indices))
         if resume_dir is not None:
             env["MERIDIAN_RESUME"] = str(resume_dir)
         root = str(pathlib.Path(__file__).resolve().parent.parent)
@@ -216,29 +204,15 @@ class Launcher:
                 entry.unlink()
         for rank in range(self.world_size):
             spool_files.rank_dir(self.spool, rank).mkdir(parents=True)
-        spool_files.write_json_atomic(self.spool / "devices.json", self.device_map)
+        spool_files.write_json_atomic(self.spool / "devices.json", self.device_map.to_dict())
 
     def spawn_ranks(self, resume_dir=None):
         for rank in range(self.world_size):
             command = [sys.executable, "-m", "runtime.rank", "--spool", str(self.spool),
                        self.script] + list(self.options.args)
-            launch_log = open(spool_files.rank_dir(self.spool, rank) / "launch.log", "ab")
-            if self.engine == "criu":
-                popen = subprocess.Popen(criu.namespace_command(command),
-                                         env=self.rank_env(rank, resume_dir),
-                                         stdin=subprocess.DEVNULL, stdout=launch_log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-                pid = criu.namespace_init_pid(popen.pid)
-            else:
-                # A process group of its own (a terminal's Ctrl-C reaches the launcher, which
-                # stops the ranks at a cut) but the launcher's session: with the kernel's
-                # autogroup scheduling, a session per rank made ranks that wait on each other
-                # every step lose the CPU to unrelated work (+3x step time at load 8 here).
-                popen = subprocess.Popen(command, env=self.rank_env(rank, resume_dir),
-                                         stdin=subprocess.DEVNULL, stdout=launch_log,
-                                         stderr=subprocess.STDOUT, process_group=0)
-                pid = popen.pid
-            launch_log.close()
+            with open(spool_files.rank_dir(self.spool, rank) / "launch.log", "ab") as launch_log:
+                pid, popen = self.checkpoints.spawn(command, env=self.rank_env(rank, resume_dir),
+                                                    log=launch_log)
             self.ranks.append(RankProcess(rank, pid, popen))
 
     # -- rank health ----------------------------------------------------------------------------
@@ -275,22 +249,24 @@ class Launcher:
     def next_request_id(self):
         # Milliseconds since the epoch: ids keep growing across launchers, so a restored rank
         # (which remembers the last id it handled) never mistakes a new request for an old one.
-        return max(int(time.time() * 1000), getattr(self, "_last_id", 0) + 1)
+        return max(int(time.time() * 1000), self.last_request_id + 1)
 
-    def request_cut(self, action, *, at_step=None, timeout_s=600, **extra):
+    def request_cut(self, action, *, at_step=None, timeout_s=DEFAULT_TIMEOUT_S, **fields):
+        """Asks every rank for a cut (a CutRequest with `fields`) and waits for all their reports;
+        returns (request, step, reports, errors: the reports that refuse the cut, by rank)."""
         request_id = self.next_request_id()
-        self._last_id = request_id
-        request = {"id": request_id, "action": action, "at_step": at_step, **extra}
-        spool_files.write_json_atomic(self.spool / "request.json", request)
+        self.last_request_id = request_id
+        request = CutRequest(id=request_id, action=action, at_step=at_step, **fields)
+        spool_files.write_json_atomic(self.spool / "request.json", request.to_dict())
         deadline = time.monotonic() + timeout_s
-        reports = {}
+        reports: dict[int, CutReport] = {}
         while len(reports) < self.world_size:
             for rank in range(self.world_size):
                 if rank not in reports:
                     report = spool_files.read_json(
                         spool_files.cut_report_path(self.spool, rank, request_id))
                     if report is not None:
-                        reports[rank] = report
+                        reports[rank] = CutReport.from_dict(report)
             if len(reports) == self.world_size:
                 break
             if self.check_ranks():
@@ -300,27 +276,25 @@ class Launcher:
                 raise LaunchError(f"{action}: ranks {sorted(set(range(self.world_size)) - set(reports))} "
                                   f"did not reach a consistent cut within {timeout_s} s; the job goes on")
             time.sleep(POLL_S)
-        steps = {r["step"] for r in reports.values()}
+        steps = {r.step for r in reports.values()}
         if len(steps) != 1:
             self.abandon_cut(request_id)
             raise LaunchError(f"{action}: ranks cut at different steps {sorted(steps)} (its ranks share no "
                               f"collective per step, so no one step holds for all); the job goes on")
-        errors = {rank: r for rank, r in reports.items() if r["status"] == "error"}
+        errors = {rank: r for rank, r in reports.items() if r.status == "error"}
         return request, steps.pop(), reports, errors
 
     def abandon_cut(self, request_id):
-        """Lets the ranks go on after a cut that cannot be used: CRIU ranks that parked wait for
-        the resume file (a rank that reaches this cut later finds it and goes on at once);
-        framework ranks go on by themselves after reporting."""
-        if self.engine == "criu":
-            self.resume_ranks(request_id)
+        """Lets the ranks go on after a cut that cannot be used (the engine knows how)."""
+        self.checkpoints.abandon(self, request_id)
 
     def resume_ranks(self, request_id):
-        spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), {
-            "master_addr": "127.0.0.1", "master_port": self.rendezvous.port,
-            "key_prefix": f"{self.nonce}/{request_id}", "devices": self.device_map})
+        resume = ResumeFile(master_addr="127.0.0.1", master_port=self.rendezvous.port,
+                            key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
+                            device_indices=self.device_indices)
+        spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), resume.to_dict())
 
-    def do_checkpoint(self, *, stop, at_step=None, timeout_s=600):
+    def do_checkpoint(self, *, stop, at_step=None, timeout_s=DEFAULT_TIMEOUT_S) -> CheckpointAnswer:
         action = "stop" if stop else "checkpoint"
         began = time.monotonic()
         staging = self.store.staging_dir()
@@ -329,51 +303,30 @@ class Launcher:
                 action, at_step=at_step, timeout_s=timeout_s, staging_dir=str(staging))
             cut_s = time.monotonic() - began
             if errors:
-                self.abandon_cut(request["id"])
+                self.abandon_cut(request.id)
                 raise LaunchError(f"{action} refused at step {step}: "
-                                  + "; ".join(f"rank {k}: {v.get('error') or v}" for k, v in errors.items()))
+                                  + "; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
             dump_began = time.monotonic()
-            if self.engine == "criu":
-                logs = staging / "logs"
-                logs.mkdir()
-                for rank in range(self.world_size):
-                    # CRIU restores open files only at the same path and size: carry the logs.
-                    shutil.copyfile(spool_files.rank_dir(self.spool, rank) / "out.log",
-                                    logs / f"rank{rank}.log")
-                try:
-                    for process in self.ranks:  # serially: parallel dumps race inside CRIU
-                        criu.dump(process.pid, staging / f"rank{process.rank}",
-                                  leave_running=not stop)
-                except RuntimeError as exc:
-                    if stop:  # some ranks may be dumped (gone) already: the job cannot go on
-                        self.kill_all()
-                        raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
-                    self.resume_ranks(request["id"])  # a failed dump leaves the rank running
-                    raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
-                if not stop:
-                    self.resume_ranks(request["id"])
-            else:
-                if stop:
-                    self.wait_all_exit(timeout_s)
+            self.checkpoints.dump(self, request, step, staging, stop=stop, timeout_s=timeout_s)
             dump_s = time.monotonic() - dump_began
             commit_began = time.monotonic()
             ref = self.store.commit(staging, step, self.engine, meta={
                 "job_id": self.job_id, "spool": str(self.spool), "world_size": self.world_size,
-                "request_id": request["id"],
-                "devices": self.devices, "device_map": self.device_map, "action": action,
-                "script": self.script, "args": list(self.options.args)})
+                "request_id": request.id,
+                "devices": self.devices, "device_map": self.device_map.plain(),
+                "device_indices": list(self.device_indices) if self.device_indices is not None else None,
+                "action": action, "script": self.script, "args": list(self.options.args)})
             commit_s = time.monotonic() - commit_began
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        self.last_checkpoint = {"step": step, "uri": ref.uri, "engine": ref.engine,
-                                "bytes": ref.bytes}
-        seconds = {"cut": round(cut_s, 4), "dump": round(dump_s, 4), "commit": round(commit_s, 4),
-                   "total": round(time.monotonic() - began, 4)}
-        self.event("checkpoint", step=step, checkpoint=ref.uri, bytes=ref.bytes,
-                   action=action, seconds=seconds)
-        return {"ok": True, "step": step, "engine": self.engine, "checkpoint": ref.uri,
-                "bytes": ref.bytes, "seconds": seconds}
+        self.last_checkpoint = LastCheckpoint(step=step, uri=ref.uri, engine=ref.engine, bytes=ref.bytes)
+        seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
+                                    total=round(time.monotonic() - began, 4))
+        self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
+                   seconds=seconds)
+        return CheckpointAnswer(step=step, engine=self.engine, checkpoint=ref.uri, bytes=ref.bytes,
+                                seconds=seconds)
 
     def wait_all_exit(self, timeout_s):
         deadline = time.monotonic() + timeout_s
@@ -382,23 +335,39 @@ class Launcher:
                 raise LaunchError("ranks did not exit after a stop")
             time.sleep(POLL_S)
 
-    def do_resize(self, devices, *, at_step=None, timeout_s=600):
+    def do_resize(self, request: ResizeRequest) -> ResizeAnswer | ControlFailure:
         try:
-            mapping = splice.device_map(world_size=self.world_size, devices=int(devices))
+            mapping = DeviceMap.from_dict(splice.device_map(world_size=self.world_size, devices=request.devices))
         except ValueError as exc:
-            return {"ok": False, "error": str(exc)}
+            return ControlFailure(error=str(exc))
         began = time.monotonic()
-        request, step, reports, errors = self.request_cut("resize", at_step=at_step,
-                                                          timeout_s=timeout_s, devices=mapping)
+        _, step, reports, errors = self.request_cut(
+            "resize", at_step=request.at_step, timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S,
+            devices=mapping, device_indices=request.device_indices)
         if errors:
-            raise LaunchError("resize failed: " + "; ".join(f"rank {k}: {v}" for k, v in errors.items()))
-        self.devices = int(devices)
+            raise LaunchError("resize failed: " + "; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
+        self.devices = request.devices
         self.device_map = mapping
-        spool_files.write_json_atomic(self.spool / "devices.json", mapping)
+        # Indices the agent did not give are unknown now: the old ones describe the old devices.
+        self.device_indices = request.device_indices
+        spool_files.write_json_atomic(self.spool / "devices.json", mapping.to_dict())
         seconds = round(time.monotonic() - began, 4)
-        self.event("resize", step=step, devices=self.devices, device_map=mapping, seconds=seconds)
-        return {"ok": True, "step": step, "devices": self.devices, "device_map": mapping,
-                "seconds": seconds}
+        self.event(Resized, step=step, devices=self.devices, device_map=mapping, seconds=seconds,
+                   device_indices=self.device_indices)
+        return ResizeAnswer(step=step, devices=self.devices, device_map=mapping,
+                            device_indices=self.device_indices, seconds=seconds)
+
+    def use_engine(self, name: str) -> None:
+        """Makes `name` this launch's engine (once: chosen, or the resumed checkpoint's)."""
+        self._checkpoints = engines.engine_named(name)
+        self.engine = name
+
+    @property
+    def checkpoints(self) -> engines.Engine:
+        """This launch's checkpoint engine; only used once use_engine has named it."""
+        if self._checkpoints is None:
+            raise LaunchError("internal error: no checkpoint engine was chosen yet")
+        return self._checkpoints
 
     # -- restore --------------------------------------------------------------------------------
     def restore_latest(self):
@@ -415,34 +384,16 @@ class Launcher:
         if int(meta.get("world_size", self.world_size)) != self.world_size:
             raise LaunchError(f"--resume: checkpoint has world size {meta.get('world_size')}, "
                               f"--ranks is {self.world_size}", EXIT_USAGE)
-        self.engine = ref.engine
-        if self.engine == "criu":
-            ok, detail = criu.check_available()
-            if not ok:
-                raise LaunchError(f"--resume: the checkpoint needs CRIU, which is unavailable: "
-                                  f"{detail}", EXIT_USAGE)
+        self.use_engine(ref.engine)
+        refusal = self.checkpoints.can_resume(meta)
+        if refusal is not None:
+            raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
+        self.checkpoints.prepare()
         self.engine_reason = f"resume: the checkpoint {ref.uri} was made by {ref.engine}"
         began = time.monotonic()
-        if self.engine == "framework":
-            self.fresh_spool()
-            self.spawn_ranks(resume_dir=ref.path)
-        else:
-            # The store was verified above (sha256 of every image); CRIU only reads the images,
-            # so they are restored straight from it (a shared filesystem on a fleet). Put the rank
-            # logs back at their paths and sizes, then restore each rank into a new PID namespace.
-            local = ref.path
-            self.restore_at_dumped_spool(meta)
-            self.fresh_spool()
-            for rank in range(self.world_size):
-                shutil.copyfile(local / "logs" / f"rank{rank}.log",
-                                spool_files.rank_dir(self.spool, rank) / "out.log")
-            for rank in range(self.world_size):
-                pid = criu.restore(local / f"rank{rank}", work_dir=self.job_dir / "restore")
-                self.ranks.append(RankProcess(rank, pid))
-            self._last_id = int(meta["request_id"])
-            self.resume_ranks(int(meta["request_id"]))
-        self.event("restored", step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
-                   seconds=round(time.monotonic() - began, 4))
+        self.checkpoints.restore(self, ref, meta)
+        self.event(Restored, step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
+                   seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices)
         return ref
 
     def restore_at_dumped_spool(self, meta):
@@ -454,48 +405,43 @@ class Launcher:
             self.spool = pathlib.Path(dumped)
 
     # -- main loop ------------------------------------------------------------------------------
-    def handle(self, request):
+    def handle(self, request: ControlRequest) -> Progress | CheckpointAnswer | ResizeAnswer | ControlFailure:
         """Runs in the control thread: hands the command to the main loop, waits for its answer."""
-        if request.get("cmd") == "progress":
+        if isinstance(request, ProgressRequest):
             return self.progress()
-        answer = queue.Queue(maxsize=1)
+        answer: queue.Queue[Progress | CheckpointAnswer | ResizeAnswer | ControlFailure] = queue.Queue(maxsize=1)
         self.commands.put((request, answer))
         return answer.get()
 
     def _answer_sent(self, request, answer):
-        if isinstance(request, dict) and request.get("cmd") == "stop":
+        if isinstance(request, StopRequest):
             self._stop_answered.set()
 
-    def execute(self, request):
-        cmd = request.get("cmd")
-        timeout_s = float(request.get("timeout_s") or 600)
-        if cmd == "checkpoint":
-            return self.do_checkpoint(stop=False, at_step=request.get("at_step"), timeout_s=timeout_s)
-        if cmd == "stop":
-            self.state = "stopping"
-            return self.do_checkpoint(stop=True, at_step=request.get("at_step"), timeout_s=timeout_s)
-        if cmd == "resize":
-            if "devices" not in request:
-                return {"ok": False, "error": "resize needs 'devices'"}
-            return self.do_resize(request["devices"], at_step=request.get("at_step"),
-                                  timeout_s=timeout_s)
-        return {"ok": False, "error": f"unknown command {cmd!r}; use progress, checkpoint, "
-                                      "stop or resize"}
+    def execute(self, request: ControlRequest) -> CheckpointAnswer | ResizeAnswer | ControlFailure:
+        if isinstance(request, CheckpointRequest):
+            return self.do_checkpoint(stop=False, at_step=request.at_step,
+                                      timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S)
+        if isinstance(request, StopRequest):
+            self.state = LaunchState.STOPPING
+            return self.do_checkpoint(stop=True, at_step=request.at_step,
+                                      timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S)
+        if isinstance(request, ResizeRequest):
+            return self.do_resize(request)
+        return ControlFailure(error=f"command {request.cmd!r} is not carried out by the main loop")
 
     def run(self):
         if self.options.resume:
             self.start_rendezvous()
-            criu.become_subreaper()
             self.restore_latest()
         else:
-            self.engine, self.engine_reason = choose_engine(self.options.engine)
+            name, self.engine_reason = choose_engine(self.options.engine)
+            self.use_engine(name)
             self.start_rendezvous()
-            if self.engine == "criu":
-                criu.become_subreaper()
+            self.checkpoints.prepare()
             self.fresh_spool()
             self.spawn_ranks()
-            self.event("started", world_size=self.world_size, devices=self.devices,
-                       reason=self.engine_reason)
+            self.event(Started, world_size=self.world_size, devices=self.devices,
+                       reason=self.engine_reason, device_indices=self.device_indices)
         spool_files.write_json_atomic(self.job_dir / "launcher.json", {
             "job_id": self.job_id, "pid": os.getpid(), "engine": self.engine,
             "engine_reason": self.engine_reason, "world_size": self.world_size,
@@ -503,7 +449,7 @@ class Launcher:
             "args": list(self.options.args)})
         server, serve_loop = control.serve(self.job_dir, self.handle, on_sent=self._answer_sent)
         threading.Thread(target=serve_loop, daemon=True, name="meridian-control").start()
-        self.state = "running"
+        self.state = LaunchState.RUNNING
         try:
             return self.loop()
         finally:
@@ -524,25 +470,25 @@ class Launcher:
                     # A refused or failed checkpoint/resize is an answer, not the job's end,
                     # unless a rank is gone.
                     error = str(exc) if isinstance(exc, LaunchError) else f"{type(exc).__name__}: {exc}"
-                    result = {"ok": False, "error": error}
-                    self.event(f"{request.get('cmd')}_failed", error=error)
+                    result = ControlFailure(error=error)
+                    self.event(CommandFailed, event=f"{request.cmd}_failed", error=error)
                     if any(r.poll() not in (None, 0) for r in self.ranks):
                         answer.put(result)
-                        raise LaunchError(f"{request.get('cmd')} failed and the job cannot go on: "
+                        raise LaunchError(f"{request.cmd} failed and the job cannot go on: "
                                           f"{error}") from None
                 answer.put(result)
-                if request.get("cmd") == "stop" and result.get("ok"):
-                    self.state = "stopped"
-                    self.event("stopped", step=result["step"], checkpoint=result["checkpoint"])
+                if isinstance(request, StopRequest) and isinstance(result, CheckpointAnswer):
+                    self.state = LaunchState.STOPPED
+                    self.event(Stopped, step=result.step, checkpoint=result.checkpoint)
                     # Exiting kills the control thread: let it deliver the answer first.
                     self._stop_answered.wait(timeout=30)
                     return EXIT_STOPPED
-                if request.get("cmd") == "stop":
-                    self.state = "running"
+                if isinstance(request, StopRequest):
+                    self.state = LaunchState.RUNNING
             if self.check_ranks():
-                self.state = "finished"
-                step = (spool_files.read_json(self.spool / "progress.json") or {}).get("step")
-                self.event("finished", step=step)
+                self.state = LaunchState.FINISHED
+                ranks_view = self.ranks_progress()
+                self.event(Finished, step=ranks_view.step if ranks_view else None)
                 return EXIT_FINISHED
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
@@ -568,7 +514,7 @@ class Launcher:
                 _, answer = self.commands.get_nowait()
             except queue.Empty:
                 break
-            answer.put({"ok": False, "error": f"the job is {self.state}"})
+            answer.put(ControlFailure(error=f"the job is {self.state}"))
 
 
 def parse_args(argv):
@@ -577,7 +523,12 @@ def parse_args(argv):
         description="Run an unmodified PyTorch script as a preemptible, resizable Meridian job.")
     parser.add_argument("--ranks", type=int, required=True, help="world size W (fixed for the job)")
     parser.add_argument("--devices", type=int, default=None,
-                        help="devices to map the W ranks onto (must divide W; default W)")
+                        help="devices to map the W ranks onto (must divide W; default W, or the "
+                             "number of --device-indices)")
+    parser.add_argument("--device-indices", type=parse_device_indices, default=None,
+                        help="comma-separated node-local indices of the devices given to the job "
+                             "(e.g. 0,2,5; as many as --devices): recorded and passed to the ranks as "
+                             f"{DEVICE_INDICES_ENV}")
     parser.add_argument("--engine", default="auto", choices=ENGINES,
                         help="checkpoint engine (auto: CRIU when `criu check` passes, else framework)")
     parser.add_argument("--job-dir", default=None,
@@ -615,7 +566,7 @@ def main(argv=None):
         if launcher is not None:
             launcher.state = "failed"
             try:
-                launcher.event("failed", error=str(exc))
+                launcher.event(Failed, error=str(exc))
                 launcher.write_progress()
             except OSError:
                 pass

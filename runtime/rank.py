@@ -3,7 +3,9 @@
 Started by the launcher as ``python -m runtime.rank --spool DIR script.py args...`` with the
 torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus
 MERIDIAN_JOB_DIR, MERIDIAN_ENGINE (criu|framework), MERIDIAN_RESUME (framework checkpoint
-folder to resume from, or unset) and MERIDIAN_NONCE (this launch attempt's rendezvous prefix).
+folder to resume from, or unset), MERIDIAN_NONCE (this launch attempt's rendezvous prefix) and,
+when the launcher was given them, MERIDIAN_DEVICE_INDICES (the job's node-local device indices,
+"0,2,5"; a resize or a CRIU resume that brings new ones updates it in the running rank).
 
 Before the script runs: stdout/stderr go to ``<spool>/rank<r>/out.log`` (opened here, inside
 the rank's PID namespace, so CRIU sees a plain file), one intra-op thread, the rank is pinned
@@ -16,7 +18,10 @@ import runpy
 import sys
 import time
 
-EXIT_CUT_STOP = 0  # a rank that stopped at a cut exits 0; the launcher knows it asked
+from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress
+from runtime import engines
+
+DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"  # node-local indices of this job's devices, when known
 
 
 def _redirect_output(log_path):
@@ -32,7 +37,7 @@ def _redirect_output(log_path):
 
 
 class RankRuntime:
-    """What the rank does at a consistent cut, per engine."""
+    """What the rank does at a consistent cut: a resize itself, a checkpoint or stop by its engine."""
 
     PROGRESS_INTERVAL_S = 0.5
 
@@ -42,7 +47,7 @@ class RankRuntime:
         self.rank = rank
         self.world_size = world_size
         self.spool = spool
-        self.engine = engine
+        self.engine = engine  # an engines.Engine
         self.tracker = tracker
         self.slot = slot
         self.connection = connection
@@ -65,76 +70,40 @@ class RankRuntime:
         self._window = self._window[-10:]
         first_t, first_step = self._window[0]
         rate = (step - first_step) / (now - first_t) if now > first_t else None
-        self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), {
-            "step": step, "steps_per_s": rate, "engine": self.engine,
-            "world_size": self.world_size, "updated_unix": time.time()})
+        progress = RankProgress(step=step, steps_per_s=rate, engine=self.engine.name,
+                                world_size=self.world_size, updated_unix=time.time())
+        self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), progress.to_dict())
 
     # -- the cut ------------------------------------------------------------------------------
-    def report(self, request, step, status, **extra):
+    def report(self, request: CutRequest, step: int, status: CutStatus, **fields) -> None:
+        """Tells the launcher that this rank is `status` after `step` for `request` (a CutReport)."""
+        report = CutReport(rank=self.rank, step=step, status=status, **fields)
         self.spool_files.write_json_atomic(
-            self.spool_files.cut_report_path(self.spool, self.rank, request["id"]),
-            {"rank": self.rank, "step": step, "status": status, **extra})
+            self.spool_files.cut_report_path(self.spool, self.rank, request.id), report.to_dict())
 
-    def on_cut(self, request, step):
-        from runtime import localreduce, splice, vpg
-        action = request["action"]
+    def on_cut(self, request: CutRequest, step: int) -> None:
         if self.rank == 0:
             self.write_progress(step)
-        if action == "resize":
+        if request.action == "resize":
+            assert request.devices is not None  # CutRequest refuses a resize without its map
             self.slot.release()
-            self.slot.apply(request["devices"])
+            self.move_to(request.devices, request.device_indices)
             self.slot.acquire()
-            self.report(request, step, "resized", device=self.slot.device, cores=self.slot.cores)
+            self.report(request, step, "resized", device=self.slot.device, cores=tuple(self.slot.cores))
             return
-        if action not in ("checkpoint", "stop"):
-            self.report(request, step, "error", error=f"unknown cut action {action!r}")
-            return
-        if self.engine == "framework":
-            try:
-                self.tracker.save(request["staging_dir"])
-                error = None
-            except Exception as exc:  # framework.UnresumableScript and I/O errors alike
-                error = f"{type(exc).__name__}: {exc}"
-            # Everyone has written before anyone reports "saved" (the launcher commits then),
-            # and if one rank could not save, no rank stops.
-            (failures,) = vpg.meta_allreduce([1 if error else 0])
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if failures:
-                self.report(request, step, "error",
-                            error=error or f"{failures} other rank(s) could not save")
-                return
-            self.report(request, step, "saved")
-            if action == "stop":
-                group = vpg.current_group()
-                if group is not None:
-                    group.close_inner()
-                os._exit(EXIT_CUT_STOP)
-            return
-        # CRIU: close every socket, give up the device, and wait to be dumped (and maybe restored
-        # elsewhere); then rebuild the inner group on the addresses the launcher gives.
-        group = vpg.current_group()
-        if group is not None:
-            group.close_inner()
-        self.slot.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Neither a socket nor the shared reduction area may be left for CRIU to dump.
-        leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
-        self.report(request, step, "parked" if not leftovers else "error",
-                    open_sockets=leftovers)
-        resume = self.spool_files.resume_path(self.spool, request["id"])
-        while True:
-            payload = self.spool_files.read_json(resume)
-            if payload is not None:
-                break
-            time.sleep(0.005)
-        self.connection.update(addr=payload["master_addr"], port=payload["master_port"],
-                               prefix=payload["key_prefix"])
-        self.slot.apply(payload["devices"])
-        self.slot.acquire()
-        if group is not None:
-            group.ensure_inner()
+        self.engine.cut(self, request, step)
+
+    def move_to(self, devices: DeviceMap, device_indices: tuple[int, ...] | None) -> None:
+        """Moves this rank to its device in `devices` (token not held) and records the job's
+        node-local device indices for the script (unset when the launcher does not know them)."""
+        self.slot.apply(devices.plain())
+        if device_indices is None:
+            os.environ.pop(DEVICE_INDICES_ENV, None)
+        else:
+            os.environ[DEVICE_INDICES_ENV] = ",".join(map(str, device_indices))
+
+    def resumed(self) -> None:
+        """Called by the engine when this rank goes on after being parked at a cut."""
         self._progress_at = 0.0  # report the first step after a resume at once
 
 
@@ -236,21 +205,6 @@ class LauncherWatch:
             self.check()
 
 
-def _die_with_launcher():
-    """A rank whose launcher died can never be checkpointed or stopped: end with it at once
-    (the LauncherWatch, for both engines, is the slower mechanism that also survives CRIU).
-
-    Not for CRIU ranks: CRIU restores the parent-death signal, and a restored rank's first parent
-    is the criu process that exits right after restoring it."""
-    import ctypes
-    import signal
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    launcher_pid = os.environ.get("MERIDIAN_LAUNCHER_PID")
-    if launcher_pid and os.getppid() != int(launcher_pid):
-        os._exit(1)  # the launcher died before the prctl took effect
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m runtime.rank")
     parser.add_argument("--spool", required=True)
@@ -260,9 +214,8 @@ def main(argv=None):
 
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    engine = os.environ.get("MERIDIAN_ENGINE", "criu")
-    if engine == "framework":
-        _die_with_launcher()
+    engine = engines.engine_named(os.environ.get("MERIDIAN_ENGINE", "criu"))
+    engine.start_rank()
     spool = os.path.abspath(options.spool)
     rank_dir = os.path.join(spool, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
@@ -278,9 +231,10 @@ def main(argv=None):
     except RuntimeError:
         pass
 
-    from runtime import cut, splice, spool as spool_files, vpg
+    from runtime import cut, splice, vpg
+    from runtime import spool as spool_files
     slot = splice.DeviceSlot(spool=spool, rank=rank)
-    slot.apply(spool_files.read_json(os.path.join(spool, "devices.json")))
+    slot.apply(DeviceMap.from_dict(spool_files.read_json(os.path.join(spool, "devices.json"))).plain())
     slot.acquire()
 
     connection = {"addr": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
@@ -296,15 +250,8 @@ def main(argv=None):
     vpg.install(rank=rank, world_size=world_size, connection=Connection(), hooks=slot)
 
     resume_dir = os.environ.get("MERIDIAN_RESUME") or None
-    try:
-        from runtime import framework
-    except ImportError as exc:
-        if engine == "framework":
-            raise RuntimeError(f"--engine framework needs runtime/framework.py: {exc}") from exc
-        from runtime.steps import StepTracker
-        tracker = StepTracker()
-    else:
-        tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+    from runtime import framework
+    tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
 
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())

@@ -35,8 +35,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch._C._distributed_c10d import _create_work_from_future
+from torch.distributed import distributed_c10d
 
 from runtime import localreduce
 from runtime.localreduce import LocalArea

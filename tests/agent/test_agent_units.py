@@ -82,11 +82,10 @@ def desired_job(**fields):
                                  "store": "/store/job-7/g1", **fields})
 
 
-def test_the_launch_command_gives_the_launcher_the_device_count_and_the_node_local_indices(tmp_path, monkeypatch):
+def test_the_launch_command_gives_the_launcher_the_device_count_and_the_node_local_indices(tmp_path):
     from agent import node as agent_node
 
     reconciler = agent_node.NodeReconciler(tmp_path / "w", workload_root=tmp_path)
-    monkeypatch.setattr(agent_node, "launcher_takes_device_indices", lambda: True)
 
     command = reconciler.launch_command(desired_job(), job_dir=tmp_path / "j", attempt=1, store=tmp_path / "s",
                                         resume=True)
@@ -94,32 +93,10 @@ def test_the_launch_command_gives_the_launcher_the_device_count_and_the_node_loc
     assert command[command.index("--devices") + 1] == "3"
     assert command[command.index("--device-indices") + 1] == "0,2,5"
     assert command[-3:] == [str(tmp_path / "train.py"), "--steps", "9"] and "--resume" in command
-    # indices that do not match the count, or a launcher without the option: the count alone
+    # indices that do not match the count: the count alone (and a warning)
     mismatched = reconciler.launch_command(desired_job(device_indices=[0, 1]), job_dir=tmp_path / "j", attempt=1,
                                            store=tmp_path / "s", resume=False)
-    monkeypatch.setattr(agent_node, "launcher_takes_device_indices", lambda: False)
-    older = reconciler.launch_command(desired_job(), job_dir=tmp_path / "j", attempt=1, store=tmp_path / "s",
-                                      resume=False)
-    assert "--device-indices" not in mismatched and "--device-indices" not in older
-
-
-def test_a_resize_request_carries_the_device_indices_next_to_the_count():
-    from agent.node import launcher_resize
-
-    class Control:
-        def _call(self, payload, timeout_s):
-            self.sent = payload
-            return {"ok": True, "devices": payload["devices"]}
-
-        def resize(self, devices, *, timeout_s):
-            self.sent = {"cmd": "resize", "devices": devices}
-            return {"ok": True, "devices": devices}
-
-    control = Control()
-    assert launcher_resize(control, 2, (1, 3), timeout_s=30)["devices"] == 2
-    assert control.sent["cmd"] == "resize" and control.sent["devices"] == 2 and control.sent["device_indices"] == [1, 3]
-    launcher_resize(control, 2, (), timeout_s=30)
-    assert "device_indices" not in control.sent
+    assert "--device-indices" not in mismatched
 
 
 def test_a_report_the_control_plane_would_refuse_goes_with_its_state_only(caplog):

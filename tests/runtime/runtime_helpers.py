@@ -1,7 +1,6 @@
 """Helpers for the runtime proofs (imported by the tests as runtime_helpers): launch meridian-run jobs and compare their final states."""
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,12 +30,14 @@ class Job:
     """One meridian-run launcher process (one "node")."""
 
     def __init__(self, job_dir, *, ranks, script, out, script_args=(), engine="auto",
-                 devices=None, store=None, job_id=None, resume=False, keep=2):
+                 devices=None, device_indices=None, store=None, job_id=None, resume=False, keep=2):
         self.job_dir = pathlib.Path(job_dir)
         command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks),
                    "--engine", engine, "--job-dir", str(job_dir), "--keep", str(keep)]
         if devices:
             command += ["--devices", str(devices)]
+        if device_indices is not None:
+            command += ["--device-indices", ",".join(map(str, device_indices))]
         if store:
             command += ["--store", str(store)]
         if job_id:

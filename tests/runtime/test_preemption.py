@@ -1,7 +1,6 @@
 """Proofs: an unmodified script is preempted, migrated, resized and killed, and still ends
 bit-for-bit where an uninterrupted run ends (torch.equal on every parameter and optimizer
 tensor). Each case runs with each engine where it applies."""
-import os
 import random
 import shutil
 

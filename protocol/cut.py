@@ -1,0 +1,123 @@
+"""Launcher <-> ranks: the files of a job's spool through which a consistent cut is asked and answered.
+
+    devices.json           launcher -> ranks   DeviceMap: rank -> device, device -> cores
+    request.json           launcher -> ranks   CutRequest: the pending cut (one at a time)
+    rank<r>/cut-<id>.json  rank -> launcher    CutReport: "rank r stopped after step s" (+ status)
+    resume-<id>.json       launcher -> ranks   ResumeFile: parked (CRIU) ranks go on, here
+    progress.json          rank 0 -> launcher  RankProgress: step and steps/s, every ~0.5 s
+
+Why files: a rank that CRIU dumps must hold no socket (runtime/spool.py says more). The spool is
+node-local, but a restored rank reads what a newer launcher wrote, so these are versioned too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from protocol.message import Message, ProtocolError, bounded
+
+MAX_RANKS = 65536
+MAX_DEVICES = 4096
+MAX_PATH = 4096
+
+CutAction = Literal["checkpoint", "stop", "resize"]
+CutStatus = Literal["parked", "saved", "resized", "error"]
+
+
+@dataclass(frozen=True)
+class DeviceMap(Message):
+    """Where a job's W ranks run (runtime/splice.device_map): keys are decimal strings, as JSON wants."""
+
+    devices: dict[str, tuple[int, ...]] = bounded(max_length=MAX_DEVICES)  # device -> its cores
+    ranks: dict[str, int] = bounded(max_length=MAX_RANKS)  # rank -> its device
+
+    def __post_init__(self) -> None:
+        for rank, device in self.ranks.items():
+            if str(device) not in self.devices:
+                raise ProtocolError(f"ranks.{rank}", f"names device {device}, which the map does not list")
+
+    def plain(self) -> dict[str, Any]:
+        """Returns the map as splice.DeviceSlot.apply reads it (the wire dict without its version)."""
+        return {"devices": {key: list(cores) for key, cores in self.devices.items()}, "ranks": dict(self.ranks)}
+
+
+def check_device_indices(indices: tuple[int, ...] | None, devices: int, *, field: str = "device_indices") -> None:
+    """Raises ProtocolError unless `indices` (node-local device indices, when given) names `devices`
+    distinct devices, each once."""
+    if indices is None:
+        return
+    if len(indices) != devices:
+        raise ProtocolError(field, f"lists {len(indices)} device(s) but the job is given {devices}")
+    if any(index < 0 for index in indices):
+        raise ProtocolError(field, f"must be non-negative device indices, not {list(indices)}")
+    if len(set(indices)) != len(indices):
+        raise ProtocolError(field, f"names a device twice: {list(indices)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CutRequest(Message):
+    """request.json: every rank cuts after the same step (`at_step` at the earliest) and reports.
+
+    `id` grows across launchers (milliseconds since the epoch), so a restored rank, which remembers
+    the last id it handled, never takes a new request for an old one."""
+
+    id: int = bounded(minimum=1)
+    action: CutAction
+    at_step: int | None = bounded(default=None, minimum=0)
+    staging_dir: str | None = bounded(default=None, max_length=MAX_PATH)  # checkpoint, stop: ranks save here
+    devices: DeviceMap | None = None  # resize: the new map
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)  # resize, when known
+
+    def __post_init__(self) -> None:
+        if self.action == "resize" and self.devices is None:
+            raise ProtocolError("devices", "a resize cut needs the new device map")
+        if self.action != "resize" and self.staging_dir is None:
+            raise ProtocolError("staging_dir", f"a {self.action} cut needs the folder the ranks save into")
+        if self.devices is not None and self.device_indices is not None:
+            check_device_indices(self.device_indices, len(self.devices.devices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CutReport(Message):
+    """rank<r>/cut-<id>.json: this rank stopped after `step` for the request and is `status`."""
+
+    rank: int = bounded(minimum=0, maximum=MAX_RANKS - 1)
+    step: int = bounded(minimum=0)
+    status: CutStatus
+    error: str | None = bounded(default=None, max_length=20000)  # status "error": why, in words
+    open_sockets: tuple[str, ...] = bounded(default=(), max_length=1024)  # CRIU: what a dump would refuse
+    device: int | None = bounded(default=None, minimum=0)  # status "resized": where it runs now
+    cores: tuple[int, ...] | None = bounded(default=None, max_length=4096)
+
+    def problem(self) -> str:
+        """Returns why this report refuses the cut, in words (for the launcher's error)."""
+        if self.error:
+            return self.error
+        if self.open_sockets:
+            return f"open sockets or shared mappings at the cut: {', '.join(self.open_sockets)}"
+        return f"status {self.status}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeFile(Message):
+    """resume-<id>.json: ranks parked at cut <id> rebuild their inner group here and go on."""
+
+    master_addr: str = bounded(max_length=255)
+    master_port: int = bounded(minimum=1, maximum=65535)
+    key_prefix: str = bounded(max_length=255)  # the rendezvous keys' prefix: nonce/request id
+    devices: DeviceMap
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+
+    def __post_init__(self) -> None:
+        check_device_indices(self.device_indices, len(self.devices.devices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankProgress(Message):
+    """The spool's progress.json, written by rank 0: how far the job is."""
+
+    step: int = bounded(minimum=0)
+    steps_per_s: float | None = None
+    engine: str = bounded(max_length=64)
+    world_size: int = bounded(minimum=1, maximum=MAX_RANKS)
+    updated_unix: float

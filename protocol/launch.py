@@ -1,0 +1,281 @@
+"""Launcher <-> agent: what meridian-run tells the node agent, and the agent's commands to it.
+
+In the job directory (node-local, read by the agent, which may outlive or predate the launcher):
+    events.jsonl   one LaunchEvent per line, appended: Started, Restored, CheckpointTaken, Resized,
+                   Stopped, Finished, Failed, CommandFailed (`parse_events` reads them)
+    progress.json  Progress, rewritten atomically about every 0.5 s (also the answer to "progress")
+
+On the control socket (runtime/control.py), one request and one answer per connection:
+    ProgressRequest -> Progress           CheckpointRequest, StopRequest -> CheckpointAnswer
+    ResizeRequest   -> ResizeAnswer       any of them -> ControlFailure (ok false, why in words)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from protocol.cut import MAX_DEVICES, MAX_PATH, MAX_RANKS, DeviceMap, check_device_indices
+from protocol.message import Message, ProtocolError, bounded
+from protocol.states import LaunchState
+
+MAX_ERROR = 20000  # characters: an error carries a log tail
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+CheckpointAction = Literal["checkpoint", "stop"]
+
+
+# -- events.jsonl ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LaunchEvent(Message):
+    """One line of events.jsonl. `engine` is None only before an engine was chosen."""
+
+    event: str
+    time_unix: float
+    engine: str | None = bounded(default=None, max_length=64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started(LaunchEvent):
+    event: Literal["started"] = "started"
+    world_size: int = bounded(minimum=1, maximum=MAX_RANKS)
+    devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
+    reason: str = bounded(max_length=2000)  # why this engine
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored(LaunchEvent):
+    event: Literal["restored"] = "restored"
+    step: int = bounded(minimum=0)
+    checkpoint: str = bounded(max_length=MAX_PATH)  # its URI
+    spool: str = bounded(max_length=MAX_PATH)
+    seconds: float = bounded(minimum=0)
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSeconds(Message):
+    """Where a checkpoint's time went: reaching the cut, the engine's dump, the store's commit."""
+
+    cut: float
+    dump: float
+    commit: float
+    total: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointTaken(LaunchEvent):
+    event: Literal["checkpoint"] = "checkpoint"
+    step: int = bounded(minimum=0)
+    checkpoint: str = bounded(max_length=MAX_PATH)
+    bytes: int = bounded(minimum=0)
+    action: CheckpointAction
+    seconds: CheckpointSeconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resized(LaunchEvent):
+    event: Literal["resize"] = "resize"
+    step: int = bounded(minimum=0)
+    devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
+    device_map: DeviceMap
+    seconds: float = bounded(minimum=0)
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopped(LaunchEvent):
+    event: Literal["stopped"] = "stopped"
+    step: int = bounded(minimum=0)
+    checkpoint: str = bounded(max_length=MAX_PATH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(LaunchEvent):
+    event: Literal["finished"] = "finished"
+    step: int | None = bounded(default=None, minimum=0)  # None: rank 0 never reported a step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failed(LaunchEvent):
+    """The launcher ends with exit code 1 or 2; `error` says why in words."""
+
+    event: Literal["failed"] = "failed"
+    error: str = bounded(max_length=MAX_ERROR)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandFailed(LaunchEvent):
+    """A control command failed; the job goes on unless a Failed event follows."""
+
+    event: Literal["checkpoint_failed", "stop_failed", "resize_failed"]
+    error: str = bounded(max_length=MAX_ERROR)
+
+
+EVENT_TYPES: dict[str, type[LaunchEvent]] = {
+    "started": Started, "restored": Restored, "checkpoint": CheckpointTaken, "resize": Resized,
+    "stopped": Stopped, "finished": Finished, "failed": Failed,
+    "checkpoint_failed": CommandFailed, "stop_failed": CommandFailed, "resize_failed": CommandFailed,
+}
+TERMINAL_EVENTS = ("finished", "stopped", "failed")
+
+
+def event_from_dict(obj: Any) -> LaunchEvent:
+    """Returns the typed event `obj` encodes; raises ProtocolError (an unknown kind names "event")."""
+    kind = obj.get("event") if isinstance(obj, dict) else None
+    event_type = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    if event_type is None:
+        if not isinstance(obj, dict):
+            raise ProtocolError("", "an event must be a JSON object")
+        raise ProtocolError("event", f"unknown event {kind!r}; known: {', '.join(EVENT_TYPES)}")
+    return event_type.from_dict(obj)
+
+
+def event_line(event: LaunchEvent) -> str:
+    """Returns the line (with its newline) that appends `event` to events.jsonl."""
+    return json.dumps(event.to_dict()) + "\n"
+
+
+def parse_events(text: str) -> list[LaunchEvent]:
+    """Returns the events of an events.jsonl text, oldest first.
+
+    Skips a line that is not JSON (the launcher may be writing the last one: a torn line) and
+    one that is not an event this side knows (a newer launcher's kind, or a malformed record),
+    so a reader never fails on the log of a job it observes."""
+    events = []
+    for line in text.splitlines():
+        try:
+            events.append(event_from_dict(json.loads(line)))
+        except (ValueError, ProtocolError):  # ProtocolError is a ValueError; both named for the reader
+            continue
+    return events
+
+
+# -- progress.json, the answer to "progress" --------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LastCheckpoint(Message):
+    step: int = bounded(minimum=0)
+    uri: str = bounded(max_length=MAX_PATH)
+    engine: str = bounded(max_length=64)
+    bytes: int = bounded(minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress(Message):
+    """How a job is doing: its state, step and rate, engine, devices and rank processes."""
+
+    ok: bool = True
+    job_id: str = bounded(max_length=255)
+    state: LaunchState
+    engine: str | None = bounded(default=None, max_length=64)
+    engine_reason: str | None = bounded(default=None, max_length=2000)
+    step: int = bounded(minimum=0)
+    steps_per_s: float | None = None
+    world_size: int = bounded(minimum=1, maximum=MAX_RANKS)
+    devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
+    device_map: DeviceMap
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+    last_checkpoint: LastCheckpoint | None = None
+    updated_unix: float
+    rank_pids: tuple[int, ...] = bounded(default=(), max_length=MAX_RANKS)
+    spool: str = bounded(max_length=MAX_PATH)
+
+
+# -- the control socket ----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ProgressRequest(Message):
+    cmd: Literal["progress"] = "progress"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRequest(Message):
+    """Checkpoint at a consistent cut (after step `at_step` at the earliest) and go on."""
+
+    cmd: Literal["checkpoint"] = "checkpoint"
+    at_step: int | None = bounded(default=None, minimum=0)
+    timeout_s: float | None = bounded(default=None, minimum=0, maximum=MAX_TIMEOUT_S)  # None, 0: 600 s
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopRequest(Message):
+    """Checkpoint at a consistent cut, then the launcher exits 75."""
+
+    cmd: Literal["stop"] = "stop"
+    at_step: int | None = bounded(default=None, minimum=0)
+    timeout_s: float | None = bounded(default=None, minimum=0, maximum=MAX_TIMEOUT_S)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeRequest(Message):
+    """Map the W ranks onto `devices` devices at a cut; `device_indices`, when the agent knows them,
+    are the node-local indices of those devices (recorded and passed to the ranks)."""
+
+    cmd: Literal["resize"] = "resize"
+    devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+    at_step: int | None = bounded(default=None, minimum=0)
+    timeout_s: float | None = bounded(default=None, minimum=0, maximum=MAX_TIMEOUT_S)
+
+    def __post_init__(self) -> None:
+        check_device_indices(self.device_indices, self.devices)
+
+
+ControlRequest = Union[ProgressRequest, CheckpointRequest, StopRequest, ResizeRequest]
+REQUEST_TYPES: dict[str, type[Message]] = {
+    "progress": ProgressRequest, "checkpoint": CheckpointRequest, "stop": StopRequest, "resize": ResizeRequest,
+}
+
+
+def control_request_from_dict(obj: Any) -> ControlRequest:
+    """Returns the typed control request `obj` encodes; raises ProtocolError naming the bad field
+    (an unknown command names "cmd" and lists the known ones)."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("", "a control request must be a JSON object")
+    cmd = obj.get("cmd")
+    request_type = REQUEST_TYPES.get(cmd) if isinstance(cmd, str) else None
+    if request_type is None:
+        raise ProtocolError("cmd", f"unknown command {cmd!r}; use {', '.join(REQUEST_TYPES)}")
+    return request_type.from_dict(obj)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlFailure(Message):
+    """A command was refused or failed; `error` says why in words a person can act on."""
+
+    ok: bool = False
+    error: str = bounded(max_length=MAX_ERROR)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointAnswer(Message):
+    """The answer to checkpoint and stop: the checkpoint committed at the cut."""
+
+    ok: bool = True
+    step: int = bounded(minimum=0)
+    engine: str = bounded(max_length=64)
+    checkpoint: str = bounded(max_length=MAX_PATH)
+    bytes: int = bounded(minimum=0)
+    seconds: CheckpointSeconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeAnswer(Message):
+    ok: bool = True
+    step: int = bounded(minimum=0)
+    devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
+    device_map: DeviceMap
+    device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+    seconds: float = bounded(minimum=0)
+
+
+ANSWER_TYPES: dict[str, type[Message]] = {
+    "progress": Progress, "checkpoint": CheckpointAnswer, "stop": CheckpointAnswer, "resize": ResizeAnswer,
+}
+
+
+def control_answer_from_dict(cmd: str, obj: Any) -> Message:
+    """Returns the typed answer to command `cmd` (a ControlFailure when ok is false)."""
+    if isinstance(obj, dict) and obj.get("ok") is False:
+        return ControlFailure.from_dict(obj)
+    return ANSWER_TYPES[cmd].from_dict(obj)

@@ -1,0 +1,348 @@
+"""The checkpoint engines behind one interface: how ranks start, cut, are dumped, released and restored.
+
+An engine is chosen once per launch (`choose_engine`, from the registry `ENGINES`) or taken from
+the checkpoint being resumed, and named in every event. The launcher calls, in this order:
+
+    prepare()                         once, before any rank is started or restored
+    spawn(command, env=, log=)        per rank, to start a fresh rank process
+    ... at a consistent cut, after every rank reported ...
+    dump(launcher, request, step, ...) the ranks reported ready: write the checkpoint into staging
+    abandon(launcher, request_id)     the cut cannot be used: let parked ranks go on
+    can_resume(meta)                  before a restore: None, or the reason it must be refused
+    restore(launcher, ref, meta)      start the job's ranks again from checkpoint `ref`
+
+and each rank process (runtime/rank.py) calls `start_rank()` before its script runs and
+`cut(rank_runtime, request, step)` at a checkpoint or stop cut. A new engine (the CUDA state of
+a GPU job, say) is a new subclass added to ENGINES; nothing else switches on an engine's name.
+
+The engines wrap runtime/criu.py (whole-process dumps) and runtime/framework.py (model,
+optimizer, RNG and loader state), which hold the mechanisms.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from typing import IO, TYPE_CHECKING, Any, ClassVar
+
+from protocol.cut import CutRequest, ResumeFile
+from runtime import criu
+from runtime import spool as spool_files
+from runtime.exits import EXIT_USAGE, LaunchError
+
+if TYPE_CHECKING:  # the launcher imports this module; the engines only call back into it
+    from runtime.launcher import Launcher
+    from runtime.rank import RankRuntime
+    from runtime.store import CheckpointRef
+
+AUTO = "auto"
+EXIT_CUT_STOP = 0  # a rank that stopped at a cut exits 0; the launcher knows it asked
+
+
+class RankProcess:
+    """One rank: its host PID, and how to learn that it ended."""
+
+    def __init__(self, rank: int, pid: int, popen: subprocess.Popen | None = None):
+        self.rank = rank
+        self.pid = pid
+        self.popen = popen
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is not None:
+                self.returncode = code
+        else:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # Not our child (should not happen: the launcher is a subreaper). Gone means
+                # its exit status is unknown, which counts as a failure.
+                if os.path.exists(f"/proc/{self.pid}"):
+                    return None
+                self.returncode = -1
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.popen is not None:
+            try:
+                self.popen.kill()
+            except ProcessLookupError:
+                pass
+
+
+class Engine(ABC):
+    """One checkpoint engine. Instances hold no state: the launcher and the rank own theirs."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]  # how a person names it in an error ("CRIU")
+
+    # -- choice ----------------------------------------------------------------------------------
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Returns (True, detail) when this engine works here, else (False, reason to act on)."""
+        return True, ""
+
+    @classmethod
+    def requested_reason(cls, detail: str) -> str:
+        """The reason recorded when `--engine <name>` asked for this engine and it is available."""
+        return "requested"
+
+    @classmethod
+    def auto_reason(cls, detail: str) -> str | None:
+        """What `auto` says when it picks this engine first; None: say why the better ones failed."""
+        return None
+
+    # -- the launcher's side -----------------------------------------------------------------
+    def prepare(self) -> None:
+        """Called once before any rank is started or restored."""
+
+    @abstractmethod
+    def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
+        """Starts one rank process running `command`; returns (its host PID, the Popen)."""
+
+    @abstractmethod
+    def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
+             stop: bool, timeout_s: float) -> None:
+        """Called once every rank reported ready at the cut `request` (after `step`): writes the checkpoint's
+        files into `staging` (the launcher commits it). With `stop`, the ranks are gone when this
+        returns; without, they go on. Raises LaunchError when no checkpoint was written."""
+
+    def abandon(self, launcher: Launcher, request_id: int) -> None:
+        """Called when the cut `request_id` cannot be used (refused, timed out, split): lets ranks
+        that wait at it go on. A rank that reaches it later must go on at once too."""
+
+    def can_resume(self, meta: dict[str, Any]) -> str | None:
+        """Returns None when a checkpoint of this engine with manifest `meta` can be restored
+        here, else why not (the launcher refuses the resume with it)."""
+        return None
+
+    @abstractmethod
+    def restore(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
+        """Starts the job's ranks (launcher.ranks) again from the verified checkpoint `ref`."""
+
+    # -- the rank's side -------------------------------------------------------------------------
+    def start_rank(self) -> None:
+        """Called in a rank process before it sets anything up."""
+
+    @abstractmethod
+    def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
+        """Called in every rank at the same step for a checkpoint or stop cut: saves or parks this
+        rank and reports to the launcher (runtime.report). Returns when the rank goes on."""
+
+
+class CriuEngine(Engine):
+    """Whole-process dumps of parked ranks, each the init of its own PID namespace."""
+
+    name = "criu"
+    label = "CRIU"
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return criu.check_available()
+
+    @classmethod
+    def requested_reason(cls, detail: str) -> str:
+        return f"requested (criu {detail})"
+
+    @classmethod
+    def auto_reason(cls, detail: str) -> str | None:
+        return f"criu {detail} passed `criu check`"
+
+    def prepare(self) -> None:
+        # Restored ranks are detached by `criu restore -d`: they must become our children.
+        criu.become_subreaper()
+
+    def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
+        popen = subprocess.Popen(criu.namespace_command(command), env=env, stdin=subprocess.DEVNULL,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return criu.namespace_init_pid(popen.pid), popen
+
+    def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
+             stop: bool, timeout_s: float) -> None:
+        staging = os.fspath(staging)
+        logs = os.path.join(staging, "logs")
+        os.mkdir(logs)
+        for rank in range(launcher.world_size):
+            # CRIU restores open files only at the same path and size: carry the logs.
+            shutil.copyfile(spool_files.rank_dir(launcher.spool, rank) / "out.log",
+                            os.path.join(logs, f"rank{rank}.log"))
+        try:
+            for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
+                criu.dump(process.pid, os.path.join(staging, f"rank{process.rank}"), leave_running=not stop)
+        except RuntimeError as exc:
+            if stop:  # some ranks may be dumped (gone) already: the job cannot go on
+                launcher.kill_all()
+                raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
+            launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
+            raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
+        if not stop:
+            launcher.resume_ranks(request.id)
+
+    def abandon(self, launcher: Launcher, request_id: int) -> None:
+        # Parked ranks wait for the resume file; a rank that reaches the cut later finds it.
+        launcher.resume_ranks(request_id)
+
+    def can_resume(self, meta: dict[str, Any]) -> str | None:
+        ok, detail = criu.check_available()
+        return None if ok else f"the checkpoint needs CRIU, which is unavailable: {detail}"
+
+    def restore(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
+        # The store was verified (sha256 of every image); CRIU only reads the images, so they are
+        # restored straight from it (a shared filesystem on a fleet). Put the rank logs back at
+        # their paths and sizes, then restore each rank into a new PID namespace.
+        local = ref.path
+        launcher.restore_at_dumped_spool(meta)
+        launcher.fresh_spool()
+        for rank in range(launcher.world_size):
+            shutil.copyfile(local / "logs" / f"rank{rank}.log",
+                            spool_files.rank_dir(launcher.spool, rank) / "out.log")
+        for rank in range(launcher.world_size):
+            pid = criu.restore(local / f"rank{rank}", work_dir=launcher.job_dir / "restore")
+            launcher.ranks.append(RankProcess(rank, pid))
+        launcher.last_request_id = int(meta["request_id"])
+        launcher.resume_ranks(int(meta["request_id"]))
+
+    def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
+        from runtime import localreduce, vpg
+        # Close every socket, give up the device, and wait to be dumped (and maybe restored
+        # elsewhere); then rebuild the inner group on the addresses the launcher gives.
+        group = vpg.current_group()
+        if group is not None:
+            group.close_inner()
+        runtime.slot.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Neither a socket nor the shared reduction area may be left for CRIU to dump.
+        leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
+        runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=tuple(leftovers))
+        path = spool_files.resume_path(runtime.spool, request.id)
+        while True:
+            payload = spool_files.read_json(path)
+            if payload is not None:
+                break
+            time.sleep(0.005)
+        resume = ResumeFile.from_dict(payload)
+        runtime.connection.update(addr=resume.master_addr, port=resume.master_port, prefix=resume.key_prefix)
+        runtime.move_to(resume.devices, resume.device_indices)
+        runtime.slot.acquire()
+        if group is not None:
+            group.ensure_inner()
+        runtime.resumed()
+
+
+class FrameworkEngine(Engine):
+    """Model, optimizer, RNG and data-loader state saved by each rank; a restore re-runs the script."""
+
+    name = "framework"
+    label = "the framework engine"
+
+    def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
+        # A process group of its own (a terminal's Ctrl-C reaches the launcher, which stops the
+        # ranks at a cut) but the launcher's session: with the kernel's autogroup scheduling, a
+        # session per rank made ranks that wait on each other every step lose the CPU to
+        # unrelated work (+3x step time at load 8 here).
+        popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, process_group=0)
+        return popen.pid, popen
+
+    def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
+             stop: bool, timeout_s: float) -> None:
+        # The ranks wrote their state into staging before they reported "saved".
+        if stop:
+            launcher.wait_all_exit(timeout_s)
+
+    def restore(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
+        launcher.fresh_spool()
+        launcher.spawn_ranks(resume_dir=ref.path)
+
+    def start_rank(self) -> None:
+        _die_with_launcher()
+
+    def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
+        from runtime import vpg
+        try:
+            runtime.tracker.save(request.staging_dir)
+            error = None
+        except Exception as exc:  # framework.UnresumableScript and I/O errors alike
+            error = f"{type(exc).__name__}: {exc}"
+        # Everyone has written before anyone reports "saved" (the launcher commits then),
+        # and if one rank could not save, no rank stops.
+        (failures,) = vpg.meta_allreduce([1 if error else 0])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if failures:
+            runtime.report(request, step, "error", error=error or f"{failures} other rank(s) could not save")
+            return
+        runtime.report(request, step, "saved")
+        if request.action == "stop":
+            group = vpg.current_group()
+            if group is not None:
+                group.close_inner()
+            os._exit(EXIT_CUT_STOP)
+
+
+def _die_with_launcher() -> None:
+    """A rank whose launcher died can never be checkpointed or stopped: end with it at once
+    (the LauncherWatch, for both engines, is the slower mechanism that also survives CRIU).
+
+    Not for CRIU ranks: CRIU restores the parent-death signal, and a restored rank's first parent
+    is the criu process that exits right after restoring it."""
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    launcher_pid = os.environ.get("MERIDIAN_LAUNCHER_PID")
+    if launcher_pid and os.getppid() != int(launcher_pid):
+        os._exit(1)  # the launcher died before the prctl took effect
+
+
+# The registry, in `auto`'s order of preference (the first available engine wins).
+ENGINES: dict[str, type[Engine]] = {CriuEngine.name: CriuEngine, FrameworkEngine.name: FrameworkEngine}
+
+
+def choose_engine(requested: str) -> tuple[str, str]:
+    """Returns (engine name, why it was chosen). `auto` picks the first available engine of
+    ENGINES and says why; an explicitly requested engine that is unavailable raises LaunchError
+    (no silent fallback); an unknown name too."""
+    if requested != AUTO and requested not in ENGINES:
+        raise LaunchError(f"unknown engine {requested!r}; choose one of {', '.join([*ENGINES, AUTO])}",
+                          EXIT_USAGE)
+    if requested != AUTO:
+        engine = ENGINES[requested]
+        ok, detail = engine.available()
+        if not ok:
+            raise LaunchError(f"--engine {requested}: {engine.label} is unavailable: {detail}. "
+                              f"Use --engine framework or --engine auto.", EXIT_USAGE)
+        return requested, engine.requested_reason(detail)
+    refusals: list[str] = []
+    for name, engine in ENGINES.items():
+        ok, detail = engine.available()
+        if ok:
+            return name, "auto: " + (engine.auto_reason(detail) or "; ".join(refusals))
+        refusals.append(f"{engine.label} unusable ({detail})")
+    raise LaunchError("auto: no checkpoint engine is available: " + "; ".join(refusals), EXIT_USAGE)
+
+
+def engine_named(name: str) -> Engine:
+    """Returns the engine registered as `name`; raises LaunchError for a name nobody registered
+    (a checkpoint of a newer runtime's engine, say)."""
+    engine = ENGINES.get(name)
+    if engine is None:
+        raise LaunchError(f"no checkpoint engine is named {name!r} here; this runtime has "
+                          f"{', '.join(ENGINES)}", EXIT_USAGE)
+    return engine()

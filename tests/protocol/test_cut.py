@@ -1,0 +1,57 @@
+"""Launcher <-> ranks messages: the device map, the cut request, the rank's report, the resume file."""
+import pytest
+
+from protocol import ProtocolError
+from protocol.cut import CutReport, CutRequest, DeviceMap, RankProgress, ResumeFile
+
+TWO_ON_ONE = {"devices": {"0": [0, 1]}, "ranks": {"0": 0, "1": 0}}
+
+
+def test_a_device_map_round_trips_and_gives_splices_plain_dict():
+    device_map = DeviceMap.from_dict(TWO_ON_ONE)
+    assert DeviceMap.from_dict(device_map.to_dict()) == device_map
+    assert device_map.plain() == TWO_ON_ONE
+
+
+def test_a_device_map_whose_rank_names_an_unlisted_device_is_refused():
+    with pytest.raises(ProtocolError) as caught:
+        DeviceMap.from_dict({"devices": {"0": [0]}, "ranks": {"0": 0, "1": 1}})
+    assert caught.value.field == "ranks.1"
+
+
+def test_a_resize_request_carries_its_map_and_indices():
+    request = CutRequest(id=7, action="resize", devices=DeviceMap.from_dict(TWO_ON_ONE), device_indices=(3,))
+    assert CutRequest.from_dict(request.to_dict()) == request
+
+
+@pytest.mark.parametrize("obj, field", [
+    ({"id": 1, "action": "resize"}, "devices"),
+    ({"id": 1, "action": "stop"}, "staging_dir"),
+    ({"id": 0, "action": "stop", "staging_dir": "/s"}, "id"),
+    ({"id": 1, "action": "explode", "staging_dir": "/s"}, "action"),
+    ({"id": 1, "action": "resize", "devices": TWO_ON_ONE, "device_indices": [1, 2]}, "device_indices"),
+], ids=["resize-without-map", "stop-without-staging", "zero-id", "unknown-action", "indices-for-other-count"])
+def test_a_malformed_cut_request_is_refused_by_field(obj, field):
+    with pytest.raises(ProtocolError) as caught:
+        CutRequest.from_dict(obj)
+    assert caught.value.field == field
+
+
+def test_a_report_says_why_it_refuses_the_cut():
+    assert CutReport(rank=0, step=3, status="error", error="DataLoader missing").problem() == "DataLoader missing"
+    parked = CutReport(rank=1, step=3, status="error", open_sockets=("5 -> socket:[1]",))
+    assert "5 -> socket:[1]" in parked.problem()
+    assert CutReport.from_dict(parked.to_dict()) == parked
+
+
+def test_a_resume_file_names_where_the_ranks_go_on():
+    resume = ResumeFile(master_addr="127.0.0.1", master_port=29500, key_prefix="n/7",
+                        devices=DeviceMap.from_dict(TWO_ON_ONE), device_indices=(2,))
+    assert ResumeFile.from_dict(resume.to_dict()) == resume
+    with pytest.raises(ProtocolError, match="port|master_port"):
+        ResumeFile.from_dict({**resume.to_dict(), "master_port": 70000})
+
+
+def test_rank_progress_may_lack_a_rate():
+    progress = RankProgress.from_dict({"step": 4, "engine": "criu", "world_size": 2, "updated_unix": 1.0})
+    assert progress.steps_per_s is None and progress.step == 4
