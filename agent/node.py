@@ -235,7 +235,7 @@ class LocalJob:
         self.last_checkpoint_at = time.monotonic()
         self.error = None
         self.reported_final = False
-        self.reported_state = None
+        self.reported_state: CopyState | None = None
 
     def alive(self):
         if self.popen is not None:
@@ -400,11 +400,12 @@ class NodeReconciler:
         entries = [e if isinstance(e, DesiredJob) else DesiredJob.from_dict(e) for e in desired_jobs]
         desired = {e.job_id: e for e in entries}
         with self.lock:
-            for job_id, job in list(self.jobs.items()):
-                if job.outcome() is not None:
+            for job_id, existing in list(self.jobs.items()):
+                if existing.outcome() is not None:
                     continue
-                if self._outdated(job, desired.get(job_id)) and not job.stop_requested and job.busy is None:
-                    self._call(job, "stop")
+                if self._outdated(existing, desired.get(job_id)) and not existing.stop_requested \
+                        and existing.busy is None:
+                    self._call(existing, "stop")
             stopping = any(j.stop_requested and j.outcome() is None for j in self.jobs.values())
             for job_id, entry in desired.items():
                 job = self.jobs.get(job_id)
@@ -527,6 +528,9 @@ class NodeReconciler:
 
     def launch(self, entry: DesiredJob) -> None:
         job_id = entry.job_id
+        if entry.store is None:  # the control plane names a store for every job it runs
+            log.error("job %s: the desired state names no store folder; not launching", job_id)
+            return
         store = pathlib.Path(entry.store)
         store.mkdir(parents=True, exist_ok=True)
         if entry.restore_from:

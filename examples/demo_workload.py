@@ -61,7 +61,7 @@ def main():
         print(f"[demo] submitted {name} ({tier}, W={world_size}, min {min_devices}): {response.status_code}",
               flush=True)
 
-    for number, job in enumerate(WORKLOAD):
+    for job in WORKLOAD:
         if stop.is_set():
             return 0
         submit(*job)

@@ -9,8 +9,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
-
 from fleet.models import Accelerator, Cluster, Node, Region
+from fleet.pagination import paginate
 from fleet.selectors import (
     RESOLUTION_NAMES,
     TELEMETRY_MAX_POINTS,
@@ -20,7 +20,6 @@ from fleet.selectors import (
     telemetry_series,
     telemetry_window,
 )
-from fleet.pagination import paginate
 
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
 
@@ -65,7 +64,9 @@ class NodeListApi(APIView):
         cluster = serializers.IntegerField(required=False)
         state = serializers.ChoiceField(choices=Node.State.choices, required=False)
 
-    @extend_schema(parameters=[FilterSerializer], responses={200: NodeOutputSerializer(many=True)}, summary="List nodes")
+    @extend_schema(
+        parameters=[FilterSerializer], responses={200: NodeOutputSerializer(many=True)}, summary="List nodes"
+    )
     def get(self, request):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
@@ -80,7 +81,10 @@ class AcceleratorOutputSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Accelerator
-        fields = ["id", "node", "hostname", "cluster_id", "region", "index", "type", "memory_gb", "healthy", "uuid", "utilization", "memory_used_gb"]
+        fields = [
+            "id", "node", "hostname", "cluster_id", "region", "index", "type", "memory_gb", "healthy", "uuid",
+            "utilization", "memory_used_gb",
+        ]
 
 
 class NodeDetailApi(APIView):
@@ -95,7 +99,9 @@ class NodeDetailApi(APIView):
     def get(self, request, node_id):
         node = (
             node_list()
-            .prefetch_related(Prefetch("accelerators", queryset=Accelerator.objects.select_related("node__cluster__region")))
+            .prefetch_related(
+                Prefetch("accelerators", queryset=Accelerator.objects.select_related("node__cluster__region"))
+            )
             .filter(pk=node_id)
             .first()
         )
@@ -107,12 +113,18 @@ class NodeDetailApi(APIView):
 class AcceleratorListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         node = serializers.IntegerField(required=False)
-        type = serializers.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES, required=False, error_messages={"invalid_choice": TYPE_MESSAGE})
+        type = serializers.ChoiceField(
+            choices=ACCELERATOR_TYPE_CHOICES, required=False, error_messages={"invalid_choice": TYPE_MESSAGE}
+        )
         healthy = serializers.BooleanField(required=False, allow_null=True, default=None)
         region = serializers.CharField(required=False)
         cluster = serializers.IntegerField(required=False)
 
-    @extend_schema(parameters=[FilterSerializer], responses={200: AcceleratorOutputSerializer(many=True)}, summary="List accelerators (paginated)")
+    @extend_schema(
+        parameters=[FilterSerializer],
+        responses={200: AcceleratorOutputSerializer(many=True)},
+        summary="List accelerators (paginated)",
+    )
     def get(self, request):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)

@@ -103,7 +103,10 @@ def fleet_summary():
     by_type, per_cluster = {}, {}
     for row in rows:
         for key, bucket in ((row["type"], by_type), (row["node__cluster_id"], per_cluster)):
-            entry = bucket.setdefault(key, {"accelerators": 0, "healthy": 0, "allocated": 0, "free": 0, "reporting": 0, "utilization_sum": 0.0})
+            entry = bucket.setdefault(
+                key,
+                {"accelerators": 0, "healthy": 0, "allocated": 0, "free": 0, "reporting": 0, "utilization_sum": 0.0},
+            )
             entry["accelerators"] += row["n"]
             entry["healthy"] += row["n_healthy"]
             entry["allocated"] += row["n_allocated"]
@@ -160,8 +163,11 @@ def fleet_summary():
 # then the finer rows it has not rolled up yet (the live edge).
 _SERIES_LAYERS = {
     "node": ((NodeTelemetryBucket, TelemetryResolution.HOUR), (NodeTelemetryBucket, TelemetryResolution.MINUTE)),
-    "cluster": ((ClusterTelemetryBucket, TelemetryResolution.HOUR), (ClusterTelemetryBucket, TelemetryResolution.MINUTE),
-                (NodeTelemetryBucket, TelemetryResolution.MINUTE)),
+    "cluster": (
+        (ClusterTelemetryBucket, TelemetryResolution.HOUR),
+        (ClusterTelemetryBucket, TelemetryResolution.MINUTE),
+        (NodeTelemetryBucket, TelemetryResolution.MINUTE),
+    ),
 }
 
 
@@ -199,8 +205,10 @@ def telemetry_window(*, now, since=None, until=None, hours=None, resolution=None
         raise ValidationError({"resolution": f"{points:,.0f} {resolution} buckets is too many (at most "
                                              f"{TELEMETRY_MAX_POINTS:,}); shorten the window or ask resolution=hour"})
     if seconds == TelemetryResolution.MINUTE and since < minutes_since:
-        raise ValidationError({"resolution": f"minute buckets are kept for {minutes_kept.total_seconds() / 3600:g} h"
-                                             f"{' on a node' if node_level else ''}; ask resolution=hour for older history"})
+        raise ValidationError({
+            "resolution": f"minute buckets are kept for {minutes_kept.total_seconds() / 3600:g} h"
+                          f"{' on a node' if node_level else ''}; ask resolution=hour for older history"
+        })
     return since, until, seconds
 
 

@@ -203,8 +203,8 @@ def telemetry_rollup(*, now, batch_size=TELEMETRY_DELETE_BATCH):
     Run it every minute (Celery beat: fleet.tasks.telemetry_rollup). Each step rolls the
     buckets after the newest one it wrote that ended TELEMETRY_ROLLUP_GRACE before `now`; after
     an outage it catches up on everything its sources still hold. Idempotent and safe to run
-    twice at once: a rolled bucket is written with its full sums (replaced, never added to). Deletes go in batches of `batch_size`
-    rows so no statement holds locks on millions of rows.
+    twice at once: a rolled bucket is written with its full sums (replaced, never added to).
+    Deletes go in batches of `batch_size` rows so no statement holds locks on millions of rows.
     """
     started = time.perf_counter()
     written = {}
@@ -280,7 +280,8 @@ def _accelerator_rows(node_spec, path):
     """Returns [(type, memory_gb)] for a node: `accelerators` is {type, count} or a list of {type}."""
     spec = node_spec.get("accelerators", [])
     if isinstance(spec, dict):
-        spec = [{"type": spec.get("type"), "memory_gb": spec.get("memory_gb")}] * _count(spec.get("count"), f"{path}.accelerators.count")
+        count = _count(spec.get("count"), f"{path}.accelerators.count")
+        spec = [{"type": spec.get("type"), "memory_gb": spec.get("memory_gb")}] * count
     if not isinstance(spec, list):
         _fail(f"{path}.accelerators", "must be a list of {type: ...} or {type: ..., count: N}")
     rows = []
@@ -328,7 +329,9 @@ def fleet_load(*, description):
             created["regions"] += was_created
             for c, cluster_spec in enumerate(region_spec.get("clusters", [])):
                 cpath = f"{rpath}.clusters[{c}]"
-                cluster, was_created = Cluster.objects.get_or_create(region=region, name=_name(cluster_spec, "name", cpath))
+                cluster, was_created = Cluster.objects.get_or_create(
+                    region=region, name=_name(cluster_spec, "name", cpath)
+                )
                 created["clusters"] += was_created
                 new_devices = []
                 for n, node_spec in enumerate(cluster_spec.get("nodes", [])):
@@ -388,9 +391,11 @@ def fleet_generate(
     started = time.perf_counter()
     total_devices = 0
     with transaction.atomic():
-        for r, region_name in enumerate(region_names):
+        for region_name in region_names:
             region = Region.objects.create(name=region_name)
-            cluster_rows = Cluster.objects.bulk_create([Cluster(region=region, name=f"c{c:02d}") for c in range(clusters)])
+            cluster_rows = Cluster.objects.bulk_create(
+                [Cluster(region=region, name=f"c{c:02d}") for c in range(clusters)]
+            )
             for c, cluster in enumerate(cluster_rows):
                 node_rows = Node.objects.bulk_create(
                     [

@@ -2,8 +2,7 @@
 state read-only so nobody bypasses the state machine)."""
 from django.contrib import admin
 
-from jobs.models import (Checkpoint, ControlLoopLease, Job, JobEvent, Membership, Move, PreemptionRequest, Replica,
-                         Team)
+from jobs.models import Checkpoint, ControlLoopLease, Job, JobEvent, Membership, Move, PreemptionRequest, Replica, Team
 
 
 class MembershipInline(admin.TabularInline):
@@ -40,12 +39,17 @@ class JobEventInline(admin.TabularInline):
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ["id", "name", "team", "tier", "accelerator_type", "world_size", "min_devices", "state", "device_count", "submitted_at"]
+    list_display = [
+        "id", "name", "team", "tier", "accelerator_type", "world_size", "min_devices", "state", "device_count",
+        "submitted_at",
+    ]
     list_filter = ["state", "tier", "accelerator_type", "team"]
     list_select_related = ["team"]
     search_fields = ["name", "entrypoint"]
     raw_id_fields = ["submitted_by", "region"]
-    readonly_fields = ["state", "state_changed_at", "submitted_at", "started_at", "last_started_at", "finished_at", "updated_at"]
+    readonly_fields = [
+        "state", "state_changed_at", "submitted_at", "started_at", "last_started_at", "finished_at", "updated_at",
+    ]
     inlines = [JobEventInline]
 
 

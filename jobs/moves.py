@@ -399,9 +399,11 @@ def move_end(*, move, job, state, reason, now, requeue=True):
         if updated != 1:
             return False
         move.state = state
-        job_event_add(job=job, type=JobEvent.Type.MOVE_ENDED, reason=f"{move.kind} {state} at {move.step}: {reason}"[:500],
-                      extra={"move": move.pk, "kind": move.kind, "step": move.step, "state": state,
-                             "checkpoint_step": job.last_checkpoint_step})
+        job_event_add(
+            job=job, type=JobEvent.Type.MOVE_ENDED, reason=f"{move.kind} {state} at {move.step}: {reason}"[:500],
+            extra={"move": move.pk, "kind": move.kind, "step": move.step, "state": state,
+                   "checkpoint_step": job.last_checkpoint_step},
+        )
         if requeue and job.state == MOVING_STATE[K(move.kind)]:
             Job.objects.filter(pk=job.pk).update(generation=F("generation") + 1)
             try:

@@ -124,7 +124,10 @@ def team_usage_many(*, teams):
     for row in rows:
         entry = usage[row["team_id"]].setdefault(
             row["accelerator_type"],
-            {"quota": quotas[row["team_id"]].quota_for(row["accelerator_type"]), "claimed": 0, "devices_in_use": 0, "jobs": 0},
+            {
+                "quota": quotas[row["team_id"]].quota_for(row["accelerator_type"]),
+                "claimed": 0, "devices_in_use": 0, "jobs": 0,
+            },
         )
         entry.update(claimed=row["claimed"] or 0, devices_in_use=row["in_use"] or 0, jobs=row["jobs"])
     return usage

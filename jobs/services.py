@@ -335,7 +335,9 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
 
 # --- submit and cancel --------------------------------------------------------------------
 
-SPEC_FIELDS = {"name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps"}
+SPEC_FIELDS = {
+    "name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps",
+}
 
 
 def _int_field(spec, field, errors, *, default=None):
@@ -639,7 +641,9 @@ def preemption_expire(*, request, now=None):
 def preemption_expire_due(*, now=None):
     """Expires every pending request past its deadline; returns how many it expired."""
     now = now or timezone.now()
-    due = PreemptionRequest.objects.filter(state=PreemptionRequest.State.PENDING, expires_at__lte=now).select_related("job")
+    due = PreemptionRequest.objects.filter(
+        state=PreemptionRequest.State.PENDING, expires_at__lte=now
+    ).select_related("job")
     return sum(preemption_expire(request=request, now=now) for request in due)
 
 

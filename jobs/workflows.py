@@ -85,7 +85,7 @@ def node_desired_state_build(*, node) -> DesiredState:
         .values_list("job_id", "device_id", "device__index")
     )
     devices = defaultdict(set)
-    for job_id, device_id, index in rows:
+    for job_id, _device_id, index in rows:
         devices[job_id].add(index)
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(

@@ -39,14 +39,16 @@ class BoundedJSONParser(JSONParser):
         try:
             raw = stream.read(limit + 1) if stream is not None else b""
         except RequestDataTooBig:
-            raise PayloadTooLarge(limit)
+            raise PayloadTooLarge(limit) from None
         if len(raw) > limit:
             raise PayloadTooLarge(limit)
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         try:
             return json.loads(raw.decode(encoding))
         except (ValueError, UnicodeDecodeError) as exc:
-            raise exceptions.ParseError(f"malformed JSON: {exc}; send a JSON object such as {{\"name\": \"demo\"}}")
+            raise exceptions.ParseError(
+                f"malformed JSON: {exc}; send a JSON object such as {{\"name\": \"demo\"}}"
+            ) from exc
 
 
 def _validation_error_data(error):

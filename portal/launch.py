@@ -101,7 +101,7 @@ class Supervisor:
 
     def stop_all(self):
         self.stopping.set()
-        for spec, process in reversed(self.children):
+        for _, process in reversed(self.children):
             if process.poll() is None:
                 try:
                     os.killpg(process.pid, signal.SIGTERM)

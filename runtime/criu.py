@@ -70,7 +70,7 @@ def namespace_init_pid(unshare_pid, deadline_s=30.0):
             with open(f"/proc/{unshare_pid}/task/{unshare_pid}/children") as handle:
                 children = handle.read().split()
         except FileNotFoundError:
-            raise RuntimeError(f"unshare (pid {unshare_pid}) exited before starting the rank")
+            raise RuntimeError(f"unshare (pid {unshare_pid}) exited before starting the rank") from None
         if children:
             return int(children[0])
         time.sleep(0.005)

@@ -188,7 +188,7 @@ class CriuEngine(Engine):
         except RuntimeError as exc:
             if stop:  # some ranks may be dumped (gone) already: the job cannot go on
                 launcher.kill_all()
-                raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
+                raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}") from None
             launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
             raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
         if not stop:
@@ -279,7 +279,7 @@ class FrameworkEngine(Engine):
         try:
             runtime.tracker.save(request.staging_dir)
             error = None
-        except Exception as exc:  # framework.UnresumableScript and I/O errors alike
+        except Exception as exc:  # noqa: BLE001 - UnresumableScript, I/O errors: every failure goes to the peers
             error = f"{type(exc).__name__}: {exc}"
         # Everyone has written before anyone reports "saved" (the launcher commits then),
         # and if one rank could not save, no rank stops.

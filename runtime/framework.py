@@ -41,6 +41,7 @@ import uuid
 import warnings
 import weakref
 from pathlib import Path
+from typing import IO, cast
 
 import numpy as np
 import torch
@@ -144,7 +145,7 @@ def _scheduler_counter(scheduler):
 
 def _loader_generators(loader) -> list:
     """The torch.Generators a loader draws from: its own and its sampler's, if any."""
-    found = []
+    found: list[torch.Generator] = []
     for gen in (getattr(loader, "generator", None),
                 getattr(getattr(loader, "sampler", None), "generator", None),
                 getattr(getattr(getattr(loader, "batch_sampler", None), "sampler", None),
@@ -246,7 +247,7 @@ class FrameworkTracker:
         self._reasons: list[str] = []          # why the script cannot be resumed, if ever
         self._cycle: tuple | None = None       # optimizer indexes stepped per iteration
         self._steps_since_fetch: list[int] = []
-        self._pending = None                   # snapshot at the last post-step, until a fetch
+        self._pending: dict | None = None      # snapshot at the last post-step, until a fetch
         self._replay: list | None = None       # scheduler steps seen between step() and fetch
         self._observed_intervals = 0
         self._handles: list = []
@@ -308,7 +309,7 @@ class FrameworkTracker:
             writer = store.HashingFileWriter(tmp / STATE_FILE)
             try:
                 with _no_zip_crc32():
-                    torch.save(state, writer)
+                    torch.save(state, cast(IO[bytes], writer))  # a write()-only file object
                 files = {STATE_FILE: writer.finish(fsync=True)}
             finally:
                 writer.close()
@@ -325,6 +326,10 @@ class FrameworkTracker:
 
     def _patch(self) -> None:
         tracker = self
+
+        def patch(cls, name, replacement):  # untyped: mypy refuses assigning to a method
+            self._originals.append((cls, name, cls.__dict__[name]))
+            setattr(cls, name, replacement)
 
         def wrap_init(cls, note, check_after=True):
             original = cls.__dict__["__init__"]
@@ -344,8 +349,7 @@ class FrameworkTracker:
         def __setstate__(module, state):
             original_setstate(module, state)
             tracker._note_module(module)
-        self._originals.append((nn.Module, "__setstate__", original_setstate))
-        nn.Module.__setstate__ = __setstate__
+        patch(nn.Module, "__setstate__", __setstate__)
 
         wrap_init(torch.optim.Optimizer, self._note_optimizer)
         for cls in _SCHEDULER_CLASSES:
@@ -356,8 +360,7 @@ class FrameworkTracker:
 
         def __iter__(loader):
             return tracker._loader_iter(loader, original_iter)
-        self._originals.append((DataLoader, "__iter__", original_iter))
-        DataLoader.__iter__ = __iter__
+        patch(DataLoader, "__iter__", __iter__)
         self._patched_iter = __iter__
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
         self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
@@ -629,7 +632,7 @@ class FrameworkTracker:
 
     @staticmethod
     def _param_names(roots) -> dict:
-        names = {}
+        names: dict[int, str] = {}
         for i, root in enumerate(roots):
             for name, p in root.named_parameters(remove_duplicate=True):
                 names.setdefault(id(p), f"{i}:{name}")
@@ -640,6 +643,8 @@ class FrameworkTracker:
         names = self._param_names(roots)
         optimizers = self._live(self._optimizers)
         schedulers = self._top_level_schedulers()
+        if self._active_loader is None:  # save() runs check_resumable first, which refuses this
+            raise UnresumableScript("no batch has been fetched from a torch DataLoader")
         active = self._loaders.index(self._active_loader)
         loaders = []
         for record in self._loaders:
@@ -696,7 +701,7 @@ class FrameworkTracker:
         checker.start()
         try:
             state = torch.load(rank_dir / STATE_FILE, map_location="cpu", weights_only=False)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every load failure is reported as UnresumableScript
             checker.join()
             if failure:
                 raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None

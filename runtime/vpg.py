@@ -35,7 +35,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, not in stubs
 from torch.distributed import distributed_c10d
 
 from runtime import localreduce
@@ -283,7 +283,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
             try:
                 gather_future.value()
                 reduction.finish()
-            except BaseException as exc:  # a peer died, a timeout: the waiter gets it
+            except BaseException as exc:  # noqa: BLE001 - a peer died, a timeout: the waiter gets it
                 result.set_exception(exc)
             else:
                 result.set_result(None)
@@ -292,7 +292,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
             try:
                 scatter_future.value()
                 work = reduction.gather(pg)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - any failure goes to the waiter
                 enqueued.set()
                 result.set_exception(exc)
                 return

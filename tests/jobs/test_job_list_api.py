@@ -70,7 +70,9 @@ def test_the_list_is_paginated(api_client_for, submit, alice, team_a):
     assert (body["count"], len(body["results"]), body["next"] is not None) == (3, 2, True)
 
 
-def test_listing_jobs_costs_the_same_queries_for_many_jobs(api_client_for, submit, alice, team_a, django_assert_max_num_queries):
+def test_listing_jobs_costs_the_same_queries_for_many_jobs(
+    api_client_for, submit, alice, team_a, django_assert_max_num_queries
+):
     for _ in range(30):
         submit(team_a, alice)
     client = api_client_for(alice)

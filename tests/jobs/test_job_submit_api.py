@@ -75,7 +75,10 @@ def test_it_rejects_a_job_over_the_team_quota(client_for, alice, team_a, job_spe
     response = client_for(alice).post(URL, job_spec(world_size=4, min_devices=4), format="json")
 
     assert response.status_code == 400
-    assert "over team quota: team Team A may claim 6 CPU device(s); its unfinished jobs already claim 4" in response.json()["min_devices"][0]
+    assert (
+        "over team quota: team Team A may claim 6 CPU device(s); its unfinished jobs already claim 4"
+        in response.json()["min_devices"][0]
+    )
     assert Job.objects.count() == 1
 
 
@@ -123,7 +126,9 @@ def test_an_anonymous_caller_is_asked_to_authenticate(job_spec, db):
 
 def test_a_token_authenticates(alice, job_spec):
     client = APIClient()
-    token = client.post("/api/auth/token/", {"username": "alice", "password": "alice-demo-pass"}, format="json").json()["token"]
+    token = client.post(
+        "/api/auth/token/", {"username": "alice", "password": "alice-demo-pass"}, format="json"
+    ).json()["token"]
     client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
 
     assert client.post(URL, job_spec(), format="json").status_code == 201

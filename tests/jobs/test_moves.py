@@ -198,7 +198,8 @@ def test_a_resize_runs_barrier_resize_release(running, alice, team_a, job_spec):
     report(node, elastic.pk, "running", generation=1, step=20, devices=2)  # not spliced yet
     worker()
     assert Move.objects.get(pk=move.pk).step == Move.Step.BARRIER
-    report(node, elastic.pk, "running", generation=1, step=21, devices=1, cut={"action": "resize", "step": 21, "devices": 1})
+    report(node, elastic.pk, "running", generation=1, step=21, devices=1,
+           cut={"action": "resize", "step": 21, "devices": 1})
     worker()
 
     elastic.refresh_from_db()

@@ -40,12 +40,15 @@ def test_carol_approves_through_the_api(api_client_for, carol, request_for):
     response = api_client_for(carol).post(f"/api/preemptions/{request_for.pk}/approve/", {"note": "go"}, format="json")
 
     assert response.status_code == 200, response.content
-    assert (response.json()["state"], response.json()["decided_by"], response.json()["note"]) == ("approved", "carol", "go")
+    body = response.json()
+    assert (body["state"], body["decided_by"], body["note"]) == ("approved", "carol", "go")
     assert JobEvent.objects.filter(type=JobEvent.Type.PREEMPTION_APPROVED, actor=carol).exists()
 
 
 def test_carol_denies_and_the_job_keeps_running(api_client_for, carol, request_for, running_job):
-    response = api_client_for(carol).post(f"/api/preemptions/{request_for.pk}/deny/", {"note": "deadline"}, format="json")
+    response = api_client_for(carol).post(
+        f"/api/preemptions/{request_for.pk}/deny/", {"note": "deadline"}, format="json"
+    )
 
     assert response.json()["state"] == "denied"
     assert Job.objects.get(pk=running_job.pk).state == Job.State.RUNNING
@@ -106,7 +109,9 @@ def test_not_yet_due_requests_are_left_alone(request_for):
     assert preemption_expire_due(now=timezone.now()) == 0
 
 
-def test_the_list_shows_blast_radius_and_who_may_decide(api_client_for, carol, alice, request_for, django_assert_max_num_queries):
+def test_the_list_shows_blast_radius_and_who_may_decide(
+    api_client_for, carol, alice, request_for, django_assert_max_num_queries
+):
     with django_assert_max_num_queries(3):
         row = api_client_for(carol).get("/api/preemptions/", {"state": "pending"}).json()["results"][0]
 

@@ -1,4 +1,6 @@
-def test_teams_show_role_quota_and_usage_in_constant_queries(api_client_for, carol, submit, team_a, team_b, django_assert_max_num_queries):
+def test_teams_show_role_quota_and_usage_in_constant_queries(
+    api_client_for, carol, submit, team_a, team_b, django_assert_max_num_queries
+):
     submit(team_a, carol, world_size=4, min_devices=2)
     submit(team_b, carol, world_size=8, min_devices=8)
 

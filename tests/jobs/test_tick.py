@@ -71,9 +71,15 @@ def test_a_pending_job_is_scheduled_then_runs_when_its_agent_reports(alice, team
 @pytest.mark.django_db
 def test_waiting_jobs_get_their_reason_and_place_in_line(alice, team_a, job_spec):
     make_node("n1", devices=1)
-    first = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="a", world_size=1, min_devices=1, tier="standard"))
-    second = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b", world_size=1, min_devices=1, tier="standard"))
-    third = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="c", world_size=1, min_devices=1, tier="standard"))
+    first = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="a", world_size=1, min_devices=1, tier="standard")
+    )
+    second = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="b", world_size=1, min_devices=1, tier="standard")
+    )
+    third = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="c", world_size=1, min_devices=1, tier="standard")
+    )
 
     tick_run()
 
@@ -87,14 +93,20 @@ def test_waiting_jobs_get_their_reason_and_place_in_line(alice, team_a, job_spec
 def test_a_premium_job_preempts_a_basic_one_which_resumes_after_its_checkpoint(alice, team_a, job_spec):
     n1 = make_node("n1", devices=1)
     n2 = make_node("n2", devices=1)
-    basic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b1", world_size=1, min_devices=1, tier="basic"))
-    basic2 = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b2", world_size=1, min_devices=1, tier="basic"))
+    basic = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="b1", world_size=1, min_devices=1, tier="basic")
+    )
+    basic2 = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="b2", world_size=1, min_devices=1, tier="basic")
+    )
     tick_run()
     for job in (basic, basic2):
         job.refresh_from_db()
         node = n1 if nodes_of(job) == {"n1"} else n2
         report(node, job, "running")
-    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    premium = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium")
+    )
 
     tick_run()
 
@@ -121,12 +133,16 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_after_its_checkpoint(a
 def test_preempting_a_standard_job_below_its_sla_waits_for_approval(alice, carol, team_a, job_spec, settings):
     settings.MERIDIAN_STANDARD_SLA_FLOOR = 1.0  # any Standard job is below its floor
     n1 = make_node("n1", devices=1)
-    standard = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="s", world_size=1, min_devices=1, tier="standard"))
+    standard = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="s", world_size=1, min_devices=1, tier="standard")
+    )
     t0 = timezone.now()
     tick_run(now=t0)
     standard.refresh_from_db()
     report(n1, standard, "running")
-    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    premium = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium")
+    )
 
     for seconds in (0, 5, 10):
         accounting_run(now=t0 + timedelta(seconds=seconds))  # attained < ideal: it waited before starting
@@ -185,12 +201,16 @@ def test_a_node_that_misses_heartbeats_is_lost_and_its_job_restarts_elsewhere(al
 @pytest.mark.django_db
 def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back(alice, team_a, job_spec):
     node = make_node("n1", devices=2)
-    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
+    elastic = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic")
+    )
     t0 = timezone.now()
     tick_run(now=t0)
     elastic.refresh_from_db()
     report(node, elastic, "running", devices=2, now=t0)
-    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    premium = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium")
+    )
 
     tick_run(now=t0 + timedelta(seconds=1))
 
@@ -264,11 +284,15 @@ def test_a_one_rank_job_gets_the_deployments_spread_and_still_shrinks_an_elastic
 
     settings.MERIDIAN_JOB_MAX_SPREAD = "node"
     node = make_node("n1", devices=2)
-    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
+    elastic = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic")
+    )
     tick_run()
     elastic.refresh_from_db()
     report(node, elastic, "running", devices=2)
-    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    premium = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium")
+    )
 
     index = snapshot_build(now=timezone.now())
     tick_run()
@@ -285,12 +309,16 @@ def test_a_one_rank_job_gets_the_deployments_spread_and_still_shrinks_an_elastic
 def test_a_shrunk_job_is_not_grown_again_before_the_minimum_resize_interval(alice, team_a, job_spec, settings):
     settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 300.0
     node = make_node("n1", devices=2)
-    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic"))
+    elastic = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=2, min_devices=1, tier="basic")
+    )
     t0 = timezone.now()
     tick_run(now=t0)
     elastic.refresh_from_db()
     report(node, elastic, "running", devices=2, now=t0)
-    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    premium = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium")
+    )
     tick_run(now=t0 + timedelta(seconds=10))  # the shrink: its resize Move is created at t0 + 10 s
     report(node, elastic, "running", devices=1, now=t0 + timedelta(seconds=11))
     report(node, premium, "finished", now=t0 + timedelta(seconds=12))
@@ -337,18 +365,24 @@ def test_devices_a_preempted_job_gives_up_are_free_but_releasing_until_its_step_
                                                                                         settings):
     settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = 120.0
     node = make_node("n1", devices=2)
-    rigid = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="r", world_size=2, min_devices=2, tier="basic"))
+    rigid = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="r", world_size=2, min_devices=2, tier="basic")
+    )
     t0 = timezone.now()
     tick_run(now=t0)
     rigid.refresh_from_db()
     report(node, rigid, "running", devices=2, now=t0)
-    premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium"))
+    premium = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="p", world_size=1, min_devices=1, tier="premium")
+    )
     tick_run(now=t0 + timedelta(seconds=1))  # rigid is preempted; premium takes one of its two devices
     rigid.refresh_from_db()
     premium.refresh_from_db()
     assert rigid.state == S.PREEMPTING and premium.state == S.SCHEDULED
     deadline = Move.objects.get(job=rigid, state=Move.State.ACTIVE).step_deadline
-    later = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="b", world_size=1, min_devices=1, tier="basic"))
+    later = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="b", world_size=1, min_devices=1, tier="basic")
+    )
 
     index = snapshot_build(now=t0 + timedelta(seconds=2))
     tick_run(now=t0 + timedelta(seconds=2))
@@ -367,7 +401,9 @@ def test_devices_a_preempted_job_gives_up_are_free_but_releasing_until_its_step_
 @pytest.mark.django_db
 def test_a_shrinking_job_keeps_its_devices_hidden_and_releases_the_dropped_ones(alice, team_a, job_spec):
     node = make_node("n1", devices=4)
-    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=4, min_devices=1, tier="basic"))
+    elastic = job_submit(
+        team=team_a, submitted_by=alice, spec=job_spec(name="e", world_size=4, min_devices=1, tier="basic")
+    )
     t0 = timezone.now()
     tick_run(now=t0)
     elastic.refresh_from_db()

@@ -5,10 +5,30 @@ import pytest
 
 from protocol import ProtocolError
 from protocol.cut import DeviceMap
-from protocol.launch import (CheckpointAnswer, CheckpointSeconds, CheckpointTaken, CommandFailed, ControlFailure,
-                             Failed, Finished, LastCheckpoint, Progress, ProgressRequest, Resized, ResizeAnswer,
-                             ResizeRequest, Restored, Started, Stopped, StopRequest, control_answer_from_dict,
-                             control_request_from_dict, event_from_dict, event_line, parse_events)
+from protocol.launch import (
+    CheckpointAnswer,
+    CheckpointSeconds,
+    CheckpointTaken,
+    CommandFailed,
+    ControlFailure,
+    Failed,
+    Finished,
+    LastCheckpoint,
+    Progress,
+    ProgressRequest,
+    ResizeAnswer,
+    Resized,
+    ResizeRequest,
+    Restored,
+    Started,
+    Stopped,
+    StopRequest,
+    control_answer_from_dict,
+    control_request_from_dict,
+    event_from_dict,
+    event_line,
+    parse_events,
+)
 
 MAP = DeviceMap.from_dict({"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 1}})
 SECONDS = CheckpointSeconds(cut=0.1, dump=0.2, commit=0.3, total=0.6)

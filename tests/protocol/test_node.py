@@ -4,9 +4,22 @@ from dataclasses import dataclass
 import pytest
 
 from protocol import PROTOCOL_VERSION, Message, ProtocolError
-from protocol.node import (MAX_JOBS_PER_NODE, CheckpointReport, CutReport, DesiredJob, DesiredState, DeviceDescription,
-                           DeviceReading, Heartbeat, HeartbeatAnswer, JobReport, Registration, RegistrationAnswer,
-                           Rejection, Telemetry)
+from protocol.node import (
+    MAX_JOBS_PER_NODE,
+    CheckpointReport,
+    CutReport,
+    DesiredJob,
+    DesiredState,
+    DeviceDescription,
+    DeviceReading,
+    Heartbeat,
+    HeartbeatAnswer,
+    JobReport,
+    Registration,
+    RegistrationAnswer,
+    Rejection,
+    Telemetry,
+)
 from protocol.states import FINAL_COPY_STATES, LIVE_COPY_STATES, CopyState, CutAction, DesiredAction, JobState
 
 REPORT = JobReport(job_id=7, state=CopyState.STOPPED, generation=2, step=42, steps_per_s=3.5, devices=2,

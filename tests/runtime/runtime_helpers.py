@@ -1,4 +1,5 @@
-"""Helpers for the runtime proofs (imported by the tests as runtime_helpers): launch meridian-run jobs and compare their final states."""
+"""Helpers for the runtime proofs (imported by the tests as runtime_helpers): launch meridian-run
+jobs and compare their final states."""
 import os
 import pathlib
 import signal

@@ -6,9 +6,9 @@ import signal
 import time
 
 import pytest
+from runtime_helpers import DDP_SCRIPT, Job, kill_ranks, needs_criu, unique_id
 
 from runtime import rank as rank_module
-from runtime_helpers import DDP_SCRIPT, Job, kill_ranks, needs_criu, unique_id
 
 pytestmark = pytest.mark.runtime
 

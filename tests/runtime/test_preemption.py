@@ -5,10 +5,21 @@ import random
 import shutil
 
 import pytest
+from runtime_helpers import (
+    COUNTER_SCRIPT,
+    DDP_ARGS,
+    DDP_SCRIPT,
+    SINGLE_ARGS,
+    SINGLE_SCRIPT,
+    Job,
+    assert_same_state,
+    kill_ranks,
+    needs_criu,
+    reference_state,
+    unique_id,
+)
 
 from runtime.control import JobControlError
-from runtime_helpers import (COUNTER_SCRIPT, DDP_ARGS, DDP_SCRIPT, SINGLE_ARGS, SINGLE_SCRIPT, Job, assert_same_state,
-                      kill_ranks, needs_criu, reference_state, unique_id)
 
 pytestmark = [pytest.mark.runtime, pytest.mark.slow]
 

@@ -6,8 +6,16 @@ import os
 
 import pytest
 
-from runtime.store import (MANIFEST_NAME, CheckpointCorrupt, CheckpointError, CheckpointMissing,
-                           CheckpointStore, path_from_uri, read_manifest, sha256_file)
+from runtime.store import (
+    MANIFEST_NAME,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMissing,
+    CheckpointStore,
+    path_from_uri,
+    read_manifest,
+    sha256_file,
+)
 
 
 def _make_tree(root, files):

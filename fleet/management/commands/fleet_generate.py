@@ -38,7 +38,7 @@ class Command(BaseCommand):
                 progress=progress,
             )
         except ValidationError as error:
-            raise CommandError(" ".join(error.messages))
+            raise CommandError(" ".join(error.messages)) from error
         self.stdout.write(
             f"Generated {result.regions} regions, {result.clusters} clusters, {result.nodes} nodes, "
             f"{result.accelerators} accelerators in {result.seconds:.2f} s"

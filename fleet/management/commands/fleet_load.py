@@ -26,11 +26,11 @@ class Command(BaseCommand):
         try:
             description = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (ValueError, yaml.YAMLError) as error:
-            raise CommandError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {error}")
+            raise CommandError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {error}") from error
         try:
             result = fleet_load(description=description)
         except ValidationError as error:
-            raise CommandError(f"{path}: " + " ".join(error.messages))
+            raise CommandError(f"{path}: " + " ".join(error.messages)) from error
         self.stdout.write(
             f"Loaded {path}: created {result.regions} regions, {result.clusters} clusters, "
             f"{result.nodes} nodes, {result.accelerators} accelerators in {result.seconds:.2f} s"

@@ -27,4 +27,6 @@ class Command(BaseCommand):
                 raise CommandError(f"no such node(s): {', '.join(missing)}")
         elif not options["region"]:
             raise CommandError("name the nodes (hostnames) or a --region")
-        self.stdout.write(json.dumps({node.hostname: node_token_issue(node=node) for node in nodes.order_by("hostname")}))
+        self.stdout.write(
+            json.dumps({node.hostname: node_token_issue(node=node) for node in nodes.order_by("hostname")})
+        )

@@ -1,6 +1,5 @@
 from pathlib import Path
 
-from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from fleet.models import Region
@@ -32,5 +31,7 @@ class Command(BaseCommand):
             f"demo users and teams ready; CPU demo fleet: +{result.nodes} nodes, +{result.accelerators} devices"
         )
         if options["synthetic_fleet"] and not Region.objects.filter(name="synth-r00").exists():
-            generated = fleet_generate(regions=2, clusters=4, nodes=32, devices=8, accelerator_type="H100-80GB", prefix="synth")
+            generated = fleet_generate(
+                regions=2, clusters=4, nodes=32, devices=8, accelerator_type="H100-80GB", prefix="synth"
+            )
             self.stdout.write(f"synthetic fleet: {generated.accelerators} H100-80GB in {generated.seconds:.1f} s")

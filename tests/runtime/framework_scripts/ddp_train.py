@@ -1,7 +1,6 @@
 """An ordinary torchrun-style DDP training script (no Meridian import): gloo, a
 DistributedSampler that shuffles, random augmentation, dropout, Adam."""
 import argparse
-import os
 
 import torch
 import torch.distributed as dist

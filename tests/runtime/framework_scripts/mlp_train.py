@@ -78,7 +78,7 @@ def ema_update():
         for e, p in zip(ema.parameters(), model.parameters()):
             e.mul_(0.9).add_(p, alpha=0.1)
 
-for epoch in range(args.epochs):
+for _epoch in range(args.epochs):
     model.train()
     for x, y in loader:
         if args.ema == "before-step":
@@ -105,5 +105,6 @@ for epoch in range(args.epochs):
     with torch.no_grad():
         model(torch.ones(4, 8))
 
-torch.save({"model": model.state_dict(), "ema": ema.state_dict() if ema else None, "optimizers": [o.state_dict() for o in optimizers],
+torch.save({"model": model.state_dict(), "ema": ema.state_dict() if ema else None,
+            "optimizers": [o.state_dict() for o in optimizers],
             "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, args.out)

@@ -6,7 +6,7 @@ import torch
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(10):
+for _step in range(10):
     optimizer.zero_grad()
     model(torch.randn(8, 4)).pow(2).mean().backward()
     optimizer.step()

@@ -6,7 +6,6 @@ DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the fina
 and optimizer state to OUT_PATH.
 """
 import argparse
-import os
 import time
 
 import torch

@@ -1,5 +1,6 @@
 """A small DataLoader loop (checkpointable by the framework engine) whose ranks train on their own
-(one all-reduce of the loss per step keeps them in step, so they can agree on a cut) and log MERIDIAN_DEVICE_INDICES whenever the value they see changes, to OUT.rank<r>.indices.
+(one all-reduce of the loss per step keeps them in step, so they can agree on a cut) and log
+MERIDIAN_DEVICE_INDICES whenever the value they see changes, to OUT.rank<r>.indices.
 Usage: device_indices_log.py OUT [--epochs N] [--step-sleep S]"""
 import argparse
 import os

@@ -23,7 +23,7 @@ def main():
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
     model = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Dropout(0.1), nn.Linear(24, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    for epoch in range(args.epochs):
+    for _epoch in range(args.epochs):
         for xb, yb in loader:
             xb = xb + 0.05 * torch.randn_like(xb)  # random augmentation
             optimizer.zero_grad()
