@@ -36,7 +36,6 @@ import os
 import random
 import shutil
 import sys
-import threading
 import uuid
 import warnings
 import weakref
@@ -97,7 +96,11 @@ def installed() -> "FrameworkTracker | None":
 # --------------------------------------------------------------------------- helpers
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    # numpy's state as plain Python values (its key array as a list of ints): a checkpoint holds
+    # tensors and plain containers only, so it loads with torch.load(weights_only=True).
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state = {"python": random.getstate(),
+             "numpy": (name, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -106,7 +109,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -114,8 +118,7 @@ def _set_rng_state(state: dict) -> None:
 
 def _rng_equal(a: dict, b: dict) -> bool:
     return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"])
-            and a["numpy"][0] == b["numpy"][0] and np.array_equal(a["numpy"][1], b["numpy"][1])
-            and tuple(a["numpy"][2:]) == tuple(b["numpy"][2:]))
+            and tuple(a["numpy"]) == tuple(b["numpy"]))
 
 
 def _module_fingerprint(module: nn.Module) -> list:
@@ -689,26 +692,17 @@ class FrameworkTracker:
         entry = manifest["files"].get(STATE_FILE)
         if entry is None:
             raise UnresumableScript(f"{rank_dir / store.MANIFEST_NAME} lists no {STATE_FILE}")
-        # Hash on a second thread while torch.load parses the same file (both release the GIL).
-        failure: list = []
-
-        def check():
-            try:
-                store.verify_file(rank_dir / STATE_FILE, entry)
-            except store.CheckpointError as exc:
-                failure.append(exc)
-        checker = threading.Thread(target=check, name="framework-sha256")
-        checker.start()
+        # The digest is checked before anything is parsed, and the file is read as tensors and
+        # plain containers only (weights_only): a file that does not match its manifest, or that
+        # holds any other object, is refused without running a line of it.
         try:
-            state = torch.load(rank_dir / STATE_FILE, map_location="cpu", weights_only=False)
+            store.verify_file(rank_dir / STATE_FILE, entry)
+        except store.CheckpointError as exc:
+            raise UnresumableScript(f"cannot resume rank {self.rank}: {exc}") from None
+        try:
+            state = torch.load(rank_dir / STATE_FILE, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - every load failure is reported as UnresumableScript
-            checker.join()
-            if failure:
-                raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
             raise UnresumableScript(f"cannot read {rank_dir / STATE_FILE}: {exc}") from None
-        checker.join()
-        if failure:
-            raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
         if state.get("format") != FORMAT or state.get("step") != manifest.get("step"):
             raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
         return state

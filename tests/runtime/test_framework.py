@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import framework
+from runtime import framework, store
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "framework_scripts"
@@ -232,6 +232,35 @@ def test_a_corrupt_rank_file_is_refused_naming_the_file(tmp_path, checkpoint_at_
         framework.FrameworkTracker(rank=0, world_size=1, resume_dir=ckpt)
     # and the process path says so before the script runs
     _refused(_run(MLP, ["--out", tmp_path / "o.pt"], MERIDIAN_RESUME=ckpt), "state.pt")
+
+
+class _RunsCodeWhenUnpickled:
+    """What a node could plant: a pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_state_file_with_a_matching_manifest_is_refused_without_running_it(tmp_path, checkpoint_at_8):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_at_8, ckpt)
+    rank_dir = ckpt / "rank-0"
+    marker = tmp_path / "code-ran"
+    state = torch.load(rank_dir / "state.pt", weights_only=True)
+    state["payload"] = _RunsCodeWhenUnpickled(marker)
+    torch.save(state, rank_dir / "state.pt")
+    fields = json.loads((rank_dir / "MANIFEST.json").read_text())
+    digest, size = store.sha256_file(rank_dir / "state.pt")
+    files = {"state.pt": {"size": size, "sha256": digest}}
+    store.write_manifest(rank_dir, files, **{k: v for k, v in fields.items()
+                                            if k not in ("format", "bytes", "files", "files_sha256")})
+
+    with pytest.raises(framework.UnresumableScript, match="cannot read .*state.pt"):
+        framework.FrameworkTracker(rank=0, world_size=1, resume_dir=ckpt)
+    assert not marker.exists()
 
 
 def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path, checkpoint_at_8):
