@@ -70,11 +70,6 @@ def read_launch_events(job_dir) -> list[LaunchEvent]:
     return parse_events(text)
 
 
-def read_events(job_dir) -> list[dict]:
-    """Returns the same events as read_launch_events, as their wire dicts (for callers that index them)."""
-    return [event.to_dict() for event in read_launch_events(job_dir)]
-
-
 def read_progress(job_dir) -> Progress | None:
     """Returns the launcher's progress.json of `job_dir`, or None when there is none yet (or it is
     not a Progress: a launcher of another kind)."""
@@ -237,39 +232,43 @@ class LocalJob:
         self.reported_final = False
         self.reported_state: CopyState | None = None
 
+    def _events(self, events: list[LaunchEvent] | None) -> list[LaunchEvent]:
+        """Returns `events` when the caller read them already, else this copy's events.jsonl."""
+        return read_launch_events(self.job_dir) if events is None else events
+
     def alive(self):
         if self.popen is not None:
             return self.popen.poll() is None
         return pid_alive(self.pid)
 
-    def outcome(self):
+    def outcome(self, events: list[LaunchEvent] | None = None):
         """Returns None while running, else "finished" / "stopped" / "failed"."""
         if self.alive():
             return None
-        for event in reversed(read_launch_events(self.job_dir)):
+        for event in reversed(self._events(events)):
             if event.event in TERMINAL_EVENTS:
                 return TERMINAL_EVENTS[event.event]
         return "failed"
 
-    def last_checkpoint(self) -> CheckpointReport | None:
+    def last_checkpoint(self, events: list[LaunchEvent] | None = None) -> CheckpointReport | None:
         """Returns the newest checkpoint the launcher wrote (its checkpoint events), or None."""
-        for event in reversed(read_launch_events(self.job_dir)):
+        for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken) and event.checkpoint:
                 return CheckpointReport(step=event.step, uri=event.checkpoint, bytes=event.bytes,
                                         engine=event.engine or "framework")
         return None
 
-    def last_cut(self) -> CutReport | None:
+    def last_cut(self, events: list[LaunchEvent] | None = None) -> CutReport | None:
         """Returns the newest consistent cut the launcher took (its checkpoint and resize events), or None."""
-        for event in reversed(read_launch_events(self.job_dir)):
+        for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken):
                 return CutReport(action=CutAction(event.action), step=event.step)
             if isinstance(event, Resized):
                 return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
 
-    def restored_step(self):
-        for event in read_launch_events(self.job_dir):
+    def restored_step(self, events: list[LaunchEvent] | None = None):
+        for event in self._events(events):
             if isinstance(event, Restored):
                 return event.step
         return None
@@ -277,7 +276,8 @@ class LocalJob:
     def observed(self) -> JobReport:
         """Returns the report on this copy: its state, progress, newest checkpoint and cut."""
         progress = read_progress(self.job_dir)
-        outcome = self.outcome()
+        events = read_launch_events(self.job_dir)  # once per report: every part below reads them
+        outcome = self.outcome(events)
         state = CopyState(outcome) if outcome else (
             CopyState.RUNNING if progress is not None and progress.state == LaunchState.RUNNING else CopyState.STARTING)
         failed = state == CopyState.FAILED
@@ -286,12 +286,13 @@ class LocalJob:
             step=progress.step if progress else None, steps_per_s=progress.steps_per_s if progress else None,
             devices=(progress.devices if progress else None) or self.devices,
             engine=progress.engine if progress else None,
-            checkpoint=self.last_checkpoint(), cut=self.last_cut(), restored_step=self.restored_step(),
-            error=(self.error or self.failure_text())[:MAX_ERROR] if failed else None,
+            checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
+            restored_step=self.restored_step(events),
+            error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
 
-    def failure_text(self):
-        for event in reversed(read_launch_events(self.job_dir)):
+    def failure_text(self, events: list[LaunchEvent] | None = None):
+        for event in reversed(self._events(events)):
             if isinstance(event, Failed):
                 return event.error[:2000]
         try:

@@ -82,10 +82,10 @@ def node_desired_state_build(*, node) -> DesiredState:
     """
     rows = (
         Replica.objects.filter(device__node_id=node.pk, job__state__in=DESIRED_STATES)
-        .values_list("job_id", "device_id", "device__index")
+        .values_list("job_id", "device__index")
     )
-    devices = defaultdict(set)
-    for job_id, _device_id, index in rows:
+    devices = defaultdict(set)  # job id -> the node-local indices of the devices it holds here
+    for job_id, index in rows:
         devices[job_id].add(index)
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(

@@ -12,7 +12,7 @@ import pytest
 from polling import poll
 
 from agent.main import Agent
-from agent.node import NodeReconciler, pid_alive, prune_older_generations, read_events, seed_store
+from agent.node import NodeReconciler, pid_alive, prune_older_generations, read_launch_events, seed_store
 from runtime.store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def test_a_fenced_copy_is_killed_without_a_checkpoint_and_forgotten():
 
             assert not pid_alive(copy.pid) and 9 not in node.jobs and node.observed() == []
             assert (copy.job_dir / "fenced").read_text() == "generation 4 runs elsewhere"
-            assert not [e for e in read_events(copy.job_dir) if e.get("event") in ("checkpoint", "stopped")]
+            assert not [e for e in read_launch_events(copy.job_dir) if e.event in ("checkpoint", "stopped")]
             assert not list(store.glob("ckpt-*"))
         finally:
             node.kill_all()
