@@ -36,6 +36,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import uuid
 import warnings
 import weakref
@@ -692,17 +693,29 @@ class FrameworkTracker:
         entry = manifest["files"].get(STATE_FILE)
         if entry is None:
             raise UnresumableScript(f"{rank_dir / store.MANIFEST_NAME} lists no {STATE_FILE}")
-        # The digest is checked before anything is parsed, and the file is read as tensors and
-        # plain containers only (weights_only): a file that does not match its manifest, or that
-        # holds any other object, is refused without running a line of it.
-        try:
-            store.verify_file(rank_dir / STATE_FILE, entry)
-        except store.CheckpointError as exc:
-            raise UnresumableScript(f"cannot resume rank {self.rank}: {exc}") from None
+        # torch.load(weights_only=True) builds tensors and plain containers only: a planted file
+        # cannot run code while it is parsed. So the sha256 runs on a second thread while the same
+        # file is parsed (both release the GIL; hashing first would double a restore's time), and
+        # nothing loaded is used before the digest matched the manifest.
+        failure: list = []
+
+        def check():
+            try:
+                store.verify_file(rank_dir / STATE_FILE, entry)
+            except store.CheckpointError as exc:
+                failure.append(exc)
+        checker = threading.Thread(target=check, name="framework-sha256")
+        checker.start()
         try:
             state = torch.load(rank_dir / STATE_FILE, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - every load failure is reported as UnresumableScript
+            checker.join()
+            if failure:
+                raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
             raise UnresumableScript(f"cannot read {rank_dir / STATE_FILE}: {exc}") from None
+        checker.join()
+        if failure:
+            raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
         if state.get("format") != FORMAT or state.get("step") != manifest.get("step"):
             raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
         return state
