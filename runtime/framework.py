@@ -101,7 +101,7 @@ def _rng_state() -> dict:
     # tensors and plain containers only, so it loads with torch.load(weights_only=True).
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state = {"python": random.getstate(),
-             "numpy": (name, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)),
+             "numpy": (str(name), np.asarray(keys).tolist(), int(position), int(has_gauss), float(cached_gaussian)),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
