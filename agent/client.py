@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import requests
 
 from protocol import Message, ProtocolError
+from protocol.logs import LogBatch, LogBatchAnswer
 from protocol.node import (
     DesiredState,
     Heartbeat,
@@ -57,14 +58,15 @@ class ControlPlaneClient:
         self.backoff_cap_s = backoff_cap_s
         self.session = session or requests.Session()
 
-    def _request(self, method, path, *, json=None, auth=None, retries=None):
+    def _request(self, method, path, *, json=None, auth=None, retries=None, timeout_s=None):
         url = f"{self.url}/api/agent/{path}"
         headers = {"Authorization": auth or f"Node {self.token}"}
         retries = self.retries if retries is None else retries
         last = None
         for attempt in range(retries + 1):
             try:
-                response = self.session.request(method, url, json=json, headers=headers, timeout=self.timeout_s)
+                response = self.session.request(method, url, json=json, headers=headers,
+                                                timeout=timeout_s or self.timeout_s)
             except requests.RequestException as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -99,6 +101,12 @@ class ControlPlaneClient:
         heartbeat = Heartbeat(telemetry=telemetry, jobs=tuple(jobs))
         return _decoded(HeartbeatAnswer, self._request("POST", "heartbeat/", json=heartbeat.to_dict(),
                                                        retries=retries), "heartbeat/")
+
+    def logs(self, batch: LogBatch, *, timeout_s: float = 10.0) -> LogBatchAnswer:
+        """Sends one batch of rank output (agent/logs.py), once: the shipper backs off itself and
+        keeps the backlog on disk, so a slow control plane costs it no retry loop here."""
+        return _decoded(LogBatchAnswer, self._request("POST", "logs/", json=batch.to_dict(), retries=0,
+                                                      timeout_s=timeout_s), "logs/")
 
     def desired(self) -> DesiredState:
         return _decoded(DesiredState, self._request("GET", "desired/"), "desired/")

@@ -74,6 +74,9 @@ def parse_args(argv):
                    help="remove the job directories (logs, events) of attempts that ended this long ago")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
+    p.add_argument("--log-backlog-bytes", type=int, default=64 * 1024 * 1024,
+                   help="rank output kept for the control plane per rank while it cannot be reached; "
+                        "older unsent output beyond it is dropped, and the drop reported (agent/logs.py)")
     p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
     options = p.parse_args(argv)
     if not options.control_plane:
@@ -166,6 +169,15 @@ class Agent:
         self.desired_jobs = answer.desired.jobs
         self.reconciler.reconcile(self.desired_jobs)
 
+    def start_log_shipper(self):
+        """Streams the ranks' output to the control plane in a thread of its own, through a client
+        of its own (a slow log post never delays a heartbeat)."""
+        from agent.logs import LogShipper
+
+        client = ControlPlaneClient(self.options.control_plane, token=self.client.token)
+        LogShipper(self.reconciler.jobs_dir, client, backlog_limit=self.options.log_backlog_bytes,
+                   token_source=lambda: self.client.token).start(self.stop_event)
+
     def self_fence_due(self, now=None):
         """True when this node has not heartbeated for longer than the lost-node threshold: the
         control plane has marked it lost and restarts its jobs elsewhere."""
@@ -185,6 +197,7 @@ class Agent:
     def run(self):
         self.start()
         threading.Thread(target=self.watch_fence, daemon=True, name="self-fence").start()
+        self.start_log_shipper()
         failures = 0
         collected_at = None
         while not self.stop_event.is_set():

@@ -381,3 +381,37 @@ class ControlLoopLease(models.Model):
 
     def __str__(self):
         return f"{self.name} held by {self.holder or 'nobody'}"
+
+
+class LogChunk(models.Model):
+    """A piece of a job's log: rank output an agent shipped (jobs/logs.py), a marker the control
+    plane wrote at a preemption, move, resize or failure, or a note that output was dropped.
+    One log per job across all its attempts, in `id` order (the API's cursor)."""
+
+    class Kind(models.TextChoices):
+        OUTPUT = "output", "Rank output"
+        MARKER = "marker", "Marker"
+        DROPPED = "dropped", "Output dropped"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_chunks")
+    kind = models.CharField(max_length=8, choices=Kind.choices, default=Kind.OUTPUT)
+    node = models.ForeignKey("fleet.Node", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    attempt = models.PositiveIntegerField(default=0)  # the agent's attempt number on that node
+    rank = models.PositiveIntegerField(null=True, blank=True)  # None: a marker of every rank
+    stream = models.CharField(max_length=8, blank=True)
+    offset = models.PositiveBigIntegerField(default=0)  # byte offset in that copy's rank log
+    length = models.PositiveIntegerField(default=0)  # bytes of the rank log
+    text = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["job", "rank", "id"], name="logchunk_job_rank_id"),
+                   models.Index(fields=["created_at"], name="logchunk_created")]
+        constraints = [models.UniqueConstraint(
+            fields=["job", "node", "generation", "attempt", "rank", "stream", "offset"],
+            condition=models.Q(kind="output"), name="logchunk_output_unique")]
+
+    def __str__(self):
+        return f"{self.job_id} log #{self.pk} ({self.kind})"

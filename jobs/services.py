@@ -29,6 +29,7 @@ from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from fleet.models import Node
 from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+from jobs.logs import log_marker_for_transition
 from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
 
@@ -238,6 +239,7 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
             from_state=from_state,
             to_state=to,
         )
+        log_marker_for_transition(job=job, from_state=from_state, to_state=to, reason=reason, now=now)
         job_publish_updated(job=job, fleet=releases_devices or to == S.SCHEDULED)
     return job
 

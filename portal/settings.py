@@ -236,6 +236,10 @@ MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = _env_float("MERIDIAN_WORKFLOW_TIMEOUT_SECOND
 MERIDIAN_MOVE_POLL_SECONDS = _env_float("MERIDIAN_MOVE_POLL_SECONDS", 1.0, minimum=0.0)
 # The shared checkpoint store every node and the control plane see.
 MERIDIAN_CHECKPOINT_STORE = os.environ.get("MERIDIAN_CHECKPOINT_STORE") or str(DATA_DIR / "checkpoints")
+# Live logs (jobs/logs.py): chunks older than this are pruned (on write, at most once a minute);
+# a job keeps at most this many chunks (the oldest output goes first).
+MERIDIAN_LOG_RETENTION_DAYS = _env_float("MERIDIAN_LOG_RETENTION_DAYS", 30.0, minimum=0.0)
+MERIDIAN_LOG_MAX_CHUNKS_PER_JOB = _env_int("MERIDIAN_LOG_MAX_CHUNKS_PER_JOB", 20000, minimum=1)
 # Agents' heartbeat period, told to them at registration.
 MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS", 5.0, minimum=0.0)
 # The bootstrap token agents present to register; empty disables registration.

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from protocol.cut import CutRequest, ResumeFile
-from runtime import criu
+from runtime import criu, rank_logs
 from runtime import spool as spool_files
 from runtime.exits import EXIT_USAGE, LaunchError
 
@@ -212,6 +212,7 @@ class CriuEngine(Engine):
         for rank in range(launcher.world_size):
             shutil.copyfile(local / "logs" / f"rank{rank}.log",
                             spool_files.rank_dir(launcher.spool, rank) / "out.log")
+        rank_logs.link(launcher)  # before any restored rank writes: this attempt starts at the restored size
         for rank in range(launcher.world_size):
             pid = criu.restore(local / f"rank{rank}", work_dir=launcher.job_dir / "restore")
             launcher.ranks.append(RankProcess(rank, pid))

@@ -14,7 +14,10 @@ Job directory (node-local):
                      protocol.launch.Progress
     events.jsonl     one JSON object per event: started, restored, checkpoint, resize, stopped,
                      finished, failed (each names the engine): protocol.launch's LaunchEvents
-    logs/rank<r>.log copies of the ranks' output, made when the launcher exits
+    logs/rank<r>.log the ranks' output for the job's life: a hard link to the spool's
+                     rank<r>/out.log (a copy made at exit where the two are on different filesystems)
+    logs.json        where each rank's log is and where this attempt's output starts in it
+                     (protocol.logs.RankLogs; the agent tails them: runtime/rank_logs.py)
 Checkpoints go to --store (default <job-dir>/checkpoints): one folder per checkpoint with a
 MANIFEST.json that names the engine and the step (runtime/store.py).
 
@@ -60,6 +63,7 @@ from protocol.launch import (
 from protocol.states import LaunchState
 from runtime import control, engines, splice
 from runtime import rank as rank_liveness
+from runtime import rank_logs
 from runtime import spool as spool_files
 from runtime.engines import RankProcess, choose_engine
 from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError
@@ -207,6 +211,7 @@ class Launcher:
         spool_files.write_json_atomic(self.spool / "devices.json", self.device_map.to_dict())
 
     def spawn_ranks(self, resume_dir=None):
+        rank_logs.link(self)
         for rank in range(self.world_size):
             command = [sys.executable, "-m", "runtime.rank", "--spool", str(self.spool),
                        self.script] + list(self.options.args)
@@ -497,12 +502,7 @@ class Launcher:
     def finish(self):
         if any(r.poll() is None for r in self.ranks):
             self.kill_all()
-        logs = self.job_dir / "logs"
-        logs.mkdir(exist_ok=True)
-        for rank in range(self.world_size):
-            source = spool_files.rank_dir(self.spool, rank) / "out.log"
-            if source.exists():
-                shutil.copyfile(source, logs / f"rank{rank}.log")
+        rank_logs.keep(self)
         self.write_progress()
         if self._spool_lock is not None:
             # Ours, and nothing in it is needed any more (the ranks are gone, their logs copied,

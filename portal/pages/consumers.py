@@ -97,6 +97,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         elif GROUP_FLEET in self.groups_joined:
             await self.send_json({"type": "fleet.changed"})
 
+    async def jobs_log_appended(self, event):
+        # Only the cursor: the page fetches the text through the API (the job's visibility rule).
+        if event.get("team_id") in self.team_ids:
+            await self.send_json({"type": "jobs.log_appended", "job_id": event.get("job_id"), "seq": event.get("seq")})
+
     async def jobs_preemption_updated(self, event):
         preemption = event.get("preemption") or {}
         team_id = await _job_team(preemption.get("job_id"))

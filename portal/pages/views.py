@@ -31,6 +31,7 @@ from jobs.selectors import (
 )
 from jobs.services import IllegalTransition, job_cancel, job_submit, preemption_approve, preemption_deny
 from portal.pages.forms import JobSubmitForm, PreemptionDecisionForm
+from portal.pages.logs import job_log_context
 from portal.pages.selectors import (
     fleet_page_data,
     job_place_in_line,
@@ -158,7 +159,8 @@ def job_detail_page(request, job_id):
     return render(
         request,
         "pages/job_detail.html",
-        {**_nav_context(request), "page": "jobs", "job": job, "events": events[-JOB_EVENTS_SHOWN:], "data": data},
+        {**_nav_context(request), "page": "jobs", "job": job, "events": events[-JOB_EVENTS_SHOWN:], "data": data,
+         **job_log_context(job)},
     )
 
 

@@ -55,5 +55,6 @@
   });
   MeridianLive.start(["job." + jobId], function (message) {
     if (message.type === "subscribed" || message.type === "jobs.job_updated" || message.type === "jobs.preemption_updated") { refresh(); }
+    if (window.MeridianJobLogs) { window.MeridianJobLogs.onMessage(message); }
   });
 })();

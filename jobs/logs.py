@@ -1,0 +1,214 @@
+"""Live logs: storing what agents ship, the markers the control plane writes, and reading them back.
+
+One log per job across every attempt (LogChunk rows in `id` order, which is the API's cursor):
+rank output (kind "output", per rank), notes that output was dropped ("dropped", per rank), and
+markers ("marker", every rank) written where the job is preempted, moved, resized, restarted
+after a lost node, failed or cancelled: `log_marker_for_transition` is called by
+jobs.services.job_transition, the one state machine, inside its transaction.
+
+Fencing (the rule of jobs.workflows.node_report_record, applied to logs): a node may ship the
+output of a copy of a job when that copy is the job's current one (its placement generation is
+the job's) and the job is placed on that node, or was when this copy's output was first
+accepted from it (the tail of a copy that just stopped, finished or failed arrives after the
+control plane released its devices); or when an active move takes that copy (the move's
+from_generation) off this node. Anything else is refused with "fence": the agent stops shipping
+that copy. A chunk sent twice (same copy, rank, stream and offset) is stored once.
+
+Retention: chunks older than MERIDIAN_LOG_RETENTION_DAYS are pruned on write (at most once a
+minute per process); a job keeps its newest MERIDIAN_LOG_MAX_CHUNKS_PER_JOB chunks.
+"""
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from fleet.live import events_publish, group_for_job
+from jobs.models import Job, LogChunk, Move, Replica
+from protocol.logs import LogBatch, LogBatchAnswer, LogRejection
+
+S = Job.State
+LIVE_TYPE = "jobs.log_appended"
+PRUNE_EVERY_S = 60.0
+DEFAULT_PAGE = 200
+MAX_PAGE = 1000
+_last_prune = [0.0]
+
+# Transitions that get a marker in the log, and what it says (the reason follows).
+MARKERS = {
+    S.PREEMPTING: "preempting: checkpoint at a consistent cut, then stop",
+    S.PREEMPTED: "preempted: waiting for devices; it resumes from its last checkpoint",
+    S.MIGRATING: "moving to other devices",
+    S.RESIZING: "resizing",
+    S.FAILED: "failed",
+    S.CANCELLED: "cancelled",
+}
+
+
+def _marker_text(text: str) -> str:
+    return f"──── meridian: {text} ────\n"
+
+
+def log_marker_add(*, job, text, now=None) -> LogChunk:
+    """Returns a new marker chunk in `job`'s log (every rank sees it); pushed on commit."""
+    chunk = LogChunk.objects.create(job_id=job.pk, kind=LogChunk.Kind.MARKER, generation=job.generation,
+                                    text=_marker_text(text)[:2000], created_at=now or timezone.now())
+    _publish(job_id=job.pk, team_id=job.team_id, seq=chunk.pk)
+    return chunk
+
+
+def log_marker_for_transition(*, job, from_state, to_state, reason="", now=None) -> LogChunk | None:
+    """Writes the marker of a state change that interrupts or ends the job's run (MARKERS), and a
+    "resumed" one when a job that was preempted, moved or resized runs again; returns it or None.
+    Called by job_transition inside its transaction."""
+    to_state, from_state = S(to_state), S(from_state)
+    if to_state in MARKERS:
+        text = MARKERS[to_state]
+    elif to_state == S.RUNNING and from_state in (S.RESIZING, S.MIGRATING):
+        text = f"running again after {'the resize' if from_state == S.RESIZING else 'the move'}"
+    elif to_state == S.RUNNING and from_state == S.SCHEDULED and (job.preemption_count or job.migration_count):
+        text = "resumed from its last checkpoint"
+    else:
+        return None
+    if reason:
+        text = f"{text} ({reason})"
+    return log_marker_add(job=job, text=text, now=now)
+
+
+def _publish(*, job_id, team_id, seq):
+    events_publish(groups=[group_for_job(job_id)], type=LIVE_TYPE,
+                   payload={"job_id": job_id, "team_id": team_id, "seq": seq})
+
+
+# --- what agents ship ------------------------------------------------------------------------
+
+
+def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[int, LogRejection]:
+    """Returns, by job id, why this node may not ship the batch's chunks of that job."""
+    ids = list(jobs)
+    placed = set(Replica.objects.filter(device__node_id=node.pk, job_id__in=ids).values_list("job_id", flat=True))
+    leaving = {m.job_id: m.from_generation for m in Move.objects.filter(
+        job_id__in=ids, state=Move.State.ACTIVE, from_node_id=node.pk)}
+    held = set(LogChunk.objects.filter(job_id__in=ids, node_id=node.pk, kind=LogChunk.Kind.OUTPUT)
+               .values_list("job_id", "generation").distinct())
+    refused: dict[int, LogRejection] = {}
+    for chunk in batch.chunks:
+        job = jobs.get(chunk.job_id)
+        if chunk.job_id in refused:
+            continue
+        if job is None:
+            refused[chunk.job_id] = LogRejection(job_id=chunk.job_id, fence=True, error="no such job")
+            continue
+        generation = job.generation if chunk.generation is None else chunk.generation
+        if leaving.get(job.pk) == generation:
+            continue  # the copy a move takes off this node
+        if generation != job.generation:
+            refused[job.pk] = LogRejection(job_id=job.pk, fence=True, error=(
+                f"stale copy: generation {generation}, the job now runs as generation {job.generation}"))
+        elif job.pk not in placed and (job.pk, generation) not in held:
+            refused[job.pk] = LogRejection(job_id=job.pk, fence=True, error="this job is not placed on your node")
+        elif chunk.rank >= job.world_size:
+            refused[job.pk] = LogRejection(job_id=job.pk, error=(
+                f"rank {chunk.rank} is out of range: the job has {job.world_size} rank(s)"))
+    return refused
+
+
+def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
+    """Stores the chunks of `batch` that `node` may ship (see the module docstring); returns how
+    many were stored, how many were already there, and the refusals by job."""
+    now = now or timezone.now()
+    if not batch.chunks:
+        return LogBatchAnswer(stored=0)
+    with transaction.atomic():
+        jobs = Job.objects.only("id", "team_id", "generation", "world_size").in_bulk(
+            {c.job_id for c in batch.chunks})
+        refused = _refusals(node=node, batch=batch, jobs=jobs)
+        wanted = [c for c in batch.chunks if c.job_id not in refused]
+        have = set(LogChunk.objects.filter(
+            job_id__in={c.job_id for c in wanted}, node_id=node.pk, kind=LogChunk.Kind.OUTPUT,
+            offset__in={c.offset for c in wanted}).values_list("job_id", "generation", "attempt", "rank", "stream",
+                                                              "offset")) if wanted else set()
+        rows, duplicates = [], 0
+        for chunk in wanted:
+            generation = jobs[chunk.job_id].generation if chunk.generation is None else chunk.generation
+            key = (chunk.job_id, generation, chunk.attempt, chunk.rank, chunk.stream, chunk.offset)
+            if key in have:
+                duplicates += 1
+                continue
+            have.add(key)
+            common = {"job_id": chunk.job_id, "node_id": node.pk, "generation": generation,
+                      "attempt": chunk.attempt, "rank": chunk.rank, "stream": chunk.stream, "created_at": now}
+            if chunk.dropped:
+                rows.append(LogChunk(kind=LogChunk.Kind.DROPPED, offset=chunk.offset, **common, text=(
+                    f"[meridian: {chunk.dropped} bytes of rank {chunk.rank}'s output were dropped: the agent on "
+                    f"{node.hostname} could not reach the control plane and keeps a bounded backlog]\n")))
+            rows.append(LogChunk(kind=LogChunk.Kind.OUTPUT, offset=chunk.offset, length=chunk.length,
+                                 text=chunk.text, **common))
+        created = LogChunk.objects.bulk_create(rows, ignore_conflicts=False) if rows else []
+        stored = sum(1 for row in created if row.kind == LogChunk.Kind.OUTPUT)
+        for job_id in {row.job_id for row in created}:
+            last = max(row.pk for row in created if row.job_id == job_id)
+            _publish(job_id=job_id, team_id=jobs[job_id].team_id, seq=last)
+            _prune_job(job_id)
+    log_chunks_prune(now=now)
+    return LogBatchAnswer(stored=stored, duplicates=duplicates, rejected=tuple(refused.values()))
+
+
+def _prune_job(job_id) -> int:
+    """Deletes the oldest chunks of a job beyond MERIDIAN_LOG_MAX_CHUNKS_PER_JOB; returns how many."""
+    cap = settings.MERIDIAN_LOG_MAX_CHUNKS_PER_JOB
+    chunks = LogChunk.objects.filter(job_id=job_id)
+    if chunks.count() <= cap:
+        return 0
+    cutoff = chunks.order_by("-id").values_list("id", flat=True)[cap]
+    return chunks.filter(id__lte=cutoff).delete()[0]
+
+
+def log_chunks_prune(*, now=None, force=False) -> int:
+    """Deletes chunks older than MERIDIAN_LOG_RETENTION_DAYS (at most once a minute per process
+    unless `force`); returns how many."""
+    if not force and time.monotonic() - _last_prune[0] < PRUNE_EVERY_S:
+        return 0
+    _last_prune[0] = time.monotonic()
+    cutoff = (now or timezone.now()) - timedelta(days=settings.MERIDIAN_LOG_RETENTION_DAYS)
+    return LogChunk.objects.filter(created_at__lt=cutoff).delete()[0]
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def log_chunks_list(*, job, rank=None, after=0, limit=DEFAULT_PAGE, tail=False):
+    """Returns `job`'s chunks after cursor `after` (oldest first, at most `limit`): one rank's
+    (with the markers) or every rank's. With `tail`, the newest `limit` instead (oldest first)."""
+    chunks = LogChunk.objects.filter(job_id=job.pk, id__gt=after)
+    if rank is not None:
+        chunks = chunks.filter(Q(rank=rank) | Q(rank__isnull=True))
+    fields = ("id", "kind", "rank", "stream", "generation", "attempt", "text", "created_at")
+    if tail:
+        return list(reversed(chunks.order_by("-id").only(*fields)[:limit]))
+    return list(chunks.order_by("id").only(*fields)[:limit])
+
+
+FAILED_RANK = re.compile(r"rank (\d+) exited with code")
+
+
+def log_failing_rank(*, job) -> int | None:
+    """Returns the rank whose exit failed the job, as the launcher said in the failure reason
+    ("rank 3 exited with code 1"), else the rank with the newest output, else None."""
+    match = FAILED_RANK.search(job.failure_reason or "")
+    if match and int(match.group(1)) < job.world_size:
+        return int(match.group(1))
+    newest = (LogChunk.objects.filter(job_id=job.pk, kind=LogChunk.Kind.OUTPUT)
+              .order_by("-id").values_list("rank", flat=True).first())
+    return newest
+
+
+def log_tail_text(*, job, rank, lines=40, chunks=50) -> str:
+    """Returns the last `lines` lines of `rank`'s log of `job` (markers included), or ""."""
+    text = "".join(c.text for c in log_chunks_list(job=job, rank=rank, limit=chunks, tail=True))
+    return "".join(text.splitlines(keepends=True)[-lines:])

@@ -1,0 +1,195 @@
+"""The log APIs: agents ship rank output (fenced like reports), members read it with a cursor."""
+import pytest
+from rest_framework.test import APIClient
+
+from jobs.logs import log_chunks_prune, log_failing_rank, log_tail_text
+from jobs.models import Job, LogChunk
+from jobs.services import job_submit, job_transition
+from jobs.tick import tick_run
+
+ENROLL = "enroll-secret"
+
+
+@pytest.fixture(autouse=True)
+def enrollment(settings):
+    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ENROLL
+    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
+
+
+def register(hostname):
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Enroll {ENROLL}")
+    return client.post("/api/agent/register/", {"hostname": hostname, "region": "eu", "cluster": "c1",
+                                                "devices": [{"type": "CPU"}, {"type": "CPU"}]}, format="json").json()
+
+
+def as_node(token):
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    return client
+
+
+def chunk(job, *, rank=0, offset=0, text="hello\n", generation=None, attempt=1, dropped=0):
+    return {"job_id": job.pk, "generation": job.generation if generation is None else generation,
+            "attempt": attempt, "rank": rank, "offset": offset, "length": len(text.encode()), "text": text,
+            "dropped": dropped}
+
+
+def post(node, *chunks):
+    return as_node(node["token"]).post("/api/agent/logs/", {"chunks": list(chunks)}, format="json")
+
+
+@pytest.fixture
+def placed(alice, team_a, job_spec):
+    """A 2-rank job placed by the tick on one of two nodes: (job, owner, intruder)."""
+    first, second = register("n1"), register("n2")
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=2, min_devices=2, tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    node_id = job.replicas.first().device.node_id
+    owner, intruder = (first, second) if node_id == first["node_id"] else (second, first)
+    return job, owner, intruder
+
+
+@pytest.mark.django_db
+def test_the_node_running_a_job_ships_its_output_and_a_member_reads_it_with_a_cursor(placed, alice, api_client_for):
+    job, owner, _ = placed
+    answer = post(owner, chunk(job, text="step 1\n"), chunk(job, rank=1, text="rank one\n"),
+                  chunk(job, offset=7, text="step 2\n"))
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["stored"] == 3 and answer.json()["rejected"] == []
+
+    client = api_client_for(alice)
+    body = client.get(f"/api/jobs/{job.pk}/logs/?rank=0").json()
+    assert [c["text"] for c in body["chunks"]] == ["step 1\n", "step 2\n"]
+    assert {c["rank"] for c in body["chunks"]} == {0}
+    post(owner, chunk(job, offset=14, text="step 3\n"))
+    more = client.get(f"/api/jobs/{job.pk}/logs/?rank=0&after={body['next']}").json()
+    assert [c["text"] for c in more["chunks"]] == ["step 3\n"]
+    assert client.get(f"/api/jobs/{job.pk}/logs/?rank=1").json()["chunks"][0]["text"] == "rank one\n"
+
+
+@pytest.mark.django_db
+def test_a_chunk_sent_twice_is_stored_once(placed):
+    job, owner, _ = placed
+    post(owner, chunk(job, text="once\n"))
+    again = post(owner, chunk(job, text="once\n")).json()
+    assert again["stored"] == 0 and again["duplicates"] == 1
+    assert LogChunk.objects.filter(job=job, kind="output").count() == 1
+
+
+@pytest.mark.django_db
+def test_another_node_cannot_post_logs_for_a_job_it_does_not_hold(placed):
+    job, owner, intruder = placed
+    answer = post(intruder, chunk(job, text="forged\n")).json()
+    assert answer["stored"] == 0 and answer["rejected"][0]["fence"] is True
+    assert "not placed on your node" in answer["rejected"][0]["error"]
+    assert not LogChunk.objects.filter(job=job).exists()
+
+
+@pytest.mark.django_db
+def test_a_stale_generation_is_refused_with_fence(placed):
+    job, owner, _ = placed
+    answer = post(owner, chunk(job, generation=job.generation - 1)).json()
+    assert answer["rejected"][0]["fence"] is True and "stale copy" in answer["rejected"][0]["error"]
+
+
+@pytest.mark.django_db
+def test_the_tail_of_a_copy_that_stopped_is_taken_after_its_devices_were_released(placed):
+    job, owner, intruder = placed
+    post(owner, chunk(job, text="training\n"))
+    job = job_transition(job=job, to=Job.State.CANCELLED, reason="by a test")  # releases the devices
+    assert post(owner, chunk(job, offset=9, text="last words\n")).json()["stored"] == 1
+    assert post(intruder, chunk(job, offset=20, text="forged\n")).json()["rejected"][0]["fence"] is True
+
+
+@pytest.mark.django_db
+def test_a_rank_out_of_range_is_refused_naming_it(placed):
+    job, owner, _ = placed
+    answer = post(owner, chunk(job, rank=5)).json()
+    assert "rank 5 is out of range" in answer["rejected"][0]["error"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body, field", [
+    ({"chunks": [{"job_id": 1, "generation": 1, "attempt": 1, "rank": 0, "offset": 0, "length": 1,
+                  "text": "x" * 16385}]}, "chunks.0.text"),
+    ({"chunks": [{"job_id": 1, "generation": 1, "attempt": 0, "rank": 0, "offset": 0, "length": 1,
+                  "text": "x"}]}, "chunks.0.attempt"),
+    ({"chunks": [{"job_id": 1, "generation": 1, "attempt": 1, "rank": 0, "offset": -1, "length": 1,
+                  "text": "x"}]}, "chunks.0.offset"),
+    ({"chunks": [{"job_id": 1, "generation": 1, "attempt": 1, "rank": 0, "offset": 0, "length": 1, "text": "x"}] * 65},
+     "chunks"),
+], ids=["text too long", "attempt 0", "negative offset", "too many chunks"])
+def test_a_malformed_batch_is_a_400_naming_the_field(placed, body, field):
+    _, owner, _ = placed
+    response = as_node(owner["token"]).post("/api/agent/logs/", body, format="json")
+    assert response.status_code == 400 and field in response.json(), response.content
+
+
+@pytest.mark.django_db
+def test_logs_without_a_node_token_are_a_401():
+    assert APIClient().post("/api/agent/logs/", {"chunks": []}, format="json").status_code in (401, 403)
+    assert as_node("nope").post("/api/agent/logs/", {"chunks": []}, format="json").status_code == 401
+
+
+@pytest.mark.django_db
+def test_another_team_cannot_read_the_log_and_bad_parameters_are_400s(placed, charlie, alice, api_client_for):
+    job, owner, _ = placed
+    post(owner, chunk(job, text="secret\n"))
+    assert api_client_for(charlie).get(f"/api/jobs/{job.pk}/logs/").status_code == 404
+    client = api_client_for(alice)
+    for query, field in [("rank=2", "rank"), ("rank=x", "rank"), ("after=-1", "after"), ("limit=0", "limit"),
+                         ("limit=5000", "limit"), ("tail=maybe", "tail")]:
+        response = client.get(f"/api/jobs/{job.pk}/logs/?{query}")
+        assert response.status_code == 400 and field in response.json(), (query, response.content)
+
+
+@pytest.mark.django_db
+def test_a_preemption_and_the_resume_leave_markers_in_the_log_every_rank_sees(placed, alice, api_client_for):
+    job, owner, _ = placed
+    post(owner, chunk(job, text="before\n"))
+    job = job_transition(job=job, to=Job.State.RUNNING)
+    job = job_transition(job=job, to=Job.State.PREEMPTING, reason="a premium job needs the devices")
+    job = job_transition(job=job, to=Job.State.PREEMPTED)
+    client = api_client_for(alice)
+    for rank in (0, 1):
+        texts = [c["text"] for c in client.get(f"/api/jobs/{job.pk}/logs/?rank={rank}").json()["chunks"]]
+        assert any("preempting" in t and "premium job" in t for t in texts), texts
+        assert any("preempted" in t for t in texts)
+    kinds = [c["kind"] for c in client.get(f"/api/jobs/{job.pk}/logs/?rank=0").json()["chunks"]]
+    assert kinds == ["output", "marker", "marker"]
+
+
+@pytest.mark.django_db
+def test_dropped_output_is_reported_in_the_log(placed, alice, api_client_for):
+    job, owner, _ = placed
+    post(owner, chunk(job, offset=5000, text="after the gap\n", dropped=4321))
+    chunks = api_client_for(alice).get(f"/api/jobs/{job.pk}/logs/?rank=0").json()["chunks"]
+    assert chunks[0]["kind"] == "dropped" and "4321 bytes" in chunks[0]["text"]
+    assert chunks[1]["text"] == "after the gap\n"
+
+
+@pytest.mark.django_db
+def test_retention_prunes_old_chunks_and_caps_a_job(placed, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    job, owner, _ = placed
+    settings.MERIDIAN_LOG_MAX_CHUNKS_PER_JOB = 3
+    post(owner, *[chunk(job, offset=i * 10, text=f"line {i}\n") for i in range(5)])
+    assert [c.text for c in LogChunk.objects.filter(job=job)] == ["line 2\n", "line 3\n", "line 4\n"]
+    LogChunk.objects.filter(job=job).update(created_at=timezone.now() - timedelta(days=31))
+    settings.MERIDIAN_LOG_RETENTION_DAYS = 30
+    assert log_chunks_prune(force=True) == 3 and not LogChunk.objects.filter(job=job).exists()
+
+
+@pytest.mark.django_db
+def test_a_failed_job_names_its_failing_rank_and_the_tail_of_its_log(placed):
+    job, owner, _ = placed
+    post(owner, chunk(job, rank=1, text="Traceback\nValueError: boom\n"), chunk(job, rank=0, text="fine\n"))
+    Job.objects.filter(pk=job.pk).update(failure_reason="rank 1 exited with code 1; the job fails.")
+    job.refresh_from_db()
+    assert log_failing_rank(job=job) == 1
+    assert "ValueError: boom" in log_tail_text(job=job, rank=1)
