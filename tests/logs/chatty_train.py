@@ -61,9 +61,14 @@ def main():
     loader = DataLoader(data, batch_size=1, sampler=sampler)
     first = next(iter(model.parameters()))
     epochs = -(-args.steps // len(loader))
+    done = 0
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
+        if done >= args.steps:
+            break
         for x, y in loader:
+            if done >= args.steps:
+                break
             optimizer.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
             optimizer.step()
