@@ -28,8 +28,8 @@ from django.utils import timezone
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from fleet.models import Node
-from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
 from jobs.logs import log_marker_for_transition
+from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
 from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
 

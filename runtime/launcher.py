@@ -61,9 +61,8 @@ from protocol.launch import (
     event_line,
 )
 from protocol.states import LaunchState
-from runtime import control, engines, splice
+from runtime import control, engines, rank_logs, splice
 from runtime import rank as rank_liveness
-from runtime import rank_logs
 from runtime import spool as spool_files
 from runtime.engines import RankProcess, choose_engine
 from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError

@@ -19,11 +19,11 @@ from browser_harness import free_devices, place_job
 
 
 def _place_and_token(world_size):
+    from django.contrib.auth import get_user_model
+
     from fleet.services import node_token_issue
     from jobs.models import Team
     from jobs.services import job_submit
-
-    from django.contrib.auth import get_user_model
 
     alice = get_user_model().objects.get(username="alice")
     job = job_submit(team=Team.objects.get(slug="team-a"), submitted_by=alice,
