@@ -2,7 +2,18 @@
 state read-only so nobody bypasses the state machine)."""
 from django.contrib import admin
 
-from jobs.models import Checkpoint, ControlLoopLease, Job, JobEvent, Membership, Move, PreemptionRequest, Replica, Team
+from jobs.models import (
+    Checkpoint,
+    ControlLoopLease,
+    Job,
+    JobEvent,
+    LogChunk,
+    Membership,
+    Move,
+    PreemptionRequest,
+    Replica,
+    Team,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -107,6 +118,22 @@ class MoveAdmin(admin.ModelAdmin):
     list_filter = ["kind", "state", "step"]
     list_select_related = ["job", "from_node", "to_node"]
     raw_id_fields = ["job", "from_node", "to_node"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(LogChunk)
+class LogChunkAdmin(admin.ModelAdmin):
+    """Read-only: log chunks come from agents (jobs/logs.py) and the state machine's markers."""
+
+    list_display = ["id", "job", "kind", "rank", "generation", "attempt", "node", "offset", "created_at"]
+    list_filter = ["kind"]
+    list_select_related = ["job", "node"]
+    raw_id_fields = ["job", "node"]
 
     def has_add_permission(self, request):
         return False

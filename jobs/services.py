@@ -239,8 +239,8 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
             from_state=from_state,
             to_state=to,
         )
-        log_marker_for_transition(job=job, from_state=from_state, to_state=to, reason=reason, now=now)
         job_publish_updated(job=job, fleet=releases_devices or to == S.SCHEDULED)
+        log_marker_for_transition(job=job, from_state=from_state, to_state=to, reason=reason, now=now)
     return job
 
 
