@@ -73,6 +73,7 @@ def run_launcher(tmp_path, *args, job="7.1", ranks=2):
     return job_dir
 
 
+@pytest.mark.runtime
 def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_chunks(tmp_path):
     job_dir = run_launcher(tmp_path, "--steps", "40", "--step-sleep", "0")
     manifest = read_manifest(job_dir)
@@ -98,6 +99,7 @@ def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_ch
     assert LogShipper(tmp_path / "j", again).ship_once() == 0 and again.batches == []
 
 
+@pytest.mark.runtime
 def test_a_restarted_shipper_carries_on_where_the_control_plane_stopped_acknowledging(tmp_path):
     job_dir = run_launcher(tmp_path, "--steps", "10", "--step-sleep", "0", ranks=1)
     first = Recorder()
@@ -116,6 +118,7 @@ def test_a_restarted_shipper_carries_on_where_the_control_plane_stopped_acknowle
     assert second.chunks[0].offset == sent
 
 
+@pytest.mark.runtime
 def test_beyond_the_backlog_limit_the_oldest_unsent_output_is_dropped_and_said(tmp_path):
     job_dir = run_launcher(tmp_path, "--steps", "2", "--step-sleep", "0", ranks=1)
     log = job_dir / "logs" / "rank0.log"
