@@ -94,8 +94,9 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[int, LogRejection]:
     placed = set(Replica.objects.filter(device__node_id=node.pk, job_id__in=ids).values_list("job_id", flat=True))
     leaving = {m.job_id: m.from_generation for m in Move.objects.filter(
         job_id__in=ids, state=Move.State.ACTIVE, from_node_id=node.pk)}
-    held = set(LogChunk.objects.filter(job_id__in=ids, node_id=node.pk, kind=LogChunk.Kind.OUTPUT)
-               .values_list("job_id", "generation").distinct())
+    copies = {(c.job_id, c.generation) for c in batch.chunks if c.job_id in jobs and c.job_id not in placed}
+    held = {copy for copy in copies if LogChunk.objects.filter(  # one indexed probe per copy not placed here
+        job_id=copy[0], node_id=node.pk, generation=copy[1], kind=LogChunk.Kind.OUTPUT).exists()}
     refused: dict[int, LogRejection] = {}
     for chunk in batch.chunks:
         job = jobs.get(chunk.job_id)

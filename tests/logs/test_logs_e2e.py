@@ -8,11 +8,13 @@
    copy's output after it, counting on from the checkpoint.
 """
 import re
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from harness import ROOT
 from live_stack import log_chunks, log_text, rank_log_file, start_agent, start_web, stop_web, submit_chatty
 from polling import poll
 
@@ -111,4 +113,12 @@ def test_a_log_followed_live_goes_on_across_a_preemption_with_a_marker(stack):
     assert len(plane.nodes_of(victim)) == 2, plane.diagnose(victim)  # two placements (same node or not)
     # The job that was not preempted has no marker but its start and end.
     assert not [c for c in followed[next(j for j in basic if j != victim)] if c["kind"] == "marker"]
+    # The command a user types prints the same log, marker included.
+    cli = subprocess.run([sys.executable, "-m", "cli.logs", "--url", plane.url, "--token", plane.token("alice"),
+                          str(victim), "--rank", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == text
+    missing = subprocess.run([sys.executable, "-m", "cli.logs", "--url", plane.url, "--token", plane.token("alice"),
+                              "99999"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert missing.returncode == 1 and "404" in missing.stderr
     print(f"followed {len(chunks)} chunks of job {victim}; the preemption marker is chunk {marker}", file=sys.stderr)
