@@ -15,6 +15,10 @@ backlog grows; up to `backlog_limit` bytes per rank log nothing is lost. Beyond 
 skips the oldest unsent bytes (keeping the newest `backlog_limit`) and says so: the next chunk
 carries `dropped` = the bytes skipped, and the control plane stores a marker "N bytes dropped".
 
+The first chunk of every copy is empty: it tells the control plane, while the job is surely
+placed on this node, that this copy runs here, so the copy's last lines are taken even when they
+arrive after the control plane released its devices (jobs/logs.py).
+
 A job directory is done once its launcher is gone and every rank log was sent to its end, or
 when the control plane refused its chunks with "fence" (the copy is not the job's copy on this
 node: nothing of it will ever be accepted).
@@ -83,6 +87,7 @@ class _Source:
     attempt: int
     cursors: dict[int, _RankCursor] = field(default_factory=dict)
     done: bool = False
+    announced: bool = False  # the control plane knows this copy runs here (an empty chunk per rank)
 
 
 class LogShipper:
@@ -112,6 +117,7 @@ class LogShipper:
         try:
             saved = json.loads((job_dir / SHIPPED).read_text())
             source.done = bool(saved.get("done"))
+            source.announced = bool(saved.get("announced"))
             source.cursors = {int(r): _RankCursor(sent=int(n)) for r, n in (saved.get("sent") or {}).items()}
         except (OSError, ValueError, TypeError, AttributeError):
             pass
@@ -119,7 +125,8 @@ class LogShipper:
         return source
 
     def _save(self, source: _Source) -> None:
-        payload = {"done": source.done, "sent": {str(r): c.sent for r, c in source.cursors.items()}}
+        payload = {"done": source.done, "announced": source.announced,
+                   "sent": {str(r): c.sent for r, c in source.cursors.items()}}
         tmp = source.job_dir / f".{SHIPPED}.tmp"
         try:
             tmp.write_text(json.dumps(payload))
@@ -158,6 +165,13 @@ class LogShipper:
                     self._save(source)
                 continue
             generation = self._generation(job_dir)
+            if not source.announced and len(chunks) + len(manifest.ranks) <= MAX_CHUNKS:
+                # While the job is surely placed here (its launcher just named its logs): the
+                # control plane then takes this copy's last lines even after it released the devices.
+                for rank_log in manifest.ranks[:1]:
+                    chunks.append(LogChunk(job_id=source.job_id, generation=generation, attempt=source.attempt,
+                                           rank=rank_log.rank, offset=rank_log.start, length=0, text=""))
+                advance[(job_dir, None)] = 0
             complete = True
             for rank_log in manifest.ranks:
                 cursor = source.cursors.setdefault(rank_log.rank, _RankCursor(sent=rank_log.start))
@@ -202,7 +216,7 @@ class LogShipper:
                 if offset < file_size:
                     complete = False
             if complete and not alive and all(r.rank in source.cursors for r in manifest.ranks) \
-                    and not any(key[0] == job_dir for key in advance):
+                    and source.announced and not any(key[0] == job_dir for key in advance):
                 source.done = True
                 self._save(source)
             if len(chunks) >= MAX_CHUNKS or size >= MAX_BATCH_BYTES:
@@ -234,7 +248,10 @@ class LogShipper:
         touched = set()
         for (job_dir, rank), offset in advance.items():
             source = self.sources[job_dir]
-            source.cursors[rank].sent = offset
+            if rank is None:
+                source.announced = True
+            else:
+                source.cursors[rank].sent = offset
             touched.add(job_dir)
             if source.job_id in fenced:
                 source.done = True

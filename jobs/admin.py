@@ -8,6 +8,7 @@ from jobs.models import (
     Job,
     JobEvent,
     LogChunk,
+    LogSource,
     Membership,
     Move,
     PreemptionRequest,
@@ -132,6 +133,21 @@ class LogChunkAdmin(admin.ModelAdmin):
 
     list_display = ["id", "job", "kind", "rank", "generation", "attempt", "node", "offset", "created_at"]
     list_filter = ["kind"]
+    list_select_related = ["job", "node"]
+    raw_id_fields = ["job", "node"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(LogSource)
+class LogSourceAdmin(admin.ModelAdmin):
+    """Read-only: which node may ship which copy's output (jobs/logs.py)."""
+
+    list_display = ["id", "job", "generation", "node", "created_at"]
     list_select_related = ["job", "node"]
     raw_id_fields = ["job", "node"]
 

@@ -8,9 +8,10 @@ jobs.services.job_transition, the one state machine, inside its transaction.
 
 Fencing (the rule of jobs.workflows.node_report_record, applied to logs): a node may ship the
 output of a copy of a job when that copy is the job's current one (its placement generation is
-the job's) and the job is placed on that node, or was when this copy's output was first
-accepted from it (the tail of a copy that just stopped, finished or failed arrives after the
-control plane released its devices); or when an active move takes that copy (the move's
+the job's) and the job is placed on that node, or was when this copy first shipped from it (a LogSource: the
+agent announces every copy with an empty chunk as soon as its launcher has named its rank logs,
+so the tail of a copy that just stopped, finished or failed is taken after the control plane
+released its devices); or when an active move takes that copy (the move's
 from_generation) off this node. Anything else is refused with "fence": the agent stops shipping
 that copy. A chunk sent twice (same copy, rank, stream and offset) is stored once.
 
@@ -29,7 +30,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from fleet.live import events_publish, group_for_job
-from jobs.models import Job, LogChunk, Move, Replica
+from jobs.models import Job, LogChunk, LogSource, Move, Replica
 from protocol.logs import LogBatch, LogBatchAnswer, LogRejection
 
 S = Job.State
@@ -94,9 +95,7 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[int, LogRejection]:
     placed = set(Replica.objects.filter(device__node_id=node.pk, job_id__in=ids).values_list("job_id", flat=True))
     leaving = {m.job_id: m.from_generation for m in Move.objects.filter(
         job_id__in=ids, state=Move.State.ACTIVE, from_node_id=node.pk)}
-    copies = {(c.job_id, c.generation) for c in batch.chunks if c.job_id in jobs and c.job_id not in placed}
-    held = {copy for copy in copies if LogChunk.objects.filter(  # one indexed probe per copy not placed here
-        job_id=copy[0], node_id=node.pk, generation=copy[1], kind=LogChunk.Kind.OUTPUT).exists()}
+    held = set(LogSource.objects.filter(job_id__in=ids, node_id=node.pk).values_list("job_id", "generation"))
     refused: dict[int, LogRejection] = {}
     for chunk in batch.chunks:
         job = jobs.get(chunk.job_id)
@@ -134,9 +133,14 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
             job_id__in={c.job_id for c in wanted}, node_id=node.pk, kind=LogChunk.Kind.OUTPUT,
             offset__in={c.offset for c in wanted}).values_list("job_id", "generation", "attempt", "rank", "stream",
                                                               "offset")) if wanted else set()
-        rows, duplicates = [], 0
+        rows, duplicates, announced = [], 0, 0
+        sources = set()
         for chunk in wanted:
             generation = jobs[chunk.job_id].generation if chunk.generation is None else chunk.generation
+            sources.add((chunk.job_id, generation))
+            if chunk.length == 0 and not chunk.text and not chunk.dropped:
+                announced += 1  # a copy saying it runs here: recorded as a source, nothing to store
+                continue
             key = (chunk.job_id, generation, chunk.attempt, chunk.rank, chunk.stream, chunk.offset)
             if key in have:
                 duplicates += 1
@@ -150,8 +154,10 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
                     f"{node.hostname} could not reach the control plane and keeps a bounded backlog]\n")))
             rows.append(LogChunk(kind=LogChunk.Kind.OUTPUT, offset=chunk.offset, length=chunk.length,
                                  text=chunk.text, **common))
-        created = LogChunk.objects.bulk_create(rows, ignore_conflicts=False) if rows else []
-        stored = sum(1 for row in created if row.kind == LogChunk.Kind.OUTPUT)
+        LogSource.objects.bulk_create([LogSource(job_id=job_id, node_id=node.pk, generation=generation, created_at=now)
+                                       for job_id, generation in sources], ignore_conflicts=True)
+        created = LogChunk.objects.bulk_create(rows) if rows else []
+        stored = announced + sum(1 for row in created if row.kind == LogChunk.Kind.OUTPUT)
         for job_id in {row.job_id for row in created}:
             last = max(row.pk for row in created if row.job_id == job_id)
             _publish(job_id=job_id, team_id=jobs[job_id].team_id, seq=last)

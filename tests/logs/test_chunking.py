@@ -31,7 +31,8 @@ class Recorder:
 
     @property
     def chunks(self):
-        return [c for b in self.batches for c in b.chunks]
+        """The chunks with output (not the empty one that announces each copy)."""
+        return [c for b in self.batches for c in b.chunks if c.length]
 
 
 @pytest.mark.parametrize("data, final, expected", [
@@ -91,6 +92,8 @@ def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_ch
         assert f"step 40 rank {rank}\n".encode() in expected
         assert [c.offset for c in chunks] == [sum(c.length for c in chunks[:i]) for i in range(len(chunks))]
         assert all(c.length <= MAX_CHUNK_BYTES and c.generation == 3 and c.attempt == 1 for c in chunks)
+    announced = [c for b in recorder.batches for c in b.chunks if not c.length]
+    assert len(announced) == 1 and recorder.batches[0].chunks[0] == announced[0] and announced[0].text == ""
     assert all(len(b.chunks) <= MAX_CHUNKS and len(json.dumps(b.to_dict())) <= MAX_BATCH_BYTES + MAX_CHUNK_BYTES * 2
                for b in recorder.batches)
     # Done and remembered: a restarted agent sends nothing again.
@@ -109,7 +112,7 @@ def test_a_restarted_shipper_carries_on_where_the_control_plane_stopped_acknowle
     log = job_dir / "logs" / "rank0.log"
     with open(log, "a") as handle:  # more output after the agent went away
         handle.write("written while no agent ran\n")
-    (job_dir / SHIPPED).write_text(json.dumps({"done": False, "sent": {"0": sent}}))
+    (job_dir / SHIPPED).write_text(json.dumps({"done": False, "announced": True, "sent": {"0": sent}}))
     second = Recorder()
     restarted = LogShipper(tmp_path / "j", second)
     while restarted.ship_once():

@@ -193,3 +193,13 @@ def test_a_failed_job_names_its_failing_rank_and_the_tail_of_its_log(placed):
     job.refresh_from_db()
     assert log_failing_rank(job=job) == 1
     assert "ValueError: boom" in log_tail_text(job=job, rank=1)
+
+
+@pytest.mark.django_db
+def test_a_copy_that_announced_itself_while_placed_ships_its_tail_after_its_devices_were_released(placed):
+    job, owner, _ = placed
+    announce = post(owner, chunk(job, text="") | {"length": 0}).json()
+    assert announce["stored"] == 1 and not LogChunk.objects.filter(job=job).exists()  # nothing to store
+    job = job_transition(job=job, to=Job.State.RUNNING)
+    job = job_transition(job=job, to=Job.State.FAILED, reason="rank 0 exited with code 1")  # releases the devices
+    assert post(owner, chunk(job, text="Traceback: the only thing it printed\n")).json()["stored"] == 1
