@@ -153,6 +153,8 @@ class LogShipper:
             job_dirs = sorted(p for p in self.jobs_dir.iterdir() if p.is_dir())
         except OSError:
             return chunks, advance
+        for gone in set(self.sources) - set(job_dirs):  # collected by the agent (--job-dir-retention-days)
+            del self.sources[gone]
         for job_dir in job_dirs:
             source = self._source(job_dir)
             if source is None or source.done:
