@@ -27,7 +27,8 @@ class LogsCliError(RuntimeError):
 
 
 class StandaloneClient:
-    """URL + token, GET only: what `meridian logs` needs when the CLI's own client is absent."""
+    """URL + token, GET only: what `meridian logs` needs when the CLI's own client (cli/client.py)
+    is absent. Paths are relative to the base URL ("/api/jobs/"), as there."""
 
     def __init__(self, url, token, *, timeout_s=30.0):
         import requests
@@ -44,7 +45,7 @@ class StandaloneClient:
         import requests
 
         try:
-            response = self.session.get(f"{self.url}/api/{path.lstrip('/')}", params=params, timeout=self.timeout_s)
+            response = self.session.get(f"{self.url}{path}", params=params, timeout=self.timeout_s)
         except requests.RequestException as exc:
             raise LogsCliError(f"cannot reach {self.url}: {exc}") from None
         if response.status_code >= 400:
@@ -65,11 +66,11 @@ def follow_logs(client, job_id, *, rank=None, after=0, follow=False, tail=None, 
     if rank is not None:
         params["rank"] = rank
     if tail:
-        answer = client.get(f"jobs/{job_id}/logs/", params={**params, "limit": tail, "tail": 1})
+        answer = client.get(f"/api/jobs/{job_id}/logs/", params={**params, "limit": tail, "tail": 1})
         yield from answer["chunks"]
         after = answer["next"]
     while True:
-        answer = client.get(f"jobs/{job_id}/logs/", params={**params, "after": after})
+        answer = client.get(f"/api/jobs/{job_id}/logs/", params={**params, "after": after})
         yield from answer["chunks"]
         after = answer["next"]
         if len(answer["chunks"]) == PAGE:
@@ -79,7 +80,7 @@ def follow_logs(client, job_id, *, rank=None, after=0, follow=False, tail=None, 
         if answer.get("state") in FINAL_STATES:
             # The last output may still be on its way from the agent: one more look, then stop.
             time.sleep(poll_s)
-            final = client.get(f"jobs/{job_id}/logs/", params={**params, "after": after})
+            final = client.get(f"/api/jobs/{job_id}/logs/", params={**params, "after": after})
             yield from final["chunks"]
             if len(final["chunks"]) < PAGE:
                 return
@@ -101,26 +102,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--follow", action="store_true", help="follow the log until the job ends")
     parser.add_argument("--rank", type=int, default=None, help="one rank's output (and the markers)")
     parser.add_argument("--tail", type=int, default=None, help="start with the newest N chunks")
-    parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
 
 
 def run(args, client) -> int:
-    """Prints the log; returns 0, or 1 with a message on stderr when it cannot be read."""
+    """Prints the log; returns 0. Under the meridian CLI a request that fails raises its
+    CliError (cli.main prints it and exits with its code); standalone, a LogsCliError is printed
+    here and the exit code is 1."""
     try:
-        first = client.get(f"jobs/{args.job}/logs/", params={"limit": 1, "after": 0})
+        first = client.get(f"/api/jobs/{args.job}/logs/", params={"limit": 1, "after": 0})
         multi = args.rank is None and first.get("world_size", 1) > 1
         for chunk in follow_logs(client, args.job, rank=args.rank, follow=args.follow, tail=args.tail):
-            if args.json:
+            if getattr(args, "json", False):
                 sys.stdout.write(json.dumps(chunk) + "\n")
             else:
                 sys.stdout.write(render(chunk, world_size_known_multi=multi))
             sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # the CLI's own CliError, or ours
-        if type(exc).__name__ not in ("CliError", "LogsCliError"):
-            raise
-        print(f"meridian logs: {exc}", file=sys.stderr)
+    except LogsCliError as exc:
+        print(f"meridian logs: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -130,13 +130,14 @@ try:  # a command of the meridian CLI, when its registry is there
 except ImportError:
     _command = None
 if _command is not None:
-    _command("logs", help="print (and with -f follow) a job's log")(run)  # pragma: no cover
+    _command("logs", help="print (and with -f follow) a job's log", add_arguments=add_arguments)(run)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="meridian logs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=os.environ.get("MERIDIAN_URL"))
     parser.add_argument("--token", default=os.environ.get("MERIDIAN_TOKEN"))
+    parser.add_argument("--json", action="store_true", help="one JSON object per chunk")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
