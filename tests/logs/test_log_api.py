@@ -203,3 +203,16 @@ def test_a_copy_that_announced_itself_while_placed_ships_its_tail_after_its_devi
     job = job_transition(job=job, to=Job.State.RUNNING)
     job = job_transition(job=job, to=Job.State.FAILED, reason="rank 0 exited with code 1")  # releases the devices
     assert post(owner, chunk(job, text="Traceback: the only thing it printed\n")).json()["stored"] == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("count", [1, 40])
+def test_shipping_and_reading_take_a_constant_number_of_queries(placed, alice, api_client_for, count,
+                                                                 django_assert_max_num_queries):
+    job, owner, _ = placed
+    chunks = [chunk(job, rank=i % 2, offset=i * 100, text=f"line {i}\n") for i in range(count)]
+    with django_assert_max_num_queries(16):
+        assert post(owner, *chunks).json()["stored"] == count
+    client = api_client_for(alice)
+    with django_assert_max_num_queries(8):
+        assert len(client.get(f"/api/jobs/{job.pk}/logs/?limit=1000").json()["chunks"]) == count
