@@ -1,6 +1,6 @@
 """Ships every rank's output to the control plane, live, without ever holding up a job.
 
-The launcher keeps each rank's log in the job directory for the job's life and names the files
+The launcher keeps each rank's stdout and stderr logs in the job directory for the job's life and names the files
 in `<job dir>/logs.json` (runtime/rank_logs.py). A LogShipper thread tails them: every poll it
 reads what was appended since the last byte the control plane acknowledged, cuts it into
 chunks (protocol.logs.LogChunk: at most MAX_CHUNK_BYTES, at a line end where there is one, at
@@ -40,6 +40,12 @@ log = logging.getLogger("agent.logs")
 SHIPPED = "logs-shipped.json"
 DEFAULT_BACKLOG_LIMIT = 64 * 1024 * 1024  # bytes per rank log
 POLL_S = 0.2
+
+
+def _cursor_key(text: str) -> tuple[int, str]:
+    """"3:stderr" -> (3, "stderr"); a bare "3" (one file per rank) -> (3, "output")."""
+    rank, _, stream = str(text).partition(":")
+    return int(rank), stream or "output"
 
 
 def utf8_boundary(data: bytes) -> int:
@@ -85,7 +91,7 @@ class _Source:
     job_dir: pathlib.Path
     job_id: int
     attempt: int
-    cursors: dict[int, _RankCursor] = field(default_factory=dict)
+    cursors: dict[tuple[int, str], _RankCursor] = field(default_factory=dict)  # by (rank, stream)
     done: bool = False
     announced: bool = False  # the control plane knows this copy runs here (an empty chunk per rank)
 
@@ -118,7 +124,8 @@ class LogShipper:
             saved = json.loads((job_dir / SHIPPED).read_text())
             source.done = bool(saved.get("done"))
             source.announced = bool(saved.get("announced"))
-            source.cursors = {int(r): _RankCursor(sent=int(n)) for r, n in (saved.get("sent") or {}).items()}
+            sent = saved.get("sent") or {}
+            source.cursors = {_cursor_key(key): _RankCursor(sent=int(n)) for key, n in sent.items()}
         except (OSError, ValueError, TypeError, AttributeError):
             pass
         self.sources[job_dir] = source
@@ -126,7 +133,7 @@ class LogShipper:
 
     def _save(self, source: _Source) -> None:
         payload = {"done": source.done, "announced": source.announced,
-                   "sent": {str(r): c.sent for r, c in source.cursors.items()}}
+                   "sent": {f"{rank}:{stream}": c.sent for (rank, stream), c in source.cursors.items()}}
         tmp = source.job_dir / f".{SHIPPED}.tmp"
         try:
             tmp.write_text(json.dumps(payload))
@@ -172,12 +179,14 @@ class LogShipper:
                 # control plane then takes this copy's last lines even after it released the devices.
                 for rank_log in manifest.ranks[:1]:
                     chunks.append(LogChunk(job_id=source.job_id, generation=generation, attempt=source.attempt,
-                                           rank=rank_log.rank, offset=rank_log.start, length=0, text=""))
+                                           rank=rank_log.rank, stream=rank_log.stream, offset=rank_log.start,
+                                           length=0, text=""))
                 advance[(job_dir, None)] = 0
             complete = True
             for rank_log in manifest.ranks:
-                cursor = source.cursors.setdefault(rank_log.rank, _RankCursor(sent=rank_log.start))
-                offset = advance.get((job_dir, rank_log.rank), cursor.sent)
+                key = (rank_log.rank, rank_log.stream)
+                cursor = source.cursors.setdefault(key, _RankCursor(sent=rank_log.start))
+                offset = advance.get((job_dir, key), cursor.sent)
                 try:
                     file_size = os.stat(rank_log.path).st_size
                 except OSError:
@@ -189,8 +198,8 @@ class LogShipper:
                     self.dropped_total += skipped
                     offset += skipped
                     cursor.sent = offset
-                    log.warning("job %s rank %s: %d bytes of output dropped (the control plane was not "
-                                "reachable; at most %d bytes per rank are kept)", source.job_id, rank_log.rank,
+                    log.warning("job %s rank %s %s: %d bytes dropped (the control plane was not reachable; at "
+                                "most %d bytes per rank log are kept)", source.job_id, rank_log.rank, rank_log.stream,
                                 skipped, self.backlog_limit)
                 grew = file_size != cursor.last_size
                 cursor.last_size = file_size
@@ -205,7 +214,7 @@ class LogShipper:
                     if not piece:
                         break
                     chunk = LogChunk(job_id=source.job_id, generation=generation, attempt=source.attempt,
-                                     rank=rank_log.rank, offset=offset, length=len(piece),
+                                     rank=rank_log.rank, stream=rank_log.stream, offset=offset, length=len(piece),
                                      text=piece.decode("utf-8", errors="replace"), dropped=cursor.dropped)
                     encoded = len(json.dumps(chunk.to_dict()))
                     if chunks and size + encoded > MAX_BATCH_BYTES:
@@ -214,10 +223,10 @@ class LogShipper:
                     chunks.append(chunk)
                     cursor.dropped = 0
                     offset += len(piece)
-                    advance[(job_dir, rank_log.rank)] = offset
+                    advance[(job_dir, key)] = offset
                 if offset < file_size:
                     complete = False
-            if complete and not alive and all(r.rank in source.cursors for r in manifest.ranks) \
+            if complete and not alive and all((r.rank, r.stream) in source.cursors for r in manifest.ranks) \
                     and source.announced and not any(key[0] == job_dir for key in advance):
                 source.done = True
                 self._save(source)
@@ -234,26 +243,26 @@ class LogShipper:
             return 0
         if self.token_source is not None:
             self.client.token = self.token_source()
-        dropped = {(c.job_id, c.attempt, c.rank): c.dropped for c in chunks if c.dropped}
+        dropped = {(c.job_id, c.attempt, (c.rank, c.stream)): c.dropped for c in chunks if c.dropped}
         try:
             answer = self.client.logs(LogBatch(chunks=tuple(chunks)))
         except Exception:
             # Not sent: the dropped counts must go with the next try.
-            for (job_id, attempt, rank), count in dropped.items():
+            for (job_id, attempt, key), count in dropped.items():
                 for source in self.sources.values():
                     if source.job_id == job_id and source.attempt == attempt:
-                        source.cursors[rank].dropped += count
+                        source.cursors[key].dropped += count
             raise
         fenced = {r.job_id for r in answer.rejected if r.fence}
         for rejection in answer.rejected:
             log.warning("control plane refused the logs of job %s: %s", rejection.job_id, rejection.error)
         touched = set()
-        for (job_dir, rank), offset in advance.items():
+        for (job_dir, key), offset in advance.items():
             source = self.sources[job_dir]
-            if rank is None:
+            if key is None:
                 source.announced = True
             else:
-                source.cursors[rank].sent = offset
+                source.cursors[key].sent = offset
             touched.add(job_dir)
             if source.job_id in fenced:
                 source.done = True

@@ -150,8 +150,8 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
                       "attempt": chunk.attempt, "rank": chunk.rank, "stream": chunk.stream, "created_at": now}
             if chunk.dropped:
                 rows.append(LogChunk(kind=LogChunk.Kind.DROPPED, offset=chunk.offset, **common, text=(
-                    f"[meridian: {chunk.dropped} bytes of rank {chunk.rank}'s output were dropped: the agent on "
-                    f"{node.hostname} could not reach the control plane and keeps a bounded backlog]\n")))
+                    f"[meridian: {chunk.dropped} bytes of rank {chunk.rank}'s {chunk.stream} were dropped: "
+                    f"the agent on {node.hostname} could not reach the control plane and keeps a bounded backlog]\n")))
             rows.append(LogChunk(kind=LogChunk.Kind.OUTPUT, offset=chunk.offset, length=chunk.length,
                                  text=chunk.text, **common))
         LogSource.objects.bulk_create([LogSource(job_id=job_id, node_id=node.pk, generation=generation, created_at=now)

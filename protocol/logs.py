@@ -29,9 +29,8 @@ MAX_BATCH_BYTES = 200_000  # the agent's bound on a batch's JSON (the control pl
 MAX_OFFSET = 2**62  # a byte offset in a rank log
 MAX_ATTEMPT = 2**31 - 1
 
-# Which output a chunk holds. Today a rank's stdout and stderr go to one file, in the order they
-# were written (as `2>&1` in a terminal): "output". "stdout" / "stderr" are reserved for a
-# runtime that keeps them apart.
+# Which output a chunk holds: a rank's "stdout" or "stderr" (each a file of its own); "output" is
+# both in one file, in the order written (as `2>&1`): what a launcher of before had.
 LogStream = Literal["output", "stdout", "stderr"]
 
 
@@ -88,10 +87,11 @@ class RankLog(Message):
     rank: int = bounded(minimum=0, maximum=MAX_WORLD_SIZE - 1)
     path: str = bounded(max_length=MAX_PATH)
     start: int = bounded(default=0, minimum=0, maximum=MAX_OFFSET)
+    stream: LogStream = "output"
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankLogs(Message):
-    """<job dir>/logs.json, written by the launcher: every rank's log file, for the job's life."""
+    """<job dir>/logs.json, written by the launcher: every rank's log files, for the job's life."""
 
-    ranks: tuple[RankLog, ...] = bounded(max_length=MAX_WORLD_SIZE)
+    ranks: tuple[RankLog, ...] = bounded(max_length=2 * MAX_WORLD_SIZE)

@@ -21,7 +21,6 @@ optimizer, RNG and loader state), which hold the mechanisms.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -176,12 +175,8 @@ class CriuEngine(Engine):
     def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
              stop: bool, timeout_s: float) -> None:
         staging = os.fspath(staging)
-        logs = os.path.join(staging, "logs")
-        os.mkdir(logs)
-        for rank in range(launcher.world_size):
-            # CRIU restores open files only at the same path and size: carry the logs.
-            shutil.copyfile(spool_files.rank_dir(launcher.spool, rank) / "out.log",
-                            os.path.join(logs, f"rank{rank}.log"))
+        # CRIU restores open files only at the same path and size: carry the logs.
+        rank_logs.carry(launcher, os.path.join(staging, "logs"))
         try:
             for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
                 criu.dump(process.pid, os.path.join(staging, f"rank{process.rank}"), leave_running=not stop)
@@ -209,10 +204,8 @@ class CriuEngine(Engine):
         local = ref.path
         launcher.restore_at_dumped_spool(meta)
         launcher.fresh_spool()
-        for rank in range(launcher.world_size):
-            shutil.copyfile(local / "logs" / f"rank{rank}.log",
-                            spool_files.rank_dir(launcher.spool, rank) / "out.log")
-        rank_logs.link(launcher)  # before any restored rank writes: this attempt starts at the restored size
+        # Linked before any restored rank writes: this attempt starts at the restored size.
+        rank_logs.put_back(launcher, local / "logs")
         for rank in range(launcher.world_size):
             pid = criu.restore(local / f"rank{rank}", work_dir=launcher.job_dir / "restore")
             launcher.ranks.append(RankProcess(rank, pid))

@@ -14,8 +14,9 @@ Job directory (node-local):
                      protocol.launch.Progress
     events.jsonl     one JSON object per event: started, restored, checkpoint, resize, stopped,
                      finished, failed (each names the engine): protocol.launch's LaunchEvents
-    logs/rank<r>.log the ranks' output for the job's life: a hard link to the spool's
-                     rank<r>/out.log (a copy made at exit where the two are on different filesystems)
+    logs/rank<r>.log the ranks' stdout for the job's life (rank<r>.err: stderr): hard links to the
+                     spool's rank<r>/out.log and err.log (copies made at exit where the two are on
+                     different filesystems)
     logs.json        where each rank's log is and where this attempt's output starts in it
                      (protocol.logs.RankLogs; the agent tails them: runtime/rank_logs.py)
 Checkpoints go to --store (default <job-dir>/checkpoints): one folder per checkpoint with a
@@ -232,10 +233,9 @@ class Launcher:
         return all(c == 0 for c in codes)
 
     def log_tail(self, rank, lines=20):
-        out = spool_files.rank_dir(self.spool, rank) / "out.log"
-        launch = spool_files.rank_dir(self.spool, rank) / "launch.log"
+        rank_dir = spool_files.rank_dir(self.spool, rank)
         text = ""
-        for path in (launch, out):
+        for path in (rank_dir / "launch.log", rank_dir / "out.log", rank_dir / "err.log"):
             try:
                 text += "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
             except OSError:

@@ -7,7 +7,7 @@ folder to resume from, or unset), MERIDIAN_NONCE (this launch attempt's rendezvo
 when the launcher was given them, MERIDIAN_DEVICE_INDICES (the job's node-local device indices,
 "0,2,5"; a resize or a CRIU resume that brings new ones updates it in the running rank).
 
-Before the script runs: stdout/stderr go to ``<spool>/rank<r>/out.log`` (opened here, inside
+Before the script runs: stdout goes to ``<spool>/rank<r>/out.log``, stderr to ``err.log`` (opened here, inside
 the rank's PID namespace, so CRIU sees a plain file), one intra-op thread, the rank is pinned
 to its device and holds its token, the virtual group replaces gloo, the framework tracker is
 installed and the consistent-cut barrier listens to its optimizer steps.
@@ -24,11 +24,11 @@ from runtime import engines
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"  # node-local indices of this job's devices, when known
 
 
-def _redirect_output(log_path):
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _redirect_output(out_path, err_path):
+    for path, target in ((out_path, 1), (err_path, 2)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -220,7 +220,7 @@ def main(argv=None):
     rank_dir = os.path.join(spool, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
     os.chdir(rank_dir)
-    _redirect_output(os.path.join(rank_dir, "out.log"))
+    _redirect_output(os.path.join(rank_dir, "out.log"), os.path.join(rank_dir, "err.log"))
     watch = LauncherWatch(spool).start()
     watch.check()  # the launcher may have died before this rank started
 

@@ -1,15 +1,18 @@
 """Where a rank's output lives for the job's life, so the node agent can stream it.
 
-A rank writes its stdout and stderr to ``<spool>/rank<r>/out.log`` (runtime/rank.py): CRIU
-restores an open file only at the path it had, and the spool path is the same on every node, so
-that path cannot change. But the spool is wiped when a launcher starts and removed when it exits.
-So the launcher hard-links each rank's log into its job directory, ``<job dir>/logs/rank<r>.log``
-(same inode: the agent reads what the rank writes as it writes it, and the file outlives the
-spool), and writes ``<job dir>/logs.json`` (protocol.logs.RankLogs) naming each rank's file and
-the byte offset where this attempt's output starts in it: 0 for a fresh start or a framework
-restore (a new file); for a CRIU restore, the size of the log carried in the checkpoint (the
-restored rank appends to it, at the same path and size, as CRIU requires), so what earlier
-attempts printed is not shipped twice.
+A rank writes its stdout to ``<spool>/rank<r>/out.log`` and its stderr to ``err.log``
+(runtime/rank.py): CRIU restores an open file only at the path it had, and the spool path is the
+same on every node, so those paths cannot change. But the spool is wiped when a launcher starts
+and removed when it exits. So the launcher hard-links each into its job directory,
+``<job dir>/logs/rank<r>.log`` (stdout) and ``rank<r>.err`` (stderr) (same inode: the agent
+reads what the rank writes as it writes it, and the file outlives the spool), and writes
+``<job dir>/logs.json`` (protocol.logs.RankLogs) naming each file, its stream and the byte
+offset where this attempt's output starts in it: 0 for a fresh start or a framework restore (new
+files); for a CRIU restore, the size of the log carried in the checkpoint (the restored rank
+appends to it, at the same path and size, as CRIU requires), so what earlier attempts printed is
+not shipped twice. A checkpoint carries them as ``logs/rank<r>.log`` and ``logs/rank<r>.err.log``
+(a checkpoint made before stderr had a file of its own has no .err.log: its ranks' stderr is
+their out.log).
 
 Where the spool and the job directory are on different filesystems (a tmpfs /run/meridian) no
 hard link can be made: logs.json names the spool file, and at exit the launcher copies it to
@@ -24,21 +27,25 @@ import pathlib
 import shutil
 from typing import TYPE_CHECKING
 
-from protocol.logs import RankLog, RankLogs
+from protocol.logs import LogStream, RankLog, RankLogs
 from runtime import spool as spool_files
 
 if TYPE_CHECKING:
     from runtime.launcher import Launcher
 
 MANIFEST = "logs.json"
+# stream -> (its file in the spool's rank folder, its file in the job directory, in a checkpoint)
+STREAMS: dict[LogStream, tuple[str, str, str]] = {
+    "stdout": ("out.log", "rank{rank}.log", "rank{rank}.log"),
+    "stderr": ("err.log", "rank{rank}.err", "rank{rank}.err.log")}
 
 
-def job_log_path(job_dir, rank) -> pathlib.Path:
-    return pathlib.Path(job_dir) / "logs" / f"rank{rank}.log"
+def job_log_path(job_dir, rank, stream: LogStream = "stdout") -> pathlib.Path:
+    return pathlib.Path(job_dir) / "logs" / STREAMS[stream][1].format(rank=rank)
 
 
-def spool_log_path(spool, rank) -> pathlib.Path:
-    return spool_files.rank_dir(spool, rank) / "out.log"
+def spool_log_path(spool, rank, stream: LogStream = "stdout") -> pathlib.Path:
+    return spool_files.rank_dir(spool, rank) / STREAMS[stream][0]
 
 
 def read_manifest(job_dir) -> RankLogs | None:
@@ -57,41 +64,64 @@ def _write_manifest(job_dir, ranks) -> None:
 
 def link(launcher: Launcher) -> RankLogs:
     """Called before the ranks start (or are restored), with the spool's rank folders made:
-    creates each rank's out.log if it is not there, links it into the job directory and writes
-    logs.json; returns it."""
-    logs = launcher.job_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    creates each rank's log files if they are not there, links them into the job directory and
+    writes logs.json; returns it."""
+    (launcher.job_dir / "logs").mkdir(parents=True, exist_ok=True)
     ranks = []
     for rank in range(launcher.world_size):
-        source = spool_log_path(launcher.spool, rank)
-        fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.close(fd)
-        start = source.stat().st_size
-        target = job_log_path(launcher.job_dir, rank)
-        target.unlink(missing_ok=True)
-        try:
-            os.link(source, target)
-            path = target
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                raise
-            path = source  # copied at exit (keep)
-        ranks.append(RankLog(rank=rank, path=str(path), start=start))
+        for stream in STREAMS:
+            source = spool_log_path(launcher.spool, rank, stream)
+            fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.close(fd)
+            start = source.stat().st_size
+            target = job_log_path(launcher.job_dir, rank, stream)
+            target.unlink(missing_ok=True)
+            try:
+                os.link(source, target)
+                path = target
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                    raise
+                path = source  # copied at exit (keep)
+            ranks.append(RankLog(rank=rank, stream=stream, path=str(path), start=start))
     _write_manifest(launcher.job_dir, ranks)
     return RankLogs(ranks=tuple(ranks))
 
 
 def keep(launcher: Launcher) -> None:
-    """Called when the launcher exits, before the spool is removed: every rank's log ends up in
-    the job directory (a copy where it was not linked) and logs.json names it there."""
-    logs = launcher.job_dir / "logs"
-    logs.mkdir(exist_ok=True)
+    """Called when the launcher exits, before the spool is removed: every rank's logs end up in
+    the job directory (copies where they were not linked) and logs.json names them there."""
+    (launcher.job_dir / "logs").mkdir(exist_ok=True)
     manifest = read_manifest(launcher.job_dir)
-    starts = {r.rank: r.start for r in manifest.ranks} if manifest else {}
+    starts: dict[tuple[int, str], int] = {(r.rank, r.stream): r.start for r in manifest.ranks} if manifest else {}
     ranks = []
     for rank in range(launcher.world_size):
-        source, target = spool_log_path(launcher.spool, rank), job_log_path(launcher.job_dir, rank)
-        if source.exists() and not (target.exists() and os.path.samefile(source, target)):
-            shutil.copyfile(source, target)
-        ranks.append(RankLog(rank=rank, path=str(target), start=starts.get(rank, 0)))
+        for stream in STREAMS:
+            source, target = spool_log_path(launcher.spool, rank, stream), job_log_path(launcher.job_dir, rank, stream)
+            if source.exists() and not (target.exists() and os.path.samefile(source, target)):
+                shutil.copyfile(source, target)
+            if target.exists():
+                ranks.append(RankLog(rank=rank, stream=stream, path=str(target), start=starts.get((rank, stream), 0)))
     _write_manifest(launcher.job_dir, ranks)
+
+
+def carry(launcher: Launcher, folder) -> None:
+    """Copies every rank's logs into `folder` (a checkpoint's logs/, made here) for a CRIU dump."""
+    folder = pathlib.Path(folder)
+    folder.mkdir()
+    for rank in range(launcher.world_size):
+        for stream, (_, _, carried) in STREAMS.items():
+            source = spool_log_path(launcher.spool, rank, stream)
+            if source.exists():
+                shutil.copyfile(source, folder / carried.format(rank=rank))
+
+
+def put_back(launcher: Launcher, folder) -> None:
+    """Puts the logs a CRIU checkpoint carried back at their spool paths (and sizes), before the
+    ranks are restored, and links them (link)."""
+    folder = pathlib.Path(folder)
+    for rank in range(launcher.world_size):
+        for stream, (_, _, carried) in STREAMS.items():
+            if (folder / carried.format(rank=rank)).exists():
+                shutil.copyfile(folder / carried.format(rank=rank), spool_log_path(launcher.spool, rank, stream))
+    link(launcher)

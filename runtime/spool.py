@@ -10,7 +10,7 @@ size on restore; the launcher carries the logs inside every checkpoint).
 Layout (all JSON written atomically: temporary file, fsync, rename):
     request.json           launcher -> ranks: the pending cut request {id, action, at_step, ...}
     devices.json           launcher -> ranks: rank -> device map and device -> cores
-    rank<r>/out.log        the rank's stdout and stderr
+    rank<r>/out.log        the rank's stdout (err.log: its stderr)
     rank<r>/cut-<id>.json  rank -> launcher: "I stopped at step s for request id" (+ status)
     resume-<id>.json       launcher -> ranks: rebuild the inner group here and go on
     progress.json          rank 0 -> launcher: step, steps/s, updated every ~0.5 s

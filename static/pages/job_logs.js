@@ -20,7 +20,7 @@ window.MeridianJobLogs = (function () {
   function append(chunks) {
     chunks.forEach(function (chunk) {
       var span = document.createElement("span");
-      span.className = chunk.kind;
+      span.className = chunk.kind + (chunk.stream ? " " + chunk.stream : "");
       span.dataset.seq = String(chunk.seq);
       span.textContent = chunk.text;
       pre.appendChild(span);

@@ -62,14 +62,14 @@ def test_a_chunk_is_bounded_at_the_protocol():
     assert error.value.field == "rank"
 
 
-def run_launcher(tmp_path, *args, job="7.1", ranks=2):
+def run_launcher(tmp_path, *args, job="7.1", ranks=2, expect=0):
     job_dir = tmp_path / "j" / job
     env = {**os.environ, "MERIDIAN_SPOOL_ROOT": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT), "MERIDIAN_GENERATION": "3"}
     result = subprocess.run([sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks), "--engine",
                              "framework", "--job-dir", str(job_dir), "--job-id", f"j{job}", str(CHATTY), *args],
                             env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == expect, result.stderr[-3000:]
     (job_dir / "agent.json").write_text(json.dumps({"generation": 3}))
     return job_dir
 
@@ -78,7 +78,8 @@ def run_launcher(tmp_path, *args, job="7.1", ranks=2):
 def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_chunks(tmp_path):
     job_dir = run_launcher(tmp_path, "--steps", "40", "--step-sleep", "0")
     manifest = read_manifest(job_dir)
-    assert [r.path for r in manifest.ranks] == [str(job_dir / "logs" / f"rank{r}.log") for r in (0, 1)]
+    assert [r.path for r in manifest.ranks] == [str(job_dir / "logs" / f"rank{r}.{kind}") for r in (0, 1)
+                                                for kind in ("log", "err")]
     assert not (tmp_path / "spool" / "j7.1").exists()  # the spool is gone, the logs are not
 
     recorder = Recorder()
@@ -86,12 +87,15 @@ def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_ch
     while shipper.ship_once():
         pass
     for rank in (0, 1):
-        chunks = [c for c in recorder.chunks if c.rank == rank]
-        expected = (job_dir / "logs" / f"rank{rank}.log").read_bytes()
-        assert "".join(c.text for c in chunks).encode() == expected
-        assert f"step 40 rank {rank}\n".encode() in expected
-        assert [c.offset for c in chunks] == [sum(c.length for c in chunks[:i]) for i in range(len(chunks))]
-        assert all(c.length <= MAX_CHUNK_BYTES and c.generation == 3 and c.attempt == 1 for c in chunks)
+        for stream, name in (("stdout", f"rank{rank}.log"), ("stderr", f"rank{rank}.err")):
+            chunks = [c for c in recorder.chunks if c.rank == rank and c.stream == stream]
+            expected = (job_dir / "logs" / name).read_bytes()
+            assert "".join(c.text for c in chunks).encode() == expected
+            assert [c.offset for c in chunks] == [sum(c.length for c in chunks[:i]) for i in range(len(chunks))]
+        stdout, stderr = ((job_dir / "logs" / f"rank{rank}.{kind}").read_text() for kind in ("log", "err"))
+        assert f"step 40 rank {rank}\n" in stdout and "step 40" not in stderr
+    assert all(c.length <= MAX_CHUNK_BYTES and c.generation == 3 and c.attempt == 1 for c in recorder.chunks)
+    assert {r.stream for r in manifest.ranks} == {"stdout", "stderr"}
     announced = [c for b in recorder.batches for c in b.chunks if not c.length]
     assert len(announced) == 1 and recorder.batches[0].chunks[0] == announced[0] and announced[0].text == ""
     assert all(len(b.chunks) <= MAX_CHUNKS and len(json.dumps(b.to_dict())) <= MAX_BATCH_BYTES + MAX_CHUNK_BYTES * 2
@@ -108,11 +112,15 @@ def test_a_restarted_shipper_carries_on_where_the_control_plane_stopped_acknowle
     first = Recorder()
     shipper = LogShipper(tmp_path / "j", first)
     shipper.ship_once()
-    sent = sum(c.length for c in first.chunks)
+    while shipper.ship_once():
+        pass
+    sent = sum(c.length for c in first.chunks if c.stream == "stdout")
     log = job_dir / "logs" / "rank0.log"
     with open(log, "a") as handle:  # more output after the agent went away
         handle.write("written while no agent ran\n")
-    (job_dir / SHIPPED).write_text(json.dumps({"done": False, "announced": True, "sent": {"0": sent}}))
+    err_size = (job_dir / "logs" / "rank0.err").stat().st_size
+    (job_dir / SHIPPED).write_text(json.dumps({"done": False, "announced": True,
+                                               "sent": {"0:stdout": sent, "0:stderr": err_size}}))
     second = Recorder()
     restarted = LogShipper(tmp_path / "j", second)
     while restarted.ship_once():
@@ -133,7 +141,21 @@ def test_beyond_the_backlog_limit_the_oldest_unsent_output_is_dropped_and_said(t
     shipper = LogShipper(tmp_path / "j", recorder, backlog_limit=limit)
     while shipper.ship_once():
         pass
-    chunks = recorder.chunks
+    chunks = [c for c in recorder.chunks if c.stream == "stdout"]
     assert chunks[0].dropped == size - limit and sum(c.dropped for c in chunks) == size - limit
     assert sum(c.length for c in chunks) == limit  # the newest `limit` bytes, all of them
     assert "".join(c.text for c in chunks).endswith("line 003999 " + "y" * 40 + "\n")
+
+
+@pytest.mark.runtime
+def test_stdout_and_stderr_ship_as_streams_of_their_own(tmp_path):
+    job_dir = run_launcher(tmp_path, "--steps", "10", "--step-sleep", "0", "--fail-at", "3", ranks=1, expect=1)
+    recorder = Recorder()
+    shipper = LogShipper(tmp_path / "j", recorder)
+    while shipper.ship_once():
+        pass
+    stdout = "".join(c.text for c in recorder.chunks if c.stream == "stdout")
+    stderr = "".join(c.text for c in recorder.chunks if c.stream == "stderr")
+    assert "step 3 rank 0" in stdout and "ValueError" not in stdout
+    assert "ValueError: rank 0 gives up at step 3" in stderr and "step 3 rank 0" not in stderr
+    assert stderr.encode() == (job_dir / "logs" / "rank0.err").read_bytes()

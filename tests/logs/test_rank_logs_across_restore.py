@@ -77,6 +77,7 @@ def test_the_restored_attempts_log_starts_where_the_stopped_one_ended(engine, tm
                 process.kill()
         shutil.rmtree(spool_root, ignore_errors=True)
     manifest = read_manifest(second_dir)
+    assert [(r.rank, r.stream) for r in manifest.ranks] == [(0, "stdout"), (0, "stderr")]
     second_log = pathlib.Path(manifest.ranks[0].path).read_text()
     if engine == "criu":  # the same file, carried: the old output, then the restored rank's
         assert manifest.ranks[0].start == len(first_log.encode()) and second_log.startswith(first_log)
@@ -86,7 +87,8 @@ def test_the_restored_attempts_log_starts_where_the_stopped_one_ended(engine, tm
     shipper = LogShipper(tmp_path / "j", recorder)
     while shipper.ship_once():
         pass
-    shipped = {attempt: "".join(c.text for c in recorder.chunks if c.attempt == attempt) for attempt in (1, 2)}
+    shipped = {attempt: "".join(c.text for c in recorder.chunks if c.attempt == attempt and c.stream == "stdout")
+               for attempt in (1, 2)}
     assert shipped[1] == first_log
     steps = [int(line.split()[1]) for line in shipped[2].splitlines() if line.startswith("step ")]
     # On from the cut, none twice. A CRIU-restored rank goes on inside step 12 and prints it; a
