@@ -213,7 +213,8 @@ def node_report_record(*, node, heartbeat: Heartbeat, now=None) -> ReportOutcome
     report (a job placed elsewhere, one that ended, one that does not exist) is rejected with
     "fence": true and the same words whatever the reason (NOT_YOURS), and changes nothing; only
     the node of the job's newest placement hears "cancel": true for a running copy of a job that
-    was cancelled (the agent kills it and removes its store). A report of the held job naming
+    was cancelled (the agent kills it and removes its store), and that node's report that the copy
+ended is accepted (recording nothing). A report of the held job naming
     another generation is rejected with "fence". A checkpoint outside the copy's own store folder
     (<root>/job-<id>/g<generation>), or without its manifest's sha256, is rejected naming the
     field, and nothing of that report is recorded. A finished report of a job still in the middle
@@ -253,9 +254,12 @@ def node_report_record(*, node, heartbeat: Heartbeat, now=None) -> ReportOutcome
                     rejected.append(Rejection(job_id=job.pk, fence=True,
                                               error=f"stale copy: generation {generation}, the job now runs as "
                                                     f"generation {job.generation}; kill it without a checkpoint"))
-                elif job.state == S.CANCELLED and entry.state in LIVE_COPY_STATES and _last_placed_on(job, node):
-                    rejected.append(Rejection(job_id=job.pk, cancel=True,
-                                              error="the job was cancelled; kill it without a checkpoint"))
+                elif job.state == S.CANCELLED and _last_placed_on(job, node):
+                    if entry.state in LIVE_COPY_STATES:
+                        rejected.append(Rejection(job_id=job.pk, cancel=True,
+                                                  error="the job was cancelled; kill it without a checkpoint"))
+                    else:  # its copy here ended: nothing to kill, nothing recorded
+                        accepted.append(job.pk)
                 else:
                     rejected.append(_not_yours(job.pk))
                 continue
