@@ -13,6 +13,7 @@ from django.core.exceptions import ValidationError
 from django.db import connection, transaction
 from django.db.models import Max, Min, Subquery, Sum
 from django.db.models.functions import Trunc
+from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
 from fleet.models import (
@@ -20,6 +21,7 @@ from fleet.models import (
     Accelerator,
     Cluster,
     ClusterTelemetryBucket,
+    EnrollmentToken,
     Node,
     NodeTelemetryBucket,
     Region,
@@ -29,6 +31,7 @@ from fleet.models import (
 )
 
 BULK_BATCH_SIZE = 5000
+ENROLLMENT_TOKEN_MAX_LIFETIME = timedelta(days=30)
 ANALYZE_AFTER_ROWS = 10_000
 
 
@@ -62,14 +65,42 @@ def node_token_issue(*, node):
     plaintext to the operator once; it cannot be recovered.
     """
     token = secrets.token_urlsafe(32)
-    Node.objects.filter(pk=node.pk).update(agent_token_hash=node_token_hash(token))
+    enrolled_at = node.enrolled_at or timezone.now()
+    Node.objects.filter(pk=node.pk).update(agent_token_hash=node_token_hash(token), enrolled_at=enrolled_at)
     node.agent_token_hash = node_token_hash(token)
+    node.enrolled_at = enrolled_at
     return token
 
 
 def node_token_revoke(*, node):
+    """Revokes `node`'s agent token (its agent gets 401). The node stays enrolled: only an admin
+    gives it a new token (node_token_issue) or lets it enrol again (node_enrollment_allow)."""
     Node.objects.filter(pk=node.pk).update(agent_token_hash="")
     node.agent_token_hash = ""
+
+
+def node_enrollment_allow(*, node):
+    """Revokes `node`'s token and lets the next agent that presents a valid enrollment token for its
+    cluster enrol as it (an admin's action: re-enrolling a node that was reinstalled)."""
+    Node.objects.filter(pk=node.pk).update(agent_token_hash="", enrolled_at=None)
+    node.agent_token_hash, node.enrolled_at = "", None
+
+
+def enrollment_token_create(*, cluster, expires_in, note="", created_by=""):
+    """Returns (EnrollmentToken, plaintext): a new token that enrols nodes into `cluster` for
+    `expires_in` (a timedelta, at most ENROLLMENT_TOKEN_MAX_LIFETIME). Only the hash is stored."""
+    if not timedelta(0) < expires_in <= ENROLLMENT_TOKEN_MAX_LIFETIME:
+        raise ValidationError({"expires_in": f"must be more than 0 and at most "
+                                             f"{ENROLLMENT_TOKEN_MAX_LIFETIME.days} days"})
+    token = secrets.token_urlsafe(32)
+    row = EnrollmentToken.objects.create(token_hash=node_token_hash(token), cluster=cluster,
+                                         expires_at=timezone.now() + expires_in, note=note[:200],
+                                         created_by=str(created_by)[:150])
+    return row, token
+
+
+def enrollment_token_revoke(*, token_row):
+    EnrollmentToken.objects.filter(pk=token_row.pk, revoked_at=None).update(revoked_at=timezone.now())
 
 
 def node_heartbeat_record(*, node, telemetry, now):

@@ -64,7 +64,9 @@ class DeviceDescription(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Registration(Message):
-    """POST register/ (with `Authorization: Enroll <enrollment token>`): this node and its devices."""
+    """POST register/: this node and its devices. A new node sends `Authorization: Enroll
+    <enrollment token>`; an enrolled node registers again with `Authorization: Node <its token>`
+    (an enrollment token never takes over an enrolled node)."""
 
     hostname: str = bounded(max_length=MAX_NAME)
     devices: tuple[DeviceDescription, ...] = bounded(max_length=MAX_DEVICES_PER_NODE)
@@ -76,7 +78,8 @@ class Registration(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class RegistrationAnswer(Message):
-    """201 to Registration: the node's id and its own token (the old one stops working)."""
+    """201 to Registration: the node's id and its own token (a new one when it enrolled; the same
+    one when it registered again with it)."""
 
     node_id: int = bounded(minimum=1, maximum=MAX_ID)
     token: str = bounded(max_length=512)
