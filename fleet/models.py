@@ -12,6 +12,7 @@ from django.db import models
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+from protocol.node import MAX_DEVICE_MEMORY_GB
 
 # A node whose agent has not reported for this long is stale (the control loop
 # decides when stale becomes lost).
@@ -178,6 +179,12 @@ TELEMETRY_RETENTION = {
     ("cluster", TelemetryResolution.MINUTE): timedelta(days=2),
     ("cluster", TelemetryResolution.HOUR): timedelta(days=365),
 }
+
+
+# A bucket whose readings a device can have produced (protocol.node bounds every reading so):
+# reads and rollups leave other rows (written before those bounds) out, so no sum overflows.
+TELEMETRY_PHYSICAL = models.Q(utilization_max__gte=0.0, utilization_max__lte=1.0, memory_used_gb_max__gte=0.0,
+                              memory_used_gb_max__lte=MAX_DEVICE_MEMORY_GB)
 
 
 def telemetry_bucket_start(moment, resolution):

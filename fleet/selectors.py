@@ -7,6 +7,7 @@ from django.db.models import Avg, Count, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from fleet.models import (
+    TELEMETRY_PHYSICAL,
     TELEMETRY_RETENTION,
     Accelerator,
     ClusterTelemetryBucket,
@@ -251,7 +252,7 @@ def telemetry_series(*, since, until, resolution, node_id=None, cluster_id=None,
             # Where this layer's rollups end (across the fleet): the next layer takes over from there.
             newest = rows.aggregate(m=Max("bucket_start"))["m"]
         window_rows = (
-            rows.filter(_scope_filter(model, node_id=node_id, cluster_id=cluster_id, region=region,
+            rows.filter(TELEMETRY_PHYSICAL, _scope_filter(model, node_id=node_id, cluster_id=cluster_id, region=region,
                                       accelerator_type=accelerator_type),
                         bucket_start__gte=covered_until, bucket_start__lt=until)
             .order_by()

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
 from fleet.models import (
+    TELEMETRY_PHYSICAL,
     TELEMETRY_RETENTION,
     Accelerator,
     Cluster,
@@ -29,6 +30,7 @@ from fleet.models import (
     node_token_hash,
     telemetry_bucket_start,
 )
+from protocol.node import MAX_DEVICE_MEMORY_GB
 
 BULK_BATCH_SIZE = 5000
 ENROLLMENT_TOKEN_MAX_LIFETIME = timedelta(days=30)
@@ -130,11 +132,13 @@ def node_heartbeat_record(*, node, telemetry, now):
         _node_bucket_add(node_id=node.pk, written=written, now=now)
 
 
-def _reading(value):
-    """Returns `value` as a finite float, or None for anything else (a missing or garbled reading)."""
+def _reading(value, *, maximum=1.0):
+    """Returns `value` as a float in [0, maximum], or None for anything else (a missing, garbled or
+    unphysical reading: the agent API refuses those already; this keeps every stored sum finite
+    whoever calls it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
-    return float(value)
+    return float(value) if 0.0 <= value <= maximum else None
 
 
 def _device_readings(devices):
@@ -144,7 +148,8 @@ def _device_readings(devices):
         index = device.get("index") if isinstance(device, dict) else None
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**15:
             continue
-        readings[index] = (_reading(device.get("utilization")), _reading(device.get("memory_used_gb")))
+        readings[index] = (_reading(device.get("utilization")),
+                           _reading(device.get("memory_used_gb"), maximum=MAX_DEVICE_MEMORY_GB))
     return readings
 
 
@@ -266,7 +271,9 @@ def _telemetry_rollup_step(*, source, target, target_key, source_key, resolution
 
     (Recomputing the newest target bucket every run would re-read a whole hour of node minutes
     every minute: 3.6 s a run at 100k accelerators, measured.)"""
-    fine = source.objects.filter(resolution=TelemetryResolution.MINUTE)
+    # Rows beyond physics (written before the agent API bounded every reading) are left out: one
+    # 1e308 would make every sum above it overflow (PostgreSQL refuses, SQLite stores inf).
+    fine = source.objects.filter(TELEMETRY_PHYSICAL, resolution=TelemetryResolution.MINUTE)
     end = telemetry_bucket_start(now - TELEMETRY_ROLLUP_GRACE, resolution)
     newest = target.objects.filter(resolution=resolution).aggregate(m=Max("bucket_start"))["m"]
     if newest is not None:

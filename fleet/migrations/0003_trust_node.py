@@ -12,6 +12,24 @@ def enrolled_nodes_are_enrolled(apps, schema_editor):
         enrolled_at=models.F("created_at"))
 
 
+MAX_DEVICE_MEMORY_GB = 4096  # protocol.node.MAX_DEVICE_MEMORY_GB when this was written
+
+
+def unphysical_telemetry_forgotten(apps, schema_editor):
+    """Readings beyond physics (1e308 GB, which the agent API took before issue 15) made every sum
+    over them overflow: the utilization API answered 500 for as long as retention kept them."""
+    Accelerator, Node = apps.get_model("fleet", "Accelerator"), apps.get_model("fleet", "Node")
+    bad_utilization = models.Q(utilization__lt=0.0) | models.Q(utilization__gt=1.0)
+    Accelerator.objects.filter(bad_utilization).update(utilization=None)
+    Accelerator.objects.filter(models.Q(memory_used_gb__lt=0.0) | models.Q(memory_used_gb__gt=MAX_DEVICE_MEMORY_GB)
+                               ).update(memory_used_gb=None)
+    Node.objects.filter(bad_utilization).update(utilization=None)
+    physical = models.Q(utilization_max__gte=0.0, utilization_max__lte=1.0, memory_used_gb_max__gte=0.0,
+                        memory_used_gb_max__lte=MAX_DEVICE_MEMORY_GB)
+    for name in ("NodeTelemetryBucket", "ClusterTelemetryBucket"):
+        apps.get_model("fleet", name).objects.exclude(physical).delete()
+
+
 class Migration(migrations.Migration):
 
     dependencies = [
@@ -44,4 +62,5 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.RunPython(enrolled_nodes_are_enrolled, migrations.RunPython.noop),
+        migrations.RunPython(unphysical_telemetry_forgotten, migrations.RunPython.noop),
 ]
