@@ -148,7 +148,8 @@ def test_the_reconciler_prunes_older_generations_of_a_job_it_runs():
             assert (job / "g1").exists()
             seed_store(job / "g3", accepted.uri, manifest_sha256(accepted.path))
 
-            node.reconcile([{**desired, "restore_from": accepted.uri, "restore_sha256": manifest_sha256(accepted.path)}])
+            node.reconcile([{**desired, "restore_from": accepted.uri,
+                             "restore_sha256": manifest_sha256(accepted.path)}])
 
             poll("generation 1's folder to go", lambda: not (job / "g1").exists())
             assert sorted(p.name for p in job.iterdir()) == ["g2", "g3"]
