@@ -166,8 +166,9 @@ class NodeRegisterApi(APIView):
             if node_token is not None:
                 node = node_get_by_token(token=node_token)
                 if node is None:
-                    raise AuthenticationFailed("unknown or revoked node token; an admin re-enrols this node "
-                                               "(manage.py fleet_node_token)")
+                    return Response({"detail": "unknown or revoked node token; an admin re-enrols this node "
+                                               "(manage.py fleet_node_token)"},
+                                    status=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Node"})
             else:
                 node_enrollment_check(enrollment=enrollment)
             registration = _decoded(RegistrationSerializer, request)
