@@ -1,7 +1,8 @@
 """meridian-run: runs an unmodified PyTorch script as W rank processes, preemptible and resizable.
 
     meridian-run --ranks W [--devices d] [--device-indices i,j,...] [--engine criu|framework|auto]
-                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K] [--resume] script.py args...
+                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K]
+                 [--resume [--restore-manifest-sha256 HEX]] script.py args...
 
 The launcher hosts the job's rendezvous store (ranks are store clients only), starts every rank
 through runtime/rank.py, serves the control socket (runtime/control.py) and carries out the
