@@ -10,15 +10,15 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
-from rest_framework.authtoken.views import obtain_auth_token
 
 from portal import views
+from portal.auth import TokenObtainApi
 
 api_patterns = [
     path("", include("fleet.urls")),
     path("agent/", include("jobs.agent_urls")),
     path("", include("jobs.urls")),
-    path("auth/token/", obtain_auth_token, name="api-token"),
+    path("auth/token/", TokenObtainApi.as_view(), name="api-token"),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("docs/", views.api_docs, name="api-docs"),
 ]
