@@ -460,12 +460,10 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
                                                 W / min_devices rank processes in turns; and since
                                                 min_devices counts against the team's quota, a
                                                 team's ranks are at most quota * that factor;
-      capacity * MERIDIAN_MAX_RANKS_PER_DEVICE  capacity = the most devices of the type one job
-                                                could ever hold (fleet.selectors.
-                                                accelerator_type_capacity, under one node, rack,
-                                                cluster or region as MERIDIAN_JOB_MAX_SPREAD says);
-    and min_devices by that capacity: a job needing more could never start. A fleet without any
-    device of the type yet (nodes enroll later) bounds nothing but the first two: the job waits,
+    and min_devices by the most devices of the type one job could ever hold (fleet.selectors.
+    accelerator_type_capacity: under one node, rack, cluster or region as MERIDIAN_JOB_MAX_SPREAD
+    says): a job needing more could never start. So W <= capacity * ranks per device as well. A
+    fleet without any device of the type yet (nodes enroll later) bounds only W: the job waits,
     and the scheduler says why.
     """
     from fleet.selectors import accelerator_type_capacity
@@ -482,10 +480,6 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
     limits = {"max_min_devices": None, "min_devices_because": ""}
     if capacity:
         where = f"one {settings.MERIDIAN_JOB_MAX_SPREAD}"
-        bounds.append((capacity * per_device,
-                       f"the fleet has at most {capacity} {accelerator_type} device(s) in {where}, and at most "
-                       f"{per_device} ranks share a device, so no placement can ever hold more than "
-                       f"{capacity * per_device} ranks"))
         limits.update(max_min_devices=capacity,
                       min_devices_because=f"the fleet has at most {capacity} {accelerator_type} device(s) in "
                                           f"{where} (a job's devices never span more); a job needing more "
