@@ -5,7 +5,7 @@ Every password login goes through django.contrib.auth.authenticate with the requ
 per account and per address (settings.AXES_LOCKOUT_PARAMETERS) and, at
 settings.MERIDIAN_LOGIN_FAILURE_LIMIT failures, refuses further attempts of that account, or from
 that address, for settings.MERIDIAN_LOGIN_LOCKOUT_MINUTES, even with the right password: a 429
-with a message (lockout_response). A success resets the account's count.
+with a message (lockout_response). The lock ends after that cool-off (or manage.py axes_reset).
 """
 from __future__ import annotations
 
