@@ -9,6 +9,8 @@ with a message (lockout_response). The lock ends after that cool-off (or manage.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 from axes.backends import AxesStandaloneBackend
 from django.conf import settings
 from django.contrib.auth import authenticate
@@ -23,6 +25,16 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from portal.api_errors import BoundedJSONParser
+
+
+def login_failure_limit(request=None, credentials=None) -> int:
+    """settings.AXES_FAILURE_LIMIT: failures per account, and per address, before the lock."""
+    return int(settings.MERIDIAN_LOGIN_FAILURE_LIMIT)
+
+
+def login_lockout_time(request=None) -> timedelta:
+    """settings.AXES_COOLOFF_TIME: how long a lock lasts."""
+    return timedelta(minutes=float(settings.MERIDIAN_LOGIN_LOCKOUT_MINUTES))
 
 
 def lockout_message() -> str:

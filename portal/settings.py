@@ -21,7 +21,6 @@ tests override them with pytest-django's `settings` fixture): see "control loop"
 import os
 import secrets
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -286,8 +285,9 @@ AUTHENTICATION_BACKENDS = ["portal.auth.LoginThrottleBackend", "django.contrib.a
 MERIDIAN_LOGIN_FAILURE_LIMIT = _env_int("MERIDIAN_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 MERIDIAN_LOGIN_LOCKOUT_MINUTES = _env_float("MERIDIAN_LOGIN_LOCKOUT_MINUTES", 15.0, minimum=1 / 60)
 AXES_ENABLED = True
-AXES_FAILURE_LIMIT = MERIDIAN_LOGIN_FAILURE_LIMIT
-AXES_COOLOFF_TIME = timedelta(minutes=MERIDIAN_LOGIN_LOCKOUT_MINUTES)
+# read at call time (portal.auth), so tests and operators change the MERIDIAN_ settings only
+AXES_FAILURE_LIMIT = "portal.auth.login_failure_limit"
+AXES_COOLOFF_TIME = "portal.auth.login_lockout_time"
 AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]  # either one locks: an account, or an address
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "portal.auth.lockout_response"

@@ -30,3 +30,7 @@ urlpatterns = [
     path("api/", include(api_patterns)),
     path("", include("portal.pages.urls")),
 ]
+
+
+# An /api/ URL that matches nothing (e.g. /api/jobs/abc/) answers JSON like the rest of the API.
+handler404 = "portal.views.not_found"

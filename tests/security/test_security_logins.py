@@ -14,7 +14,6 @@ LIMIT = 3
 @pytest.fixture(autouse=True)
 def login_limits(settings):
     settings.MERIDIAN_LOGIN_FAILURE_LIMIT = LIMIT
-    settings.AXES_FAILURE_LIMIT = LIMIT
 
 
 def _token(client, password, username="alice", address="10.0.0.1"):
