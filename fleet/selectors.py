@@ -213,11 +213,12 @@ def telemetry_window(*, now, since=None, until=None, hours=None, resolution=None
     if since is not None and hours is not None:
         raise ValidationError({"hours": "give either since or hours, not both"})
     until = until or now
+    window_hours = hours if hours is not None else TELEMETRY_DEFAULT_HOURS
     try:
-        since = since or until - timedelta(hours=hours if hours is not None else TELEMETRY_DEFAULT_HOURS)
+        since = since or until - timedelta(hours=window_hours)
     except OverflowError:  # until near year 1: the window would start before the calendar does
-        raise ValidationError({"until": f"until ({until.isoformat()}) is too early for a "
-                                        f"{hours if hours is not None else TELEMETRY_DEFAULT_HOURS:g} h window"}) from None
+        raise ValidationError({"until": f"until ({until.isoformat()}) is too early for a {window_hours:g} h window"}
+                              ) from None
     if since >= until:
         raise ValidationError({"since": f"since ({since.isoformat()}) must be before until ({until.isoformat()})"})
     minutes_kept = TELEMETRY_RETENTION[("node" if node_level else "cluster", TelemetryResolution.MINUTE)]

@@ -11,9 +11,8 @@ import pytest
 import schemathesis
 from django.core.wsgi import get_wsgi_application
 from rest_framework.authtoken.models import Token
-from schemathesis.specs.openapi import checks as openapi_checks
-
 from schemathesis import checks as core_checks
+from schemathesis.specs.openapi import checks as openapi_checks
 
 EXAMPLES_PER_OPERATION = 20
 CHECKS = [
