@@ -37,6 +37,8 @@ def main():
     from django.core.management import call_command
     from django.utils import timezone
 
+    # the services push live updates on commit; no browser listens here
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     call_command("migrate", verbosity=0)
     from fleet.services import fleet_generate
     from jobs.demo_cast import cast_create

@@ -34,3 +34,6 @@ urlpatterns = [
 
 # An /api/ URL that matches nothing (e.g. /api/jobs/abc/) answers JSON like the rest of the API.
 handler404 = "portal.views.not_found"
+# A 500 outside DRF's views (a middleware, the URL layer) under /api/ is JSON too (production;
+# DEBUG shows Django's debug page). Inside the API views portal.api_errors answers it.
+handler500 = "portal.views.server_error"

@@ -182,3 +182,13 @@ def test_an_api_error_that_is_a_bug_answers_json(client_for, alice, monkeypatch)
     assert response.status_code == 500
     assert response["Content-Type"] == "application/json"
     assert "internal error" in response.json()["detail"] and "/srv/x" not in response.content.decode()
+
+
+def test_a_500_outside_the_api_views_is_json_under_api_too(rf):
+    from portal.views import server_error
+
+    api = server_error(rf.get("/api/jobs/"))
+    page = server_error(rf.get("/jobs/"))
+
+    assert api.status_code == 500 and api["Content-Type"] == "application/json"
+    assert page.status_code == 500 and "html" in page["Content-Type"]
