@@ -69,3 +69,20 @@ def test_a_preemption_request_naming_another_teams_job_is_redacted(client_for, c
     body = client_for(charlie).get("/api/preemptions/").json()["results"][0]
 
     assert SECRET not in body["reason"] and "another team's job" in body["reason"]
+
+
+def test_the_redaction_matches_how_the_real_snapshot_names_jobs(charlie, secret_job, cpu_fleet):
+    """The reasons come from scheduler.framework.job_label -> Jobs.name(j), the name jobs.snapshot
+    gives each job: redaction must recognize exactly that form (a change there would leak)."""
+    from django.utils import timezone
+
+    from jobs.selectors import job_names_redacted
+    from jobs.snapshot import snapshot_build
+
+    snap = snapshot_build(now=timezone.now()).snapshot
+    j = [int(i) for i in snap.jobs.ids].index(secret_job.pk)
+    reason = f"waiting for approval to preempt job {snap.jobs.name(j)} (Standard)"
+
+    assert SECRET in reason
+    assert job_names_redacted(user=charlie, texts=[reason]) == [
+        f"waiting for approval to preempt job #{secret_job.pk} (another team's job) (Standard)"]
