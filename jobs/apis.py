@@ -50,6 +50,8 @@ class JobOutputSerializer(serializers.ModelSerializer):
     is_elastic = serializers.BooleanField()
     sla_target = serializers.FloatField()
     attained_sla_fraction = serializers.FloatField(allow_null=True)
+    bundle = serializers.CharField(source="bundle.sha256", default=None,
+                                   help_text="the code bundle's sha256; null: the entrypoint is on the node")
 
     class Meta:
         model = Job
@@ -60,7 +62,7 @@ class JobOutputSerializer(serializers.ModelSerializer):
             "attained_device_seconds", "ideal_device_seconds", "attained_sla_fraction", "sla_target",
             "progress_step", "steps_per_second", "last_checkpoint_step", "last_checkpoint_at",
             "checkpoint_bytes", "preemption_count", "migration_count", "resize_count", "wait_reason",
-            "queue_position", "exit_code", "failure_reason",
+            "queue_position", "exit_code", "failure_reason", "bundle",
         ]
 
 
@@ -90,6 +92,10 @@ class JobSubmitApi(APIView):
         args = serializers.ListField(child=serializers.CharField(allow_blank=True), default=list, max_length=1000)
         env = serializers.DictField(child=serializers.CharField(allow_blank=True), default=dict)
         total_steps = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+        bundle = serializers.CharField(
+            required=False, allow_null=True, max_length=64,
+            help_text="sha256 of a code bundle you uploaded (PUT /api/bundles/<sha256>/); the entrypoint is then "
+                      "a path inside it. Left out: the entrypoint is on the node itself.")
 
     @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer}, summary="Submit a job")
     def post(self, request):

@@ -337,6 +337,7 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
 
 SPEC_FIELDS = {
     "name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps",
+    "bundle",
 }
 
 
@@ -416,6 +417,8 @@ def job_spec_clean(spec: object) -> dict:
         total_steps = _int_field(spec, "total_steps", errors)
         if total_steps is not None and total_steps < 1:
             errors["total_steps"] = "total_steps must be at least 1 when given"
+    if spec.get("bundle") is not None and type(spec["bundle"]).__name__ != "Bundle":
+        errors["bundle"] = "bundle must be resolved to an uploaded bundle first (jobs.bundles.bundle_resolve_for_submit)"
     if errors:
         raise ValidationError(errors)
     return {
@@ -428,6 +431,7 @@ def job_spec_clean(spec: object) -> dict:
         "args": args,
         "env": env,
         "total_steps": total_steps,
+        "bundle": spec.get("bundle"),  # a Bundle row or None (jobs.bundles.bundle_resolve_for_submit)
     }
 
 
@@ -450,7 +454,8 @@ def job_submit(*, team, submitted_by, spec, now=None):
     """
     if not user_can_see_team(user=submitted_by, team_id=team.pk):
         raise PermissionDenied(f"you are not a member of team {team.name}")
-    clean = job_spec_clean(spec)
+    from jobs.bundles import bundle_resolve_for_submit
+    clean = job_spec_clean(bundle_resolve_for_submit(spec=spec, user=submitted_by) if isinstance(spec, dict) else spec)
     now = now or timezone.now()
     with transaction.atomic():
         # Lock the team row so two submissions cannot both squeeze under the quota.

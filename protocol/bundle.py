@@ -385,3 +385,18 @@ def pack_bytes(files: dict[str, bytes]) -> bytes:
                 info.size, info.mode = len(content), 0o644
                 archive.addfile(info, io.BytesIO(content))
     return buffer.getvalue()
+
+
+# --- a job's outputs folder (written by runtime/workspace.py on the node, read by the control
+# plane to serve a download): the names both sides use ------------------------------------------
+
+OUTPUTS_LATEST = "latest.json"  # the workspace manifest of the newest checkpoint
+OUTPUTS_FINAL = "final.json"  # ... of the job's end (finished or failed)
+WORKSPACE_MANIFEST = "workspace.json"  # inside each checkpoint folder
+
+
+def object_relpath(sha256: str) -> str:
+    """Returns where a workspace file with this digest lies inside a job's outputs folder."""
+    if not is_sha256(sha256):
+        raise BundleError(f"{sha256!r} is not a sha256 digest")
+    return f"objects/{sha256[:2]}/{sha256}"
