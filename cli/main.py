@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cli.client import CliError, Client, print_json
+from cli.client import Client, CliError, print_json
 
 CommandFunction = Callable[[argparse.Namespace, Client], int]
 

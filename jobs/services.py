@@ -418,7 +418,7 @@ def job_spec_clean(spec: object) -> dict:
         if total_steps is not None and total_steps < 1:
             errors["total_steps"] = "total_steps must be at least 1 when given"
     if spec.get("bundle") is not None and type(spec["bundle"]).__name__ != "Bundle":
-        errors["bundle"] = "bundle must be resolved to an uploaded bundle first (jobs.bundles.bundle_resolve_for_submit)"
+        errors["bundle"] = "bundle must be an uploaded bundle (bundle_resolve_for_submit resolves a digest)"
     if errors:
         raise ValidationError(errors)
     return {

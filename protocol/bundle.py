@@ -124,7 +124,8 @@ class PackedFile:
     kind: str  # "file", "dir", "symlink"
 
 
-def select_files(root: str | os.PathLike, *, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> list[PackedFile]:
+def select_files(root: str | os.PathLike, *, include: Iterable[str] = (),
+                 exclude: Iterable[str] = ()) -> list[PackedFile]:
     """Returns what a bundle of `root` holds, sorted: every file and folder not ignored by a
     .gitignore or .meridianignore (at any depth), by the always-ignored names (.git/, .venv/,
     __pycache__/, *.pyc), or by an `exclude` glob; an `include` glob brings back an ignored file.

@@ -33,9 +33,10 @@ import stat
 import uuid
 from pathlib import Path
 
-WORKSPACE_MANIFEST = "workspace.json"
-LATEST = "latest.json"
-FINAL = "final.json"
+from protocol.bundle import OUTPUTS_FINAL as FINAL
+from protocol.bundle import OUTPUTS_LATEST as LATEST
+from protocol.bundle import WORKSPACE_MANIFEST, object_relpath
+
 MANIFEST_FORMAT = 1
 CHUNK = 1 << 20
 
@@ -57,7 +58,10 @@ def _human(size: float) -> str:
 
 
 def object_path(outputs: Path, sha256: str) -> Path:
-    return outputs / "objects" / sha256[:2] / sha256
+    try:
+        return outputs / object_relpath(sha256)
+    except ValueError as exc:
+        raise WorkspaceError(str(exc)) from None
 
 
 def scan(workspace: Path) -> dict[str, os.stat_result]:
