@@ -105,4 +105,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m cli.main`: this module is __main__, but command modules register into cli.main.
+    from cli.main import main as registered_main
+    sys.exit(registered_main())

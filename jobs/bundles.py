@@ -123,6 +123,21 @@ def bundle_store(*, stream: IO[bytes], sha256: str, user, declared_length: int |
     return bundle, created
 
 
+def bundle_store_upload(*, uploaded_file, user) -> Bundle:
+    """Stores a bundle a person uploaded through a form (a Django UploadedFile): hashed first,
+    then stored as bundle_store does. Raises what bundle_store raises."""
+    limit = int(settings.MERIDIAN_BUNDLE_MAX_BYTES)
+    if uploaded_file.size is not None and uploaded_file.size > limit:
+        raise BundleTooLarge(limit)
+    digest = hashlib.sha256()
+    for chunk in uploaded_file.chunks(CHUNK):
+        digest.update(chunk)
+    uploaded_file.seek(0)
+    bundle, _ = bundle_store(stream=uploaded_file, sha256=digest.hexdigest(), user=user,
+                             declared_length=uploaded_file.size)
+    return bundle
+
+
 def bundle_resolve_for_submit(*, spec: dict, user) -> dict:
     """Returns `spec` with its "bundle" digest replaced by the Bundle row (None or absent: no
     bundle). Raises ValidationError({"bundle"}) for a digest the user has not uploaded, and
