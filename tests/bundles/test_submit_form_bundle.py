@@ -60,4 +60,5 @@ def test_without_a_bundle_the_page_says_the_entrypoint_is_on_the_node(alice, tea
     assert response.status_code == 302
     job = Job.objects.get(name="from-the-form")
     assert job.bundle is None
-    assert "the entrypoint is on the node" in _client(alice).get(reverse("pages:job-detail", args=[job.pk])).content.decode()
+    page = _client(alice).get(reverse("pages:job-detail", args=[job.pk])).content.decode()
+    assert "the entrypoint is on the node" in page
