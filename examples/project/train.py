@@ -5,9 +5,9 @@ script that reads its data and writes its results with relative paths, as on a l
 
 Reads data/points.csv (relative to the project folder, which is the job's workspace); writes
 outputs/started.txt once, before training (a resumed copy finds it there, restored with the
-workspace, and leaves it), and at the end outputs/model.pt and outputs/metrics.json. W ranks from the
-torchrun-style environment (gloo); rank 0 writes. Nothing in it knows about Meridian: it is preempted, moved and resized, and
-its outputs follow it (they are saved with every checkpoint).
+workspace, and leaves it), and at the end outputs/model.pt and outputs/metrics.json. W ranks
+from the torchrun-style environment (gloo); rank 0 writes. Nothing in it knows about Meridian:
+it is preempted, moved and resized, and its outputs follow it (saved with every checkpoint).
 """
 import argparse
 import csv
