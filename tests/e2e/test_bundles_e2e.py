@@ -93,3 +93,14 @@ def test_a_user_submits_a_folder_sees_it_preempted_and_resumed_elsewhere_and_dow
     # The premium job had no bundle: its entrypoint was on the node, and it said so.
     assert plane.job(premium)["bundle"] is None
     plane.wait_state(premium, "succeeded", timeout=300)
+
+
+def test_the_demo_workload_ships_its_jobs_as_bundles_and_stops_after_n(stack):
+    plane = stack()
+    demo = subprocess.run([sys.executable, str(ROOT / "examples" / "demo_workload.py"), "--control-plane", plane.url,
+                           "--jobs", "3"], cwd=ROOT, env={**plane.env}, capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert demo.stdout.count("[demo] submitted job") == 3 and demo.stdout.count("uploaded") == 1, demo.stdout
+    body = plane.api("GET", "jobs/?page_size=50").json()
+    jobs = body["results"]
+    assert len(jobs) == 3 and len({j["bundle"] for j in jobs}) == 1 and jobs[0]["bundle"]
