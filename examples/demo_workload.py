@@ -23,7 +23,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cli.client import CliError, Client  # noqa: E402
+from cli.client import Client, CliError  # noqa: E402
 from cli.commands import bundle_upload  # noqa: E402
 from protocol import bundle as bundle_format  # noqa: E402
 
