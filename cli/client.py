@@ -137,7 +137,9 @@ class Client:
         if response.status_code >= 400 and response.status_code not in ok:
             message = _error_message(response)
             response.close()
-            if response.status_code == 401:
+            # DRF answers a bad token with 401, or 403 when session auth comes first in its list.
+            if response.status_code == 401 or (response.status_code == 403 and any(
+                    word in message.lower() for word in ("invalid token", "credentials were not provided"))):
                 raise CliError(f"{self.url} refused the token ({message}): run `meridian login {self.url}`")
             raise CliError(f"{method} {path}: HTTP {response.status_code}: {message}")
         return response
