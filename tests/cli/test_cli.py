@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from cli.client import CliError, Client, config_path
+from cli.client import Client, CliError, config_path
 from cli.commands import job_exit_code, split_command
 from cli.main import main
 
