@@ -104,7 +104,7 @@ class Agent:
                                          checkpoint_every_s=options.checkpoint_every,
                                          workload_root=options.workload_root,
                                          keep_finished_checkpoints=options.keep_finished_checkpoints,
-                                         workspace_root=options.workspace_root,
+                                         workspace_root=getattr(options, "workspace_root", None),
                                          bundle_fetcher=self.fetch_bundle)
         self.desired_jobs: tuple[DesiredJob, ...] = ()
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
