@@ -79,3 +79,22 @@ def test_outputs_survive_a_stop_and_a_resume_on_another_node(tmp_path, monkeypat
     fresh = Workspace(tmp_path / "download", outputs)
     fresh.restore(final)
     assert (fresh.path / "outputs" / "started.txt").read_text() == started
+
+
+def test_a_workspace_over_its_quota_fails_the_job_naming_the_biggest_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "fill.py").write_text(
+        "import time\nopen('huge.bin', 'wb').write(b'0' * 200_000)\n"
+        "for _ in range(600):\n    time.sleep(0.1)\n")
+    job_dir = tmp_path / "job"
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime.launcher", "--ranks", "1", "--engine", "framework", "--job-dir", str(job_dir),
+         "--job-id", "ws-quota", "--store", str(tmp_path / "store"), "--workspace", str(workspace),
+         "--outputs", str(tmp_path / "outputs"), "--workspace-quota-bytes", "100000", str(workspace / "fill.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "above its quota of 97.7 KiB" in result.stderr and "huge.bin (195.3 KiB)" in result.stderr
+    # What the job had is still kept for the user to see.
+    assert "huge.bin" in read_manifest(tmp_path / "outputs" / "final.json")["files"]
