@@ -13,16 +13,20 @@ import pytest
 from agent.bundles import prepare_workspace
 from protocol import bundle
 from runtime.control import JobControl, JobControlError
+from runtime.criu import check_available
 from runtime.workspace import Workspace, read_manifest
 
 pytestmark = [pytest.mark.runtime, pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROJECT = ROOT / "examples" / "project"
+CRIU_OK, CRIU_DETAIL = check_available()
+ENGINES = ["framework", pytest.param("criu", marks=[pytest.mark.criu, pytest.mark.skipif(
+    not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")])]
 
 
-def _launch(tmp_path, name, workspace, outputs, store, *, resume=False):
+def _launch(tmp_path, name, workspace, outputs, store, *, resume=False, engine="framework"):
     job_dir = tmp_path / name
-    command = [sys.executable, "-m", "runtime.launcher", "--ranks", "1", "--engine", "framework",
+    command = [sys.executable, "-m", "runtime.launcher", "--ranks", "1", "--engine", engine,
                "--job-dir", str(job_dir), "--job-id", f"ws-{name}", "--store", str(store),
                "--workspace", str(workspace), "--outputs", str(outputs)]
     if resume:
@@ -45,13 +49,14 @@ def _wait_step(control, process, step, tmp_path, name):
     raise AssertionError(f"never reached step {step}")
 
 
-def test_outputs_survive_a_stop_and_a_resume_on_another_node(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_outputs_survive_a_stop_and_a_resume_on_another_node(tmp_path, monkeypatch, engine):
     monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
     archive = tmp_path / "bundle.tar.gz"
     digest, _, _ = bundle.pack(PROJECT, archive)
     root, outputs, store = tmp_path / "workspaces", tmp_path / "outputs", tmp_path / "store"
     workspace = prepare_workspace(root=root, job_id=7, bundle_archive=archive, bundle_sha256=digest, resume=False)
-    first, control = _launch(tmp_path, "a", workspace, outputs, store)
+    first, control = _launch(tmp_path, "a", workspace, outputs, store, engine=engine)
     _wait_step(control, first, 10, tmp_path, "a")
     started = (workspace / "outputs" / "started.txt").read_text()
     answer = control.stop(timeout_s=120)
@@ -68,7 +73,7 @@ def test_outputs_survive_a_stop_and_a_resume_on_another_node(tmp_path, monkeypat
     shutil.rmtree(root)
     workspace = prepare_workspace(root=root, job_id=7, bundle_archive=archive, bundle_sha256=digest, resume=True)
     assert not (workspace / "outputs").exists()
-    second, control = _launch(tmp_path, "b", workspace, outputs, store, resume=True)
+    second, control = _launch(tmp_path, "b", workspace, outputs, store, resume=True, engine=engine)
     assert second.wait(timeout=180) == 0, (tmp_path / "b.err").read_text()
     # The output written before the stop came back from the checkpoint (the script writes it
     # only when absent: a lost file would have been written anew by the second pid).
