@@ -1,1 +1,1 @@
-"""The meridian command-line client."""
+"""`meridian`: the command line for Meridian's users (stdlib + requests + protocol, never Django)."""

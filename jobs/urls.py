@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs import apis, log_apis
+from jobs import apis, bundle_apis, log_apis
 
 urlpatterns = [
     path("jobs/", apis.JobCollectionApi.as_view(), name="api-job-list"),
@@ -8,6 +8,8 @@ urlpatterns = [
     path("jobs/<int:job_id>/cancel/", apis.JobCancelApi.as_view(), name="api-job-cancel"),
     path("jobs/<int:job_id>/events/", apis.JobEventListApi.as_view(), name="api-job-events"),
     path("jobs/<int:job_id>/logs/", log_apis.JobLogListApi.as_view(), name="api-job-logs"),
+    path("jobs/<int:job_id>/outputs/", bundle_apis.JobOutputsApi.as_view(), name="api-job-outputs"),
+    path("bundles/<str:sha256>/", bundle_apis.BundleDetailApi.as_view(), name="api-bundle-detail"),
     path("teams/", apis.TeamListApi.as_view(), name="api-team-list"),
     path("preemptions/", apis.PreemptionListApi.as_view(), name="api-preemption-list"),
     path("preemptions/<int:request_id>/approve/", apis.PreemptionApproveApi.as_view(), name="api-preemption-approve"),

@@ -53,7 +53,7 @@ class LaunchContext:
     data_dir: Path
     url: str
     env: dict
-    demo_workload: bool
+    demo_workload: int | None  # None: no demo workload; 0: endless; N: N jobs
 
     def manage(self, *args):
         """Runs `manage.py args` with the run's environment; returns its stdout or raises."""
@@ -151,6 +151,16 @@ def _base_env(data_dir):
     return env
 
 
+def _demo_jobs(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--demo-workload=N wants a whole number of jobs, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("--demo-workload=N wants at least 1 job (leave =N out for no bound)")
+    return value
+
+
 def _bin(name):
     return str(Path(sys.executable).parent / name)
 
@@ -195,7 +205,7 @@ def run(args):
         # Set only now (as before): migrate and demo_seed never needed them.
         for name, value in embedded_env_defaults(data_dir=data_dir).items():
             env.setdefault(name, value)
-        specs += [ProcessSpec(process.name, process.argv) for process in embedded_processes(
+        specs += [ProcessSpec(process.name, process.argv, env=process.env) for process in embedded_processes(
             python=context.python, url=context.url, root=context.root, data_dir=data_dir,
             enrollment_token=env["MERIDIAN_AGENT_ENROLLMENT_TOKEN"], demo_workload=args.demo_workload)]
         for spec in specs:
@@ -257,7 +267,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="meridian")
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run Meridian embedded")
-    run_parser.add_argument("--demo-workload", action="store_true", help="start small real training jobs of every tier")
+    run_parser.add_argument("--demo-workload", nargs="?", type=_demo_jobs, const=0, default=None, metavar="N",
+                            help="keep a steady seeded stream of small real training jobs of every tier, shipped "
+                                 "as code bundles (=N: stop after N jobs)")
     run_parser.add_argument("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default $PORT or 8000)")
     run_parser.add_argument("--synthetic-fleet", action="store_true",
                             help="also seed a synthetic 2,048-GPU fleet (no agents) for the heatmap")

@@ -1,7 +1,8 @@
 """meridian-run: runs an unmodified PyTorch script as W rank processes, preemptible and resizable.
 
     meridian-run --ranks W [--devices d] [--device-indices i,j,...] [--engine criu|framework|auto]
-                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K] [--resume] script.py args...
+                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K]
+                 [--resume [--restore-manifest-sha256 HEX]] script.py args...
 
 The launcher hosts the job's rendezvous store (ranks are store clients only), starts every rank
 through runtime/rank.py, serves the control socket (runtime/control.py) and carries out the
@@ -29,6 +30,7 @@ import argparse
 import os
 import pathlib
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -61,17 +63,27 @@ from protocol.launch import (
     StopRequest,
     event_line,
 )
+from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
 from runtime import control, engines, rank_logs, splice
 from runtime import rank as rank_liveness
 from runtime import spool as spool_files
+from runtime import workspace as job_workspace
 from runtime.engines import RankProcess, choose_engine
 from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError
+from runtime.store import CheckpointError
 
 ENGINES = (*engines.ENGINES, engines.AUTO)
 POLL_S = 0.01
 DEFAULT_TIMEOUT_S = 600.0
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"
+
+
+def _sha256_hex(text):
+    """argparse type of --restore-manifest-sha256: 64 lowercase hex digits."""
+    if not re.fullmatch(SHA256_HEX, text or ""):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sha256 (64 lowercase hex digits)")
+    return text
 
 
 def parse_device_indices(text):
@@ -116,6 +128,8 @@ class Launcher:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
                                      keep=options.keep)
+        self.workspace = job_workspace.from_options(options, self.job_dir)  # None: no --workspace
+        self._quota_checked_at = 0.0
         self.nonce = uuid.uuid4().hex[:10]
         self.ranks = []
         self.state = LaunchState.STARTING
@@ -180,6 +194,9 @@ class Launcher:
             env[DEVICE_INDICES_ENV] = ",".join(map(str, self.device_indices))
         if resume_dir is not None:
             env["MERIDIAN_RESUME"] = str(resume_dir)
+        env.pop(job_workspace.WORKSPACE_ENV, None)
+        if self.workspace is not None:
+            env[job_workspace.WORKSPACE_ENV] = str(self.workspace.path)
         root = str(pathlib.Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -313,14 +330,18 @@ class Launcher:
             dump_began = time.monotonic()
             self.checkpoints.dump(self, request, step, staging, stop=stop, timeout_s=timeout_s)
             dump_s = time.monotonic() - dump_began
+            # The workspace part goes into the checkpoint (listed in its MANIFEST.json) before it is committed.
+            saved = job_workspace.persist_at_checkpoint(self.workspace, staging)
             commit_began = time.monotonic()
             ref = self.store.commit(staging, step, self.engine, meta={
                 "job_id": self.job_id, "spool": str(self.spool), "world_size": self.world_size,
                 "request_id": request.id,
                 "devices": self.devices, "device_map": self.device_map.plain(),
                 "device_indices": list(self.device_indices) if self.device_indices is not None else None,
-                "action": action, "script": self.script, "args": list(self.options.args)})
+                "action": action, "script": self.script, "args": list(self.options.args),
+                "workspace": str(self.workspace.path) if self.workspace else None})
             commit_s = time.monotonic() - commit_began
+            job_workspace.point_latest(self.workspace, saved, step=step, checkpoint=ref.uri)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -375,15 +396,27 @@ class Launcher:
 
     # -- restore --------------------------------------------------------------------------------
     def restore_latest(self):
-        """Resumes from the newest good checkpoint of the store (either engine)."""
-        ref = self.store.latest_good()
+        """Resumes from the newest good checkpoint of the store (either engine), or with
+        --restore-manifest-sha256 from exactly the checkpoint whose MANIFEST.json has that digest
+        (what the control plane recorded), checked before anything is loaded."""
+        pinned = self.options.restore_manifest_sha256
+        if pinned:
+            try:
+                ref = self.store.pinned(pinned)
+            except CheckpointError as exc:
+                raise LaunchError(f"--resume: {exc}", EXIT_USAGE) from None
+        else:
+            ref = self.store.latest_good()
         if ref is None:
             raise LaunchError(f"--resume: no usable checkpoint in {self.store.root}", EXIT_USAGE)
         if self.options.engine not in ("auto", ref.engine):
             raise LaunchError(f"--resume: the newest checkpoint ({ref.uri}) was made by the "
                               f"{ref.engine} engine, but --engine {self.options.engine} was asked",
                               EXIT_USAGE)
-        manifest = self.store.verify(ref)
+        try:
+            manifest = self.store.verify(ref, expect_manifest_sha256=pinned or None)
+        except CheckpointError as exc:
+            raise LaunchError(f"--resume: {exc}", EXIT_USAGE) from None
         meta = manifest.get("meta", {})
         if int(meta.get("world_size", self.world_size)) != self.world_size:
             raise LaunchError(f"--resume: checkpoint has world size {meta.get('world_size')}, "
@@ -393,6 +426,7 @@ class Launcher:
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()
+        job_workspace.restore_for_resume(self.workspace, ref.path, meta)
         self.engine_reason = f"resume: the checkpoint {ref.uri} was made by {ref.engine}"
         began = time.monotonic()
         self.checkpoints.restore(self, ref, meta)
@@ -497,10 +531,12 @@ class Launcher:
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
                 self.write_progress()
+                job_workspace.check_quota_now(self.workspace, self)
 
     def finish(self):
         if any(r.poll() is None for r in self.ranks):
             self.kill_all()
+        job_workspace.persist_at_end(self.workspace, self.state)
         rank_logs.keep(self)
         self.write_progress()
         if self._spool_lock is not None:
@@ -540,6 +576,10 @@ def parse_args(argv):
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to retain")
     parser.add_argument("--resume", action="store_true",
                         help="resume from the newest good checkpoint in the store")
+    parser.add_argument("--restore-manifest-sha256", default=None, type=_sha256_hex,
+                        help="with --resume: restore only the checkpoint whose MANIFEST.json has this sha256 "
+                             "(the node agent passes the digest the control plane recorded)")
+    job_workspace.add_arguments(parser)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)

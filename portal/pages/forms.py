@@ -7,6 +7,7 @@ from django import forms
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
 from jobs.models import Tier
+from jobs.services import MAX_TOTAL_STEPS, MAX_WORLD_SIZE
 
 
 class JobSubmitForm(forms.Form):
@@ -15,14 +16,22 @@ class JobSubmitForm(forms.Form):
     entrypoint = forms.CharField(max_length=1000, help_text="The script or module to run, e.g. train.py.")
     args = forms.CharField(required=False, help_text='Arguments as on a shell line, e.g. --epochs 3 --lr "0.1"')
     world_size = forms.IntegerField(
-        label="W (logical ranks)", initial=4, help_text="Never changes, whatever the devices."
+        label="W (logical ranks)", initial=4, min_value=1, max_value=MAX_WORLD_SIZE,
+        help_text="Never changes, whatever the devices.",
     )
-    min_devices = forms.IntegerField(initial=1, help_text="Fewest devices it may run on; must divide W.")
+    min_devices = forms.IntegerField(initial=1, min_value=1, max_value=MAX_WORLD_SIZE,
+                                     help_text="Fewest devices it may run on; must divide W.")
     tier = forms.ChoiceField(choices=Tier.choices, initial=Tier.STANDARD)
     accelerator_type = forms.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES)
-    total_steps = forms.IntegerField(required=False, help_text="Optional; lets the page show progress as a fraction.")
+    total_steps = forms.IntegerField(required=False, min_value=1, max_value=MAX_TOTAL_STEPS,
+                                     help_text="Optional; lets the page show progress as a fraction.")
     env = forms.CharField(
         required=False, widget=forms.Textarea(attrs={"rows": 3}), help_text="One KEY=VALUE per line."
+    )
+    bundle = forms.FileField(
+        required=False, label="Code bundle (.tar.gz)",
+        help_text="Your project folder packed (tar czf project.tar.gz -C my-project .; `meridian submit` does it "
+                  "for you); the entrypoint is then a path inside it. Leave empty to run an entrypoint on the node.",
     )
 
     def __init__(self, *args, teams, **kwargs):
@@ -61,6 +70,23 @@ class JobSubmitForm(forms.Form):
         if data.get("total_steps") is not None:
             spec["total_steps"] = data["total_steps"]
         return spec
+
+    def bundle_upload(self, *, user):
+        """Stores the uploaded archive (jobs.bundles) and returns its digest, or None without one;
+        a refused archive is put on the bundle field and None returned with the form invalid."""
+        from jobs.bundles import BundleTooLarge, bundle_store_upload
+
+        uploaded = self.cleaned_data.get("bundle")
+        if not uploaded:
+            return None
+        try:
+            return bundle_store_upload(uploaded_file=uploaded, user=user).sha256
+        except BundleTooLarge as error:
+            self.add_error("bundle", str(error))
+        except forms.ValidationError as error:
+            for message in getattr(error, "messages", [str(error)]):
+                self.add_error("bundle", message)
+        return None
 
     def add_service_errors(self, error):
         """Puts a service ValidationError on the fields it names (unknown names on the form)."""

@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('fleet', '0002_telemetry_buckets'),
-        ('jobs', '0003_moves'),
+        ('jobs', '0005_bundles'),
     ]
 
     operations = [
