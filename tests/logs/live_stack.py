@@ -14,11 +14,12 @@ CHATTY = "tests/logs/chatty_train.py"
 
 def start_agent(plane, hostname, *, devices=1, extra=(), checkpoint_every=3.0):
     work_dir = plane.dir / "agents" / hostname
-    argv = [PYTHON, "-m", "agent.main", "--control-plane", plane.url, "--enroll-token", ENROLL,
+    argv = [PYTHON, "-m", "agent.main", "--control-plane", plane.url,
             "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", "r1", "--cluster", "c1",
             "--work-dir", str(work_dir), "--engine", "framework", "--checkpoint-every", str(checkpoint_every),
             "--interval", "1", "--workload-root", str(ROOT), *extra]
-    process = plane._spawn(f"agent-{hostname}", argv)
+    # As harness.start_agent: the enrollment token in the environment, never on the command line.
+    process = plane._spawn(f"agent-{hostname}", argv, env={"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL})
     plane.agents[hostname] = (process, work_dir)
     poll(f"agent {hostname} to register", lambda: (work_dir / "node-token").exists(), timeout=60,
          on_timeout=lambda: plane.logs(f"agent-{hostname}"))

@@ -18,7 +18,8 @@ from harness import ROOT
 from live_stack import log_chunks, log_text, rank_log_file, start_agent, start_web, stop_web, submit_chatty
 from polling import poll
 
-from cli.logs import StandaloneClient, follow_logs
+from cli.client import Client
+from cli.logs import follow_logs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 LIMIT = 64 * 1024
@@ -72,7 +73,7 @@ def test_a_log_followed_live_goes_on_across_a_preemption_with_a_marker(stack):
     start_agent(plane, "n1")
     start_agent(plane, "n2")
     basic = [submit_chatty(plane, name=f"basic-{i}", steps=140, step_sleep=0.1) for i in (1, 2)]
-    client = StandaloneClient(plane.url, plane.token("alice"))
+    client = Client(plane.url, plane.token("alice"))  # the meridian CLI's own client
     followed = {job: [] for job in basic}
 
     def follow(job):  # what `meridian logs -f JOB --rank 0` runs
@@ -113,12 +114,13 @@ def test_a_log_followed_live_goes_on_across_a_preemption_with_a_marker(stack):
     assert len(plane.nodes_of(victim)) == 2, plane.diagnose(victim)  # two placements (same node or not)
     # The job that was not preempted has no marker but its start and end.
     assert not [c for c in followed[next(j for j in basic if j != victim)] if c["kind"] == "marker"]
-    # The command a user types prints the same log, marker included.
-    cli = subprocess.run([sys.executable, "-m", "cli.logs", "--url", plane.url, "--token", plane.token("alice"),
+    # `meridian logs JOB --rank 0` prints the same log, marker included; a job that is not there
+    # is an error naming the 404. (Standalone, `python -m cli.logs` does the same.)
+    cli = subprocess.run([sys.executable, "-m", "cli.main", "logs", "--url", plane.url, "--token", plane.token("alice"),
                           str(victim), "--rank", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout == text
-    missing = subprocess.run([sys.executable, "-m", "cli.logs", "--url", plane.url, "--token", plane.token("alice"),
-                              "99999"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    missing = subprocess.run([sys.executable, "-m", "cli.main", "logs", "--url", plane.url, "--token",
+                              plane.token("alice"), "99999"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert missing.returncode == 1 and "404" in missing.stderr
     print(f"followed {len(chunks)} chunks of job {victim}; the preemption marker is chunk {marker}", file=sys.stderr)
