@@ -35,9 +35,15 @@ from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected, b
 from agent.devices import DeviceError, Devices, hostname_default
 from protocol import ProtocolError
 from protocol.node import DesiredJob, DeviceDescription, Registration, Telemetry
+from runtime.sandbox import SandboxError
 
 log = logging.getLogger("agent")
 AGENT_VERSION = "meridian-agent/0.1"
+
+
+def sandbox_modes():
+    from agent.sandbox import MODES
+    return MODES
 
 
 def parse_args(argv):
@@ -74,6 +80,17 @@ def parse_args(argv):
                    help="remove the job directories (logs, events) of attempts that ended this long ago")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
+    p.add_argument("--sandbox", default=os.environ.get("MERIDIAN_SANDBOX", "enforce"), choices=sandbox_modes(),
+                   help="enforce (default): every job runs as its own uid in its own cgroup on its devices, and "
+                        "fails when this node cannot do that; auto: the same when possible, else unconfined "
+                        "with a warning (the embedded run); off: unconfined (see agent/sandbox.py)")
+    p.add_argument("--sandbox-uid-base", type=int, default=int(os.environ.get("MERIDIAN_SANDBOX_UID_BASE", 1_000_000)),
+                   help="first uid of the job uids (job uid = base + job id %% count)")
+    p.add_argument("--sandbox-uid-count", type=int,
+                   default=int(os.environ.get("MERIDIAN_SANDBOX_UID_COUNT", 65_536)), help="how many job uids")
+    p.add_argument("--sandbox-memory-mb", type=int, default=int(os.environ.get("MERIDIAN_SANDBOX_MEMORY_MB", 0)),
+                   help="memory limit of a job per device it holds, in MiB (0: the node's memory shared out "
+                        "by devices)")
     p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
     options = p.parse_args(argv)
     if not options.control_plane:
@@ -99,7 +116,8 @@ class Agent:
         self.reconciler = NodeReconciler(self.work_dir, engine=options.engine,
                                          checkpoint_every_s=options.checkpoint_every,
                                          workload_root=options.workload_root,
-                                         keep_finished_checkpoints=options.keep_finished_checkpoints)
+                                         keep_finished_checkpoints=options.keep_finished_checkpoints,
+                                         sandbox=node_sandbox(options, self.work_dir, self.devices))
         self.desired_jobs: tuple[DesiredJob, ...] = ()
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
         # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.
@@ -206,6 +224,15 @@ class Agent:
         return 0
 
 
+def node_sandbox(options, work_dir, devices):
+    """Returns the node's sandboxing as the options say (checked once, loudly: agent/sandbox.py)."""
+    from agent.sandbox import NodeSandbox, SandboxPolicy
+    policy = SandboxPolicy(mode=options.sandbox, uid_base=options.sandbox_uid_base,
+                           uid_count=options.sandbox_uid_count, memory_mb_per_device=options.sandbox_memory_mb)
+    return NodeSandbox(policy, work_dir=work_dir, node_devices=devices.count,
+                       device_kind="gpu" if devices.nvml is not None else "cpu")
+
+
 def telemetry_of(sample: dict) -> Telemetry | None:
     """Returns the Devices.sample() readings as a Telemetry, or None (logged) when a reading is
     out of bounds: the heartbeat goes without telemetry rather than not at all."""
@@ -229,7 +256,7 @@ def main(argv=None):
 
             return HollowFleet(options, stop_event).run()
         return Agent(options, stop_event).run()
-    except (DeviceError, ControlPlaneError) as exc:
+    except (DeviceError, ControlPlaneError, SandboxError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
 

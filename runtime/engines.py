@@ -33,6 +33,7 @@ from protocol.cut import CutRequest, ResumeFile
 from runtime import criu
 from runtime import spool as spool_files
 from runtime.exits import EXIT_USAGE, LaunchError
+from runtime.sandbox import copy_job_file
 
 if TYPE_CHECKING:  # the launcher imports this module; the engines only call back into it
     from runtime.launcher import Launcher
@@ -91,6 +92,9 @@ class Engine(ABC):
 
     name: ClassVar[str]
     label: ClassVar[str]  # how a person names it in an error ("CRIU")
+    # True when the ranks themselves write the checkpoint into the staging folder (a sandboxed
+    # job's ranks are then given that folder, and the launcher seals it before the commit).
+    ranks_write_checkpoint: ClassVar[bool] = False
 
     # -- choice ----------------------------------------------------------------------------------
     @classmethod
@@ -179,9 +183,10 @@ class CriuEngine(Engine):
         logs = os.path.join(staging, "logs")
         os.mkdir(logs)
         for rank in range(launcher.world_size):
-            # CRIU restores open files only at the same path and size: carry the logs.
-            shutil.copyfile(spool_files.rank_dir(launcher.spool, rank) / "out.log",
-                            os.path.join(logs, f"rank{rank}.log"))
+            # CRIU restores open files only at the same path and size: carry the logs (the rank's
+            # own files: never through a link it put in their place).
+            copy_job_file(spool_files.rank_dir(launcher.spool, rank) / "out.log",
+                          os.path.join(logs, f"rank{rank}.log"))
         try:
             for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
                 criu.dump(process.pid, os.path.join(staging, f"rank{process.rank}"), leave_running=not stop)
@@ -210,8 +215,10 @@ class CriuEngine(Engine):
         launcher.restore_at_dumped_spool(meta)
         launcher.fresh_spool()
         for rank in range(launcher.world_size):
-            shutil.copyfile(local / "logs" / f"rank{rank}.log",
-                            spool_files.rank_dir(launcher.spool, rank) / "out.log")
+            log = spool_files.rank_dir(launcher.spool, rank) / "out.log"
+            shutil.copyfile(local / "logs" / f"rank{rank}.log", log)
+            if launcher.sandbox is not None:
+                launcher.sandbox.give_file(log)
         for rank in range(launcher.world_size):
             pid = criu.restore(local / f"rank{rank}", work_dir=launcher.job_dir / "restore")
             launcher.ranks.append(RankProcess(rank, pid))
@@ -251,6 +258,7 @@ class FrameworkEngine(Engine):
 
     name = "framework"
     label = "the framework engine"
+    ranks_write_checkpoint = True
 
     def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
         # A process group of its own (a terminal's Ctrl-C reaches the launcher, which stops the
