@@ -220,6 +220,15 @@ class NodeSandbox:
             if folder.is_dir() and not folder.is_symlink():
                 os.lchown(folder, 0, identity.gid)
                 os.chmod(folder, 0o750)
+        # What it holds already (a checkpoint seeded from another generation's folder: copied
+        # folders are root's, linked files keep their modes): the job's group, read only.
+        for dirpath, dirnames, filenames in os.walk(store, followlinks=False):
+            for name in dirnames + filenames:
+                path = os.path.join(dirpath, name)
+                info = os.lstat(path)
+                if stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode):
+                    os.lchown(path, 0, identity.gid)
+                    os.chmod(path, 0o750 if stat.S_ISDIR(info.st_mode) else 0o640)
         blocked = unreachable(folders[0].parent)
         if blocked:
             log.warning("the checkpoint store %s is out of the job uids' reach (%s): the framework engine's "

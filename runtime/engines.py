@@ -173,7 +173,10 @@ class CriuEngine(Engine):
         criu.become_subreaper()
 
     def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
-        popen = subprocess.Popen(criu.namespace_command(command), env=env, stdin=subprocess.DEVNULL,
+        # A sandboxed rank (started through setpriv as the job's uid) needs a /proc of its own.
+        unprivileged = bool(command) and os.path.basename(command[0]) == "setpriv"
+        popen = subprocess.Popen(criu.namespace_command(command, own_proc=unprivileged), env=env,
+                                 stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return criu.namespace_init_pid(popen.pid), popen
 

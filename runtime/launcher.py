@@ -391,6 +391,18 @@ class Launcher:
         return ResizeAnswer(step=step, devices=self.devices, device_map=mapping,
                             device_indices=self.device_indices, seconds=seconds)
 
+    def choose_engine(self) -> tuple[str, str]:
+        """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
+        (runtime/sandbox.py criu_refusal_for_other_uids) gets the framework engine under auto, and
+        --engine criu is refused with the reason."""
+        refusal = job_sandbox.criu_refusal_for_other_uids() if self.sandbox and self.sandbox.identity else None
+        if refusal and self.options.engine == "criu":
+            raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
+        if refusal and self.options.engine == engines.AUTO:
+            name, _ = choose_engine("framework")
+            return name, f"auto: {refusal}"
+        return choose_engine(self.options.engine)
+
     def use_engine(self, name: str) -> None:
         """Makes `name` this launch's engine (once: chosen, or the resumed checkpoint's)."""
         self._checkpoints = engines.engine_named(name)
@@ -420,6 +432,8 @@ class Launcher:
                               f"--ranks is {self.world_size}", EXIT_USAGE)
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
+        if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
+            refusal = job_sandbox.criu_refusal_for_other_uids()
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()
@@ -469,7 +483,7 @@ class Launcher:
             self.start_rendezvous()
             self.restore_latest()
         else:
-            name, self.engine_reason = choose_engine(self.options.engine)
+            name, self.engine_reason = self.choose_engine()
             self.use_engine(name)
             self.start_rendezvous()
             self.checkpoints.prepare()

@@ -473,3 +473,23 @@ class LaunchSandbox:
 
     def describe(self) -> str:
         return self.spec.describe()
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def criu_refusal_for_other_uids() -> str | None:
+    """Returns None when CRIU (as root) can dump a rank that runs as another uid here, else why not.
+
+    CRIU reads every dumped task's rlimits (prlimit), which the kernel allows across uids only with
+    CAP_SYS_RESOURCE. Some container and VM sandboxes give root every capability but that one (the
+    machines this project is tested on do): there a sandboxed job must use the framework engine."""
+    try:
+        with open("/proc/self/status") as handle:
+            effective = next(int(line.split()[1], 16) for line in handle if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return "the capabilities of this process cannot be read (/proc/self/status)"
+    if not effective & (1 << CAP_SYS_RESOURCE):
+        return ("CRIU cannot dump ranks that run as the job's uid here: this root lacks CAP_SYS_RESOURCE, which "
+                "the kernel requires to read another uid's rlimits (prlimit)")
+    return None
