@@ -227,8 +227,11 @@ class Agent:
 def node_sandbox(options, work_dir, devices):
     """Returns the node's sandboxing as the options say (checked once, loudly: agent/sandbox.py)."""
     from agent.sandbox import NodeSandbox, SandboxPolicy
-    policy = SandboxPolicy(mode=options.sandbox, uid_base=options.sandbox_uid_base,
-                           uid_count=options.sandbox_uid_count, memory_mb_per_device=options.sandbox_memory_mb)
+    # Options built by hand (tests of other parts) may not say: auto, which never refuses a launch.
+    policy = SandboxPolicy(mode=getattr(options, "sandbox", "auto"),
+                           uid_base=getattr(options, "sandbox_uid_base", SandboxPolicy.uid_base),
+                           uid_count=getattr(options, "sandbox_uid_count", SandboxPolicy.uid_count),
+                           memory_mb_per_device=getattr(options, "sandbox_memory_mb", 0))
     return NodeSandbox(policy, work_dir=work_dir, node_devices=devices.count,
                        device_kind="gpu" if devices.nvml is not None else "cpu")
 
