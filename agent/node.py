@@ -50,6 +50,7 @@ from protocol.launch import (
     Progress,
     Resized,
     Restored,
+    Started,
     event_line,
     parse_events,
 )
@@ -277,6 +278,13 @@ class LocalJob:
                 return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
 
+    def sandbox(self, events: list[LaunchEvent] | None = None) -> str | None:
+        """Returns how this copy's launcher confined its ranks (its started or restored event)."""
+        for event in reversed(self._events(events)):
+            if isinstance(event, (Started, Restored)) and event.sandbox:
+                return event.sandbox
+        return None
+
     def restored_step(self, events: list[LaunchEvent] | None = None):
         for event in self._events(events):
             if isinstance(event, Restored):
@@ -297,7 +305,7 @@ class LocalJob:
             devices=(progress.devices if progress else None) or self.devices,
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
-            restored_step=self.restored_step(events),
+            restored_step=self.restored_step(events), sandbox=self.sandbox(events),
             error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
 

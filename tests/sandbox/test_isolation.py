@@ -53,6 +53,7 @@ def test_a_job_reads_neither_the_nodes_credentials_nor_the_agents_environment(no
         job_dir = node.jobs[31].job_dir
         report = outcome(node, 31)
         assert report["state"] == "finished", report.get("error")
+        assert report["sandbox"].startswith(f"uid {mechanisms.identity_for_job(31, base=UID_BASE).uid}, ")
     finally:
         node.kill_all()
     seen = probe_report(work / "workspaces" / "job-31" / "probe.json")
@@ -139,3 +140,30 @@ def test_a_cancelled_job_is_killed_as_a_whole_even_what_escaped_its_process_grou
             os.kill(daemon, signal.SIGKILL)
         except (NameError, ProcessLookupError):
             pass
+
+
+def test_an_unconfined_job_says_so_in_its_report_and_still_gets_only_its_environment(node_root, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_AGENT_ENROLLMENT_TOKEN", "enroll-c0ffee")
+    work, store = node_root / "w", node_root / "store"
+    node = make_node(work, mode="off")
+    workspace(work, 35)
+    try:
+        node.reconcile([entry(35, store, args=["probe"])])
+        report = outcome(node, 35)
+    finally:
+        node.kill_all()
+    assert report["state"] == "finished", report.get("error")
+    assert report["sandbox"].startswith("UNCONFINED")  # the control plane puts it in the job's events
+    seen = probe_report(work / "workspaces" / "job-35" / "probe.json")
+    assert "MERIDIAN_AGENT_ENROLLMENT_TOKEN" not in seen["environ"]
+
+
+def test_an_enforced_sandbox_that_cannot_work_fails_the_launch_with_the_reason(node_root, monkeypatch):
+    monkeypatch.setattr(mechanisms, "detect_cgroups", lambda: (_ for _ in ()).throw(
+        mechanisms.SandboxError("no cgroup v1 cpuset controller mounted at /sys/fs/cgroup/cpuset")))
+    work, store = node_root / "w", node_root / "store"
+    node = make_node(work, mode="enforce")
+    node.reconcile([entry(36, store, args=["probe"])])
+    report = outcome(node, 36)
+    assert report["state"] == "failed"
+    assert "sandbox could not be set up" in report["error"] and "cpuset controller" in report["error"]

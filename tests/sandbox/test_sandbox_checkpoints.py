@@ -49,7 +49,8 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id):
     reference = make_node(node_root / "ref", engine=engine)
     uid = mechanisms.identity_for_job(job_id, base=UID_BASE).uid
     try:
-        space_a, space_b = workspace(node_root / "a", job_id), workspace(node_root / "b", job_id)
+        space_a = workspace(node_root / "a", job_id)
+        workspace(node_root / "b", job_id)
         space_ref = workspace(node_root / "ref", job_id + 1)
         reference.reconcile([_train_entry(job_id + 1, store, space_ref / "final.pt", indices=(1,))])
         node_a.reconcile([_train_entry(job_id, store, space_a / "final.pt", indices=(0,))])
