@@ -209,6 +209,13 @@ class NodeSandbox:
             json.dump(spec.to_dict(), handle)
         return spec
 
+    def give_workspace(self, job_id: int, path: os.PathLike | str) -> None:
+        """Makes workspace `path` job `job_id`'s own (see grant_workspace) when jobs here are
+        sandboxed; a no-op when they run unconfined. For the workspace code, after it unpacked or
+        restored files into the workspace as root (prepare() does it too, at every launch)."""
+        if self.enforced:
+            grant_workspace(path, self.identity(job_id))
+
     @staticmethod
     def give_store(store, identity: Identity) -> None:
         """Lets the job read its own checkpoint store folders (root:<job gid> 0750), not write them."""
