@@ -14,22 +14,8 @@ import tempfile
 import pytest
 
 from agent.sandbox import unreachable
-from runtime import sandbox as mechanisms
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _cgroups_reason():
-    try:
-        mechanisms.detect_cgroups()
-    except mechanisms.SandboxError as exc:
-        return str(exc)
-    return None
-
-
-CGROUPS_UNAVAILABLE = _cgroups_reason()
-needs_sandbox = pytest.mark.skipif(CGROUPS_UNAVAILABLE is not None,
-                                   reason=f"no sandbox on this machine: {CGROUPS_UNAVAILABLE}")
 
 
 @pytest.fixture(scope="session", autouse=True)

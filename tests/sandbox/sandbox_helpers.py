@@ -2,6 +2,7 @@
 import json
 import pathlib
 
+import pytest
 from polling import poll
 
 from agent.node import NodeReconciler
@@ -11,6 +12,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
 PROBE = SCRIPTS / "probe.py"
 UID_BASE = 1_500_000  # a range of its own, away from other tests' agents
+
+
+def _cgroups_reason():
+    from runtime import sandbox as mechanisms
+    try:
+        mechanisms.detect_cgroups()
+    except mechanisms.SandboxError as exc:
+        return str(exc)
+    return None
+
+
+CGROUPS_UNAVAILABLE = _cgroups_reason()
+needs_sandbox = pytest.mark.skipif(CGROUPS_UNAVAILABLE is not None,
+                                   reason=f"no sandbox on this machine: {CGROUPS_UNAVAILABLE}")
 
 
 def make_node(work_dir, *, node_devices=2, mode="enforce", engine="framework", node_cores=(0, 1)):

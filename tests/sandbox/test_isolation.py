@@ -9,9 +9,8 @@ import pathlib
 import signal
 
 import pytest
-from conftest import needs_sandbox
 from polling import poll
-from sandbox_helpers import SCRIPTS, UID_BASE, entry, make_node, outcome, probe_report, workspace
+from sandbox_helpers import SCRIPTS, UID_BASE, entry, make_node, needs_sandbox, outcome, probe_report, workspace
 
 import portal.settings as portal_settings
 from agent import sandbox as agent_sandbox

@@ -6,9 +6,8 @@ import os
 
 import pytest
 import torch
-from conftest import needs_sandbox
 from polling import poll
-from sandbox_helpers import ROOT, UID_BASE, entry, make_node, outcome, workspace
+from sandbox_helpers import ROOT, UID_BASE, entry, make_node, needs_sandbox, outcome, workspace
 
 from agent import sandbox as agent_sandbox
 from runtime import sandbox as mechanisms
@@ -69,7 +68,8 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id):
 
         # The workspace (outputs) follows the job: here, by hand (the workspace code does it).
         node_b.reconcile([_train_entry(job_id, store, space_a / "final.pt", indices=(1,), generation=2,
-                                       restore_from=stopped["checkpoint"]["uri"])])
+                                       restore_from=stopped["checkpoint"]["uri"],
+                                       restore_sha256=stopped["checkpoint"]["sha256"])])
         os.makedirs(space_a, exist_ok=True)
 
         def resumed():
