@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterable
 
+from agent import bundles
 from agent import sandbox as job_sandbox
 from protocol import ProtocolError
 from protocol.launch import (
@@ -369,7 +370,7 @@ class LocalJob:
 
 class NodeReconciler:
     def __init__(self, work_dir, *, engine="auto", checkpoint_every_s=60.0, workload_root=None,
-                 python=sys.executable, keep_finished_checkpoints=False,
+                 python=sys.executable, keep_finished_checkpoints=False, workspace_root=None, bundle_fetcher=None,
                  sandbox: job_sandbox.NodeSandbox | None = None):
         self.work_dir = pathlib.Path(work_dir).absolute()
         # How jobs are confined (agent/sandbox.py); a reconciler made without one (tests of other
@@ -384,6 +385,10 @@ class NodeReconciler:
         self.engine = engine
         self.checkpoint_every_s = checkpoint_every_s
         self.workload_root = pathlib.Path(workload_root or os.getcwd()).absolute()
+        # Each job's workspace (agent/bundles.py): the same root on every node; bundle_fetcher(sha256) -> archive.
+        self.workspace_root = pathlib.Path(workspace_root or os.environ.get(bundles.WORKSPACE_ROOT_ENV)
+                                           or self.work_dir / "workspaces").absolute()
+        self.bundle_fetcher = bundle_fetcher
         self.python = python
         self.keep_finished_checkpoints = keep_finished_checkpoints
         self.jobs: dict[int, LocalJob] = {}
@@ -456,6 +461,8 @@ class NodeReconciler:
                     self.pruned.pop(job_id, None)
                     if job.reported_state == CopyState.FINISHED and not self.keep_finished_checkpoints:
                         self._remove_store_soon(job)
+                    if job.reported_state in (CopyState.FINISHED, CopyState.FAILED):
+                        bundles.remove_workspace(self.workspace_root, job_id)  # saved as its outputs at the end
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
@@ -579,12 +586,14 @@ class NodeReconciler:
             "device_indices": list(job.device_indices)}))
 
     def launch_command(self, entry: DesiredJob, *, job_dir: pathlib.Path, attempt: int, store: pathlib.Path,
-                       resume: bool) -> list[str]:
+                       resume: bool, workspace: pathlib.Path | None = None) -> list[str]:
         """Returns the meridian-run command line of `entry`'s next attempt: straight onto the desired
         device count (W ranks spliced onto d devices from the start), on the node-local devices
         `device_indices` (--device-indices 0,2,5)."""
         entrypoint = pathlib.Path(entry.entrypoint)
-        if not entrypoint.is_absolute():
+        if entry.bundle and workspace is not None:
+            entrypoint = workspace / entrypoint  # a path inside the bundle (checked at submission)
+        elif not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
         command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
                    "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
@@ -599,6 +608,8 @@ class NodeReconciler:
             command.append("--resume")
             if entry.restore_sha256:
                 command += ["--restore-manifest-sha256", entry.restore_sha256]
+        if workspace is not None:
+            command += bundles.launch_arguments(entry, workspace)
         command += ["--sandbox", str(job_dir / job_sandbox.SANDBOX_FILE)]
         return command + [str(entrypoint)] + [str(a) for a in entry.args]
 
@@ -626,6 +637,9 @@ class NodeReconciler:
         # Only what the control plane recorded is restored (pinned to its manifest digest): a
         # checkpoint in the store that it does not name is never resumed from.
         resume = bool(entry.restore_from)
+        workspace = bundles.workspace_for_launch(self, entry, resume=resume, fetch=self.bundle_fetcher)
+        if workspace is None:
+            return
         attempt = next_attempt(self.jobs_dir, job_id)
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
@@ -633,14 +647,13 @@ class NodeReconciler:
         if self._sandbox_uid_taken(job_id):
             return  # tried again at the next reconcile, once the other job is gone
         try:
-            workspace = self.work_dir / "workspaces" / f"job-{job_id}"
             self.sandbox.prepare(job_id=job_id, job_dir=job_dir, device_indices=entry.device_indices,
-                                 devices=entry.devices, env=entry.env, store=store,
-                                 workspace=workspace if workspace.is_dir() else None)
+                                 devices=entry.devices, env=entry.env, store=store, workspace=workspace)
         except (job_sandbox.SandboxError, OSError) as exc:
             self._launch_refused(entry, job_dir, f"the job's sandbox could not be set up on this node: {exc}")
             return
-        command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume)
+        command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume,
+                                      workspace=workspace)
         # A clean environment: the agent's (its tokens, the control plane's settings) stays here. The
         # job's own environment reaches its ranks through sandbox.json, not through the launcher's.
         env = {"PATH": os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

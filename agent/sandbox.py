@@ -201,6 +201,9 @@ class NodeSandbox:
                                cgroup_dirs=tuple(str(d) for d in cgroup.dirs), memory_bytes=memory, **common)
             self.give_store(store, identity)
             if workspace:
+                root = pathlib.Path(workspace).parent  # the workspaces' root: passable, not listable
+                if root.stat().st_uid == 0:
+                    os.chmod(root, 0o711)
                 grant_workspace(workspace, identity)
         path = pathlib.Path(job_dir) / SANDBOX_FILE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -455,6 +455,11 @@ class LaunchSandbox:
         for folder in (spool, spool / "devices", *rank_dirs):
             give_dir(folder, gid=self.identity.gid)
 
+    def give_workspace(self, path: os.PathLike | str) -> None:
+        """Makes the workspace (and what the launcher restored into it) the job's own."""
+        if self.identity is not None and os.path.isdir(path) and not os.path.islink(path):
+            give_tree(path, self.identity)
+
     def give_file(self, path: os.PathLike | str) -> None:
         """Makes a file the launcher put back for a rank (a restored log) the rank's own."""
         if self.identity is not None:
