@@ -75,22 +75,20 @@ def test_a_job_reads_neither_the_nodes_credentials_nor_the_agents_environment(no
 def test_a_job_cannot_read_another_jobs_workspace(node_root):
     work, store = node_root / "w", node_root / "store"
     node = make_node(work)
-    mine = workspace(work, 41)
-    (mine / "results.txt").write_text("job 41's results")
-    other = workspace(work, 42)
+    mine, other = work / "workspaces" / "job-41", work / "workspaces" / "job-42"
     try:
-        node.reconcile([entry(41, store, args=["probe", "--sleep", "2", mine / "results.txt"])])
-        node.reconcile([entry(41, store, args=["probe", "--sleep", "2", mine / "results.txt"]),
-                        entry(42, store, args=["probe", mine / "results.txt", mine], indices=(1,))])
+        first = entry(41, store, args=["probe", "--sleep", "3"])
+        node.reconcile([first])
+        probe_report(mine / "probe.json")  # job 41 wrote its results into its workspace
+        node.reconcile([first, entry(42, store, args=["probe", mine / "probe.json", mine], indices=(1,))])
         for job_id in (41, 42):
             report = outcome(node, job_id)
             assert report["state"] == "finished", report.get("error")
     finally:
         node.kill_all()
-    assert probe_report(mine / "probe.json")["reads"][str(mine / "results.txt")] == "read:job 41's results"
     reads = probe_report(other / "probe.json")["reads"]
-    assert reads[str(mine / "results.txt")].startswith("refused:")
-    assert reads[str(mine)].startswith("refused:")
+    assert reads[str(mine / "probe.json")].startswith("refused:13")  # EACCES: there, not readable
+    assert reads[str(mine)].startswith("refused:13")
     assert (os.stat(mine).st_uid, os.stat(mine).st_mode & 0o777) == (mechanisms.identity_for_job(41, base=UID_BASE).uid,
                                                                        0o700)
 
