@@ -44,6 +44,8 @@ def embedded_env_defaults(*, data_dir: Path) -> dict[str, str]:
         "MERIDIAN_MIN_RUN_SECONDS": "30",  # the demo should show preemptions within minutes
         "MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS": "30",  # ...and elastic jobs growing back
         "MERIDIAN_CHECKPOINT_STORE": str(data_dir / "checkpoints"),
+        # The developer profile: sandboxed when the agents can (root), else unconfined, loudly.
+        "MERIDIAN_SANDBOX": "auto",
     }
 
 

@@ -41,9 +41,15 @@ from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected, b
 from agent.devices import DeviceError, Devices, hostname_default
 from protocol import ProtocolError
 from protocol.node import DesiredJob, DeviceDescription, Registration, Telemetry
+from runtime.sandbox import SandboxError
 
 log = logging.getLogger("agent")
 AGENT_VERSION = "meridian-agent/0.1"
+
+
+def sandbox_modes():
+    from agent.sandbox import MODES
+    return MODES
 
 
 def parse_args(argv):
@@ -88,6 +94,17 @@ def parse_args(argv):
                    help="remove the job directories (logs, events) of attempts that ended this long ago")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
+    p.add_argument("--sandbox", default=os.environ.get("MERIDIAN_SANDBOX", "enforce"), choices=sandbox_modes(),
+                   help="enforce (default): every job runs as its own uid in its own cgroup on its devices, and "
+                        "fails when this node cannot do that; auto: the same when possible, else unconfined "
+                        "with a warning (the embedded run); off: unconfined (see agent/sandbox.py)")
+    p.add_argument("--sandbox-uid-base", type=int, default=int(os.environ.get("MERIDIAN_SANDBOX_UID_BASE", 1_000_000)),
+                   help="first uid of the job uids (job uid = base + job id %% count)")
+    p.add_argument("--sandbox-uid-count", type=int,
+                   default=int(os.environ.get("MERIDIAN_SANDBOX_UID_COUNT", 65_536)), help="how many job uids")
+    p.add_argument("--sandbox-memory-mb", type=int, default=int(os.environ.get("MERIDIAN_SANDBOX_MEMORY_MB", 0)),
+                   help="memory limit of a job per device it holds, in MiB (0: the node's memory shared out "
+                        "by devices)")
     p.add_argument("--log-backlog-bytes", type=int, default=64 * 1024 * 1024,
                    help="rank output kept for the control plane per rank while it cannot be reached; "
                         "older unsent output beyond it is dropped, and the drop reported (agent/logs.py)")
@@ -135,7 +152,8 @@ class Agent:
                                          workload_root=options.workload_root,
                                          keep_finished_checkpoints=options.keep_finished_checkpoints,
                                          workspace_root=getattr(options, "workspace_root", None),
-                                         bundle_fetcher=self.fetch_bundle)
+                                         bundle_fetcher=self.fetch_bundle,
+                                         sandbox=node_sandbox(options, self.work_dir, self.devices))
         self.desired_jobs: tuple[DesiredJob, ...] = ()
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
         # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.
@@ -275,6 +293,18 @@ class Agent:
         return 0
 
 
+def node_sandbox(options, work_dir, devices):
+    """Returns the node's sandboxing as the options say (checked once, loudly: agent/sandbox.py)."""
+    from agent.sandbox import NodeSandbox, SandboxPolicy
+    # Options built by hand (tests of other parts) may not say: auto, which never refuses a launch.
+    policy = SandboxPolicy(mode=getattr(options, "sandbox", "auto"),
+                           uid_base=getattr(options, "sandbox_uid_base", SandboxPolicy.uid_base),
+                           uid_count=getattr(options, "sandbox_uid_count", SandboxPolicy.uid_count),
+                           memory_mb_per_device=getattr(options, "sandbox_memory_mb", 0))
+    return NodeSandbox(policy, work_dir=work_dir, node_devices=devices.count,
+                       device_kind="gpu" if devices.nvml is not None else "cpu")
+
+
 def telemetry_of(sample: dict) -> Telemetry | None:
     """Returns the Devices.sample() readings as a Telemetry, or None (logged) when a reading is
     out of bounds: the heartbeat goes without telemetry rather than not at all."""
@@ -298,7 +328,7 @@ def main(argv=None):
 
             return HollowFleet(options, stop_event).run()
         return Agent(options, stop_event).run()
-    except (DeviceError, ControlPlaneError) as exc:
+    except (DeviceError, ControlPlaneError, SandboxError) as exc:
         print(f"meridian-agent: {exc}", file=sys.stderr)
         return 2
 

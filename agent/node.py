@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterable
 
 from agent import bundles
-from agent.job_env import without_agent_secrets
+from agent import sandbox as job_sandbox
 from protocol import ProtocolError
 from protocol.launch import (
     CheckpointTaken,
@@ -51,6 +51,7 @@ from protocol.launch import (
     Progress,
     Resized,
     Restored,
+    Started,
     event_line,
     parse_events,
 )
@@ -325,6 +326,13 @@ class LocalJob:
                 return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
 
+    def sandbox(self, events: list[LaunchEvent] | None = None) -> str | None:
+        """Returns how this copy's launcher confined its ranks (its started or restored event)."""
+        for event in reversed(self._events(events)):
+            if isinstance(event, (Started, Restored)) and event.sandbox:
+                return event.sandbox
+        return None
+
     def restored_step(self, events: list[LaunchEvent] | None = None):
         for event in self._events(events):
             if isinstance(event, Restored):
@@ -345,7 +353,7 @@ class LocalJob:
             devices=(progress.devices if progress else None) or self.devices,
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
-            restored_step=self.restored_step(events),
+            restored_step=self.restored_step(events), sandbox=self.sandbox(events),
             error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
 
@@ -362,12 +370,18 @@ class LocalJob:
 
 class NodeReconciler:
     def __init__(self, work_dir, *, engine="auto", checkpoint_every_s=60.0, workload_root=None,
-                 python=sys.executable, keep_finished_checkpoints=False, workspace_root=None, bundle_fetcher=None):
+                 python=sys.executable, keep_finished_checkpoints=False, workspace_root=None, bundle_fetcher=None,
+                 sandbox: job_sandbox.NodeSandbox | None = None):
         self.work_dir = pathlib.Path(work_dir).absolute()
+        # How jobs are confined (agent/sandbox.py); a reconciler made without one (tests of other
+        # parts) runs them unconfined, saying so, with their own environment only.
+        self.sandbox = sandbox or job_sandbox.NodeSandbox(job_sandbox.SandboxPolicy(mode="off"),
+                                                          work_dir=self.work_dir, node_devices=None, python=python)
         self.jobs_dir = self.work_dir / "j"
         self.spool_root = self.work_dir / "spool"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.spool_root.mkdir(parents=True, exist_ok=True)
+        self.sandbox.layout()
         self.engine = engine
         self.checkpoint_every_s = checkpoint_every_s
         self.workload_root = pathlib.Path(workload_root or os.getcwd()).absolute()
@@ -443,6 +457,7 @@ class NodeReconciler:
                 # was built is still "running" there, and must be reported once more.
                 if job_id in accepted_ids and job.reported_state in FINAL_COPY_STATES and job.busy is None:
                     del self.jobs[job_id]
+                    _remove_cgroup_soon(job.job_dir)
                     self.pruned.pop(job_id, None)
                     if job.reported_state == CopyState.FINISHED and not self.keep_finished_checkpoints:
                         self._remove_store_soon(job)
@@ -595,6 +610,7 @@ class NodeReconciler:
                 command += ["--restore-manifest-sha256", entry.restore_sha256]
         if workspace is not None:
             command += bundles.launch_arguments(entry, workspace)
+        command += ["--sandbox", str(job_dir / job_sandbox.SANDBOX_FILE)]
         return command + [str(entrypoint)] + [str(a) for a in entry.args]
 
     def launch(self, entry: DesiredJob) -> None:
@@ -628,15 +644,25 @@ class NodeReconciler:
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
         generation = entry.generation
+        if self._sandbox_uid_taken(job_id):
+            return  # tried again at the next reconcile, once the other job is gone
+        try:
+            self.sandbox.prepare(job_id=job_id, job_dir=job_dir, device_indices=entry.device_indices,
+                                 devices=entry.devices, env=entry.env, store=store, workspace=workspace)
+        except (job_sandbox.SandboxError, OSError) as exc:
+            self._launch_refused(entry, job_dir, f"the job's sandbox could not be set up on this node: {exc}")
+            return
         command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume,
                                       workspace=workspace)
-        env = without_agent_secrets(os.environ)
-        env.update({k: str(v) for k, v in (entry.env or {}).items()})
+        # A clean environment: the agent's (its tokens, the control plane's settings) stays here. The
+        # job's own environment reaches its ranks through sandbox.json, not through the launcher's.
+        env = {"PATH": os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "LANG": "C.UTF-8", "HOME": str(job_dir)}
         env["MERIDIAN_SPOOL_ROOT"] = str(self.spool_root)
         env["MERIDIAN_JOB_ID"] = str(job_id)
         if generation is not None:
             env["MERIDIAN_GENERATION"] = str(generation)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = str(ROOT)
         with open(job_dir / "launcher.err", "wb") as err:
             # A session of its own: the job outlives an agent restart (and is re-adopted).
             popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
@@ -647,6 +673,31 @@ class NodeReconciler:
         self.jobs[job_id] = job
         log.info("job %s: launched %s on %s device(s)%s", job_id, pathlib.Path(entry.entrypoint).name, entry.devices,
                  " (restoring its newest checkpoint)" if resume else "")
+
+    def _sandbox_uid_taken(self, job_id) -> bool:
+        """True (and logged) when another live job here runs as the uid job `job_id` would get (their
+        ids differ by a multiple of the uid range): the two must never share one."""
+        if not self.sandbox.enforced:
+            return False
+        uid = self.sandbox.identity(job_id).uid
+        for other in self.jobs.values():
+            spec = job_sandbox.spec_of(other.job_dir)
+            if other.job_id != job_id and spec is not None and spec.uid == uid and other.alive():
+                log.error("job %s: not launched while job %s, which has the same sandbox uid %d, runs here "
+                          "(widen the uid range: --sandbox-uid-count)", job_id, other.job_id, uid)
+                return True
+        return False
+
+    def _launch_refused(self, entry: DesiredJob, job_dir: pathlib.Path, error: str) -> None:
+        """Records a launch that could not start as a failed copy (its error is the job's failure
+        reason in the control plane), rather than retrying it for ever in silence."""
+        log.error("job %s: %s", entry.job_id, error)
+        with open(job_dir / "events.jsonl", "a") as handle:
+            handle.write(event_line(Failed(time_unix=time.time(), error=error)))
+        job = LocalJob(entry.job_id, job_dir, devices=entry.devices, world_size=entry.world_size,
+                       generation=entry.generation, store=entry.store, device_indices=entry.device_indices)
+        self._write_meta(job)
+        self.jobs[entry.job_id] = job
 
     def _restore_refused(self, entry: DesiredJob, store: pathlib.Path, why: str) -> None:
         """Records a copy of `entry` that failed before it started: the checkpoint to restore was
@@ -665,9 +716,11 @@ class NodeReconciler:
 
     @staticmethod
     def _kill(job):
-        """SIGKILLs the launcher and the ranks of `job` (by pid) and reaps the launcher."""
+        """SIGKILLs the whole job at once through its cgroup (launcher, ranks, criu, whatever they
+        forked), then the launcher and the ranks by pid (an unconfined job), and reaps the launcher."""
         import signal
 
+        job_sandbox.kill_job(job.job_dir)
         progress = read_json(job.job_dir / "progress.json", {}) or {}
         for pid in [job.pid] + list(progress.get("rank_pids") or []):
             try:
@@ -676,6 +729,7 @@ class NodeReconciler:
                 pass
         if job.popen is not None:
             job.popen.wait(timeout=10)
+        _remove_cgroup_soon(job.job_dir)
 
     def kill_all(self):
         """Kills every launcher and rank this agent runs (by pid): for an embedded run whose
@@ -684,6 +738,15 @@ class NodeReconciler:
         with self.lock:
             for job in self.jobs.values():
                 self._kill(job)
+
+
+def _remove_cgroup_soon(job_dir, wait_s=2.0):
+    """Removes the cgroup of the job that ran in `job_dir` once it is empty (its last zombies are
+    reaped within moments); a cgroup still busy after `wait_s` is left for the next launch of the
+    job, which reuses it."""
+    deadline = time.monotonic() + wait_s
+    while not job_sandbox.remove_cgroup(job_dir) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _checked(report: JobReport) -> JobReport:

@@ -62,7 +62,7 @@ class JobOutputSerializer(serializers.ModelSerializer):
     is_elastic = serializers.BooleanField()
     sla_target = serializers.FloatField()
     attained_sla_fraction = serializers.FloatField(allow_null=True)
-    bundle = serializers.CharField(source="bundle.sha256", default=None,
+    bundle = serializers.CharField(source="bundle.sha256", default=None, allow_null=True,
                                    help_text="the code bundle's sha256; null: the entrypoint is on the node")
 
     class Meta:

@@ -304,8 +304,10 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
         return None
     try:
         if state == CopyState.RUNNING and job.state == S.SCHEDULED:
-            job_transition(job=job, to=S.RUNNING, reason=f"running on {node.hostname}", now=now,
-                           extra={"node": node.hostname, "devices": entry.devices})
+            # An unconfined copy (a node that cannot sandbox it) says so in the job's events.
+            loud = f" ({entry.sandbox})" if entry.sandbox and entry.sandbox.startswith("UNCONFINED") else ""
+            job_transition(job=job, to=S.RUNNING, reason=f"running on {node.hostname}{loud}"[:500], now=now,
+                           extra={"node": node.hostname, "devices": entry.devices, "sandbox": entry.sandbox})
         elif state == CopyState.FINISHED and job.state == S.MIGRATING:
             return "deferred"  # the move's restore/release steps run first; reported again then
         elif state == CopyState.FINISHED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):

@@ -177,7 +177,24 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+
+
+def _private_sqlite_file(name):
+    """Makes the SQLite file `name` (created empty when absent: SQLite takes an empty file as a new
+    database) readable by its owner only; SQLite gives its -wal and -shm files the same mode. The
+    data dir must stay reachable by job uids (the embedded agents' spools lie under it), so the
+    database's own mode keeps a job's ranks out of it (docs/operator-guide.md#sandbox)."""
+    if not name or str(name) == ":memory:" or str(name).startswith("file:"):
+        return
+    try:
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.chmod(name, 0o600)
+    except OSError:
+        pass  # a read-only or missing data dir: Django says so when it connects
+
+
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    _private_sqlite_file(DATABASES["default"].get("NAME"))
     # The embedded database is shared by daphne, a Celery worker and beat: WAL lets
     # readers go on while one writer writes, IMMEDIATE transactions take the write
     # lock up front (no "database is locked" on lock upgrade), and the timeout waits

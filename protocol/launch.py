@@ -42,6 +42,7 @@ class Started(LaunchEvent):
     devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
     reason: str = bounded(max_length=2000)  # why this engine
     device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+    sandbox: str | None = bounded(default=None, max_length=2000)  # how the ranks are confined, or why not
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,7 @@ class Restored(LaunchEvent):
     spool: str = bounded(max_length=MAX_PATH)
     seconds: float = bounded(minimum=0)
     device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+    sandbox: str | None = bounded(default=None, max_length=2000)  # how the ranks are confined, or why not
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +152,37 @@ def parse_events(text: str) -> list[LaunchEvent]:
         except (ValueError, ProtocolError):  # ProtocolError is a ValueError; both named for the reader
             continue
     return events
+
+
+# -- sandbox.json: the agent -> launcher description of a job's sandbox (runtime/sandbox.py) ---------
+MAX_UID = 2**31 - 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxSpec(Message):
+    """<job dir>/sandbox.json (root's, mode 600), given as `meridian-run --sandbox FILE`: how the
+    launcher confines the job's ranks. `uid` None: unconfined (the ranks run as the launcher's
+    user), `unconfined_reason` says why; the environment is the job's only either way."""
+
+    uid: int | None = bounded(default=None, minimum=1, maximum=MAX_UID)
+    gid: int | None = bounded(default=None, minimum=1, maximum=MAX_UID)
+    unconfined_reason: str | None = bounded(default=None, max_length=2000)
+    cgroup_version: Literal["v1", "v2"] | None = None
+    cgroup_dirs: tuple[str, ...] = bounded(default=(), max_length=8)  # the job's cgroup folders
+    memory_bytes: int | None = bounded(default=None, minimum=1, maximum=2**62)
+    device_kind: Literal["cpu", "gpu"] = "cpu"
+    node_devices: int | None = bounded(default=None, minimum=1, maximum=MAX_DEVICES)  # devices of the node
+    node_cores: tuple[int, ...] = bounded(default=(), max_length=65536)  # the cores behind them
+    env: dict[str, str] | None = bounded(default=None, max_length=500)  # the job's own environment
+    home: str | None = bounded(default=None, max_length=MAX_PATH)  # HOME of the ranks (their workspace)
+
+    def describe(self) -> str:
+        """One line for the job's events: how it is confined, or UNCONFINED and why."""
+        if self.uid is None:
+            return f"UNCONFINED (ranks run as the launcher's user): {self.unconfined_reason or 'sandbox off'}"
+        memory = f"{self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else "no memory limit"
+        return (f"uid {self.uid}, gid {self.gid}, cgroup {self.cgroup_version} "
+                f"{self.cgroup_dirs[0] if self.cgroup_dirs else '-'}, {memory}")
 
 
 # -- progress.json, the answer to "progress" --------------------------------------------------------

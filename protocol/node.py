@@ -149,6 +149,8 @@ class JobReport(Message):
     restored_step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
     error: str | None = bounded(default=None, max_length=MAX_ERROR)  # why it failed
     exit_code: int | None = bounded(default=None, minimum=-255, maximum=255)
+    # How the copy's ranks are confined ("uid 1000007, cgroup v1 ...") or "UNCONFINED ...: why"
+    sandbox: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)

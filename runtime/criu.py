@@ -54,11 +54,16 @@ def become_subreaper():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def namespace_command(command):
-    """Returns the command that runs `command` as the init of a fresh PID namespace."""
+def namespace_command(command, *, own_proc=False):
+    """Returns the command that runs `command` as the init of a fresh PID namespace.
+
+    `own_proc`: also in a mount namespace of its own with a /proc of its PID namespace. Needed by
+    a rank that runs as an unprivileged uid (the sandbox): CRIU's parasite, which runs with the
+    rank's credentials, must open a /proc that belongs to the rank's PID namespace, and only root
+    may mount one there itself ("can't dump unprivileged task whose /proc doesn't belong to it")."""
     # No --kill-child: it sets PR_SET_PDEATHSIG, which CRIU restores, and the restored rank
     # would be killed when its restoring criu process exits.
-    return ["unshare", "--pid", "--fork", "setsid"] + list(command)
+    return ["unshare", "--pid", "--fork"] + (["--mount-proc"] if own_proc else []) + ["setsid"] + list(command)
 
 
 def namespace_init_pid(unshare_pid, deadline_s=30.0):

@@ -90,6 +90,9 @@ class Engine(ABC):
 
     name: ClassVar[str]
     label: ClassVar[str]  # how a person names it in an error ("CRIU")
+    # True when the ranks themselves write the checkpoint into the staging folder (a sandboxed
+    # job's ranks are then given that folder, and the launcher seals it before the commit).
+    ranks_write_checkpoint: ClassVar[bool] = False
 
     # -- choice ----------------------------------------------------------------------------------
     @classmethod
@@ -168,7 +171,10 @@ class CriuEngine(Engine):
         criu.become_subreaper()
 
     def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
-        popen = subprocess.Popen(criu.namespace_command(command), env=env, stdin=subprocess.DEVNULL,
+        # A sandboxed rank (started through setpriv as the job's uid) needs a /proc of its own.
+        unprivileged = bool(command) and os.path.basename(command[0]) == "setpriv"
+        popen = subprocess.Popen(criu.namespace_command(command, own_proc=unprivileged), env=env,
+                                 stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return criu.namespace_init_pid(popen.pid), popen
 
@@ -245,6 +251,7 @@ class FrameworkEngine(Engine):
 
     name = "framework"
     label = "the framework engine"
+    ranks_write_checkpoint = True
 
     def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
         # A process group of its own (a terminal's Ctrl-C reaches the launcher, which stops the

@@ -67,6 +67,7 @@ from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
 from runtime import control, engines, rank_logs, splice
 from runtime import rank as rank_liveness
+from runtime import sandbox as job_sandbox
 from runtime import spool as spool_files
 from runtime import workspace as job_workspace
 from runtime.engines import RankProcess, choose_engine
@@ -112,6 +113,15 @@ class Launcher:
                               f"({','.join(map(str, self.device_indices))}) but --devices is {options.devices}; "
                               "give as many indices as devices", EXIT_USAGE)
         self.devices = options.devices or (len(self.device_indices) if self.device_indices else options.ranks)
+        # First of all: join the job's cgroup (everything started from here on inherits it).
+        self.sandbox = None
+        if options.sandbox:
+            try:
+                self.sandbox = job_sandbox.LaunchSandbox.from_file(options.sandbox)
+                self.sandbox.enter()
+            except (OSError, ValueError, job_sandbox.SandboxError) as exc:
+                raise LaunchError(f"--sandbox {options.sandbox}: the job's sandbox cannot be set up: {exc}",
+                                  EXIT_USAGE) from None
         self.job_dir = pathlib.Path(options.job_dir).absolute()
         self.job_id = options.job_id or self.job_dir.name
         self.spool = spool_files.spool_dir_for(self.job_id).absolute()
@@ -121,9 +131,10 @@ class Launcher:
         if self.world_size < 1:
             raise LaunchError("--ranks must be at least 1", EXIT_USAGE)
         try:
-            self.device_map = DeviceMap.from_dict(splice.device_map(world_size=self.world_size,
-                                                                    devices=self.devices))
-        except ValueError as exc:
+            self.device_map = DeviceMap.from_dict(splice.device_map(
+                world_size=self.world_size, devices=self.devices,
+                device_cores=self.sandbox.device_cores(self.device_indices) if self.sandbox else None))
+        except (ValueError, job_sandbox.SandboxError) as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
@@ -178,26 +189,33 @@ class Launcher:
                                         wait_for_workers=False)
 
     def rank_env(self, rank, resume_dir=None):
-        env = dict(os.environ)
-        env.update({
+        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        runtime_env = {
             "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous.port),
             "MERIDIAN_JOB_DIR": str(self.job_dir), "MERIDIAN_JOB_ID": self.job_id,
             "MERIDIAN_ENGINE": self.engine, "MERIDIAN_NONCE": self.nonce,
             "OMP_NUM_THREADS": "1", "MERIDIAN_LAUNCHER_PID": str(os.getpid()),
-        })
+        }
+        if self.device_indices is not None:
+            runtime_env[DEVICE_INDICES_ENV] = ",".join(map(str, self.device_indices))
+        if resume_dir is not None:
+            runtime_env["MERIDIAN_RESUME"] = str(resume_dir)
+        if self.workspace is not None:
+            runtime_env[job_workspace.WORKSPACE_ENV] = str(self.workspace.path)
+        if self.sandbox is not None:
+            # Only the job's own environment and the runtime's: never the launcher's (nor, through
+            # it, the agent's: tokens, database URLs, keys). HOME is the workspace when there is one.
+            home = self.workspace.path if self.workspace is not None else spool_files.rank_dir(self.spool, rank)
+            return self.sandbox.environment(runtime_env, home=str(home), device_indices=self.device_indices,
+                                            pythonpath=root)
+        # A launcher started by hand passes its environment on, as torchrun does.
+        env = dict(os.environ)
         env.pop("MERIDIAN_RESUME", None)
         env.pop(DEVICE_INDICES_ENV, None)
-        if self.device_indices is not None:
-            # Recorded only (runtime/splice.py still pins by its own map); a later change pins by them.
-            env[DEVICE_INDICES_ENV] = ",".join(map(str, self.device_indices))
-        if resume_dir is not None:
-            env["MERIDIAN_RESUME"] = str(resume_dir)
         env.pop(job_workspace.WORKSPACE_ENV, None)
-        if self.workspace is not None:
-            env[job_workspace.WORKSPACE_ENV] = str(self.workspace.path)
-        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        env.update(runtime_env)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
@@ -225,13 +243,23 @@ class Launcher:
                 entry.unlink()
         for rank in range(self.world_size):
             spool_files.rank_dir(self.spool, rank).mkdir(parents=True)
+        if self.sandbox is not None:
+            self.sandbox.give_spool(self.spool, [spool_files.rank_dir(self.spool, r) for r in range(self.world_size)])
         spool_files.write_json_atomic(self.spool / "devices.json", self.device_map.to_dict())
 
+    def give_workspace(self):
+        """Makes the workspace the job's own (its uid) after the launcher (root) put files there."""
+        if self.sandbox is not None and self.workspace is not None:
+            self.sandbox.give_workspace(self.workspace.path)
+
     def spawn_ranks(self, resume_dir=None):
+        self.give_workspace()
         rank_logs.link(self)
         for rank in range(self.world_size):
             command = [sys.executable, "-m", "runtime.rank", "--spool", str(self.spool),
                        self.script] + list(self.options.args)
+            if self.sandbox is not None:
+                command = self.sandbox.command(command)
             with open(spool_files.rank_dir(self.spool, rank) / "launch.log", "ab") as launch_log:
                 pid, popen = self.checkpoints.spawn(command, env=self.rank_env(rank, resume_dir),
                                                     log=launch_log)
@@ -253,8 +281,9 @@ class Launcher:
         rank_dir = spool_files.rank_dir(self.spool, rank)
         text = ""
         for path in (rank_dir / "launch.log", rank_dir / "out.log", rank_dir / "err.log"):
-            try:
-                text += "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
+            try:  # the rank's own file: never through a link it put there
+                tail = job_sandbox.read_job_file(path, limit=64 * 1024).decode(errors="replace")
+                text += "".join(tail.splitlines(True)[-lines:])
             except OSError:
                 pass
         return text
@@ -320,6 +349,8 @@ class Launcher:
         began = time.monotonic()
         staging = self.store.staging_dir()
         try:
+            if self.sandbox is not None and self.checkpoints.ranks_write_checkpoint:
+                self.sandbox.give_staging(staging)  # the ranks write their state there
             request, step, reports, errors = self.request_cut(
                 action, at_step=at_step, timeout_s=timeout_s, staging_dir=str(staging))
             cut_s = time.monotonic() - began
@@ -330,6 +361,8 @@ class Launcher:
             dump_began = time.monotonic()
             self.checkpoints.dump(self, request, step, staging, stop=stop, timeout_s=timeout_s)
             dump_s = time.monotonic() - dump_began
+            if self.sandbox is not None and self.checkpoints.ranks_write_checkpoint:
+                self.sandbox.seal_staging(staging)
             # The workspace part goes into the checkpoint (listed in its MANIFEST.json) before it is committed.
             saved = job_workspace.persist_at_checkpoint(self.workspace, staging)
             commit_began = time.monotonic()
@@ -362,15 +395,23 @@ class Launcher:
 
     def do_resize(self, request: ResizeRequest) -> ResizeAnswer | ControlFailure:
         try:
-            mapping = DeviceMap.from_dict(splice.device_map(world_size=self.world_size, devices=request.devices))
-        except ValueError as exc:
+            new_cores = self.sandbox.device_cores(request.device_indices) if self.sandbox else None
+            mapping = DeviceMap.from_dict(splice.device_map(world_size=self.world_size, devices=request.devices,
+                                                            device_cores=new_cores))
+        except (ValueError, job_sandbox.SandboxError) as exc:
             return ControlFailure(error=str(exc))
+        if new_cores is not None and self.sandbox is not None:
+            # Both the old and the new cores while the ranks move; only the new ones after.
+            old_cores = [c for cores in self.device_map.plain()["devices"].values() for c in cores]
+            self.sandbox.move_cores(old_cores + [c for cores in new_cores for c in cores])
         began = time.monotonic()
         _, step, reports, errors = self.request_cut(
             "resize", at_step=request.at_step, timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S,
             devices=mapping, device_indices=request.device_indices)
         if errors:
             raise LaunchError("resize failed: " + "; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
+        if new_cores is not None and self.sandbox is not None:
+            self.sandbox.move_cores(c for cores in new_cores for c in cores)
         self.devices = request.devices
         self.device_map = mapping
         # Indices the agent did not give are unknown now: the old ones describe the old devices.
@@ -381,6 +422,18 @@ class Launcher:
                    device_indices=self.device_indices)
         return ResizeAnswer(step=step, devices=self.devices, device_map=mapping,
                             device_indices=self.device_indices, seconds=seconds)
+
+    def choose_engine(self) -> tuple[str, str]:
+        """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
+        (runtime/sandbox.py criu_refusal_for_other_uids) gets the framework engine under auto, and
+        --engine criu is refused with the reason."""
+        refusal = job_sandbox.criu_refusal_for_other_uids() if self.sandbox and self.sandbox.identity else None
+        if refusal and self.options.engine == "criu":
+            raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
+        if refusal and self.options.engine == engines.AUTO:
+            name, _ = choose_engine("framework")
+            return name, f"auto: {refusal}"
+        return choose_engine(self.options.engine)
 
     def use_engine(self, name: str) -> None:
         """Makes `name` this launch's engine (once: chosen, or the resumed checkpoint's)."""
@@ -423,15 +476,19 @@ class Launcher:
                               f"--ranks is {self.world_size}", EXIT_USAGE)
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
+        if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
+            refusal = job_sandbox.criu_refusal_for_other_uids()
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()
         job_workspace.restore_for_resume(self.workspace, ref.path, meta)
+        self.give_workspace()
         self.engine_reason = f"resume: the checkpoint {ref.uri} was made by {ref.engine}"
         began = time.monotonic()
         self.checkpoints.restore(self, ref, meta)
         self.event(Restored, step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
-                   seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices)
+                   seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices,
+                   sandbox=self.sandbox.describe() if self.sandbox else None)
         return ref
 
     def restore_at_dumped_spool(self, meta):
@@ -472,14 +529,15 @@ class Launcher:
             self.start_rendezvous()
             self.restore_latest()
         else:
-            name, self.engine_reason = choose_engine(self.options.engine)
+            name, self.engine_reason = self.choose_engine()
             self.use_engine(name)
             self.start_rendezvous()
             self.checkpoints.prepare()
             self.fresh_spool()
             self.spawn_ranks()
             self.event(Started, world_size=self.world_size, devices=self.devices,
-                       reason=self.engine_reason, device_indices=self.device_indices)
+                       reason=self.engine_reason, device_indices=self.device_indices,
+                       sandbox=self.sandbox.describe() if self.sandbox else None)
         spool_files.write_json_atomic(self.job_dir / "launcher.json", {
             "job_id": self.job_id, "pid": os.getpid(), "engine": self.engine,
             "engine_reason": self.engine_reason, "world_size": self.world_size,
@@ -574,6 +632,10 @@ def parse_args(argv):
     parser.add_argument("--store", default=None,
                         help="checkpoint store URI or path (default <job-dir>/checkpoints)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to retain")
+    parser.add_argument("--sandbox", default=None, metavar="FILE",
+                        help="the job's sandbox (protocol.launch.SandboxSpec as JSON, written by the node agent): "
+                             "the ranks run as its uid, in its cgroup, on the cores behind their devices, with "
+                             "its environment only (runtime/sandbox.py)")
     parser.add_argument("--resume", action="store_true",
                         help="resume from the newest good checkpoint in the store")
     parser.add_argument("--restore-manifest-sha256", default=None, type=_sha256_hex,

@@ -25,10 +25,12 @@ import errno
 import os
 import pathlib
 import shutil
+import stat
 from typing import TYPE_CHECKING
 
 from protocol.logs import LogStream, RankLog, RankLogs
 from runtime import spool as spool_files
+from runtime.sandbox import copy_job_file
 
 if TYPE_CHECKING:
     from runtime.launcher import Launcher
@@ -63,34 +65,54 @@ def _write_manifest(job_dir, ranks) -> None:
 
 
 def link(launcher: Launcher) -> RankLogs:
-    """Called before the ranks start (or are restored), with the spool's rank folders made:
-    creates each rank's log files if they are not there, links them into the job directory and
-    writes logs.json; returns it."""
+    """Called before the ranks start (or are restored), with the spool's rank folders made and no
+    rank running: creates each rank's log files if they are not there (the job's own, under a
+    sandbox), links them into the job directory and writes logs.json; returns it.
+
+    Security: a rank may later replace its spool files (its folder is writable by the job), but
+    the job directory's link names the inode made here, which the launcher created as a regular
+    file: the agent reads that, never a link a rank put in the spool."""
     (launcher.job_dir / "logs").mkdir(parents=True, exist_ok=True)
+    sandbox = getattr(launcher, "sandbox", None)
     ranks = []
     for rank in range(launcher.world_size):
         for stream in STREAMS:
             source = spool_log_path(launcher.spool, rank, stream)
-            fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.close(fd)
-            start = source.stat().st_size
+            fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            try:
+                info = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError(f"{source} is not a regular file")
+            if sandbox is not None:
+                sandbox.give_file(source)  # the rank (the job's uid) appends to it
             target = job_log_path(launcher.job_dir, rank, stream)
             target.unlink(missing_ok=True)
             try:
-                os.link(source, target)
+                os.link(source, target, follow_symlinks=False)
                 path = target
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                     raise
                 path = source  # copied at exit (keep)
-            ranks.append(RankLog(rank=rank, stream=stream, path=str(path), start=start))
+            ranks.append(RankLog(rank=rank, stream=stream, path=str(path), start=info.st_size))
     _write_manifest(launcher.job_dir, ranks)
     return RankLogs(ranks=tuple(ranks))
 
 
+def _same_inode(source: pathlib.Path, target: pathlib.Path) -> bool:
+    try:
+        a, b = os.lstat(source), os.lstat(target)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def keep(launcher: Launcher) -> None:
     """Called when the launcher exits, before the spool is removed: every rank's logs end up in
-    the job directory (copies where they were not linked) and logs.json names them there."""
+    the job directory (copies where they were not linked, never through a link a rank put in the
+    spool) and logs.json names them there."""
     (launcher.job_dir / "logs").mkdir(exist_ok=True)
     manifest = read_manifest(launcher.job_dir)
     starts: dict[tuple[int, str], int] = {(r.rank, r.stream): r.start for r in manifest.ranks} if manifest else {}
@@ -98,30 +120,34 @@ def keep(launcher: Launcher) -> None:
     for rank in range(launcher.world_size):
         for stream in STREAMS:
             source, target = spool_log_path(launcher.spool, rank, stream), job_log_path(launcher.job_dir, rank, stream)
-            if source.exists() and not (target.exists() and os.path.samefile(source, target)):
-                shutil.copyfile(source, target)
+            if os.path.lexists(source) and not _same_inode(source, target):
+                try:
+                    copy_job_file(source, target)
+                except OSError:
+                    pass  # replaced by something else than its log: the linked file (if any) stays
             if target.exists():
                 ranks.append(RankLog(rank=rank, stream=stream, path=str(target), start=starts.get((rank, stream), 0)))
     _write_manifest(launcher.job_dir, ranks)
 
 
 def carry(launcher: Launcher, folder) -> None:
-    """Copies every rank's logs into `folder` (a checkpoint's logs/, made here) for a CRIU dump."""
+    """Copies every rank's logs into `folder` (a checkpoint's logs/, made here) for a CRIU dump
+    (the ranks' own files: never through a link one put in their place)."""
     folder = pathlib.Path(folder)
     folder.mkdir()
     for rank in range(launcher.world_size):
         for stream, (_, _, carried) in STREAMS.items():
             source = spool_log_path(launcher.spool, rank, stream)
-            if source.exists():
-                shutil.copyfile(source, folder / carried.format(rank=rank))
+            if os.path.lexists(source):
+                copy_job_file(source, folder / carried.format(rank=rank))
 
 
 def put_back(launcher: Launcher, folder) -> None:
-    """Puts the logs a CRIU checkpoint carried back at their spool paths (and sizes), before the
-    ranks are restored, and links them (link)."""
+    """Puts the logs a CRIU checkpoint carried back at their spool paths (and sizes; the job's own
+    files), before the ranks are restored, and links them (link)."""
     folder = pathlib.Path(folder)
     for rank in range(launcher.world_size):
         for stream, (_, _, carried) in STREAMS.items():
             if (folder / carried.format(rank=rank)).exists():
                 shutil.copyfile(folder / carried.format(rank=rank), spool_log_path(launcher.spool, rank, stream))
-    link(launcher)
+    link(launcher)  # gives them to the job's uid under a sandbox

@@ -13,29 +13,39 @@ in rank order and every rank runs with one intra-op thread (rank.py fixes it).
 import fcntl
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from protocol.layout import layout_check, rank_devices
 from runtime import spool as spool_files
 
 
-def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = None) -> dict[str, dict]:
+def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = None,
+               device_cores: Sequence[Sequence[int]] | None = None) -> dict[str, dict]:
     """Returns the rank -> device and device -> cores map for W ranks on `devices` devices.
 
-    Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). Cores
-    are split evenly when there are at least as many cores as devices, else devices share
-    cores round-robin. Raises protocol.layout.LayoutError (a ValueError) when devices does not
-    divide world_size.
+    Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). With
+    `device_cores` (the cores behind each of the job's node-local devices, in order: what the
+    node's agent gave the job, runtime/sandbox.py `device_cores`) each device gets exactly its own,
+    so two jobs on one node never share a core they were not both given. Without it (a launcher
+    started by hand), `cores` (default: this process's affinity) are split evenly when there are
+    at least as many cores as devices, else devices share cores round-robin. Raises
+    protocol.layout.LayoutError (a ValueError) when devices does not divide world_size, and
+    ValueError when `device_cores` does not list one core set per device.
     """
     layout_check(world_size, devices)
-    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    if devices <= len(cores):
-        per_device = len(cores) // devices
-        device_cores = {k: cores[k * per_device:(k + 1) * per_device] for k in range(devices)}
+    if device_cores is not None:
+        if len(device_cores) != devices or not all(device_cores):
+            raise ValueError(f"{len(device_cores)} core set(s) {list(device_cores)} for {devices} device(s)")
+        device_core_map = {k: sorted(int(c) for c in device_cores[k]) for k in range(devices)}
     else:
-        device_cores = {k: [cores[k % len(cores)]] for k in range(devices)}
+        core_list = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        if devices <= len(core_list):
+            per_device = len(core_list) // devices
+            device_core_map = {k: core_list[k * per_device:(k + 1) * per_device] for k in range(devices)}
+        else:
+            device_core_map = {k: [core_list[k % len(core_list)]] for k in range(devices)}
     return {
-        "devices": {str(k): v for k, v in device_cores.items()},
+        "devices": {str(k): v for k, v in device_core_map.items()},
         "ranks": {str(r): k for r, k in enumerate(rank_devices(world_size, devices))},
     }
 

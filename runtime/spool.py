@@ -37,6 +37,9 @@ def write_json_atomic(path, payload):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        # Readable by the other side: a sandboxed rank (the job's uid) reads what the launcher
+        # (root) writes here; the spool folder itself keeps other jobs out.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as handle:
             json.dump(payload, handle)
             handle.flush()

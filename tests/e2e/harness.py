@@ -189,7 +189,10 @@ class ControlPlane:
         argv = [PYTHON, "-m", "agent.main", "--control-plane", url,
                 "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", region, "--cluster", cluster,
                 "--work-dir", str(work_dir), "--engine", engine, "--checkpoint-every", str(checkpoint_every),
-                "--interval", "1", "--workload-root", str(ROOT)]
+                "--interval", "1", "--workload-root", str(ROOT),
+                # These tests write outputs where the test reads them; the sandbox (job uids that
+                # cannot write there) is proven by tests/sandbox/ with real agents.
+                "--sandbox", "off"]
         process = self._spawn(f"agent-{hostname}", argv, env={"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL})
         self.agents[hostname] = (process, work_dir)
         poll(f"agent {hostname} to register", lambda: (work_dir / "node-token").exists(), timeout=60,

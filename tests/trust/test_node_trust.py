@@ -416,7 +416,10 @@ def test_a_job_never_sees_the_agents_tokens(tmp_path, monkeypatch):
         node.kill_all()
     names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
     assert not names & {"MERIDIAN_AGENT_TOKEN", "MERIDIAN_AGENT_ENROLL_TOKEN", "MERIDIAN_AGENT_ENROLLMENT_TOKEN"}
-    assert "MY_TOKEN_FOR_JOB" in names and "PATH" in names  # what the member gave the job still reaches it
+    assert "PATH" in names
+    # what the member gave the job still reaches it: through sandbox.json, never the launcher's own
+    # environment (agent/sandbox.py; the ranks get it, tests/sandbox/test_isolation.py)
+    assert "MY_TOKEN_FOR_JOB" in (node.jobs[3].job_dir / "sandbox.json").read_text()
     assert without_agent_secrets({"DJANGO_SECRET_KEY": "x", "HF_TOKEN": "y", "HOME": "/h"}) == {"HOME": "/h"}
 
 

@@ -1,0 +1,123 @@
+"""What the per-job sandbox costs: at launch, at a cut (checkpoint), at a kill; sandbox on vs off.
+
+    .venv/bin/python bench/sandbox_cost.py [--repeats 3] [--ranks 2] [--engine framework]
+
+Runs examples/train_mlp.py through a real node agent's reconciler (agent/node.py) on a 2-device node,
+once with the sandbox enforced (a job uid through setpriv, a cgroup with the cpuset and a memory
+limit, the job's environment only, the spool given to its group, framework checkpoints sealed before
+the commit) and once with it off (ranks as root, the same clean environment). Needs root (the
+sandbox does). For each repeat:
+    prepare     the agent's sandbox work before the launcher starts (cgroup, modes, sandbox.json)
+    launch      reconcile() -> the job reports running with step >= 1 (ranks started, torch imported,
+                first optimizer step)
+    cut         one checkpoint through the control socket: the launcher's own CheckpointSeconds.total
+                (with the sandbox: the staging folder given to the ranks, then sealed)
+    kill        fence() -> every process of the job gone (the sandbox kills through the cgroup)
+Prints the median of each over the repeats and the ratio on/off. CRIU is not measured with the
+sandbox where root lacks CAP_SYS_RESOURCE (runtime/sandbox.py criu_refusal_for_other_uids), which is
+the case on the machines this project is tested on; the script says so.
+"""
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from agent.node import NodeReconciler, pid_alive, read_progress  # noqa: E402
+from agent.sandbox import NodeSandbox, SandboxPolicy  # noqa: E402
+from runtime import sandbox as mechanisms  # noqa: E402
+
+TRAIN = ROOT / "examples" / "train_mlp.py"
+
+
+def wait(what, predicate, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def one_run(base, *, mode, engine, ranks, job_id):
+    work, store = base / f"{mode}-{job_id}", base / "store"
+    sandbox = NodeSandbox(SandboxPolicy(mode=mode, uid_base=1_700_000), work_dir=work, node_devices=2,
+                          node_cores=tuple(sorted(os.sched_getaffinity(0)))[:2])
+    node = NodeReconciler(work, engine=engine, checkpoint_every_s=0, workload_root=ROOT, sandbox=sandbox)
+    space = work / "workspaces" / f"job-{job_id}"
+    space.mkdir(parents=True)
+    entry = {"job_id": job_id, "action": "run", "generation": 1, "world_size": ranks, "devices": 1,
+             "device_indices": [0], "entrypoint": str(TRAIN), "env": {},
+             "args": ["--out", str(space / "final.pt"), "--epochs", "400", "--step-sleep", "0.01"],
+             "store": str(store / f"job-{job_id}" / "g1")}
+    prepare_s = []
+    original = sandbox.prepare
+
+    def timed_prepare(**kwargs):
+        began = time.perf_counter()
+        try:
+            return original(**kwargs)
+        finally:
+            prepare_s.append(time.perf_counter() - began)
+
+    sandbox.prepare = timed_prepare  # type: ignore[method-assign]
+    began = time.perf_counter()
+    node.reconcile([entry])
+    job = node.jobs[job_id]
+
+    def running():
+        progress = read_progress(job.job_dir)
+        return progress is not None and progress.step >= 1 and (job.job_dir / "control.sock").exists()
+    wait("the job to run", running)
+    launch_s = time.perf_counter() - began
+    answer = job.control.checkpoint(timeout_s=120)
+    cut_s = float(answer["seconds"]["total"])
+    pids = [job.pid, *(read_progress(job.job_dir).rank_pids or ())]
+    began = time.perf_counter()
+    node.fence([job_id], why="bench")
+    wait("the job to be gone", lambda: not any(pid_alive(p) for p in pids))
+    kill_s = time.perf_counter() - began
+    return {"prepare": prepare_s[0], "launch": launch_s, "cut": cut_s, "kill": kill_s}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--engine", default="framework", choices=["framework", "criu"])
+    options = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("the sandbox needs root; run this as root")
+    if options.engine == "criu" and mechanisms.criu_refusal_for_other_uids():
+        raise SystemExit(f"not measurable here: {mechanisms.criu_refusal_for_other_uids()}")
+    results = {"off": [], "enforce": []}
+    with tempfile.TemporaryDirectory(prefix="sbx-bench-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o711)
+        base = pathlib.Path(tmp)
+        job_id = 500
+        for _ in range(options.repeats):
+            for mode in ("off", "enforce"):  # interleaved: the machine's load drifts
+                job_id += 1
+                results[mode].append(one_run(base, mode=mode, engine=options.engine, ranks=options.ranks,
+                                             job_id=job_id))
+    print(f"sandbox cost: W={options.ranks} on 1 CPU device, engine {options.engine}, "
+          f"median of {options.repeats} (seconds)")
+    print(f"{'phase':<10} {'sandbox off':>12} {'sandbox on':>12} {'on - off':>10} {'on / off':>9}")
+    for phase in ("prepare", "launch", "cut", "kill"):
+        off = statistics.median(r[phase] for r in results["off"])
+        on = statistics.median(r[phase] for r in results["enforce"])
+        print(f"{phase:<10} {off:>12.4f} {on:>12.4f} {on - off:>+10.4f} {on / off if off else float('nan'):>9.2f}")
+    refusal = mechanisms.criu_refusal_for_other_uids()
+    if refusal:
+        print(f"CRIU with the sandbox: not measured here ({refusal})")
+
+
+if __name__ == "__main__":
+    main()
