@@ -17,7 +17,10 @@ def start_agent(plane, hostname, *, devices=1, extra=(), checkpoint_every=3.0):
     argv = [PYTHON, "-m", "agent.main", "--control-plane", plane.url,
             "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", "r1", "--cluster", "c1",
             "--work-dir", str(work_dir), "--engine", "framework", "--checkpoint-every", str(checkpoint_every),
-            "--interval", "1", "--workload-root", str(ROOT), *extra]
+            "--interval", "1", "--workload-root", str(ROOT),
+            # As harness.start_agent: the chatty job renames files in the test's folder, which a job
+            # uid could not; the sandbox is proven by tests/sandbox/.
+            "--sandbox", "off", *extra]
     # As harness.start_agent: the enrollment token in the environment, never on the command line.
     process = plane._spawn(f"agent-{hostname}", argv, env={"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL})
     plane.agents[hostname] = (process, work_dir)
