@@ -1,0 +1,26 @@
+"""Multi-host rendezvous messages: how the launchers of one job find its leader.
+
+`LeaderAddress` is what the leading launcher (node rank 0) publishes in the job's rendezvous
+folder of the shared store (runtime/rendezvous.py): the address and run-time port of the job's
+TCP store on the leader's own network address, and this launch's nonce, which the store also
+holds, so a follower never joins a stale leader of an earlier attempt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.message import Message, bounded
+
+MAX_NODES = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderAddress(Message):
+    """<rendezvous>/<job-id>/leader.json, written once by the leading launcher."""
+
+    job_id: str = bounded(max_length=255)
+    nonce: str = bounded(max_length=64)
+    addr: str = bounded(max_length=255)
+    port: int = bounded(minimum=1, maximum=65535)
+    nodes: int = bounded(minimum=1, maximum=MAX_NODES)
+    world_size: int = bounded(minimum=1, maximum=1 << 20)
