@@ -24,3 +24,15 @@ class LeaderAddress(Message):
     port: int = bounded(minimum=1, maximum=65535)
     nodes: int = bounded(minimum=1, maximum=MAX_NODES)
     world_size: int = bounded(minimum=1, maximum=1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCutReport(Message):
+    """A follower's answer to a cut the leader handed out (a key in the leader's store): its
+    ranks all cut after `step` (status "ok"), or why not (status "error")."""
+
+    node: int = bounded(minimum=0, maximum=MAX_NODES - 1)
+    request_id: int = bounded(minimum=1)
+    status: str = bounded(max_length=16)
+    step: int | None = bounded(default=None, minimum=0)
+    error: str | None = bounded(default=None, max_length=20000)

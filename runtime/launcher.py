@@ -120,9 +120,9 @@ class Launcher:
         if self.nodes > 1 and not options.rendezvous:
             raise LaunchError("--nodes > 1 needs --rendezvous DIR, a folder of the store every "
                               "node of the job shares", EXIT_USAGE)
-        if self.nodes > 1 and options.resume:
-            raise LaunchError("--resume of a job spanning hosts is not built yet; resume it on one "
-                              "node", EXIT_USAGE)
+        if self.nodes > 1 and options.resume and options.engine != "framework":
+            raise LaunchError("--resume of a job spanning hosts is built for --engine framework "
+                              "only (CRIU images of several hosts: not yet)", EXIT_USAGE)
         self.peers: multihost.JobPeers | None = None
         self.master_addr, self.master_port = "127.0.0.1", 0
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -280,6 +280,14 @@ class Launcher:
         request_id = self.next_request_id()
         self.last_request_id = request_id
         request = CutRequest(id=request_id, action=action, at_step=at_step, **fields)
+        if self.peers is not None:  # every host holds the request before any rank may see it
+            multihost.hand_out_cut(self.peers, request)
+        return self.await_cut(request, timeout_s)
+
+    def await_cut(self, request, timeout_s):
+        """Puts `request` in this node's spool and waits for this node's ranks (and, on a
+        multi-host job's leader, every other node's); returns as request_cut does."""
+        request_id, action = request.id, request.action
         spool_files.write_json_atomic(self.spool / "request.json", request.to_dict())
         deadline = time.monotonic() + timeout_s
         reports: dict[int, CutReport] = {}
@@ -296,10 +304,14 @@ class Launcher:
                 raise LaunchError(f"the job finished before reaching the cut for {action}")
             if time.monotonic() > deadline:
                 self.abandon_cut(request_id)
+                if self.peers is not None:
+                    self.peers.withdraw_cut(request_id)
                 raise LaunchError(f"{action}: ranks {sorted(set(self.local_ranks) - set(reports))} "
                                   f"did not reach a consistent cut within {timeout_s} s; the job goes on")
             time.sleep(POLL_S)
         steps = {r.step for r in reports.values()}
+        if self.peers is not None and self.node_rank == 0:
+            steps |= multihost.gather_cut_reports(self, request, deadline)
         if len(steps) != 1:
             self.abandon_cut(request_id)
             raise LaunchError(f"{action}: ranks cut at different steps {sorted(steps)} (its ranks share no "
@@ -396,6 +408,8 @@ class Launcher:
     def restore_latest(self):
         """Resumes from the newest good checkpoint of the store (either engine)."""
         ref = self.store.latest_good()
+        if self.peers is not None:  # every node resumes from the leader's choice
+            ref = multihost.agree_on_checkpoint(self, ref)
         if ref is None:
             raise LaunchError(f"--resume: no usable checkpoint in {self.store.root}", EXIT_USAGE)
         if self.options.engine not in ("auto", ref.engine):
@@ -441,9 +455,9 @@ class Launcher:
             self._stop_answered.set()
 
     def execute(self, request: ControlRequest) -> CheckpointAnswer | ResizeAnswer | ControlFailure:
-        if self.nodes > 1:  # refused rather than cutting one host's ranks only
-            return ControlFailure(error=f"{request.cmd} of a job spanning {self.nodes} hosts is not "
-                                        "built yet (runtime/multihost.py); the job goes on")
+        refusal = multihost.refusal(self, request)  # what a job spanning hosts cannot do yet
+        if refusal is not None:
+            return ControlFailure(error=refusal)
         if isinstance(request, CheckpointRequest):
             return self.do_checkpoint(stop=False, at_step=request.at_step,
                                       timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S)
@@ -511,9 +525,13 @@ class Launcher:
                     return EXIT_STOPPED
                 if isinstance(request, StopRequest):
                     self.state = LaunchState.RUNNING
-            if self.peers is not None and (failure := self.peers.check()):
-                raise LaunchError(f"the job failed on another host ({failure}); this node's ranks "
-                                  "are ended")
+            if self.peers is not None:
+                if failure := self.peers.check():
+                    raise LaunchError(f"the job failed on another host ({failure}); this node's "
+                                      "ranks are ended")
+                if self.node_rank > 0 and multihost.follow_cut(self) == "stopped":
+                    self.state = LaunchState.STOPPED
+                    return EXIT_STOPPED
             if self.check_ranks():
                 if self.peers is not None:
                     multihost.finish_node(self.peers)
