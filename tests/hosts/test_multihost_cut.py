@@ -91,7 +91,7 @@ def test_a_job_on_two_hosts_stops_at_one_cut_and_resumes_on_two_other_hosts_bit_
             ["cat", f"{host.node_dir}/jobs/{job_id}-b/events.jsonl"]).stdout.splitlines()]
         restored = [e for e in events if e.get("event") == "restored"]
         assert len(restored) == 1 and restored[0]["step"] == 6, events
-        assert restored[0]["checkpoint"] == ref.uri
+        assert restored[0]["checkpoint"] == f"file://{store}/{os.path.basename(ref.path)}"
     assert_equal_states(load(cluster, "reference.pt"), load(cluster, "moved.pt"))
 
 
