@@ -27,7 +27,6 @@ from protocol.cut import CutRequest
 from runtime import spool as spool_files
 from runtime import vpg
 
-
 REQUEST_WAIT_S = 60.0
 
 

@@ -44,6 +44,7 @@ from protocol.rendezvous import NodeCutReport
 from runtime.exits import LaunchError
 
 PEER_CHECK_S = 0.5
+LOST_AFTER_S = 30.0  # a node whose heartbeat has not moved this long is lost (killed, frozen, cut off)
 FINISH_WAIT_S = 120.0
 HAND_OUT_S = 10.0  # how long every follower has to take a cut request before the cut is off
 FOLLOW_CHECK_S = 0.05
@@ -69,6 +70,8 @@ class JobPeers:
         self.nodes = nodes
         self.node_rank = node_rank
         self._checked_at = 0.0
+        self._beats = 0
+        self._heard = {}  # leader: node -> (last heartbeat value, monotonic time it changed)
 
     def _key(self, what, node):
         return f"{self.prefix}/{what}/{node}"
@@ -111,9 +114,25 @@ class JobPeers:
             return None
         self._checked_at = now
         try:
-            return self.failure_elsewhere()
+            self._beats += 1
+            self.store.set(self._key("alive", self.node_rank), str(self._beats))
+            return self.failure_elsewhere() or (self.lost_node(now) if self.node_rank == 0 else None)
         except (RuntimeError, OSError) as exc:
             return f"the job's leader store is unreachable ({exc})"
+
+    def lost_node(self, now) -> str | None:
+        """Leader: returns "node k ..." for a follower whose heartbeat stood still LOST_AFTER_S
+        (its ranks can no longer take part: the job must restart from its last checkpoint)."""
+        for node in range(1, self.nodes):
+            key = self._key("alive", node)
+            value = self.store.get(key) if self.store.check([key]) else None
+            last, since = self._heard.get(node, (None, now))
+            if value != last or node not in self._heard:
+                self._heard[node] = (value, now)
+            elif now - since > LOST_AFTER_S:
+                return (f"node {node} sent no heartbeat for {LOST_AFTER_S:.0f} s (killed, frozen or cut "
+                        "off); the job must restart from its last checkpoint")
+        return None
 
     def await_all_finished(self, timeout_s=FINISH_WAIT_S) -> str | None:
         """Leader: waits until every node has finished or failed; returns a failure or None."""

@@ -23,6 +23,7 @@ from runtime import spool as spool_files
 NONCE_KEY = "meridian/leader-nonce"
 POLL_S = 0.05
 DEFAULT_TIMEOUT_S = 300.0
+STORE_TIMEOUT_S = 60.0  # a follower's store call to a lost leader fails after this
 
 
 class RendezvousError(RuntimeError):
@@ -75,7 +76,7 @@ def connect_to_leader(rendezvous: FolderRendezvous, *, job_id, timeout_s=DEFAULT
                 store = dist.TCPStore(leader.addr, leader.port, leader.world_size, is_master=False,
                                       timeout=datetime.timedelta(seconds=5))
                 if store.get(NONCE_KEY).decode() == leader.nonce:
-                    store.set_timeout(datetime.timedelta(minutes=10))
+                    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
                     return leader, store
                 last = f"the store at {leader.addr}:{leader.port} belongs to another attempt"
             except (RuntimeError, OSError) as exc:  # a stale file's store is gone

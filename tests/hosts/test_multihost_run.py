@@ -1,9 +1,11 @@
 """One meridian-run job over several emulated hosts: same bits whatever the placement."""
 import os
+import time
 
 import pytest
 import torch
 from multihost_jobs import REPO, rank_log, start_job, wait_job
+from polling import poll
 
 from protocol.rendezvous import LeaderAddress
 from runtime import spool as spool_files
@@ -72,3 +74,20 @@ def test_a_follower_without_a_live_leader_fails_naming_the_stale_one(emulated_ho
     code, output = wait_job(processes, timeout=120)[0]
     assert code == 1, output
     assert "no leader for job 'lonely'" in output and f"{a.address}:9 did not answer" in output, output
+
+
+@pytest.mark.slow
+def test_a_lost_host_ends_the_job_on_the_others_instead_of_hanging(emulated_hosts):
+    cluster = emulated_hosts(2)
+    out = os.path.join(cluster[0].store, "never.pt")
+    job_id, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT,
+                                  args=[out, "--epochs", "200", "--step-sleep", "0.05"])
+    poll("the job to run on both hosts", lambda: cluster[0].run(
+        ["test", "-e", f"{cluster[0].node_dir}/jobs/{job_id}/progress.json"], check=False).returncode == 0,
+        timeout=180)
+    began = time.monotonic()
+    cluster[1].kill()
+    code, output = wait_job(processes[:1], timeout=300)[0]
+    assert code == 1, output
+    assert "node 1 sent no heartbeat" in output, output
+    assert time.monotonic() - began < 120  # well before gloo's 10-minute timeout
