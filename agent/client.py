@@ -90,6 +90,15 @@ class ControlPlaneClient:
         self.token = answer.token
         return answer
 
+    def register_again(self, *, token: str, registration: Registration) -> RegistrationAnswer:
+        """Registers this (enrolled) node again with its own node token `token` (its devices may
+        have changed); returns the answer (the same token) and remembers the token. A 401 raises
+        TokenRejected: the token is unknown or revoked."""
+        answer = _decoded(RegistrationAnswer, self._request("POST", "register/", auth=f"Node {token}",
+                                                            json=registration.to_dict()), "register/")
+        self.token = answer.token
+        return answer
+
     def heartbeat(self, *, telemetry: Telemetry | dict | None, jobs: Sequence[JobReport],
                   retries: int | None = None) -> HeartbeatAnswer:
         """Sends one heartbeat (telemetry: a Telemetry or its wire dict); returns the answer:

@@ -13,7 +13,7 @@ these plain (name, argv) pairs into its own process specs.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEMO_NODES = (
@@ -27,10 +27,12 @@ DEVICES_PER_NODE = 4
 
 @dataclass(frozen=True)
 class EmbeddedProcess:
-    """One process of the embedded run: a name for its output prefix and its command line."""
+    """One process of the embedded run: a name for its output prefix, its command line and what
+    it adds to the run's environment (tokens go there, never on a command line)."""
 
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def embedded_env_defaults(*, data_dir: Path) -> dict[str, str]:
@@ -51,10 +53,11 @@ def embedded_processes(*, python: str, url: str, root: Path, data_dir: Path, enr
     processes = [
         EmbeddedProcess(f"agent-{hostname}", [
             python, "-m", "agent.main", "--control-plane", url,
-            "--enroll-token", enrollment_token, "--devices", f"cpu:{DEVICES_PER_NODE}",
+            "--devices", f"cpu:{DEVICES_PER_NODE}",
             "--hostname", hostname, "--region", region, "--cluster", cluster,
             "--work-dir", str(data_dir / "agents" / hostname), "--checkpoint-every", "30",
-            "--workload-root", str(root), "--stop-jobs-on-exit"])
+            "--workload-root", str(root), "--stop-jobs-on-exit"],
+            env={"MERIDIAN_AGENT_ENROLL_TOKEN": enrollment_token})
         for hostname, region, cluster in DEMO_NODES
     ]
     if demo_workload:

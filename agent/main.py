@@ -1,15 +1,21 @@
 """meridian-agent: the node agent. No Django: it talks to the control plane over HTTP only.
 
-    meridian-agent --control-plane URL (--enroll-token T | --token NODE_TOKEN)
+    meridian-agent --control-plane URL [--enroll-token-file F | --token-file F]
                    [--devices auto|cpu:N] [--hostname H] [--region R] [--cluster C] [--rack K]
                    [--work-dir DIR] [--engine auto|criu|framework] [--checkpoint-every S]
                    [--keep-finished-checkpoints] [--job-dir-retention-days D]
-    meridian-agent --control-plane URL --enroll-token T --hollow N [--devices cpu:8 | --hollow-type H100-80GB]
+    meridian-agent --control-plane URL --hollow N [--devices cpu:8 | --hollow-type H100-80GB]
 
---enroll-token registers the node (hostname, devices) and stores the node token it gets in
-<work dir>/node-token (mode 600); a restarted agent reuses it and registers again only when the
-control plane answers 401. --token uses a node token issued by `manage.py fleet_node_token`
-for a node already described in the database.
+Tokens never go on the command line (any user of the host can read it in ps): the enrollment
+token comes from $MERIDIAN_AGENT_ENROLL_TOKEN or --enroll-token-file, a node token from
+$MERIDIAN_AGENT_TOKEN or --token-file. Neither reaches a job's environment (agent/job_env.py).
+
+The enrollment token enrols a new node (hostname, devices) and the node token it gets is stored in
+<work dir>/node-token (mode 600); a restarted agent registers again with that token (its devices
+may have changed). An enrolled node cannot be enrolled again with an enrollment token: when the
+control plane answers 401 (its token was revoked), an admin gives it a new one
+(`manage.py fleet_node_token HOST`, then --token-file) or allows it to enrol again
+(`manage.py fleet_node_token --allow-enrollment HOST`).
 
 Fencing: every heartbeat reply says the control plane's lost-node threshold. A thread kills
 every local job (no checkpoint) once no heartbeat sent in the last threshold seconds was
@@ -17,8 +23,8 @@ answered: by then the control plane counts the node lost and restarts its jobs e
 their last checkpoints. A report rejected with "fence" (a stale generation) kills that copy; one
 rejected with "cancel" (the job was cancelled) kills it too and removes its checkpoint store.
 
-Environment: MERIDIAN_CONTROL_PLANE, MERIDIAN_AGENT_ENROLL_TOKEN, MERIDIAN_AGENT_TOKEN,
-MERIDIAN_AGENT_WORK_DIR stand in for the flags.
+Environment: MERIDIAN_CONTROL_PLANE and MERIDIAN_AGENT_WORK_DIR stand in for the flags;
+MERIDIAN_AGENT_ENROLL_TOKEN and MERIDIAN_AGENT_TOKEN hold the tokens.
 """
 from __future__ import annotations
 
@@ -44,10 +50,14 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="meridian-agent", description="Meridian node agent")
     p.add_argument("--control-plane", default=os.environ.get("MERIDIAN_CONTROL_PLANE"),
                    help="control plane base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--enroll-token", default=os.environ.get("MERIDIAN_AGENT_ENROLL_TOKEN"),
-                   help="enrollment token (MERIDIAN_AGENT_ENROLLMENT_TOKEN of the control plane)")
-    p.add_argument("--token", default=os.environ.get("MERIDIAN_AGENT_TOKEN"),
-                   help="a node token issued by `manage.py fleet_node_token` (instead of enrolling)")
+    p.add_argument("--enroll-token-file", default=None,
+                   help="a file holding the enrollment token (else $MERIDIAN_AGENT_ENROLL_TOKEN): "
+                        "from `manage.py fleet_enrollment_token`")
+    p.add_argument("--token-file", default=None,
+                   help="a file holding a node token issued by `manage.py fleet_node_token` (else "
+                        "$MERIDIAN_AGENT_TOKEN), instead of enrolling")
+    for refused in ("--enroll-token", "--token"):
+        p.add_argument(refused, dest=f"refused_{refused[2:].replace('-', '_')}", default=None, help=argparse.SUPPRESS)
     p.add_argument("--devices", default="auto", help="auto (NVML) or cpu:N")
     p.add_argument("--hostname", default=None)
     p.add_argument("--region", default="local")
@@ -76,11 +86,28 @@ def parse_args(argv):
                    help="kill this agent's jobs when it stops (embedded runs); default: leave them for re-adoption")
     p.add_argument("--log-level", default=os.environ.get("MERIDIAN_LOG_LEVEL", "INFO"))
     options = p.parse_args(argv)
+    if options.refused_enroll_token is not None or options.refused_token is not None:
+        p.error("tokens are not taken on the command line (every user of this host can read it): put the "
+                "enrollment token in $MERIDIAN_AGENT_ENROLL_TOKEN or a file named by --enroll-token-file, a node "
+                "token in $MERIDIAN_AGENT_TOKEN or --token-file")
     if not options.control_plane:
         p.error("--control-plane URL is required (or MERIDIAN_CONTROL_PLANE)")
+    try:
+        options.enroll_token = _secret(options.enroll_token_file, "MERIDIAN_AGENT_ENROLL_TOKEN")
+        options.token = _secret(options.token_file, "MERIDIAN_AGENT_TOKEN")
+    except OSError as exc:
+        p.error(f"cannot read a token file: {exc}")
     if not options.token and not options.enroll_token:
-        p.error("pass --enroll-token (to register this node) or --token (a node token)")
+        p.error("give the enrollment token ($MERIDIAN_AGENT_ENROLL_TOKEN or --enroll-token-file) to enrol this "
+                "node, or its node token ($MERIDIAN_AGENT_TOKEN or --token-file)")
     return options
+
+
+def _secret(path, variable):
+    """Returns the token in file `path` (stripped), else in environment variable `variable`, or None."""
+    if path:
+        return pathlib.Path(path).read_text().strip() or None
+    return os.environ.get(variable) or None
 
 
 class Agent:
@@ -107,16 +134,24 @@ class Agent:
         self.last_heartbeat_ok = time.monotonic()
         self.self_fenced = False
 
-    def register(self):
-        if self.options.token and not self.options.enroll_token:
-            self.client.token = self.options.token
-            return
-        registration = Registration(
+    def registration(self) -> Registration:
+        return Registration(
             hostname=self.hostname, region=self.options.region, cluster=self.options.cluster, rack=self.options.rack,
             devices=tuple(DeviceDescription(type=d["type"], memory_gb=d.get("memory_gb"), uuid=d.get("uuid"))
                           for d in self.devices.describe()),
             agent_version=AGENT_VERSION)
-        answer = self.client.register(enrollment_token=self.options.enroll_token, registration=registration)
+
+    def register(self, *, enrol=False):
+        """Registers this node: again with its own node token when it has one (saved, or given) and
+        not `enrol`, else enrols it with the enrollment token; saves the node token it gets."""
+        token = None if enrol else (self.client.token or self.options.token)
+        if token:
+            answer = self.client.register_again(token=token, registration=self.registration())
+        elif self.options.enroll_token:
+            answer = self.client.register(enrollment_token=self.options.enroll_token,
+                                          registration=self.registration())
+        else:
+            raise TokenRejected("this node has no node token and no enrollment token was given")
         fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(answer.token)
@@ -126,10 +161,16 @@ class Agent:
 
     def start(self):
         saved = self.token_path.read_text().strip() if self.token_path.exists() else ""
-        if saved:
-            self.client.token = saved
-        else:
+        self.client.token = saved or self.options.token or None
+        try:
             self.register()
+        except TokenRejected:
+            if not (saved and self.options.enroll_token):
+                raise
+            # The control plane does not know the saved token (its database was replaced): enrol.
+            # An enrolled node is refused here (an admin re-enrols it), never taken over.
+            log.warning("the saved node token is unknown to the control plane; enrolling")
+            self.register(enrol=True)
 
     def beat(self):
         telemetry = telemetry_of(self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs)))
@@ -139,11 +180,16 @@ class Agent:
         sent = time.monotonic()
         try:
             answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
-        except TokenRejected:
+        except TokenRejected as exc:
             if not self.options.enroll_token:
-                raise
-            log.warning("node token rejected; registering again")
-            self.register()
+                raise ControlPlaneError(f"this node's token was rejected ({exc}): an admin re-enrols the node with "
+                                        f"`manage.py fleet_node_token {self.hostname}` (give the agent the token in "
+                                        "$MERIDIAN_AGENT_TOKEN or --token-file)", 401) from None
+            # Enrolling works only where the control plane lets this hostname enrol (its database was
+            # replaced, or an admin allowed it: fleet_node_token --allow-enrollment); an enrolled node
+            # is refused with a 403 that says so, and this beat fails (retried with backoff).
+            log.warning("node token rejected (%s); trying to enrol again", exc)
+            self.register(enrol=True)
             answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
         if not self.options.interval and answer.heartbeat_seconds:
             self.interval = answer.heartbeat_seconds

@@ -41,8 +41,18 @@ import threading
 import time
 from collections.abc import Iterable
 
+from agent.job_env import without_agent_secrets
 from protocol import ProtocolError
-from protocol.launch import CheckpointTaken, Failed, LaunchEvent, Progress, Resized, Restored, parse_events
+from protocol.launch import (
+    CheckpointTaken,
+    Failed,
+    LaunchEvent,
+    Progress,
+    Resized,
+    Restored,
+    event_line,
+    parse_events,
+)
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState
 from runtime.control import JobControl, JobControlError
@@ -95,9 +105,20 @@ def pid_alive(pid):
         return True
 
 
-def seed_store(store, checkpoint_uri):
+class RestoreRefused(ValueError):
+    """A checkpoint the desired state names cannot be restored: not a committed checkpoint this node
+    can see, or its manifest is not the one the control plane recorded. Nothing of it is loaded."""
+
+
+def seed_store(store, checkpoint_uri, manifest_sha256):
     """Puts the committed checkpoint `checkpoint_uri` into the (new) store folder `store`, under its
     own name, unless it is there already; returns its path there.
+
+    `manifest_sha256` is the digest of its MANIFEST.json the control plane recorded when the copy
+    that wrote it reported it (DesiredJob.restore_sha256): the source's manifest and the seeded
+    copy's must both have it, else RestoreRefused says why and nothing is restored (the launcher
+    checks it once more, with every file, before loading: --restore-manifest-sha256). A symlinked
+    checkpoint folder is refused too.
 
     Each placement generation has a store folder of its own, so a fenced copy of an older
     generation can never write a checkpoint where the new copy restores from; the new copy starts
@@ -107,13 +128,29 @@ def seed_store(store, checkpoint_uri):
     """
     import uuid
 
-    from runtime.store import CHECKPOINT_DIR_PATTERN, MANIFEST_NAME, path_from_uri
+    from runtime.store import CHECKPOINT_DIR_PATTERN, MANIFEST_NAME, CheckpointError, path_from_uri
+    from runtime.store import manifest_sha256 as digest_of
 
+    if not manifest_sha256:
+        raise RestoreRefused(f"the control plane recorded no manifest digest for {checkpoint_uri}; "
+                             "refusing to restore a checkpoint nobody can vouch for")
     source = path_from_uri(checkpoint_uri)
-    if not CHECKPOINT_DIR_PATTERN.match(source.name) or not (source / MANIFEST_NAME).is_file():
-        raise ValueError(f"{checkpoint_uri} is not a committed checkpoint this node can see")
+    if not CHECKPOINT_DIR_PATTERN.match(source.name) or source.is_symlink() or not (source / MANIFEST_NAME).is_file():
+        raise RestoreRefused(f"{checkpoint_uri} is not a committed checkpoint this node can see")
+
+    def check(folder):
+        try:
+            found = digest_of(folder)
+        except CheckpointError as exc:
+            raise RestoreRefused(str(exc)) from None
+        if found != manifest_sha256:
+            raise RestoreRefused(f"the manifest of {folder} has sha256 {found[:16]}…, the control plane recorded "
+                                 f"{manifest_sha256[:16]}…; refusing to restore it")
+
+    check(source)
     target = pathlib.Path(store) / source.name
     if target.exists():
+        check(target)
         return target
     staging = pathlib.Path(store) / f".seed-{uuid.uuid4().hex}"
 
@@ -125,10 +162,24 @@ def seed_store(store, checkpoint_uri):
 
     try:
         shutil.copytree(source, staging, copy_function=link_or_copy)
+        check(staging)  # what was copied is what will be restored
         os.rename(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def checkpoint_manifest_sha256(checkpoint_uri) -> str | None:
+    """Returns the sha256 of the MANIFEST.json the runtime wrote into the committed checkpoint
+    `checkpoint_uri`, or None when it cannot be read (reported without one: the control plane
+    then refuses that checkpoint)."""
+    from runtime.store import CheckpointError, manifest_sha256, path_from_uri
+
+    try:
+        return manifest_sha256(path_from_uri(checkpoint_uri))
+    except (CheckpointError, OSError, ValueError) as exc:
+        log.warning("cannot read the manifest of %s: %s", checkpoint_uri, exc)
+        return None
 
 
 GENERATION_DIR = re.compile(r"g(\d+)")
@@ -231,6 +282,7 @@ class LocalJob:
         self.error = None
         self.reported_final = False
         self.reported_state: CopyState | None = None
+        self.manifest_digests: dict[str, str] = {}  # checkpoint URI -> sha256 of its MANIFEST.json
 
     def _events(self, events: list[LaunchEvent] | None) -> list[LaunchEvent]:
         """Returns `events` when the caller read them already, else this copy's events.jsonl."""
@@ -254,8 +306,13 @@ class LocalJob:
         """Returns the newest checkpoint the launcher wrote (its checkpoint events), or None."""
         for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken) and event.checkpoint:
+                digest = self.manifest_digests.get(event.checkpoint)
+                if digest is None:
+                    digest = checkpoint_manifest_sha256(event.checkpoint)
+                    if digest is not None:  # a committed manifest never changes: hashed once
+                        self.manifest_digests = {event.checkpoint: digest}
                 return CheckpointReport(step=event.step, uri=event.checkpoint, bytes=event.bytes,
-                                        engine=event.engine or "framework")
+                                        engine=event.engine or "framework", sha256=digest)
         return None
 
     def last_cut(self, events: list[LaunchEvent] | None = None) -> CutReport | None:
@@ -525,6 +582,8 @@ class NodeReconciler:
                             entry.job_id, len(entry.device_indices), entry.devices)
         if resume:
             command.append("--resume")
+            if entry.restore_sha256:
+                command += ["--restore-manifest-sha256", entry.restore_sha256]
         return command + [str(entrypoint)] + [str(a) for a in entry.args]
 
     def launch(self, entry: DesiredJob) -> None:
@@ -536,20 +595,27 @@ class NodeReconciler:
         store.mkdir(parents=True, exist_ok=True)
         if entry.restore_from:
             try:
-                seed_store(store, entry.restore_from)
+                seed_store(store, entry.restore_from, entry.restore_sha256)
+            except RestoreRefused as exc:
+                # Never loaded, and never started afresh instead (that would silently lose the
+                # job's progress): the copy fails, saying why.
+                self._restore_refused(entry, store, str(exc))
+                return
             except (OSError, ValueError) as exc:
-                # Starting afresh would silently lose the job's progress: wait (the move's restore
-                # step times out and the control plane decides again).
+                # The store may be unreachable for a moment: wait (the move's restore step times out
+                # and the control plane decides again).
                 log.error("job %s: cannot restore %s into %s: %s; not launching", job_id, entry.restore_from,
                           store, exc)
                 return
-        resume = any(p.name.startswith("ckpt-") and (p / "MANIFEST.json").exists() for p in store.iterdir())
+        # Only what the control plane recorded is restored (pinned to its manifest digest): a
+        # checkpoint in the store that it does not name is never resumed from.
+        resume = bool(entry.restore_from)
         attempt = next_attempt(self.jobs_dir, job_id)
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
         generation = entry.generation
         command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume)
-        env = dict(os.environ)
+        env = without_agent_secrets(os.environ)
         env.update({k: str(v) for k, v in (entry.env or {}).items()})
         env["MERIDIAN_SPOOL_ROOT"] = str(self.spool_root)
         env["MERIDIAN_JOB_ID"] = str(job_id)
@@ -566,6 +632,21 @@ class NodeReconciler:
         self.jobs[job_id] = job
         log.info("job %s: launched %s on %s device(s)%s", job_id, pathlib.Path(entry.entrypoint).name, entry.devices,
                  " (restoring its newest checkpoint)" if resume else "")
+
+    def _restore_refused(self, entry: DesiredJob, store: pathlib.Path, why: str) -> None:
+        """Records a copy of `entry` that failed before it started: the checkpoint to restore was
+        refused (RestoreRefused). Its job directory holds a "failed" event with the reason, so the
+        next report says it (and the control plane fails the job, or ends its move)."""
+        job_id = entry.job_id
+        job_dir = self.jobs_dir / f"{job_id}.{next_attempt(self.jobs_dir, job_id)}"
+        job_dir.mkdir(parents=True)
+        error = f"restore refused: {why}"[:MAX_ERROR]
+        (job_dir / "events.jsonl").write_text(event_line(Failed(time_unix=time.time(), error=error)))
+        job = LocalJob(job_id, job_dir, devices=entry.devices, world_size=entry.world_size,
+                       generation=entry.generation, store=store, device_indices=entry.device_indices)
+        self._write_meta(job)
+        self.jobs[job_id] = job
+        log.error("job %s: %s; not launching", job_id, error)
 
     @staticmethod
     def _kill(job):

@@ -1,6 +1,15 @@
-from django.contrib import admin
+from django.contrib import admin, messages
 
-from fleet.models import Accelerator, Cluster, ClusterTelemetryBucket, Node, NodeTelemetryBucket, Region
+from fleet.models import (
+    Accelerator,
+    Cluster,
+    ClusterTelemetryBucket,
+    EnrollmentToken,
+    Node,
+    NodeTelemetryBucket,
+    Region,
+)
+from fleet.services import enrollment_token_revoke, node_enrollment_allow, node_token_issue
 
 
 @admin.register(Region)
@@ -31,8 +40,42 @@ class NodeAdmin(admin.ModelAdmin):
     search_fields = ["hostname", "rack", "nvlink_domain"]
     raw_id_fields = ["cluster"]
     # The token hash is a credential: show that one is set, never let it be edited here.
-    readonly_fields = ["agent_token_hash", "created_at"]
+    readonly_fields = ["agent_token_hash", "enrolled_at", "created_at"]
     inlines = [AcceleratorInline]
+    actions = ["issue_agent_token", "allow_enrollment"]
+
+    @admin.action(description="Re-enrol: issue a new agent token (shown once; the old one stops working)")
+    def issue_agent_token(self, request, queryset):
+        for node in queryset.order_by("hostname")[:20]:
+            token = node_token_issue(node=node)
+            self.message_user(request, f"{node.hostname}: new agent token (copy it now, it is not stored): {token}",
+                              messages.WARNING)
+
+    @admin.action(description="Revoke the agent token and let the node enrol again with an enrollment token")
+    def allow_enrollment(self, request, queryset):
+        for node in queryset:
+            node_enrollment_allow(node=node)
+        self.message_user(request, f"{queryset.count()} node(s) may enrol again")
+
+
+@admin.register(EnrollmentToken)
+class EnrollmentTokenAdmin(admin.ModelAdmin):
+    """Made by `manage.py fleet_enrollment_token` (which prints the token once); revoked here."""
+
+    list_display = ["id", "cluster", "expires_at", "revoked_at", "nodes_enrolled", "last_used_at", "note"]
+    list_select_related = ["cluster", "cluster__region"]
+    readonly_fields = ["token_hash", "cluster", "expires_at", "revoked_at", "created_by", "created_at",
+                       "last_used_at", "nodes_enrolled"]
+    actions = ["revoke"]
+
+    def has_add_permission(self, request):
+        return False
+
+    @admin.action(description="Revoke the selected enrollment tokens")
+    def revoke(self, request, queryset):
+        for row in queryset:
+            enrollment_token_revoke(token_row=row)
+        self.message_user(request, f"{queryset.count()} enrollment token(s) revoked")
 
 
 @admin.register(Accelerator)

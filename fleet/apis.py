@@ -10,7 +10,7 @@ from rest_framework.views import APIView
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
 from fleet.models import Accelerator, Cluster, Node, Region
-from fleet.pagination import paginate
+from fleet.pagination import MeridianPagination, paginate
 from fleet.selectors import (
     RESOLUTION_NAMES,
     TELEMETRY_MAX_POINTS,
@@ -22,6 +22,13 @@ from fleet.selectors import (
 )
 
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
+MAX_ID = 2**63 - 1  # ids are 64-bit: a larger filter would overflow the database's integer
+
+
+def _id_filter(what):
+    return serializers.IntegerField(
+        required=False, min_value=1, max_value=MAX_ID, help_text=f"{what} id",
+        error_messages={"min_value": f"a {what} id is at least 1", "max_value": f"a {what} id is at most {MAX_ID}"})
 
 
 class FleetSummaryApi(APIView):
@@ -59,9 +66,10 @@ class NodeOutputSerializer(serializers.ModelSerializer):
 
 
 class NodeListApi(APIView):
+    pagination_class = MeridianPagination  # the schema then documents the paginated object
     class FilterSerializer(serializers.Serializer):
-        region = serializers.CharField(required=False)
-        cluster = serializers.IntegerField(required=False)
+        region = serializers.CharField(required=False, max_length=64)
+        cluster = _id_filter("cluster")
         state = serializers.ChoiceField(choices=Node.State.choices, required=False)
 
     @extend_schema(
@@ -111,14 +119,15 @@ class NodeDetailApi(APIView):
 
 
 class AcceleratorListApi(APIView):
+    pagination_class = MeridianPagination
     class FilterSerializer(serializers.Serializer):
-        node = serializers.IntegerField(required=False)
+        node = _id_filter("node")
         type = serializers.ChoiceField(
             choices=ACCELERATOR_TYPE_CHOICES, required=False, error_messages={"invalid_choice": TYPE_MESSAGE}
         )
         healthy = serializers.BooleanField(required=False, allow_null=True, default=None)
-        region = serializers.CharField(required=False)
-        cluster = serializers.IntegerField(required=False)
+        region = serializers.CharField(required=False, max_length=64)
+        cluster = _id_filter("cluster")
 
     @extend_schema(
         parameters=[FilterSerializer],
@@ -136,8 +145,8 @@ class TelemetrySeriesApi(APIView):
     accelerator type (any combination but node with region/cluster), from the rollups."""
 
     class FilterSerializer(serializers.Serializer):
-        node = serializers.IntegerField(required=False, min_value=1)
-        cluster = serializers.IntegerField(required=False, min_value=1)
+        node = _id_filter("node")
+        cluster = _id_filter("cluster")
         region = serializers.CharField(required=False, max_length=64)
         accelerator_type = serializers.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES, required=False,
                                                    error_messages={"invalid_choice": TYPE_MESSAGE})

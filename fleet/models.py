@@ -12,6 +12,7 @@ from django.db import models
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+from protocol.node import MAX_DEVICE_MEMORY_GB
 
 # A node whose agent has not reported for this long is stale (the control loop
 # decides when stale becomes lost).
@@ -69,6 +70,11 @@ class Node(models.Model):
     # SHA-256 of the agent's token (see node_token_hash); empty until one is issued.
     agent_token_hash = models.CharField(max_length=64, blank=True, db_index=True)
     agent_version = models.CharField(max_length=64, blank=True)
+    # When an agent first enrolled as this node (or an admin issued its token). An enrollment token
+    # may create a node, or claim one described in the database that never enrolled; an enrolled
+    # node re-registers only with its own token (fleet.agent_services), and re-enrolling it is an
+    # admin's action (fleet_node_token, or the admin's actions on nodes).
+    enrolled_at = models.DateTimeField(null=True, blank=True)
     # Latest telemetry, aggregated on the node by its agent (means over its devices).
     utilization = models.FloatField(null=True, blank=True)
     telemetry_at = models.DateTimeField(null=True, blank=True)
@@ -90,6 +96,37 @@ class Node(models.Model):
         return bool(self.agent_token_hash) and hmac.compare_digest(
             self.agent_token_hash, node_token_hash(token)
         )
+
+
+class EnrollmentToken(models.Model):
+    """A token that lets agents enrol new nodes into one cluster until it expires (or is revoked).
+
+    Made by an admin (`manage.py fleet_enrollment_token`); only its SHA-256 is stored (as for node
+    tokens), the plaintext is printed once. It never takes over an enrolled node."""
+
+    token_hash = models.CharField(max_length=64, unique=True)
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="enrollment_tokens")
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    note = models.CharField(max_length=200, blank=True)
+    created_by = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    nodes_enrolled = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self):
+        return f"enrollment token for {self.cluster} (expires {self.expires_at:%Y-%m-%d %H:%M})"
+
+    def unusable_reason(self, now):
+        """Returns why the token cannot enrol a node at `now` (revoked, expired), or None."""
+        if self.revoked_at is not None:
+            return "this enrollment token was revoked"
+        if now >= self.expires_at:
+            return f"this enrollment token expired at {self.expires_at.isoformat()}; ask an admin for a new one"
+        return None
 
 
 class Accelerator(models.Model):
@@ -142,6 +179,12 @@ TELEMETRY_RETENTION = {
     ("cluster", TelemetryResolution.MINUTE): timedelta(days=2),
     ("cluster", TelemetryResolution.HOUR): timedelta(days=365),
 }
+
+
+# A bucket whose readings a device can have produced (protocol.node bounds every reading so):
+# reads and rollups leave other rows (written before those bounds) out, so no sum overflows.
+TELEMETRY_PHYSICAL = models.Q(utilization_max__gte=0.0, utilization_max__lte=1.0, memory_used_gb_max__gte=0.0,
+                              memory_used_gb_max__lte=MAX_DEVICE_MEMORY_GB)
 
 
 def telemetry_bucket_start(moment, resolution):

@@ -7,6 +7,7 @@ from django.db.models import Avg, Count, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from fleet.models import (
+    TELEMETRY_PHYSICAL,
     TELEMETRY_RETENTION,
     Accelerator,
     ClusterTelemetryBucket,
@@ -68,6 +69,28 @@ def accelerator_list(*, filters=None):
     if filters.get("cluster"):
         devices = devices.filter(node__cluster_id=filters["cluster"])
     return devices.order_by("node_id", "index")
+
+
+# What one job's devices may span (settings.MERIDIAN_JOB_MAX_SPREAD) -> the columns that name one
+# such group of devices.
+_SPREAD_GROUP = {
+    "node": ("node_id",),
+    "rack": ("node__cluster_id", "node__rack"),
+    "cluster": ("node__cluster_id",),
+    "region": ("node__cluster__region_id",),
+}
+
+
+def accelerator_type_capacity(*, accelerator_type, spread):
+    """Returns the most devices of `accelerator_type` that one job could ever hold: the largest
+    count under one node, rack, cluster or region (`spread`, as settings.MERIDIAN_JOB_MAX_SPREAD),
+    counting every device whatever its health or its node's state (a lost node may come back).
+    0 when the fleet has none of that type. One grouped query."""
+    row = (
+        Accelerator.objects.filter(type=accelerator_type).order_by()
+        .values(*_SPREAD_GROUP[spread]).annotate(n=Count("id")).order_by("-n").first()
+    )
+    return row["n"] if row else 0
 
 
 def fleet_summary():
@@ -191,7 +214,12 @@ def telemetry_window(*, now, since=None, until=None, hours=None, resolution=None
     if since is not None and hours is not None:
         raise ValidationError({"hours": "give either since or hours, not both"})
     until = until or now
-    since = since or until - timedelta(hours=hours if hours is not None else TELEMETRY_DEFAULT_HOURS)
+    window_hours = hours if hours is not None else TELEMETRY_DEFAULT_HOURS
+    try:
+        since = since or until - timedelta(hours=window_hours)
+    except OverflowError:  # until near year 1: the window would start before the calendar does
+        raise ValidationError({"until": f"until ({until.isoformat()}) is too early for a {window_hours:g} h window"}
+                              ) from None
     if since >= until:
         raise ValidationError({"since": f"since ({since.isoformat()}) must be before until ({until.isoformat()})"})
     minutes_kept = TELEMETRY_RETENTION[("node" if node_level else "cluster", TelemetryResolution.MINUTE)]
@@ -251,7 +279,7 @@ def telemetry_series(*, since, until, resolution, node_id=None, cluster_id=None,
             # Where this layer's rollups end (across the fleet): the next layer takes over from there.
             newest = rows.aggregate(m=Max("bucket_start"))["m"]
         window_rows = (
-            rows.filter(_scope_filter(model, node_id=node_id, cluster_id=cluster_id, region=region,
+            rows.filter(TELEMETRY_PHYSICAL, _scope_filter(model, node_id=node_id, cluster_id=cluster_id, region=region,
                                       accelerator_type=accelerator_type),
                         bucket_start__gte=covered_until, bucket_start__lt=until)
             .order_by()

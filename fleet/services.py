@@ -13,13 +13,16 @@ from django.core.exceptions import ValidationError
 from django.db import connection, transaction
 from django.db.models import Max, Min, Subquery, Sum
 from django.db.models.functions import Trunc
+from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
 from fleet.models import (
+    TELEMETRY_PHYSICAL,
     TELEMETRY_RETENTION,
     Accelerator,
     Cluster,
     ClusterTelemetryBucket,
+    EnrollmentToken,
     Node,
     NodeTelemetryBucket,
     Region,
@@ -27,8 +30,10 @@ from fleet.models import (
     node_token_hash,
     telemetry_bucket_start,
 )
+from protocol.node import MAX_DEVICE_MEMORY_GB
 
 BULK_BATCH_SIZE = 5000
+ENROLLMENT_TOKEN_MAX_LIFETIME = timedelta(days=30)
 ANALYZE_AFTER_ROWS = 10_000
 
 
@@ -62,14 +67,42 @@ def node_token_issue(*, node):
     plaintext to the operator once; it cannot be recovered.
     """
     token = secrets.token_urlsafe(32)
-    Node.objects.filter(pk=node.pk).update(agent_token_hash=node_token_hash(token))
+    enrolled_at = node.enrolled_at or timezone.now()
+    Node.objects.filter(pk=node.pk).update(agent_token_hash=node_token_hash(token), enrolled_at=enrolled_at)
     node.agent_token_hash = node_token_hash(token)
+    node.enrolled_at = enrolled_at
     return token
 
 
 def node_token_revoke(*, node):
+    """Revokes `node`'s agent token (its agent gets 401). The node stays enrolled: only an admin
+    gives it a new token (node_token_issue) or lets it enrol again (node_enrollment_allow)."""
     Node.objects.filter(pk=node.pk).update(agent_token_hash="")
     node.agent_token_hash = ""
+
+
+def node_enrollment_allow(*, node):
+    """Revokes `node`'s token and lets the next agent that presents a valid enrollment token for its
+    cluster enrol as it (an admin's action: re-enrolling a node that was reinstalled)."""
+    Node.objects.filter(pk=node.pk).update(agent_token_hash="", enrolled_at=None)
+    node.agent_token_hash, node.enrolled_at = "", None
+
+
+def enrollment_token_create(*, cluster, expires_in, note="", created_by=""):
+    """Returns (EnrollmentToken, plaintext): a new token that enrols nodes into `cluster` for
+    `expires_in` (a timedelta, at most ENROLLMENT_TOKEN_MAX_LIFETIME). Only the hash is stored."""
+    if not timedelta(0) < expires_in <= ENROLLMENT_TOKEN_MAX_LIFETIME:
+        raise ValidationError({"expires_in": f"must be more than 0 and at most "
+                                             f"{ENROLLMENT_TOKEN_MAX_LIFETIME.days} days"})
+    token = secrets.token_urlsafe(32)
+    row = EnrollmentToken.objects.create(token_hash=node_token_hash(token), cluster=cluster,
+                                         expires_at=timezone.now() + expires_in, note=note[:200],
+                                         created_by=str(created_by)[:150])
+    return row, token
+
+
+def enrollment_token_revoke(*, token_row):
+    EnrollmentToken.objects.filter(pk=token_row.pk, revoked_at=None).update(revoked_at=timezone.now())
 
 
 def node_heartbeat_record(*, node, telemetry, now):
@@ -99,11 +132,13 @@ def node_heartbeat_record(*, node, telemetry, now):
         _node_bucket_add(node_id=node.pk, written=written, now=now)
 
 
-def _reading(value):
-    """Returns `value` as a finite float, or None for anything else (a missing or garbled reading)."""
+def _reading(value, *, maximum=1.0):
+    """Returns `value` as a float in [0, maximum], or None for anything else (a missing, garbled or
+    unphysical reading: the agent API refuses those already; this keeps every stored sum finite
+    whoever calls it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
-    return float(value)
+    return float(value) if 0.0 <= value <= maximum else None
 
 
 def _device_readings(devices):
@@ -113,7 +148,8 @@ def _device_readings(devices):
         index = device.get("index") if isinstance(device, dict) else None
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 2**15:
             continue
-        readings[index] = (_reading(device.get("utilization")), _reading(device.get("memory_used_gb")))
+        readings[index] = (_reading(device.get("utilization")),
+                           _reading(device.get("memory_used_gb"), maximum=MAX_DEVICE_MEMORY_GB))
     return readings
 
 
@@ -235,7 +271,9 @@ def _telemetry_rollup_step(*, source, target, target_key, source_key, resolution
 
     (Recomputing the newest target bucket every run would re-read a whole hour of node minutes
     every minute: 3.6 s a run at 100k accelerators, measured.)"""
-    fine = source.objects.filter(resolution=TelemetryResolution.MINUTE)
+    # Rows beyond physics (written before the agent API bounded every reading) are left out: one
+    # 1e308 would make every sum above it overflow (PostgreSQL refuses, SQLite stores inf).
+    fine = source.objects.filter(TELEMETRY_PHYSICAL, resolution=TelemetryResolution.MINUTE)
     end = telemetry_bucket_start(now - TELEMETRY_ROLLUP_GRACE, resolution)
     newest = target.objects.filter(resolution=resolution).aggregate(m=Max("bucket_start"))["m"]
     if newest is not None:

@@ -9,7 +9,8 @@ nothing and comes back under "rejected"; so does a report of a stale placement g
 Every body is a message of protocol.node, decoded by a ProtocolSerializer: a malformed field is
 a 400 naming it (dotted: "jobs.0.step"), a newer protocol version a 400 naming "v".
 
-  POST /api/agent/register/   Authorization: Enroll <enrollment token>
+  POST /api/agent/register/   Authorization: Enroll <enrollment token> (a new node: never an enrolled one)
+                              or Node <node token> (the node registers again: same token, its hostname only)
        Registration -> 201 RegistrationAnswer
   POST /api/agent/heartbeat/  Heartbeat (see jobs.workflows.node_report_record)
        -> 200 HeartbeatAnswer (desired: DesiredState, see jobs.workflows.node_desired_state_build)
@@ -30,7 +31,7 @@ from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from fleet.agent_services import node_enrollment_check, node_register
+from fleet.agent_services import node_enrollment_check, node_register, node_reregister
 from fleet.models import Node
 from fleet.selectors import node_get_by_token
 from jobs.workflows import node_desired_state, node_desired_state_build, node_report_record
@@ -150,20 +151,35 @@ class NodeRegisterApi(APIView):
     permission_classes = []
 
     @extend_schema(request=RegistrationSerializer, responses={201: RegistrationAnswerSerializer},
-                   summary="Register a node (Authorization: Enroll <enrollment token>)")
+                   summary="Enrol a node (Authorization: Enroll <enrollment token>) or register it again "
+                           "(Authorization: Node <its own token>)")
     def post(self, request):
         enrollment = _credentials(request, ENROLL_SCHEME)
-        if enrollment is None:
-            return Response({"detail": "send Authorization: Enroll <enrollment token>"},
+        node_token = _credentials(request, NODE_SCHEME)
+        if enrollment is None and node_token is None:
+            return Response({"detail": "send Authorization: Enroll <enrollment token> (a new node) or "
+                                       "Node <node token> (this node, registering again)"},
                             status=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Enroll"})
         try:
-            # Before the body: a caller without the enrollment token learns nothing of its shape.
-            node_enrollment_check(enrollment=enrollment)
+            # Before the body: a caller without a valid token learns nothing of its shape.
+            node = None
+            if node_token is not None:
+                node = node_get_by_token(token=node_token)
+                if node is None:
+                    return Response({"detail": "unknown or revoked node token; an admin re-enrols this node "
+                                               "(manage.py fleet_node_token)"},
+                                    status=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Node"})
+            else:
+                node_enrollment_check(enrollment=enrollment)
             registration = _decoded(RegistrationSerializer, request)
-            node, token = node_register(
-                enrollment=enrollment, hostname=registration.hostname, region=registration.region,
-                cluster=registration.cluster, rack=registration.rack, agent_version=registration.agent_version,
+            described = dict(
+                hostname=registration.hostname, region=registration.region, cluster=registration.cluster,
+                rack=registration.rack, agent_version=registration.agent_version,
                 devices=[{"type": d.type, "memory_gb": d.memory_gb, "uuid": d.uuid} for d in registration.devices])
+            if node is not None:
+                node, token = node_reregister(node=node, token=node_token, **described)
+            else:
+                node, token = node_register(enrollment=enrollment, **described)
         except DjangoPermissionDenied as exc:
             raise PermissionDenied(str(exc)) from None
         except DjangoValidationError as exc:

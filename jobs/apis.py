@@ -19,12 +19,15 @@ from jobs.selectors import (
     job_get_visible,
     job_get_visible_or_404,
     job_list_visible,
+    job_names_redact_objects,
     preemption_get_visible,
     preemption_list_visible,
     team_list_for_user,
     team_usage_many,
 )
 from jobs.services import (
+    MAX_TOTAL_STEPS,
+    MAX_WORLD_SIZE,
     job_cancel,
     job_submit,
     preemption_approve,
@@ -36,6 +39,15 @@ TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(A
 STATE_MESSAGE = 'unknown state "{input}"; known states: ' + ", ".join(Job.State.values)
 
 
+def _redacted(request, response):
+    """Returns `response` with other teams' job names taken out of its reasons (a member sees
+    "#135 (another team's job)"; jobs.selectors.job_names_redacted), for a list page or one object."""
+    data = response.data
+    rows = data.get("results", [data]) if isinstance(data, dict) else data
+    job_names_redact_objects(user=request.user, objects=rows)
+    return response
+
+
 class TeamRefSerializer(serializers.Serializer):
     id = serializers.IntegerField()
     slug = serializers.CharField()
@@ -45,8 +57,8 @@ class TeamRefSerializer(serializers.Serializer):
 @extend_schema_serializer(component_name="Job")
 class JobOutputSerializer(serializers.ModelSerializer):
     team = TeamRefSerializer()
-    submitted_by = serializers.CharField(source="submitted_by.username", default=None)
-    region = serializers.CharField(source="region.name", default=None)
+    submitted_by = serializers.CharField(source="submitted_by.username", default=None, allow_null=True)
+    region = serializers.CharField(source="region.name", default=None, allow_null=True)
     is_elastic = serializers.BooleanField()
     sla_target = serializers.FloatField()
     attained_sla_fraction = serializers.FloatField(allow_null=True)
@@ -78,9 +90,11 @@ class JobSubmitApi(APIView):
             choices=ACCELERATOR_TYPE_CHOICES, error_messages={"invalid_choice": TYPE_MESSAGE}
         )
         world_size = serializers.IntegerField(
-            min_value=1, max_value=100_000,
+            min_value=1, max_value=MAX_WORLD_SIZE,
+            help_text="W, logical ranks; at most MERIDIAN_MAX_WORLD_SIZE, min_devices * MERIDIAN_MAX_RANKS_PER_DEVICE "
+                      "and what the fleet could ever hold (a 400 says which).",
             error_messages={"min_value": "world_size (W, logical ranks) must be at least 1",
-                            "max_value": "world_size must be at most 100000"},
+                            "max_value": f"world_size must be at most {MAX_WORLD_SIZE}"},
         )
         min_devices = serializers.IntegerField(
             min_value=1, default=1, help_text="Fewest devices the job may run on; must divide world_size.",
@@ -89,9 +103,21 @@ class JobSubmitApi(APIView):
         entrypoint = serializers.CharField(max_length=1000)
         args = serializers.ListField(child=serializers.CharField(allow_blank=True), default=list, max_length=1000)
         env = serializers.DictField(child=serializers.CharField(allow_blank=True), default=dict)
-        total_steps = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+        total_steps = serializers.IntegerField(
+            min_value=1, max_value=MAX_TOTAL_STEPS, required=False, allow_null=True,
+            error_messages={"max_value": f"total_steps must be at most {MAX_TOTAL_STEPS} (2**63 - 1)"},
+        )
 
-    @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer}, summary="Submit a job")
+        def validate(self, attrs):
+            unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError({"non_field_errors": [
+                    f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(self.fields))}"
+                ]})
+            return attrs
+
+    @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer},
+                   summary="Submit a job")
     def post(self, request):
         serializer = self.InputSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -99,7 +125,7 @@ class JobSubmitApi(APIView):
         team = _team_for_submission(user=request.user, ref=spec.pop("team", None))
         job = job_submit(team=team, submitted_by=request.user, spec=spec)
         job = job_list_visible(user=request.user).get(pk=job.pk)
-        return Response(JobOutputSerializer(job).data, status=status.HTTP_201_CREATED)
+        return _redacted(request, Response(JobOutputSerializer(job).data, status=status.HTTP_201_CREATED))
 
 
 def _team_for_submission(*, user, ref):
@@ -120,6 +146,7 @@ def _team_for_submission(*, user, ref):
 
 
 class JobListApi(APIView):
+    pagination_class = MeridianPagination  # read by paginate() and by the schema (a paginated object)
     class FilterSerializer(serializers.Serializer):
         state = serializers.ChoiceField(
             choices=Job.State.choices, required=False, error_messages={"invalid_choice": STATE_MESSAGE}
@@ -139,13 +166,14 @@ class JobListApi(APIView):
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
         jobs = job_list_visible(user=request.user, filters=filters.validated_data)
-        return paginate(self, jobs, JobOutputSerializer)
+        return _redacted(request, paginate(self, jobs, JobOutputSerializer))
 
 
 class JobDetailApi(APIView):
     @extend_schema(responses={200: JobOutputSerializer}, summary="Get a job")
     def get(self, request, job_id):
-        return Response(JobOutputSerializer(job_get_visible_or_404(user=request.user, job_id=job_id)).data)
+        job = job_get_visible_or_404(user=request.user, job_id=job_id)
+        return _redacted(request, Response(JobOutputSerializer(job).data))
 
 
 class JobCancelApi(APIView):
@@ -153,13 +181,14 @@ class JobCancelApi(APIView):
     def post(self, request, job_id):
         job = job_get_visible_or_404(user=request.user, job_id=job_id)
         job_cancel(job=job, by=request.user)
-        return Response(JobOutputSerializer(job_get_visible(user=request.user, job_id=job_id)).data)
+        return _redacted(request, Response(JobOutputSerializer(job_get_visible(user=request.user, job_id=job_id)).data))
 
 
 class JobEventListApi(APIView):
+    pagination_class = MeridianPagination
     @extend_schema_serializer(component_name="JobEvent")
     class OutputSerializer(serializers.ModelSerializer):
-        actor = serializers.CharField(source="actor.username", default=None)
+        actor = serializers.CharField(source="actor.username", default=None, allow_null=True)
 
         class Meta:
             model = JobEvent
@@ -168,10 +197,11 @@ class JobEventListApi(APIView):
     @extend_schema(responses={200: OutputSerializer(many=True)}, summary="A job's timeline, oldest first")
     def get(self, request, job_id):
         job = job_get_visible_or_404(user=request.user, job_id=job_id)
-        return paginate(self, job_event_list(job=job), self.OutputSerializer)
+        return _redacted(request, paginate(self, job_event_list(job=job), self.OutputSerializer))
 
 
 class TeamListApi(APIView):
+    pagination_class = MeridianPagination
     @extend_schema_serializer(component_name="Team")
     class OutputSerializer(serializers.ModelSerializer):
         role = serializers.SerializerMethodField()
@@ -212,7 +242,7 @@ class PreemptionOutputSerializer(serializers.ModelSerializer):
             ]
 
     job = JobSummarySerializer()
-    decided_by = serializers.CharField(source="decided_by.username", default=None)
+    decided_by = serializers.CharField(source="decided_by.username", default=None, allow_null=True)
     can_decide = serializers.SerializerMethodField()
 
     class Meta:
@@ -230,6 +260,7 @@ class PreemptionOutputSerializer(serializers.ModelSerializer):
 
 
 class PreemptionListApi(APIView):
+    pagination_class = MeridianPagination
     class FilterSerializer(serializers.Serializer):
         state = serializers.ChoiceField(choices=PreemptionRequest.State.choices, required=False)
 
@@ -243,7 +274,7 @@ class PreemptionListApi(APIView):
         filters.is_valid(raise_exception=True)
         requests = preemption_list_visible(user=request.user, state=filters.validated_data.get("state"))
         context = {"approver_team_ids": approver_team_ids(user=request.user)}
-        return paginate(self, requests, PreemptionOutputSerializer, context=context)
+        return _redacted(request, paginate(self, requests, PreemptionOutputSerializer, context=context))
 
 
 class _PreemptionDecisionApi(APIView):
@@ -262,7 +293,7 @@ class _PreemptionDecisionApi(APIView):
         type(self).decide(request=preemption, by=request.user, note=serializer.validated_data["note"])
         preemption = preemption_get_visible(user=request.user, request_id=request_id)
         context = {"approver_team_ids": approver_team_ids(user=request.user)}
-        return Response(PreemptionOutputSerializer(preemption, context=context).data)
+        return _redacted(request, Response(PreemptionOutputSerializer(preemption, context=context).data))
 
 
 class PreemptionApproveApi(_PreemptionDecisionApi):

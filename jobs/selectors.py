@@ -3,10 +3,16 @@
 List selectors return QuerySets with the joins their callers need already chosen,
 so an API page of N jobs costs a constant number of queries.
 """
+import re
+
 from django.db.models import Count, Sum
 from django.http import Http404
 
 from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Team
+
+# How the scheduler names a job in its reasons (jobs.snapshot: "#<id> <name>").
+JOB_REFERENCE = re.compile(r"#(\d{1,19}) ")
+REDACTED_JOB_NAME = "(another team's job)"
 
 # Who decides a team's preemption requests: its capacity managers and admins (and global admins).
 APPROVER_ROLES = (Membership.Role.CAPACITY_MANAGER, Membership.Role.ADMIN)
@@ -51,7 +57,10 @@ def job_list_visible(*, user, filters=None):
             jobs = jobs.filter(**{f"{field}__in": value if isinstance(value, (list, tuple)) else [value]})
     team = (filters or {}).get("team")
     if team:
-        jobs = jobs.filter(team__id=int(team)) if str(team).isdigit() else jobs.filter(team__slug=team)
+        team = str(team)
+        # isascii: "²".isdigit() is true but int() refuses it; 18 digits fit the id column
+        numeric = team.isascii() and team.isdigit() and len(team) <= 18
+        jobs = jobs.filter(team__id=int(team)) if numeric else jobs.filter(team__slug=team)
     return jobs.order_by("-submitted_at", "-id")
 
 
@@ -146,3 +155,52 @@ def job_state_counts(*, user=None):
     """Returns {state: count} over the jobs the user sees (all jobs when user is None)."""
     jobs = Job.objects.all() if user is None else job_list_visible(user=user)
     return dict(jobs.order_by().values_list("state").annotate(n=Count("id")))
+
+
+def viewer_sees_every_job_name(*, user) -> bool:
+    """True for global admins and capacity managers or admins of some team: they weigh one team's
+    job against another's (approvals), so reasons show them every job's name."""
+    return bool(user and user.is_authenticated and (user.is_superuser or approver_team_ids(user=user)))
+
+
+def job_names_redacted(*, user, texts) -> list[str]:
+    """Returns `texts` (reasons of the scheduler, a preemption request's reason, an event's reason)
+    with the name of every job `user` may not see replaced by REDACTED_JOB_NAME: "#135 <name>"
+    becomes "#135 (another team's job)". Members see their own teams' job names; capacity managers
+    and global admins see all (viewer_sees_every_job_name). At most two queries, whatever the
+    number of texts. None and "" pass through unchanged."""
+    texts = list(texts)
+    ids = {int(ref) for text in texts if text for ref in JOB_REFERENCE.findall(text)}
+    if not ids or viewer_sees_every_job_name(user=user):
+        return texts
+    hidden = (Job.objects.filter(pk__in=ids).exclude(team_id__in=team_ids_for_user(user))
+              .values_list("id", "name"))
+    replacements = [(f"#{pk} {name}", f"#{pk} {REDACTED_JOB_NAME}") for pk, name in hidden if name]
+    if not replacements:
+        return texts
+    # Longest first: a name that is a prefix of another job's reference is replaced last.
+    replacements.sort(key=lambda pair: -len(pair[0]))
+    redacted = []
+    for text in texts:
+        if text:
+            for shown, hidden_as in replacements:
+                text = text.replace(shown, hidden_as)
+        redacted.append(text)
+    return redacted
+
+
+def job_names_redact_objects(*, user, objects, fields=("wait_reason", "reason")) -> None:
+    """Applies job_names_redacted to the `fields` of `objects` (model instances or dicts), in place:
+    for rendering only (the rows are never saved from here). Missing fields are skipped."""
+    objects = list(objects)
+    slots = []
+    for obj in objects:
+        for field in fields:
+            value = obj.get(field) if isinstance(obj, dict) else getattr(obj, field, None)
+            if isinstance(value, str) and value:
+                slots.append((obj, field, value))
+    for (obj, field, _), text in zip(slots, job_names_redacted(user=user, texts=[v for _, _, v in slots])):
+        if isinstance(obj, dict):
+            obj[field] = text
+        else:
+            setattr(obj, field, text)

@@ -64,10 +64,14 @@ TRANSITIONS = {
 DEVICE_HOLDING_STATES = frozenset({S.SCHEDULED, S.RUNNING, S.PREEMPTING, S.MIGRATING, S.RESIZING})
 
 PREEMPTION_REQUEST_TTL = timedelta(minutes=10)
+# The wire's ceiling (protocol.node.MAX_WORLD_SIZE); the policy's, lower, is
+# settings.MERIDIAN_MAX_WORLD_SIZE (job_world_size_limits).
 MAX_WORLD_SIZE = 100_000
+MAX_TOTAL_STEPS = 2**63 - 1  # Job.total_steps is a PositiveBigIntegerField
 MAX_ARGS = 1000
 MAX_ENV = 500
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# \Z, not $: "$" also matches before a trailing newline, so "FOO\n" would pass.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class IllegalTransition(Exception):
@@ -343,7 +347,8 @@ SPEC_FIELDS = {
 def _int_field(spec, field, errors, *, default=None):
     value = spec.get(field, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        # isascii: str.isdigit() is true of "²" and other digits int() refuses
+        if isinstance(value, str) and value.strip().lstrip("-").isascii() and value.strip().lstrip("-").isdigit():
             return int(value)
         errors[field] = f"{field} must be a whole number, got {value!r}"
         return None
@@ -416,6 +421,8 @@ def job_spec_clean(spec: object) -> dict:
         total_steps = _int_field(spec, "total_steps", errors)
         if total_steps is not None and total_steps < 1:
             errors["total_steps"] = "total_steps must be at least 1 when given"
+        elif total_steps is not None and total_steps > MAX_TOTAL_STEPS:
+            errors["total_steps"] = f"total_steps must be at most {MAX_TOTAL_STEPS} (2**63 - 1), got {total_steps}"
     if errors:
         raise ValidationError(errors)
     return {
@@ -441,16 +448,73 @@ def team_quota_claimed(*, team, accelerator_type):
     )
 
 
+def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
+    """Returns the bounds a job of `accelerator_type` and `min_devices` must keep, each with why:
+
+      {"max_world_size": W at most, "world_size_because": why that W,
+       "max_min_devices": min_devices at most or None, "min_devices_because": why}
+
+    W is bounded by the smallest of
+      settings.MERIDIAN_MAX_WORLD_SIZE          the operator's absolute cap;
+      min_devices * MERIDIAN_MAX_RANKS_PER_DEVICE  shrunk to min_devices devices, a device takes
+                                                W / min_devices rank processes in turns; and since
+                                                min_devices counts against the team's quota, a
+                                                team's ranks are at most quota * that factor;
+    and min_devices by the most devices of the type one job could ever hold (fleet.selectors.
+    accelerator_type_capacity: under one node, rack, cluster or region as MERIDIAN_JOB_MAX_SPREAD
+    says): a job needing more could never start. So W <= capacity * ranks per device as well. A
+    fleet without any device of the type yet (nodes enroll later) bounds only W: the job waits,
+    and the scheduler says why.
+    """
+    from fleet.selectors import accelerator_type_capacity
+
+    per_device = int(settings.MERIDIAN_MAX_RANKS_PER_DEVICE)
+    cap = min(int(settings.MERIDIAN_MAX_WORLD_SIZE), MAX_WORLD_SIZE)
+    bounds = [(cap, f"the largest world_size this installation runs is {cap} (MERIDIAN_MAX_WORLD_SIZE)"),
+              (min_devices * per_device,
+               f"at most {per_device} ranks share one device (MERIDIAN_MAX_RANKS_PER_DEVICE), so with "
+               f"min_devices {min_devices} world_size may be at most {min_devices * per_device}; "
+               f"raise min_devices (it counts against your team's quota) or lower world_size")]
+    capacity = accelerator_type_capacity(accelerator_type=accelerator_type,
+                                         spread=str(settings.MERIDIAN_JOB_MAX_SPREAD).strip().lower())
+    limits = {"max_min_devices": None, "min_devices_because": ""}
+    if capacity:
+        where = f"one {settings.MERIDIAN_JOB_MAX_SPREAD}"
+        limits.update(max_min_devices=capacity,
+                      min_devices_because=f"the fleet has at most {capacity} {accelerator_type} device(s) in "
+                                          f"{where} (a job's devices never span more); a job needing more "
+                                          f"could never start")
+    limit, because = min(bounds, key=lambda bound: bound[0])
+    return {**limits, "max_world_size": limit, "world_size_because": because}
+
+
+def _job_world_size_check(clean: dict) -> None:
+    """Raises ValidationError naming world_size or min_devices when the job is bigger than this
+    installation or its fleet could ever run (job_world_size_limits)."""
+    limits = job_world_size_limits(accelerator_type=clean["accelerator_type"], min_devices=clean["min_devices"])
+    errors = {}
+    if limits["max_min_devices"] is not None and clean["min_devices"] > limits["max_min_devices"]:
+        errors["min_devices"] = f"min_devices {clean['min_devices']} is too many: {limits['min_devices_because']}"
+    if clean["world_size"] > limits["max_world_size"]:
+        errors["world_size"] = (f"world_size {clean['world_size']} is too large (at most "
+                                f"{limits['max_world_size']}): {limits['world_size_because']}")
+    if errors:
+        raise ValidationError(errors)
+
+
 def job_submit(*, team, submitted_by, spec, now=None):
     """Returns a new pending Job with W unplaced replicas and a SUBMITTED event.
 
     Raises PermissionDenied unless `submitted_by` is a member of `team` (or a global
-    admin), ValidationError for a bad spec or when the job's min_devices would put the
-    team's unfinished jobs over its quota for the accelerator type.
+    admin), ValidationError for a bad spec, for a W or min_devices beyond what the
+    installation and its fleet could ever run (job_world_size_limits), or when the job's
+    min_devices would put the team's unfinished jobs over its quota for the accelerator type.
+    A job costs W Replica rows (one per rank; placing it rewrites them), which is why W is bounded.
     """
     if not user_can_see_team(user=submitted_by, team_id=team.pk):
         raise PermissionDenied(f"you are not a member of team {team.name}")
     clean = job_spec_clean(spec)
+    _job_world_size_check(clean)
     now = now or timezone.now()
     with transaction.atomic():
         # Lock the team row so two submissions cannot both squeeze under the quota.

@@ -19,6 +19,7 @@ heartbeat; a step that already happened is a no-op.
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from datetime import timedelta
 
@@ -31,7 +32,17 @@ from fleet.services import node_heartbeat_record
 from jobs.models import Checkpoint, Job, Move, Replica
 from jobs.moves import move_observe
 from jobs.services import IllegalTransition, checkpoint_record, job_transition
-from protocol.node import DesiredJob, DesiredState, Heartbeat, JobReport, Rejection, ReportOutcome, Telemetry
+from protocol.node import (
+    SHA256_HEX,
+    DesiredJob,
+    DesiredState,
+    Heartbeat,
+    JobReport,
+    Rejection,
+    ReportOutcome,
+    Telemetry,
+    checkpoint_uri_problem,
+)
 from protocol.states import LIVE_COPY_STATES, CopyState, DesiredAction, JobState
 
 logger = logging.getLogger(__name__)
@@ -75,7 +86,9 @@ def node_desired_state_build(*, node) -> DesiredState:
     resize to `devices`, on the node-local devices `device_indices`) or "wait" (a migration that
     has not reached its restore step), with the generation's own `store` folder and
     `restore_from`, the newest checkpoint the control plane accepted (the agent seeds the new
-    store with it; None: start afresh), plus one entry with action "stop" per job whose active
+    store with it; None: start afresh) with `restore_sha256`, the digest of its MANIFEST.json
+    recorded when it was reported (None for a checkpoint recorded without one: the agent refuses
+    to restore it), plus one entry with action "stop" per job whose active
     move takes its old copy off this node. Every entry has the placement `generation` the agent
     must run (or stop). A job the agent runs that is not listed must be stopped with a
     checkpoint. Three queries.
@@ -90,11 +103,12 @@ def node_desired_state_build(*, node) -> DesiredState:
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
         "job_id", "kind", "step", "from_node_id", "from_generation")}
-    newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk")).order_by("-step", "-id").values("uri")[:1]
+    newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk")).order_by("-step", "-id")
     jobs = Job.objects.filter(pk__in=list(devices)).only(
         "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
         "total_steps", "last_checkpoint_step", "generation",
-    ).annotate(restore_from=Subquery(newest_checkpoint))
+    ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
+               restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
     entries = []
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
@@ -106,6 +120,7 @@ def node_desired_state_build(*, node) -> DesiredState:
             device_indices=tuple(sorted(devices[job.pk])), entrypoint=job.entrypoint,
             args=tuple(job.args), env=dict(job.env),
             store=job_store_uri(job.pk, generation=job.generation), restore_from=job.restore_from,
+            restore_sha256=job.restore_sha256 if re.fullmatch(SHA256_HEX, job.restore_sha256 or "") else None,
             last_checkpoint_step=job.last_checkpoint_step,
         ))
     listed = {e.job_id for e in entries}
@@ -153,17 +168,57 @@ def _telemetry_dict(telemetry: Telemetry | None) -> dict:
     return readings
 
 
+NOT_YOURS = ("this node holds no copy of job {job_id} that the control plane knows of; "
+             "kill it without a checkpoint")
+
+
+def _not_yours(job_id) -> Rejection:
+    """The one rejection of a report on a job this node does not hold: the same words whether the
+    job exists, runs elsewhere, ended or never was, so a node learns nothing of others' jobs."""
+    return Rejection(job_id=job_id, fence=True, error=NOT_YOURS.format(job_id=job_id))
+
+
+def _last_placed_on(job, node) -> bool:
+    """True when the job's newest placement (its PLACED event) named `node`: the one node that
+    may hear that the job it ran was cancelled."""
+    from jobs.models import JobEvent
+
+    placed = (JobEvent.objects.filter(job_id=job.pk, type=JobEvent.Type.PLACED).order_by("-created_at", "-id")
+              .values_list("extra_data", flat=True).first())
+    return isinstance(placed, dict) and node.hostname in (placed.get("nodes") or [])
+
+
+def _checkpoint_problem(*, job, generation, entry: JobReport):
+    """Returns None when the report's checkpoint (if any) may be recorded for the copy of `job`
+    at `generation`, else (field, problem): the checkpoint lies in that generation's own store
+    folder and carries the sha256 of its manifest."""
+    checkpoint = entry.checkpoint
+    if checkpoint is None or not checkpoint.uri or checkpoint.step is None:
+        return None
+    problem = checkpoint_uri_problem(checkpoint.uri, store=job_store_uri(job.pk, generation=generation))
+    if problem:
+        return "checkpoint.uri", problem
+    if not checkpoint.sha256:
+        return "checkpoint.sha256", ("is required: the sha256 of the checkpoint's MANIFEST.json, which every "
+                                     "restore checks; upgrade the agent")
+    return None
+
+
 def node_report_record(*, node, heartbeat: Heartbeat, now=None) -> ReportOutcome:
     """Applies one agent report (heartbeat, telemetry, observed jobs); returns what became of each
     job report: accepted, rejected (with why) or deferred.
 
-    A node may report only on jobs placed on it, or whose active move takes them off it (or a
-    final "stopped" of a job just moved off it); other job ids are rejected (listed) and change
-    nothing. A report naming a generation other than the job's current one (or, during a move,
-    the old copy's) is rejected with "fence": true; a running copy of a cancelled job with
-    "cancel": true (the agent kills it without a checkpoint and removes its store). A finished
-    report of a job still in the middle of a migration is deferred (neither accepted nor
-    rejected: the agent reports it again).
+    A node may report only on a copy it holds: the job's current placement generation on its own
+    devices, or the old copy an active move takes off it (the move's from_generation). Any other
+    report (a job placed elsewhere, one that ended, one that does not exist) is rejected with
+    "fence": true and the same words whatever the reason (NOT_YOURS), and changes nothing; only
+    the node of the job's newest placement hears "cancel": true for a running copy of a job that
+    was cancelled (the agent kills it and removes its store), and that node's report that the copy
+ended is accepted (recording nothing). A report of the held job naming
+    another generation is rejected with "fence". A checkpoint outside the copy's own store folder
+    (<root>/job-<id>/g<generation>), or without its manifest's sha256, is rejected naming the
+    field, and nothing of that report is recorded. A finished report of a job still in the middle
+    of a migration is deferred (neither accepted nor rejected: the agent reports it again).
     Idempotent: a repeated report is a no-op.
     """
     now = now or timezone.now()
@@ -183,36 +238,38 @@ def node_report_record(*, node, heartbeat: Heartbeat, now=None) -> ReportOutcome
         for entry in observed:
             job = jobs.get(entry.job_id)
             if job is None:
-                rejected.append(Rejection(job_id=entry.job_id, error="no such job"))
+                rejected.append(_not_yours(entry.job_id))
                 continue
             here = job.pk in placed
             move = moves.get(job.pk)
+            old_node = move is not None and move.from_node_id == node.pk
             if entry.generation is None:  # an agent that does not say (hollow nodes, older agents)
-                old_node = move is not None and move.from_node_id == node.pk
                 generation = move.from_generation if old_node and not here else job.generation
             else:
                 generation = entry.generation
-            old_copy = move is not None and move.from_node_id == node.pk and generation == move.from_generation
-            if generation != job.generation and not old_copy:
-                rejected.append(Rejection(job_id=job.pk, fence=True,
-                                          error=f"stale copy: generation {generation}, the job now runs as "
-                                                f"generation {job.generation}; kill it without a checkpoint"))
-                continue
-            # A node may also report on the copy a move takes off it, and the final checkpoint of
-            # a job just moved off it.
-            leaving = not here and (old_copy or (
-                job.state in (S.PREEMPTING, S.MIGRATING, S.PREEMPTED, S.CANCELLED, S.PENDING, S.RUNNING,
-                              S.SCHEDULED) and entry.state == CopyState.STOPPED))
-            if not (here or leaving):
-                if job.state == S.CANCELLED and entry.state in LIVE_COPY_STATES:
-                    rejected.append(Rejection(job_id=job.pk, cancel=True,
-                                              error="the job was cancelled; kill it without a checkpoint"))
-                    continue
-                rejected.append(Rejection(job_id=job.pk, error="this job is not placed on your node"))
-                continue
+            old_copy = old_node and generation == move.from_generation
             current = here and generation == job.generation
+            if not (current or old_copy):
+                if here:  # the node holds the job, but runs a copy of another generation
+                    rejected.append(Rejection(job_id=job.pk, fence=True,
+                                              error=f"stale copy: generation {generation}, the job now runs as "
+                                                    f"generation {job.generation}; kill it without a checkpoint"))
+                elif job.state == S.CANCELLED and _last_placed_on(job, node):
+                    if entry.state in LIVE_COPY_STATES:
+                        rejected.append(Rejection(job_id=job.pk, cancel=True,
+                                                  error="the job was cancelled; kill it without a checkpoint"))
+                    else:  # its copy here ended: nothing to kill, nothing recorded
+                        accepted.append(job.pk)
+                else:
+                    rejected.append(_not_yours(job.pk))
+                continue
+            problem = _checkpoint_problem(job=job, generation=generation, entry=entry)
+            if problem is not None:
+                field, why = problem
+                rejected.append(Rejection(job_id=job.pk, error=f"{field}: {why}; nothing of this report was recorded"))
+                continue
             result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now)
-            if move is not None and (old_copy or current):
+            if move is not None:
                 move_observe(move=move, generation=generation, node=node, entry=entry, now=now)
             (deferred if result == "deferred" else accepted).append(job.pk)
     return ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
@@ -226,7 +283,7 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
     if checkpoint is not None and checkpoint.uri and checkpoint.step is not None:
         if not Checkpoint.objects.filter(job=job, uri=checkpoint.uri).exists():
             checkpoint_record(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework",
-                              uri=checkpoint.uri, size_bytes=checkpoint.bytes, sha256=checkpoint.sha256 or "",
+                              uri=checkpoint.uri, size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
                               now=now)
             job.refresh_from_db()
     if current and entry.step is not None:

@@ -3,10 +3,13 @@
 `exception_handler` maps what services raise onto HTTP:
   django ValidationError → 400 {field: [message]}      PermissionDenied → 403
   IllegalTransition → 409 {"detail": ...}             RequestDataTooBig → 413
+  anything else (a bug) → 500 {"detail": ...} as JSON, logged with its traceback
 `BoundedJSONParser` refuses bodies above DATA_UPLOAD_MAX_MEMORY_SIZE with a 413
-(DRF's own JSON parser reads the stream without that limit).
+(DRF's own JSON parser reads the stream without that limit) and JSON nested deeper than
+MAX_JSON_DEPTH with a 400 (Python's parser would raise RecursionError near depth 1000).
 """
 import json
+import logging
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
@@ -16,6 +19,26 @@ from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
+from rest_framework.views import set_rollback
+
+logger = logging.getLogger(__name__)
+
+# No API body of Meridian nests deeper than a few levels (a job spec: object → env → value).
+MAX_JSON_DEPTH = 32
+
+
+def json_depth_exceeds(value, limit=MAX_JSON_DEPTH) -> bool:
+    """True when `value` (parsed JSON) nests lists and objects more than `limit` deep; iterative,
+    so a hostile body cannot exhaust the stack here either."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 class PayloadTooLarge(exceptions.APIException):
@@ -44,11 +67,16 @@ class BoundedJSONParser(JSONParser):
             raise PayloadTooLarge(limit)
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         try:
-            return json.loads(raw.decode(encoding))
+            parsed = json.loads(raw.decode(encoding))
+        except RecursionError:
+            raise exceptions.ParseError(f"JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise exceptions.ParseError(
                 f"malformed JSON: {exc}; send a JSON object such as {{\"name\": \"demo\"}}"
             ) from exc
+        if json_depth_exceeds(parsed):
+            raise exceptions.ParseError(f"JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+        return parsed
 
 
 def _validation_error_data(error):
@@ -69,4 +97,14 @@ def exception_handler(exc, context):
         return Response({"detail": message}, status=status.HTTP_403_FORBIDDEN)
     if isinstance(exc, IllegalTransition):
         return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
-    return drf_exception_handler(exc, context)
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        # A bug, not bad input: the client still gets JSON (not Django's HTML page), without the
+        # exception's text (it may hold internals); the log has the traceback.
+        view = context.get("view")
+        logger.exception("API error in %s", type(view).__name__ if view else "?", exc_info=exc)
+        set_rollback()
+        response = Response({"detail": "internal error; it is logged, and retrying will not help until it is "
+                                       "fixed: tell the operator the time and the URL"},
+                            status=status.HTTP_500_INTERNAL_SERVER_ERROR)
+    return response

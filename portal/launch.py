@@ -195,7 +195,7 @@ def run(args):
         # Set only now (as before): migrate and demo_seed never needed them.
         for name, value in embedded_env_defaults(data_dir=data_dir).items():
             env.setdefault(name, value)
-        specs += [ProcessSpec(process.name, process.argv) for process in embedded_processes(
+        specs += [ProcessSpec(process.name, process.argv, env=process.env) for process in embedded_processes(
             python=context.python, url=context.url, root=context.root, data_dir=data_dir,
             enrollment_token=env["MERIDIAN_AGENT_ENROLLMENT_TOKEN"], demo_workload=args.demo_workload)]
         for spec in specs:

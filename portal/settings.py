@@ -130,6 +130,7 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "drf_spectacular",
     "channels",
+    "axes",
     "portal",
     "fleet",
     "jobs",
@@ -143,6 +144,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "portal.middleware.ContentSecurityPolicyMiddleware",
+    # last: turns a login refused for too many failures into lockout_response's 429
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -226,6 +230,12 @@ MERIDIAN_PREMIUM_RESERVE_DEVICES = _env_int("MERIDIAN_PREMIUM_RESERVE_DEVICES", 
 # ranks on one host), "rack", "cluster", or "region" (hollow / scale runs).
 MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "node",
                                       choices=("node", "rack", "cluster", "region"))
+# The largest world size (W, logical ranks) a job may ask for. A job costs W Replica rows, written
+# again at every placement; a W the fleet could never run is refused (jobs.services.job_world_size_limits).
+MERIDIAN_MAX_WORLD_SIZE = _env_int("MERIDIAN_MAX_WORLD_SIZE", 4096, minimum=1)
+# How many of a job's ranks may share one device when it is spliced onto fewer devices than W:
+# W <= min_devices * this (min_devices counts against the team's quota).
+MERIDIAN_MAX_RANKS_PER_DEVICE = _env_int("MERIDIAN_MAX_RANKS_PER_DEVICE", 64, minimum=1)
 # A node whose agent missed heartbeats this long is lost (jobs.services.node_lost_sweep).
 MERIDIAN_NODE_LOST_AFTER_SECONDS = _env_float("MERIDIAN_NODE_LOST_AFTER_SECONDS", 30.0, minimum=0.0)
 # Device-time is accrued at most this often (jobs.accounting.accounting_run).
@@ -270,6 +280,20 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+# Brute-force protection of every password login (portal.auth): per account and per address.
+AUTHENTICATION_BACKENDS = ["portal.auth.LoginThrottleBackend", "django.contrib.auth.backends.ModelBackend"]
+MERIDIAN_LOGIN_FAILURE_LIMIT = _env_int("MERIDIAN_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+MERIDIAN_LOGIN_LOCKOUT_MINUTES = _env_float("MERIDIAN_LOGIN_LOCKOUT_MINUTES", 15.0, minimum=1 / 60)
+AXES_ENABLED = True
+# read at call time (portal.auth), so tests and operators change the MERIDIAN_ settings only
+AXES_FAILURE_LIMIT = "portal.auth.login_failure_limit"
+AXES_COOLOFF_TIME = "portal.auth.login_lockout_time"
+AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]  # either one locks: an account, or an address
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "portal.auth.lockout_response"
+AXES_VERBOSE = False
+# Behind a reverse proxy every client has the proxy's address: set AXES_IPWARE_PROXY_COUNT and
+# AXES_IPWARE_META_PRECEDENCE_ORDER there (see the operator guide), or every user shares one count.
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
@@ -278,9 +302,11 @@ LOGOUT_REDIRECT_URL = "login"
 # Bodies above this size get a 413 with a message, never a 500 (see portal.api_errors).
 DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("MERIDIAN_MAX_BODY_BYTES", 256 * 1024, minimum=1)
 REST_FRAMEWORK = {
+    # Token first: DRF answers an anonymous call with the first class's challenge, and only token
+    # authentication has one (401 with WWW-Authenticate: Token; session-only would be a 403).
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
         "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": ["portal.api_errors.BoundedJSONParser"],
@@ -296,6 +322,8 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    # every operation's 4xx answers (portal.api_schema)
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "portal.api_schema.errors_documented"],
     "ENUM_NAME_OVERRIDES": {
         "AcceleratorTypeEnum": "fleet.accelerator_types.ACCELERATOR_TYPE_CHOICES",
         "JobStateEnum": "jobs.models.Job.State",
@@ -316,6 +344,12 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = BASE_DIR / "staticfiles"
 MERIDIAN_SERVE_STATIC = os.environ.get("MERIDIAN_SERVE_STATIC", "1") == "1"
 
+# Content-Security-Policy of every response (portal.middleware); empty turns it off.
+MERIDIAN_CONTENT_SECURITY_POLICY = os.environ.get("MERIDIAN_CONTENT_SECURITY_POLICY", (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+    "font-src 'self' data:; connect-src 'self' ws://{host} wss://{host}; object-src 'none'; base-uri 'self'; "
+    "form-action 'self'; frame-ancestors 'none'"))
+
 # --- production profile ------------------------------------------------------------------
 if PRODUCTION:
     SESSION_COOKIE_SECURE = True
@@ -334,5 +368,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("MERIDIAN_LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    # axes logs every login at INFO; failures and lockouts are WARNING
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "axes": {"level": "WARNING"}},
 }

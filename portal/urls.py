@@ -10,15 +10,15 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
-from rest_framework.authtoken.views import obtain_auth_token
 
 from portal import views
+from portal.auth import TokenObtainApi
 
 api_patterns = [
     path("", include("fleet.urls")),
     path("agent/", include("jobs.agent_urls")),
     path("", include("jobs.urls")),
-    path("auth/token/", obtain_auth_token, name="api-token"),
+    path("auth/token/", TokenObtainApi.as_view(), name="api-token"),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("docs/", views.api_docs, name="api-docs"),
 ]
@@ -30,3 +30,10 @@ urlpatterns = [
     path("api/", include(api_patterns)),
     path("", include("portal.pages.urls")),
 ]
+
+
+# An /api/ URL that matches nothing (e.g. /api/jobs/abc/) answers JSON like the rest of the API.
+handler404 = "portal.views.not_found"
+# A 500 outside DRF's views (a middleware, the URL layer) under /api/ is JSON too (production;
+# DEBUG shows Django's debug page). Inside the API views portal.api_errors answers it.
+handler500 = "portal.views.server_error"

@@ -1,8 +1,27 @@
 """Views of the project itself: the API docs page (the dashboard's pages are portal/pages/)."""
+from django.http import JsonResponse
 from django.shortcuts import render
+from django.views.defaults import page_not_found
+from django.views.defaults import server_error as django_server_error
 from drf_spectacular.generators import SchemaGenerator
 
 HTTP_METHODS = ("get", "post", "put", "patch", "delete")
+
+
+def not_found(request, exception):
+    """handler404: JSON under /api/ ({"detail": ...}, as every API answer), Django's page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": f"no API endpoint or object at {request.path[:200]}; the endpoints "
+                                       f"are listed at /api/docs/"}, status=404)
+    return page_not_found(request, exception)
+
+
+def server_error(request):
+    """handler500: JSON under /api/, Django's page elsewhere (the traceback is in the log)."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "internal error; it is logged: tell the operator the time and the URL"},
+                            status=500)
+    return django_server_error(request)
 
 
 def _schema_ref(schema, ref):

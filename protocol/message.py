@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -42,9 +43,10 @@ class ProtocolError(ValueError):
 
 
 def bounded(*, default: Any = dataclasses.MISSING, minimum: float | None = None,
-            maximum: float | None = None, max_length: int | None = None) -> Any:
-    """Returns a dataclass field whose value (a number, or a str/tuple/dict's length) is bounded."""
-    metadata = {"minimum": minimum, "maximum": maximum, "max_length": max_length}
+            maximum: float | None = None, max_length: int | None = None, pattern: str | None = None) -> Any:
+    """Returns a dataclass field whose value (a number, or a str/tuple/dict's length) is bounded;
+    `pattern`: a str value must match this regular expression in full (re.fullmatch)."""
+    metadata = {"minimum": minimum, "maximum": maximum, "max_length": max_length, "pattern": pattern}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple or None as a message field's default")
     return dataclasses.field(default=default, metadata=metadata)
@@ -111,6 +113,8 @@ def _message_schema(cls: type[Message], *, top: bool = False) -> dict[str, Any]:
         if metadata.get("max_length") is not None:
             length_key = {"array": "maxItems", "object": "maxProperties"}.get(str(schema.get("type")), "maxLength")
             schema[length_key] = metadata["max_length"]
+        if metadata.get("pattern") is not None:
+            schema["pattern"] = f"^{metadata['pattern']}$"
         properties[field.name] = schema
         if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             required.append(field.name)
@@ -258,6 +262,9 @@ def _check_bounds(field: dataclasses.Field, value: Any, path: str) -> None:
     max_length = field.metadata.get("max_length")
     if max_length is not None and len(value) > max_length:
         raise ProtocolError(path, f"must have at most {max_length} items or characters, not {len(value)}")
+    pattern = field.metadata.get("pattern")
+    if pattern is not None and isinstance(value, str) and re.fullmatch(pattern, value) is None:
+        raise ProtocolError(path, f"must match {pattern}")
 
 
 def _join(path: str, name: str) -> str:

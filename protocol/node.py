@@ -17,6 +17,9 @@ as a default).
 """
 from __future__ import annotations
 
+import posixpath
+import re
+import urllib.parse
 from dataclasses import dataclass
 
 from protocol.message import Message, bounded
@@ -38,6 +41,13 @@ MAX_ERROR = 4096  # a failure text (the control plane keeps 4000 characters)
 MAX_ARGS = 1000  # a job's args (as jobs.services allows at submission)
 MAX_ENV = 500
 MAX_ARG = 100_000
+# Physics, not policy: the largest accelerator sold has 288 GB; 4 TB leaves room for a decade and
+# keeps every sum over a planet-scale fleet (1e5 nodes x 64 devices x 4096) far from overflow.
+MAX_DEVICE_MEMORY_GB = 4096
+MAX_STEPS_PER_S = 1e7  # a training step takes at least a microsecond or so: 1e7 is beyond any job
+SHA256_HEX = r"[0-9a-f]{64}"
+# A committed checkpoint's folder in a store (runtime.store.CHECKPOINT_DIR_PATTERN): ckpt-<step>-<ns>.
+CHECKPOINT_NAME = re.compile(r"ckpt-\d{12}-\d+")
 
 
 # --- registration ---------------------------------------------------------------------------------
@@ -48,13 +58,15 @@ class DeviceDescription(Message):
     """One device of a registering node, in index order."""
 
     type: str = bounded(max_length=MAX_WORD)  # an accelerator type ("H100-80GB", "CPU")
-    memory_gb: float | None = bounded(default=None, minimum=0, maximum=100_000)  # None: the type's
+    memory_gb: float | None = bounded(default=None, minimum=0, maximum=MAX_DEVICE_MEMORY_GB)  # None: the type's
     uuid: str | None = bounded(default=None, max_length=128)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Registration(Message):
-    """POST register/ (with `Authorization: Enroll <enrollment token>`): this node and its devices."""
+    """POST register/: this node and its devices. A new node sends `Authorization: Enroll
+    <enrollment token>`; an enrolled node registers again with `Authorization: Node <its token>`
+    (an enrollment token never takes over an enrolled node)."""
 
     hostname: str = bounded(max_length=MAX_NAME)
     devices: tuple[DeviceDescription, ...] = bounded(max_length=MAX_DEVICES_PER_NODE)
@@ -66,7 +78,8 @@ class Registration(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class RegistrationAnswer(Message):
-    """201 to Registration: the node's id and its own token (the old one stops working)."""
+    """201 to Registration: the node's id and its own token (a new one when it enrolled; the same
+    one when it registered again with it)."""
 
     node_id: int = bounded(minimum=1, maximum=MAX_ID)
     token: str = bounded(max_length=512)
@@ -83,7 +96,7 @@ class DeviceReading(Message):
 
     index: int = bounded(minimum=0, maximum=MAX_DEVICE_INDEX)  # node-local Accelerator.index
     utilization: float | None = bounded(default=None, minimum=0.0, maximum=1.0)
-    memory_used_gb: float | None = bounded(default=None, minimum=0.0, maximum=100_000)
+    memory_used_gb: float | None = bounded(default=None, minimum=0.0, maximum=MAX_DEVICE_MEMORY_GB)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,19 +104,24 @@ class Telemetry(Message):
     """The node's readings since its previous heartbeat (aggregated on the node)."""
 
     utilization: float | None = bounded(default=None, minimum=0.0, maximum=1.0)  # mean over devices
-    memory_used_gb: float | None = bounded(default=None, minimum=0.0, maximum=MAX_DEVICES_PER_NODE * 100_000)
+    memory_used_gb: float | None = bounded(default=None, minimum=0.0,
+                                           maximum=MAX_DEVICES_PER_NODE * MAX_DEVICE_MEMORY_GB)
     devices: tuple[DeviceReading, ...] = bounded(default=(), max_length=MAX_DEVICES_PER_NODE)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointReport(Message):
-    """The newest checkpoint a copy committed to its store."""
+    """The newest checkpoint a copy committed to its store: a folder of the copy's own store
+    (DesiredJob.store; see checkpoint_uri_problem) and the sha256 of its MANIFEST.json, which the
+    control plane records and every later restore checks before it loads anything. (The control
+    plane refuses a checkpoint without it; the field is optional only so that an older agent's
+    heartbeat still decodes.)"""
 
     uri: str = bounded(max_length=MAX_URI)
     step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
     bytes: int = bounded(default=0, minimum=0, maximum=2**62)
     engine: str | None = bounded(default=None, max_length=16)  # "criu" | "framework"
-    sha256: str | None = bounded(default=None, max_length=64)
+    sha256: str | None = bounded(default=None, max_length=64, pattern=SHA256_HEX)  # of MANIFEST.json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +141,7 @@ class JobReport(Message):
     state: CopyState
     generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)  # None: not said
     step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
-    steps_per_s: float | None = bounded(default=None, minimum=0.0, maximum=1e12)
+    steps_per_s: float | None = bounded(default=None, minimum=0.0, maximum=MAX_STEPS_PER_S)
     devices: int | None = bounded(default=None, minimum=0, maximum=MAX_DEVICES)
     engine: str | None = bounded(default=None, max_length=MAX_WORD)
     checkpoint: CheckpointReport | None = None
@@ -166,6 +184,9 @@ class DesiredJob(Message):
     env: dict[str, str] | None = bounded(default=None, max_length=MAX_ENV)
     store: str | None = bounded(default=None, max_length=MAX_URI)  # this generation's store folder
     restore_from: str | None = bounded(default=None, max_length=MAX_URI)  # None: start afresh
+    # The sha256 of restore_from's MANIFEST.json as the control plane recorded it: the agent and the
+    # runtime refuse to restore a checkpoint whose manifest differs (or when this is None).
+    restore_sha256: str | None = bounded(default=None, max_length=64, pattern=SHA256_HEX)
     last_checkpoint_step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
     move: str | None = bounded(default=None, max_length=MAX_WORD)  # a stop's move kind
     move_step: str | None = bounded(default=None, max_length=MAX_WORD)  # ... and the step it is at
@@ -215,3 +236,36 @@ class HeartbeatAnswer(Message):
     rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     heartbeat_seconds: float | None = bounded(default=None, minimum=0, maximum=86_400)
+
+
+# --- the checkpoint store's layout ----------------------------------------------------------------
+
+
+def local_path(uri: str) -> str | None:
+    """Returns the path a file:// URI (file:///abs/path) or a plain path names, or None for any
+    other scheme or a file:// URI naming another host."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "file":
+        return urllib.parse.unquote(parsed.path) if parsed.netloc in ("", "localhost") else None
+    return uri if parsed.scheme == "" else None
+
+
+def checkpoint_uri_problem(uri: str, *, store: str) -> str | None:
+    """Returns None when `uri` names a committed checkpoint folder directly inside the store folder
+    `store` (<store>/ckpt-<step>-<ns>, as the runtime's store writes them), else what is wrong.
+
+    A copy may report (and a restore may name) only a checkpoint of its own job and generation:
+    `store` is that generation's folder (<root>/job-<id>/g<n>). A path with "." or ".." parts,
+    another scheme, or a folder elsewhere is refused, so no node can make the control plane
+    record, and a later copy restore, a checkpoint it planted outside its own store."""
+    path, folder = local_path(uri), local_path(store)
+    if path is None or folder is None:
+        return "must be a file:// URI or a path (other schemes are not supported)"
+    if any(part in (".", "..") for part in path.split("/")):
+        return "must not contain '.' or '..' parts"
+    if not path.startswith("/"):
+        return "must be an absolute path"
+    name = posixpath.basename(path.rstrip("/"))
+    if posixpath.dirname(posixpath.normpath(path)) != posixpath.normpath(folder) or not CHECKPOINT_NAME.fullmatch(name):
+        return f"must be a checkpoint folder (ckpt-<step>-<ns>) directly inside this copy's store {store}"
+    return None

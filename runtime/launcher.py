@@ -1,7 +1,8 @@
 """meridian-run: runs an unmodified PyTorch script as W rank processes, preemptible and resizable.
 
     meridian-run --ranks W [--devices d] [--device-indices i,j,...] [--engine criu|framework|auto]
-                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K] [--resume] script.py args...
+                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K]
+                 [--resume [--restore-manifest-sha256 HEX]] script.py args...
 
 The launcher hosts the job's rendezvous store (ranks are store clients only), starts every rank
 through runtime/rank.py, serves the control socket (runtime/control.py) and carries out the
@@ -25,6 +26,7 @@ import argparse
 import os
 import pathlib
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -57,17 +59,26 @@ from protocol.launch import (
     StopRequest,
     event_line,
 )
+from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
 from runtime import control, engines, multihost, splice
 from runtime import rank as rank_liveness
 from runtime import spool as spool_files
 from runtime.engines import RankProcess, choose_engine
 from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError
+from runtime.store import CheckpointError
 
 ENGINES = (*engines.ENGINES, engines.AUTO)
 POLL_S = 0.01
 DEFAULT_TIMEOUT_S = 600.0
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"
+
+
+def _sha256_hex(text):
+    """argparse type of --restore-manifest-sha256: 64 lowercase hex digits."""
+    if not re.fullmatch(SHA256_HEX, text or ""):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sha256 (64 lowercase hex digits)")
+    return text
 
 
 def parse_device_indices(text):
@@ -406,8 +417,17 @@ class Launcher:
 
     # -- restore --------------------------------------------------------------------------------
     def restore_latest(self):
-        """Resumes from the newest good checkpoint of the store (either engine)."""
-        ref = self.store.latest_good()
+        """Resumes from the newest good checkpoint of the store (either engine), or with
+        --restore-manifest-sha256 from exactly the checkpoint whose MANIFEST.json has that digest
+        (what the control plane recorded), checked before anything is loaded."""
+        pinned = self.options.restore_manifest_sha256
+        if pinned:
+            try:
+                ref = self.store.pinned(pinned)
+            except CheckpointError as exc:
+                raise LaunchError(f"--resume: {exc}", EXIT_USAGE) from None
+        else:
+            ref = self.store.latest_good()
         if self.peers is not None:  # every node resumes from the leader's choice
             ref = multihost.agree_on_checkpoint(self, ref)
         if ref is None:
@@ -416,7 +436,10 @@ class Launcher:
             raise LaunchError(f"--resume: the newest checkpoint ({ref.uri}) was made by the "
                               f"{ref.engine} engine, but --engine {self.options.engine} was asked",
                               EXIT_USAGE)
-        manifest = self.store.verify(ref)
+        try:
+            manifest = self.store.verify(ref, expect_manifest_sha256=pinned or None)
+        except CheckpointError as exc:
+            raise LaunchError(f"--resume: {exc}", EXIT_USAGE) from None
         meta = manifest.get("meta", {})
         if int(meta.get("world_size", self.world_size)) != self.world_size:
             raise LaunchError(f"--resume: checkpoint has world size {meta.get('world_size')}, "
@@ -602,6 +625,9 @@ def parse_args(argv):
                              "leader publishes its address and run-time port")
     parser.add_argument("--rendezvous-timeout", type=float, default=300.0,
                         help="seconds a follower waits for the leader before it fails")
+    parser.add_argument("--restore-manifest-sha256", default=None, type=_sha256_hex,
+                        help="with --resume: restore only the checkpoint whose MANIFEST.json has this sha256 "
+                             "(the node agent passes the digest the control plane recorded)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)

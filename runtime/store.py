@@ -214,19 +214,44 @@ def write_manifest(directory, files: dict, **fields) -> dict:
     return manifest
 
 
-def read_manifest(directory) -> dict:
+def manifest_sha256(directory) -> str:
+    """Returns the sha256 (hex) of a checkpoint folder's MANIFEST.json bytes: the digest the node
+    agent reports with a checkpoint, the control plane records, and a restore is pinned to
+    (read_manifest(expect_sha256=...)). The manifest lists every file's size and sha256, so this one
+    digest covers the whole checkpoint. Raises CheckpointMissing when there is no manifest."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointMissing(path, "is missing (checkpoint incomplete?)") from None
+
+
+class ManifestMismatch(CheckpointCorrupt):
+    """A checkpoint's MANIFEST.json is not the one the control plane recorded: never restored."""
+
+
+def read_manifest(directory, *, expect_sha256: str | None = None) -> dict:
     """Returns the parsed manifest of a checkpoint folder.
 
-    Raises CheckpointMissing when the folder or its manifest is absent, CheckpointCorrupt
-    when the manifest is not valid JSON or its file list does not match its own digest."""
+    With `expect_sha256`, the manifest's bytes must have that sha256 (the digest the control plane
+    recorded): the bytes are read once, hashed and then parsed, so what is checked is what is used.
+    Raises CheckpointMissing when the folder or its manifest is absent, ManifestMismatch for another
+    manifest, CheckpointCorrupt when the manifest is not valid JSON or its file list does not match
+    its own digest."""
     directory = Path(directory)
     path = directory / MANIFEST_NAME
     if not directory.is_dir():
         raise CheckpointMissing(directory, "is missing (no such checkpoint folder)")
     if not path.is_file():
         raise CheckpointMissing(path, "is missing (checkpoint incomplete?)")
+    payload = path.read_bytes()
+    if expect_sha256 is not None:
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest != expect_sha256:
+            raise ManifestMismatch(path, f"its sha256 is {digest[:16]}…, the control plane recorded "
+                                         f"{expect_sha256[:16]}…; refusing to restore it")
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointCorrupt(path, f"not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
@@ -449,11 +474,12 @@ class CheckpointStore:
                 log.warning("checkpoint %s is unusable: %s", directory, exc)
         return refs
 
-    def verify(self, ref: CheckpointRef) -> dict:
-        """Checks every file of a checkpoint against its manifest; returns the manifest.
-        Raises CheckpointMissing / CheckpointCorrupt naming the offending file."""
+    def verify(self, ref: CheckpointRef, *, expect_manifest_sha256: str | None = None) -> dict:
+        """Checks every file of a checkpoint against its manifest (and, with `expect_manifest_sha256`,
+        the manifest against that digest); returns the manifest.
+        Raises CheckpointMissing / CheckpointCorrupt / ManifestMismatch naming the offending file."""
         directory = ref.path
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory, expect_sha256=expect_manifest_sha256)
         if manifest["files_sha256"] != ref.sha256:
             raise CheckpointCorrupt(directory / MANIFEST_NAME,
                                     "manifest differs from the one this reference was made from")
@@ -470,6 +496,22 @@ class CheckpointStore:
                 continue
             return self._ref_for(directory, manifest)
         return None
+
+    def pinned(self, manifest_sha256: str) -> CheckpointRef:
+        """Returns the committed checkpoint whose MANIFEST.json has sha256 `manifest_sha256` (the
+        one the control plane recorded), after checking every file it lists. Raises ManifestMismatch
+        when no checkpoint of the store has that manifest (none is restored instead: a restore
+        loads only what the control plane recorded), CheckpointCorrupt / CheckpointMissing when its
+        files do not match it."""
+        for directory in reversed(self._committed_dirs()):
+            try:
+                manifest = read_manifest(directory, expect_sha256=manifest_sha256)
+            except CheckpointError:
+                continue
+            return self._ref_for(directory, verify_dir(directory, manifest))
+        raise ManifestMismatch(self.root / MANIFEST_NAME,
+                               f"no checkpoint in {self.root} has the manifest the control plane recorded "
+                               f"(sha256 {manifest_sha256[:16]}…); refusing to restore any other")
 
     def restore(self, ref: CheckpointRef, dest=None) -> Path:
         """Verifies a checkpoint and returns a folder holding its files.

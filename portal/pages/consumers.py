@@ -6,8 +6,11 @@ A logged-in browser connects, then asks for the groups its page needs:
     ← {"type": "subscribed", "groups": ["fleet", "job.12", "team.3"], "refused": ["approvals"]}
 
 A user joins only groups they may see: "fleet" (anyone logged in), "team.<id>" of their
-teams, "job.<id>" of their teams' jobs, "approvals" when they manage some team. An
-anonymous socket is closed with code 4401.
+teams, "job.<id>" of their teams' jobs, "approvals" when they manage some team.
+
+Close codes (the socket is accepted first, so a browser sees the code, not an HTTP 403):
+  4401  the socket is anonymous (log in first)
+  4400  a frame that is not a JSON text frame (binary, or text that does not parse)
 
 Pushes from fleet.live.events_publish arrive as channel messages and go to the browser
 as JSON with the same "type". The fleet group carries every team's job updates; a
@@ -29,7 +32,9 @@ from jobs.selectors import approver_team_ids, team_ids_for_user
 logger = logging.getLogger(__name__)
 
 CLOSE_UNAUTHENTICATED = 4401
+CLOSE_BAD_FRAME = 4400
 MAX_GROUPS_PER_SOCKET = 200
+MAX_ID_DIGITS = 18  # "job.<id>" / "team.<id>": ids fit a 64-bit column
 
 
 @database_sync_to_async
@@ -46,6 +51,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
+            # accept, then close: closing during the handshake reaches the browser as HTTP 403
+            # with no code to tell "log in" from any other refusal
+            await self.accept()
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         self.user = user
@@ -56,6 +64,23 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code):
         for group in getattr(self, "groups_joined", ()):
             await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        """Decodes a JSON text frame for receive_json; anything else closes with CLOSE_BAD_FRAME
+        (after an error message saying what to send), never an exception (which would be 1011)."""
+        if text_data is None:
+            await self._refuse_frame("binary frames are not understood; send JSON text")
+            return
+        try:
+            content = await self.decode_json(text_data)
+        except (ValueError, RecursionError):
+            await self._refuse_frame("the frame is not JSON")
+            return
+        await self.receive_json(content, **kwargs)
+
+    async def _refuse_frame(self, why):
+        await self.send_json({"type": "error", "error": f'{why}: send {{"subscribe": ["fleet", "job.<id>"]}}'})
+        await self.close(code=CLOSE_BAD_FRAME)
 
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict) or not isinstance(content.get("subscribe"), list):
@@ -80,7 +105,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         if group == GROUP_APPROVALS:
             return bool(self.approver_team_ids)
         kind, _, ident = group.partition(".")
-        if not ident.isdigit():
+        # isascii: "²".isdigit() is true, but int() refuses it
+        if not (ident.isascii() and ident.isdigit() and len(ident) <= MAX_ID_DIGITS):
             return False
         if kind == "team":
             return int(ident) in self.team_ids

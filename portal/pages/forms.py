@@ -7,6 +7,7 @@ from django import forms
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
 from jobs.models import Tier
+from jobs.services import MAX_TOTAL_STEPS, MAX_WORLD_SIZE
 
 
 class JobSubmitForm(forms.Form):
@@ -15,12 +16,15 @@ class JobSubmitForm(forms.Form):
     entrypoint = forms.CharField(max_length=1000, help_text="The script or module to run, e.g. train.py.")
     args = forms.CharField(required=False, help_text='Arguments as on a shell line, e.g. --epochs 3 --lr "0.1"')
     world_size = forms.IntegerField(
-        label="W (logical ranks)", initial=4, help_text="Never changes, whatever the devices."
+        label="W (logical ranks)", initial=4, min_value=1, max_value=MAX_WORLD_SIZE,
+        help_text="Never changes, whatever the devices.",
     )
-    min_devices = forms.IntegerField(initial=1, help_text="Fewest devices it may run on; must divide W.")
+    min_devices = forms.IntegerField(initial=1, min_value=1, max_value=MAX_WORLD_SIZE,
+                                     help_text="Fewest devices it may run on; must divide W.")
     tier = forms.ChoiceField(choices=Tier.choices, initial=Tier.STANDARD)
     accelerator_type = forms.ChoiceField(choices=ACCELERATOR_TYPE_CHOICES)
-    total_steps = forms.IntegerField(required=False, help_text="Optional; lets the page show progress as a fraction.")
+    total_steps = forms.IntegerField(required=False, min_value=1, max_value=MAX_TOTAL_STEPS,
+                                     help_text="Optional; lets the page show progress as a fraction.")
     env = forms.CharField(
         required=False, widget=forms.Textarea(attrs={"rows": 3}), help_text="One KEY=VALUE per line."
     )

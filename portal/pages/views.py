@@ -25,6 +25,7 @@ from jobs.selectors import (
     job_event_list,
     job_get_visible_or_404,
     job_list_visible,
+    job_names_redact_objects,
     preemption_get_visible,
     team_list_for_user,
     team_usage,
@@ -45,12 +46,20 @@ JOB_LIST_LIMIT = 200
 JOB_EVENTS_SHOWN = 200
 
 
+MAX_ID = 2**63 - 1
+
+
+class BadParameter(ValueError):
+    """A query parameter a person can fix; the page answers 400 with this message."""
+
+
 def _int_param(request, name):
     value = request.GET.get(name)
     if value in (None, ""):
         return None
-    if not value.isdigit():
-        raise Http404(f"{name} must be a number")
+    # isascii: "²".isdigit() is true, but int() refuses it
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_ID:
+        raise BadParameter(f"{name} must be a whole number between 1 and {MAX_ID}, got {value[:40]!r}")
     return int(value)
 
 
@@ -64,9 +73,11 @@ def _nav_context(request):
 @login_required
 def fleet_page(request):
     """The fleet heatmap; ?cluster=<id> or ?node=<id> drills down, ?format=json is its live data."""
-    data = fleet_page_data(
-        user=request.user, cluster_id=_int_param(request, "cluster"), node_id=_int_param(request, "node")
-    )
+    try:
+        cluster_id, node_id = _int_param(request, "cluster"), _int_param(request, "node")
+    except BadParameter as error:
+        return HttpResponseBadRequest(str(error), content_type="text/plain; charset=utf-8")
+    data = fleet_page_data(user=request.user, cluster_id=cluster_id, node_id=node_id)
     if data is None:
         raise Http404("no such cluster or node")
     if request.GET.get("format") == "json":
@@ -100,6 +111,7 @@ def job_list_page(request):
     teams = list(team_list_for_user(user=request.user).order_by("name"))
     filters, chosen, choices = _job_filters(request, teams)
     jobs = list(job_list_visible(user=request.user, filters=filters)[:JOB_LIST_LIMIT])
+    job_names_redact_objects(user=request.user, objects=jobs)
     context = {"jobs": jobs, "limit": JOB_LIST_LIMIT}
     if request.GET.get("fragment") == "rows":
         return render(request, "pages/_job_rows.html", context)
@@ -118,8 +130,10 @@ def job_list_page(request):
     )
 
 
-def _job_detail_data(job):
+def _job_detail_data(job, *, user):
     events = list(job_event_list(job=job).exclude(type=JobEvent.Type.PROGRESS))
+    # other teams' job names out of the scheduler's reasons (rendering only; never saved)
+    job_names_redact_objects(user=user, objects=[job, *events])
     position, position_source = job_place_in_line(job=job)
     return events, {
         "job": {
@@ -146,7 +160,7 @@ def job_detail_page(request, job_id):
     """A job: its state, progress, place in line, Gantt timeline and events; cancel.
     ?format=json returns the live data (state, progress, timeline, events HTML)."""
     job = job_get_visible_or_404(user=request.user, job_id=job_id)
-    events, data = _job_detail_data(job)
+    events, data = _job_detail_data(job, user=request.user)
     if request.GET.get("format") == "json":
         data["events_html"] = render(
             request, "pages/_job_events.html", {"events": events[-JOB_EVENTS_SHOWN:]}

@@ -42,6 +42,15 @@
     if (cancel && data.job.is_terminal) { cancel.remove(); }
   }
 
+  // The cancel form asks first (here, not in an inline onsubmit: the Content-Security-Policy
+  // allows no inline script).
+  var cancelForm = document.getElementById("cancel-form");
+  if (cancelForm) {
+    cancelForm.addEventListener("submit", function (event) {
+      if (!window.confirm(cancelForm.dataset.confirm)) { event.preventDefault(); }
+    });
+  }
+
   function drawAll() { drawState(); drawGantt(); state.draws += 1; state.data = data; }
   drawAll();
 

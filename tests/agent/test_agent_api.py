@@ -71,11 +71,14 @@ def test_heartbeat_with_a_wrong_or_revoked_token_is_a_401():
 
 
 @pytest.mark.django_db
-def test_registering_again_rotates_the_token():
-    old = register("n1").json()["token"]
-    new = register("n1").json()["token"]
-    assert as_node(old).get("/api/agent/desired/").status_code == 401
-    assert as_node(new).get("/api/agent/desired/").status_code == 200
+def test_registering_an_enrolled_node_again_takes_its_own_token_and_keeps_it():
+    token = register("n1").json()["token"]
+    # issue 15: the enrollment token used to re-issue an enrolled node's token (a takeover)
+    assert register("n1").status_code == 403
+    again = as_node(token).post("/api/agent/register/", {"hostname": "n1", "region": "eu", "cluster": "c1",
+                                                         "devices": DEVICES}, format="json")
+    assert again.status_code == 201 and again.json()["token"] == token
+    assert as_node(token).get("/api/agent/desired/").status_code == 200
 
 
 @pytest.mark.django_db

@@ -13,7 +13,7 @@ from polling import poll
 
 from agent.main import Agent
 from agent.node import NodeReconciler, pid_alive, prune_older_generations, read_launch_events, seed_store
-from runtime.store import CheckpointStore
+from runtime.store import CheckpointStore, manifest_sha256
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.runtime]
@@ -89,15 +89,15 @@ def test_a_new_generation_store_is_seeded_with_the_accepted_checkpoint_by_hard_l
         accepted = old.commit(tmp / "state", 42, "framework", meta={"world_size": 1})
         old.commit(tmp / "state", 50, "framework", meta={"world_size": 1})  # never reported: not seeded
 
-        seeded = seed_store(tmp / "job-1" / "g2", accepted.uri)
+        seeded = seed_store(tmp / "job-1" / "g2", accepted.uri, manifest_sha256(accepted.path))
 
         new = CheckpointStore(tmp / "job-1" / "g2")
         newest = new.latest_good()  # verifies every file's sha256
         assert newest.step == 42 and newest.path == seeded
         assert (seeded / "rank-0.pt").stat().st_ino == (accepted.path / "rank-0.pt").stat().st_ino
-        assert seed_store(tmp / "job-1" / "g2", accepted.uri) == seeded  # idempotent
+        assert seed_store(tmp / "job-1" / "g2", accepted.uri, manifest_sha256(accepted.path)) == seeded  # idempotent
         with pytest.raises(ValueError):
-            seed_store(tmp / "job-1" / "g3", (tmp / "state").as_uri())
+            seed_store(tmp / "job-1" / "g3", (tmp / "state").as_uri(), manifest_sha256(accepted.path))
 
 
 def commit_state(tmp, store, step):
@@ -112,9 +112,10 @@ def test_older_generation_folders_go_once_a_newer_generation_holds_the_accepted_
         job = tmp / "job-1"
         first = commit_state(tmp, job / "g1", 10)
         commit_state(tmp, job / "g1", 20)
-        seed_store(job / "g2", commit_state(tmp, job / "g1", 30).uri)
+        third = commit_state(tmp, job / "g1", 30)
+        seed_store(job / "g2", third.uri, manifest_sha256(third.path))
         in_g2 = commit_state(tmp, job / "g2", 40)
-        seed_store(job / "g3", in_g2.uri)
+        seed_store(job / "g3", in_g2.uri, manifest_sha256(in_g2.path))
 
         # Nothing older than the accepted checkpoint's generation: nothing goes.
         assert prune_older_generations(job / "g3", first.uri) == []
@@ -145,9 +146,10 @@ def test_the_reconciler_prunes_older_generations_of_a_job_it_runs():
             node.reconcile([desired])  # no accepted checkpoint yet: nothing to prune by
             time.sleep(0.5)
             assert (job / "g1").exists()
-            seed_store(job / "g3", accepted.uri)
+            seed_store(job / "g3", accepted.uri, manifest_sha256(accepted.path))
 
-            node.reconcile([{**desired, "restore_from": accepted.uri}])
+            node.reconcile([{**desired, "restore_from": accepted.uri,
+                             "restore_sha256": manifest_sha256(accepted.path)}])
 
             poll("generation 1's folder to go", lambda: not (job / "g1").exists())
             assert sorted(p.name for p in job.iterdir()) == ["g2", "g3"]

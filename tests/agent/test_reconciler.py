@@ -77,7 +77,8 @@ def test_a_criu_job_stopped_by_one_node_resumes_on_another_at_its_cut():
             assert stopped["engine"] == "criu" and stopped["checkpoint"]["engine"] == "criu"
 
             node_b.reconcile([{**entry(store / "g2", epochs=40), "generation": 2,
-                               "restore_from": stopped["checkpoint"]["uri"]}])
+                               "restore_from": stopped["checkpoint"]["uri"],
+                               "restore_sha256": stopped["checkpoint"]["sha256"]}])
 
             finished = poll("the resumed copy to finish", lambda: (lambda o: o if o["state"] in (
                 "finished", "failed") else None)(by_id(node_b.observed())[7]))

@@ -186,11 +186,11 @@ class ControlPlane:
         if partitionable:
             self.partitions[hostname] = Partition(self.port)
             url = f"http://127.0.0.1:{self.partitions[hostname].port}"
-        argv = [PYTHON, "-m", "agent.main", "--control-plane", url, "--enroll-token", ENROLL,
+        argv = [PYTHON, "-m", "agent.main", "--control-plane", url,
                 "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", region, "--cluster", cluster,
                 "--work-dir", str(work_dir), "--engine", engine, "--checkpoint-every", str(checkpoint_every),
                 "--interval", "1", "--workload-root", str(ROOT)]
-        process = self._spawn(f"agent-{hostname}", argv)
+        process = self._spawn(f"agent-{hostname}", argv, env={"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL})
         self.agents[hostname] = (process, work_dir)
         poll(f"agent {hostname} to register", lambda: (work_dir / "node-token").exists(), timeout=60,
              on_timeout=lambda: self.logs(f"agent-{hostname}"))

@@ -80,10 +80,11 @@ def test_entering_running_sets_start_times_once(job_in):
 def test_a_terminal_state_releases_devices_and_sets_finished_at(job_in, db):
     from fleet.models import Accelerator, Cluster, Node, Region
 
+    # submitted before the one-device fleet exists: a fleet of 1 CPU device refuses min_devices 2
+    job = job_in(S.RUNNING)
     region = Region.objects.create(name="r1")
     node = Node.objects.create(cluster=Cluster.objects.create(region=region, name="c1"), hostname="n1")
     device = Accelerator.objects.create(node=node, index=0, type="CPU")
-    job = job_in(S.RUNNING)
     job.replicas.update(device=device)
     Job.objects.filter(pk=job.pk).update(device_count=1, region=region)
     job.refresh_from_db()

@@ -11,6 +11,7 @@ from celery.exceptions import Retry
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
+from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri
 
 from fleet.agent_services import node_register
 from fleet.models import Accelerator, Node
@@ -30,7 +31,7 @@ from jobs.moves import (
 from jobs.plan_apply import _migrate
 from jobs.services import job_submit
 from jobs.tick import tick_run
-from jobs.workflows import node_desired_state, node_report_apply
+from jobs.workflows import NOT_YOURS, node_desired_state, node_report_apply
 
 S = Job.State
 
@@ -55,8 +56,9 @@ def report(node, job_id, state, *, generation=None, step=10, devices=1, cut=None
     if cut is not None:
         entry["cut"] = cut
     if checkpoint_step is not None:
-        entry["checkpoint"] = {"step": checkpoint_step, "uri": f"file:///nowhere/{job_id}/{checkpoint_step}",
-                               "bytes": 100, "engine": "framework"}
+        entry["checkpoint"] = {"step": checkpoint_step, "bytes": 100, "engine": "framework",
+                               "uri": copy_checkpoint_uri(node, job_id, checkpoint_step, generation=generation),
+                               "sha256": FAKE_MANIFEST_SHA256}
     return node_report_apply(node=node, report={"jobs": [entry]}, now=now)
 
 
@@ -327,7 +329,8 @@ def test_reports_and_checkpoints_of_a_stale_generation_are_rejected_and_change_n
 
     job.refresh_from_db()
     assert result["accepted"] == [] and result["rejected"][0]["fence"] is True
-    assert "generation 1" in result["rejected"][0]["error"]
+    # n1 holds no copy of the job any more: it is told nothing about it (not even its generation)
+    assert result["rejected"][0]["error"] == NOT_YOURS.format(job_id=job.pk)
     assert job.progress_step == 8 and job.last_checkpoint_step == 7
     assert not Checkpoint.objects.filter(job=job, step=50).exists()
     # ... and is not told to run it

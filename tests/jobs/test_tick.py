@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 from django.conf import settings
 from django.utils import timezone
+from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri
 
 from fleet.agent_services import node_register
 from fleet.models import Node
@@ -43,8 +44,9 @@ def report(node, job, state, *, step=10, checkpoint_step=None, devices=None, now
     """Plays the node's agent (one heartbeat), then the Celery worker (the move tasks it enqueues)."""
     entry = {"job_id": job.pk, "state": state, "step": step, "devices": devices or job.device_count}
     if checkpoint_step is not None:
-        entry["checkpoint"] = {"step": checkpoint_step, "uri": f"file:///ckpt/{job.pk}/{checkpoint_step}",
-                               "bytes": 100, "engine": "framework"}
+        entry["checkpoint"] = {"step": checkpoint_step, "bytes": 100, "engine": "framework",
+                               "uri": copy_checkpoint_uri(node, job.pk, checkpoint_step),
+                               "sha256": FAKE_MANIFEST_SHA256}
     result = node_report_apply(node=node, report={"jobs": [entry], "telemetry": {"utilization": 0.5}}, now=now)
     for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
         move_advance(move_id=move_id, now=now)
@@ -190,7 +192,9 @@ def test_a_node_that_misses_heartbeats_is_lost_and_its_job_restarts_elsewhere(al
     assert desired["generation"] == job.generation == 2
     # Its own store folder: the fenced copy on n1 writes only into generation 1's
     assert desired["store"].endswith(f"/job-{job.pk}/g2")
-    assert desired["restore_from"] == f"file:///ckpt/{job.pk}/7"  # the checkpoint the control plane accepted
+    # the checkpoint the control plane accepted, from generation 1's folder, with its manifest's digest
+    assert desired["restore_from"] == copy_checkpoint_uri(n1, job.pk, 7, generation=1)
+    assert desired["restore_sha256"] == FAKE_MANIFEST_SHA256
     report(n2, job, "running", step=7, now=t0 + timedelta(seconds=62))
     job.refresh_from_db()
     assert job.state == S.RUNNING

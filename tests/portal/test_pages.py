@@ -290,7 +290,9 @@ def test_the_fleet_page_costs_the_same_queries_whatever_the_fleet_size(client_fo
 
 def test_an_unknown_cluster_is_a_404(client_for, alice, small_fleet):
     assert client_for(alice).get(reverse("pages:fleet") + "?cluster=999999").status_code == 404
-    assert client_for(alice).get(reverse("pages:fleet") + "?node=abc").status_code == 404
+    # a malformed id is bad input, not a missing object: 400 with what to send
+    response = client_for(alice).get(reverse("pages:fleet") + "?node=abc")
+    assert response.status_code == 400 and "node must be a whole number" in response.content.decode()
 
 
 def test_teams_show_quota_and_usage_by_type(client_for, alice, charlie, team_a, submit):
