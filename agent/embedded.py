@@ -48,19 +48,22 @@ def embedded_env_defaults(*, data_dir: Path) -> dict[str, str]:
 
 
 def embedded_processes(*, python: str, url: str, root: Path, data_dir: Path, enrollment_token: str,
-                       demo_workload: bool) -> list[EmbeddedProcess]:
-    """Returns the demo fleet's agents (and the demo workload when asked) for control plane `url`."""
+                       demo_workload: int | bool | None) -> list[EmbeddedProcess]:
+    """Returns the demo fleet's agents (and the demo workload when asked: None/False no, 0/True a
+    stream without end, N > 0 a stream of N jobs) for control plane `url`. All agents share one
+    workspace root: a job's workspace path is the same on every node (a CRIU restore needs it)."""
     processes = [
         EmbeddedProcess(f"agent-{hostname}", [
             python, "-m", "agent.main", "--control-plane", url,
             "--devices", f"cpu:{DEVICES_PER_NODE}",
             "--hostname", hostname, "--region", region, "--cluster", cluster,
             "--work-dir", str(data_dir / "agents" / hostname), "--checkpoint-every", "30",
-            "--workload-root", str(root), "--stop-jobs-on-exit"],
+            "--workload-root", str(root), "--workspace-root", str(data_dir / "workspaces"), "--stop-jobs-on-exit"],
             env={"MERIDIAN_AGENT_ENROLL_TOKEN": enrollment_token})
         for hostname, region, cluster in DEMO_NODES
     ]
-    if demo_workload:
+    if demo_workload is not None and demo_workload is not False:
+        bound = [] if demo_workload is True or not demo_workload else ["--jobs", str(int(demo_workload))]
         processes.append(EmbeddedProcess("demo", [python, str(root / "examples" / "demo_workload.py"),
-                                                  "--control-plane", url]))
+                                                  "--control-plane", url, *bound]))
     return processes

@@ -71,7 +71,11 @@ def parse_args(argv):
                    help="seconds between periodic checkpoints of each running job (0 = never)")
     p.add_argument("--interval", type=float, default=None,
                    help="heartbeat seconds (default: what the control plane says)")
-    p.add_argument("--workload-root", default=None, help="relative entrypoints resolve here (default cwd)")
+    p.add_argument("--workload-root", default=None,
+                   help="relative entrypoints of jobs without a bundle resolve here (default cwd)")
+    p.add_argument("--workspace-root", default=os.environ.get("MERIDIAN_WORKSPACE_ROOT"),
+                   help="jobs' workspaces (<root>/job-<id>); the same path on every node "
+                        "(default <work-dir>/workspaces)")
     p.add_argument("--hollow", type=int, default=0, help="simulate N nodes in this process (scale tests)")
     p.add_argument("--hollow-type", default="CPU", help="accelerator type of hollow nodes")
     p.add_argument("--hollow-devices", type=int, default=8, help="devices per hollow node")
@@ -126,13 +130,19 @@ class Agent:
         self.reconciler = NodeReconciler(self.work_dir, engine=options.engine,
                                          checkpoint_every_s=options.checkpoint_every,
                                          workload_root=options.workload_root,
-                                         keep_finished_checkpoints=options.keep_finished_checkpoints)
+                                         keep_finished_checkpoints=options.keep_finished_checkpoints,
+                                         workspace_root=getattr(options, "workspace_root", None),
+                                         bundle_fetcher=self.fetch_bundle)
         self.desired_jobs: tuple[DesiredJob, ...] = ()
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
         # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.
         self.lost_after_s = None
         self.last_heartbeat_ok = time.monotonic()
         self.self_fenced = False
+
+    def fetch_bundle(self, sha256):
+        from agent.bundles import fetch_bundle
+        return fetch_bundle(self.client, sha256, self.work_dir / "bundles")
 
     def registration(self) -> Registration:
         return Registration(

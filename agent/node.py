@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterable
 
+from agent import bundles
 from agent.job_env import without_agent_secrets
 from protocol import ProtocolError
 from protocol.launch import (
@@ -361,7 +362,7 @@ class LocalJob:
 
 class NodeReconciler:
     def __init__(self, work_dir, *, engine="auto", checkpoint_every_s=60.0, workload_root=None,
-                 python=sys.executable, keep_finished_checkpoints=False):
+                 python=sys.executable, keep_finished_checkpoints=False, workspace_root=None, bundle_fetcher=None):
         self.work_dir = pathlib.Path(work_dir).absolute()
         self.jobs_dir = self.work_dir / "j"
         self.spool_root = self.work_dir / "spool"
@@ -370,6 +371,10 @@ class NodeReconciler:
         self.engine = engine
         self.checkpoint_every_s = checkpoint_every_s
         self.workload_root = pathlib.Path(workload_root or os.getcwd()).absolute()
+        # Each job's workspace (agent/bundles.py): the same root on every node; bundle_fetcher(sha256) -> archive.
+        self.workspace_root = pathlib.Path(workspace_root or os.environ.get(bundles.WORKSPACE_ROOT_ENV)
+                                           or self.work_dir / "workspaces").absolute()
+        self.bundle_fetcher = bundle_fetcher
         self.python = python
         self.keep_finished_checkpoints = keep_finished_checkpoints
         self.jobs: dict[int, LocalJob] = {}
@@ -441,6 +446,8 @@ class NodeReconciler:
                     self.pruned.pop(job_id, None)
                     if job.reported_state == CopyState.FINISHED and not self.keep_finished_checkpoints:
                         self._remove_store_soon(job)
+                    if job.reported_state in (CopyState.FINISHED, CopyState.FAILED):
+                        bundles.remove_workspace(self.workspace_root, job_id)  # saved as its outputs at the end
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
@@ -564,12 +571,14 @@ class NodeReconciler:
             "device_indices": list(job.device_indices)}))
 
     def launch_command(self, entry: DesiredJob, *, job_dir: pathlib.Path, attempt: int, store: pathlib.Path,
-                       resume: bool) -> list[str]:
+                       resume: bool, workspace: pathlib.Path | None = None) -> list[str]:
         """Returns the meridian-run command line of `entry`'s next attempt: straight onto the desired
         device count (W ranks spliced onto d devices from the start), on the node-local devices
         `device_indices` (--device-indices 0,2,5)."""
         entrypoint = pathlib.Path(entry.entrypoint)
-        if not entrypoint.is_absolute():
+        if entry.bundle and workspace is not None:
+            entrypoint = workspace / entrypoint  # a path inside the bundle (checked at submission)
+        elif not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
         command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
                    "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
@@ -584,6 +593,8 @@ class NodeReconciler:
             command.append("--resume")
             if entry.restore_sha256:
                 command += ["--restore-manifest-sha256", entry.restore_sha256]
+        if workspace is not None:
+            command += bundles.launch_arguments(entry, workspace)
         return command + [str(entrypoint)] + [str(a) for a in entry.args]
 
     def launch(self, entry: DesiredJob) -> None:
@@ -610,11 +621,15 @@ class NodeReconciler:
         # Only what the control plane recorded is restored (pinned to its manifest digest): a
         # checkpoint in the store that it does not name is never resumed from.
         resume = bool(entry.restore_from)
+        workspace = bundles.workspace_for_launch(self, entry, resume=resume, fetch=self.bundle_fetcher)
+        if workspace is None:
+            return
         attempt = next_attempt(self.jobs_dir, job_id)
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
         generation = entry.generation
-        command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume)
+        command = self.launch_command(entry, job_dir=job_dir, attempt=attempt, store=store, resume=resume,
+                                      workspace=workspace)
         env = without_agent_secrets(os.environ)
         env.update({k: str(v) for k, v in (entry.env or {}).items()})
         env["MERIDIAN_SPOOL_ROOT"] = str(self.spool_root)

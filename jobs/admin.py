@@ -2,7 +2,18 @@
 state read-only so nobody bypasses the state machine)."""
 from django.contrib import admin
 
-from jobs.models import Checkpoint, ControlLoopLease, Job, JobEvent, Membership, Move, PreemptionRequest, Replica, Team
+from jobs.models import (
+    Bundle,
+    Checkpoint,
+    ControlLoopLease,
+    Job,
+    JobEvent,
+    Membership,
+    Move,
+    PreemptionRequest,
+    Replica,
+    Team,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -46,7 +57,7 @@ class JobAdmin(admin.ModelAdmin):
     list_filter = ["state", "tier", "accelerator_type", "team"]
     list_select_related = ["team"]
     search_fields = ["name", "entrypoint"]
-    raw_id_fields = ["submitted_by", "region"]
+    raw_id_fields = ["submitted_by", "region", "bundle"]
     readonly_fields = [
         "state", "state_changed_at", "submitted_at", "started_at", "last_started_at", "finished_at", "updated_at",
     ]
@@ -113,3 +124,13 @@ class MoveAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Bundle)
+class BundleAdmin(admin.ModelAdmin):
+    """Read-only: a bundle's row describes bytes in the artifact store (jobs/bundles.py)."""
+
+    list_display = ["id", "sha256", "size_bytes", "unpacked_bytes", "entries", "created_at"]
+    search_fields = ["sha256"]
+    readonly_fields = ["sha256", "size_bytes", "unpacked_bytes", "entries", "created_at"]
+    raw_id_fields = ["uploaders"]

@@ -62,6 +62,8 @@ class JobOutputSerializer(serializers.ModelSerializer):
     is_elastic = serializers.BooleanField()
     sla_target = serializers.FloatField()
     attained_sla_fraction = serializers.FloatField(allow_null=True)
+    bundle = serializers.CharField(source="bundle.sha256", default=None, allow_null=True,
+                                   help_text="the code bundle's sha256; null: the entrypoint is on the node")
 
     class Meta:
         model = Job
@@ -72,7 +74,7 @@ class JobOutputSerializer(serializers.ModelSerializer):
             "attained_device_seconds", "ideal_device_seconds", "attained_sla_fraction", "sla_target",
             "progress_step", "steps_per_second", "last_checkpoint_step", "last_checkpoint_at",
             "checkpoint_bytes", "preemption_count", "migration_count", "resize_count", "wait_reason",
-            "queue_position", "exit_code", "failure_reason",
+            "queue_position", "exit_code", "failure_reason", "bundle",
         ]
 
 
@@ -107,6 +109,10 @@ class JobSubmitApi(APIView):
             min_value=1, max_value=MAX_TOTAL_STEPS, required=False, allow_null=True,
             error_messages={"max_value": f"total_steps must be at most {MAX_TOTAL_STEPS} (2**63 - 1)"},
         )
+        bundle = serializers.CharField(
+            required=False, allow_null=True, max_length=64,
+            help_text="sha256 of a code bundle you uploaded (PUT /api/bundles/<sha256>/); the entrypoint is then "
+                      "a path inside it. Left out: the entrypoint is on the node itself.")
 
         def validate(self, attrs):
             unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))

@@ -91,6 +91,9 @@ class Job(models.Model):
     world_size = models.PositiveIntegerField(help_text="W, the job's logical ranks; never changes.")
     min_devices = models.PositiveIntegerField(help_text="Fewest devices it may run on; divides W.")
     entrypoint = models.CharField(max_length=1000)
+    # The job's code (jobs/bundles.py): the entrypoint is relative to the unpacked bundle. None:
+    # the entrypoint is on the node itself (relative to the agent's --workload-root).
+    bundle = models.ForeignKey("jobs.Bundle", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs")
     args = models.JSONField(default=list, blank=True)
     env = models.JSONField(default=dict, blank=True)
     total_steps = models.PositiveBigIntegerField(null=True, blank=True)
@@ -381,3 +384,20 @@ class ControlLoopLease(models.Model):
 
     def __str__(self):
         return f"{self.name} held by {self.holder or 'nobody'}"
+
+
+class Bundle(models.Model):
+    """A job's code bundle, stored once by its sha256 (jobs/bundles.py) in the artifact store.
+
+    `uploaders`: who sent these bytes; only they may submit a job with it (a digest someone
+    else uploaded grants nothing: they upload it too, which stores nothing new)."""
+
+    sha256 = models.CharField(max_length=64, unique=True)
+    size_bytes = models.PositiveBigIntegerField()
+    unpacked_bytes = models.PositiveBigIntegerField(default=0)
+    entries = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    uploaders = models.ManyToManyField(settings.AUTH_USER_MODEL, related_name="bundles", blank=True)
+
+    def __str__(self):
+        return f"bundle {self.sha256[:12]}"

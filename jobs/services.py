@@ -341,6 +341,7 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
 
 SPEC_FIELDS = {
     "name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps",
+    "bundle",
 }
 
 
@@ -423,6 +424,8 @@ def job_spec_clean(spec: object) -> dict:
             errors["total_steps"] = "total_steps must be at least 1 when given"
         elif total_steps is not None and total_steps > MAX_TOTAL_STEPS:
             errors["total_steps"] = f"total_steps must be at most {MAX_TOTAL_STEPS} (2**63 - 1), got {total_steps}"
+    if spec.get("bundle") is not None and type(spec["bundle"]).__name__ != "Bundle":
+        errors["bundle"] = "bundle must be an uploaded bundle (bundle_resolve_for_submit resolves a digest)"
     if errors:
         raise ValidationError(errors)
     return {
@@ -435,6 +438,7 @@ def job_spec_clean(spec: object) -> dict:
         "args": args,
         "env": env,
         "total_steps": total_steps,
+        "bundle": spec.get("bundle"),  # a Bundle row or None (jobs.bundles.bundle_resolve_for_submit)
     }
 
 
@@ -513,7 +517,8 @@ def job_submit(*, team, submitted_by, spec, now=None):
     """
     if not user_can_see_team(user=submitted_by, team_id=team.pk):
         raise PermissionDenied(f"you are not a member of team {team.name}")
-    clean = job_spec_clean(spec)
+    from jobs.bundles import bundle_resolve_for_submit
+    clean = job_spec_clean(bundle_resolve_for_submit(spec=spec, user=submitted_by) if isinstance(spec, dict) else spec)
     _job_world_size_check(clean)
     now = now or timezone.now()
     with transaction.atomic():

@@ -79,6 +79,14 @@ def job_store_uri(job_id, *, generation=None):
 # --- desired state -------------------------------------------------------------------------------
 
 
+def job_workspace_fields(job) -> dict:
+    """The desired entry's bundle digest, outputs folder and workspace quota (jobs/bundles.py)."""
+    from jobs.bundles import job_outputs_uri
+    return {"bundle": job.bundle.sha256 if job.bundle_id else None, "outputs": job_outputs_uri(job.pk),
+            "workspace_quota_bytes": settings.MERIDIAN_WORKSPACE_QUOTA_BYTES or None}
+
+
+
 def node_desired_state_build(*, node) -> DesiredState:
     """Returns what `node`'s agent should run now.
 
@@ -104,9 +112,9 @@ def node_desired_state_build(*, node) -> DesiredState:
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
         "job_id", "kind", "step", "from_node_id", "from_generation")}
     newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk")).order_by("-step", "-id")
-    jobs = Job.objects.filter(pk__in=list(devices)).only(
+    jobs = Job.objects.filter(pk__in=list(devices)).select_related("bundle").only(
         "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
-        "total_steps", "last_checkpoint_step", "generation",
+        "total_steps", "last_checkpoint_step", "generation", "bundle__sha256",
     ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
                restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
     entries = []
@@ -122,6 +130,7 @@ def node_desired_state_build(*, node) -> DesiredState:
             store=job_store_uri(job.pk, generation=job.generation), restore_from=job.restore_from,
             restore_sha256=job.restore_sha256 if re.fullmatch(SHA256_HEX, job.restore_sha256 or "") else None,
             last_checkpoint_step=job.last_checkpoint_step,
+            **job_workspace_fields(job),
         ))
     listed = {e.job_id for e in entries}
     for move in moves.values():

@@ -2,7 +2,7 @@
 
 Views document their 2xx bodies; the 4xx a person can get are the same everywhere (see
 portal.api_errors), so they are added here, once, from what an operation has:
-  400  it takes a body or query parameters       {field: [message, ...]} (or {"detail": ...})
+  400  it takes a body, query parameters or a checked path string (a digest): {field: [message, ...]}
   401  it needs credentials (all but the token endpoint)   {"detail": ...}, WWW-Authenticate
   403  the caller may not do this                {"detail": ...}
   404  a path id the caller may not see (or that does not exist); a telemetry scope that does not
@@ -53,7 +53,9 @@ def errors_documented(result, generator, request, public):
                 continue
             parameters = operation.get("parameters", [])
             codes = set()
-            if "requestBody" in operation or any(p.get("in") == "query" for p in parameters):
+            if "requestBody" in operation or any(
+                    p.get("in") == "query" or (p.get("in") == "path" and p.get("schema", {}).get("type") == "string")
+                    for p in parameters):  # a path string with a format (a sha256) is checked: 400 naming it
                 codes.add("400")
             if "requestBody" in operation:
                 codes |= {"413", "415"}

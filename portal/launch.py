@@ -53,7 +53,7 @@ class LaunchContext:
     data_dir: Path
     url: str
     env: dict
-    demo_workload: bool
+    demo_workload: int | None  # None: no demo workload; 0: endless; N: N jobs
 
     def manage(self, *args):
         """Runs `manage.py args` with the run's environment; returns its stdout or raises."""
@@ -149,6 +149,16 @@ def _base_env(data_dir):
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def _demo_jobs(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--demo-workload=N wants a whole number of jobs, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("--demo-workload=N wants at least 1 job (leave =N out for no bound)")
+    return value
 
 
 def _bin(name):
@@ -257,7 +267,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="meridian")
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run Meridian embedded")
-    run_parser.add_argument("--demo-workload", action="store_true", help="start small real training jobs of every tier")
+    run_parser.add_argument("--demo-workload", nargs="?", type=_demo_jobs, const=0, default=None, metavar="N",
+                            help="keep a steady seeded stream of small real training jobs of every tier, shipped "
+                                 "as code bundles (=N: stop after N jobs)")
     run_parser.add_argument("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default $PORT or 8000)")
     run_parser.add_argument("--synthetic-fleet", action="store_true",
                             help="also seed a synthetic 2,048-GPU fleet (no agents) for the heatmap")

@@ -246,6 +246,12 @@ MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = _env_float("MERIDIAN_WORKFLOW_TIMEOUT_SECOND
 MERIDIAN_MOVE_POLL_SECONDS = _env_float("MERIDIAN_MOVE_POLL_SECONDS", 1.0, minimum=0.0)
 # The shared checkpoint store every node and the control plane see.
 MERIDIAN_CHECKPOINT_STORE = os.environ.get("MERIDIAN_CHECKPOINT_STORE") or str(DATA_DIR / "checkpoints")
+# Code bundles (jobs/bundles.py): kept under <store>/bundles/; the largest upload accepted,
+# and what one may unpack to (files and bytes); the workspace quota of each job.
+MERIDIAN_BUNDLE_MAX_BYTES = _env_int("MERIDIAN_BUNDLE_MAX_BYTES", 256 << 20, minimum=1)
+MERIDIAN_BUNDLE_MAX_UNPACKED_BYTES = _env_int("MERIDIAN_BUNDLE_MAX_UNPACKED_BYTES", 1 << 30, minimum=1)
+MERIDIAN_BUNDLE_MAX_ENTRIES = _env_int("MERIDIAN_BUNDLE_MAX_ENTRIES", 20_000, minimum=1)
+MERIDIAN_WORKSPACE_QUOTA_BYTES = _env_int("MERIDIAN_WORKSPACE_QUOTA_BYTES", 10 << 30, minimum=0)
 # Agents' heartbeat period, told to them at registration.
 MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS", 5.0, minimum=0.0)
 # The bootstrap token agents present to register; empty disables registration.

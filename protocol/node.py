@@ -190,6 +190,11 @@ class DesiredJob(Message):
     last_checkpoint_step: int | None = bounded(default=None, minimum=0, maximum=MAX_STEP)
     move: str | None = bounded(default=None, max_length=MAX_WORD)  # a stop's move kind
     move_step: str | None = bounded(default=None, max_length=MAX_WORD)  # ... and the step it is at
+    # The job's code bundle (protocol.bundle): its sha256, fetched from GET /api/agent/bundles/<sha256>/ and
+    # unpacked into the job's workspace; None: the entrypoint is on the node (relative to its workload root).
+    bundle: str | None = bounded(default=None, max_length=64)
+    outputs: str | None = bounded(default=None, max_length=MAX_URI)  # where the workspace is saved
+    workspace_quota_bytes: int | None = bounded(default=None, minimum=0, maximum=2**63 - 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -64,6 +64,7 @@ from protocol.states import LaunchState
 from runtime import control, engines, multihost, splice
 from runtime import rank as rank_liveness
 from runtime import spool as spool_files
+from runtime import workspace as job_workspace
 from runtime.engines import RankProcess, choose_engine
 from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError
 from runtime.store import CheckpointError
@@ -139,6 +140,8 @@ class Launcher:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
                                      keep=options.keep)
+        self.workspace = job_workspace.from_options(options, self.job_dir)  # None: no --workspace
+        self._quota_checked_at = 0.0
         self.nonce = uuid.uuid4().hex[:10]
         self.ranks = []
         self.state = LaunchState.STARTING
@@ -210,6 +213,9 @@ class Launcher:
             env[DEVICE_INDICES_ENV] = ",".join(map(str, self.device_indices))
         if resume_dir is not None:
             env["MERIDIAN_RESUME"] = str(resume_dir)
+        env.pop(job_workspace.WORKSPACE_ENV, None)
+        if self.workspace is not None:
+            env[job_workspace.WORKSPACE_ENV] = str(self.workspace.path)
         root = str(pathlib.Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -355,14 +361,18 @@ class Launcher:
             dump_began = time.monotonic()
             self.checkpoints.dump(self, request, step, staging, stop=stop, timeout_s=timeout_s)
             dump_s = time.monotonic() - dump_began
+            # The workspace part goes into the checkpoint (listed in its MANIFEST.json) before it is committed.
+            saved = job_workspace.persist_at_checkpoint(self.workspace, staging)
             commit_began = time.monotonic()
             ref = self.store.commit(staging, step, self.engine, meta={
                 "job_id": self.job_id, "spool": str(self.spool), "world_size": self.world_size,
                 "request_id": request.id,
                 "devices": self.devices, "device_map": self.device_map.plain(),
                 "device_indices": list(self.device_indices) if self.device_indices is not None else None,
-                "action": action, "script": self.script, "args": list(self.options.args)})
+                "action": action, "script": self.script, "args": list(self.options.args),
+                "workspace": str(self.workspace.path) if self.workspace else None})
             commit_s = time.monotonic() - commit_began
+            job_workspace.point_latest(self.workspace, saved, step=step, checkpoint=ref.uri)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -449,6 +459,7 @@ class Launcher:
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()
+        job_workspace.restore_for_resume(self.workspace, ref.path, meta)
         self.engine_reason = f"resume: the checkpoint {ref.uri} was made by {ref.engine}"
         began = time.monotonic()
         self.checkpoints.restore(self, ref, meta)
@@ -565,10 +576,12 @@ class Launcher:
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
                 self.write_progress()
+                job_workspace.check_quota_now(self.workspace, self)
 
     def finish(self):
         if any(r.poll() is None for r in self.ranks):
             self.kill_all()
+        job_workspace.persist_at_end(self.workspace, self.state)
         logs = self.job_dir / "logs"
         logs.mkdir(exist_ok=True)
         for rank in self.local_ranks:
@@ -628,6 +641,7 @@ def parse_args(argv):
     parser.add_argument("--restore-manifest-sha256", default=None, type=_sha256_hex,
                         help="with --resume: restore only the checkpoint whose MANIFEST.json has this sha256 "
                              "(the node agent passes the digest the control plane recorded)")
+    job_workspace.add_arguments(parser)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)

@@ -219,7 +219,8 @@ def main(argv=None):
     spool = os.path.abspath(options.spool)
     rank_dir = os.path.join(spool, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
-    os.chdir(rank_dir)
+    # The job's workspace (runtime/workspace.py) when it has one: relative paths work as on the user's laptop.
+    os.chdir(os.environ.get("MERIDIAN_WORKSPACE") or rank_dir)
     _redirect_output(os.path.join(rank_dir, "out.log"))
     watch = LauncherWatch(spool).start()
     watch.check()  # the launcher may have died before this rank started

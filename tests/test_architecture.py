@@ -94,3 +94,16 @@ def test_the_wire_protocol_imports_only_the_standard_library():
         if module not in sys.stdlib_module_names and module != "protocol"
     ]
     assert offenders == []
+
+
+def test_the_cli_imports_only_the_standard_library_requests_and_protocol():
+    """`meridian` runs on a user's laptop: no Django, no torch, nothing of the control plane or nodes."""
+    import sys
+    allowed = {"requests", "protocol", "cli"}
+    offenders = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for path in sorted((ROOT / "cli").rglob("*.py"))
+        for module, lineno in _imported_top_level_modules(path)
+        if module not in sys.stdlib_module_names and module not in allowed
+    ]
+    assert offenders == []

@@ -28,6 +28,11 @@ class JobSubmitForm(forms.Form):
     env = forms.CharField(
         required=False, widget=forms.Textarea(attrs={"rows": 3}), help_text="One KEY=VALUE per line."
     )
+    bundle = forms.FileField(
+        required=False, label="Code bundle (.tar.gz)",
+        help_text="Your project folder packed (tar czf project.tar.gz -C my-project .; `meridian submit` does it "
+                  "for you); the entrypoint is then a path inside it. Leave empty to run an entrypoint on the node.",
+    )
 
     def __init__(self, *args, teams, **kwargs):
         super().__init__(*args, **kwargs)
@@ -65,6 +70,23 @@ class JobSubmitForm(forms.Form):
         if data.get("total_steps") is not None:
             spec["total_steps"] = data["total_steps"]
         return spec
+
+    def bundle_upload(self, *, user):
+        """Stores the uploaded archive (jobs.bundles) and returns its digest, or None without one;
+        a refused archive is put on the bundle field and None returned with the form invalid."""
+        from jobs.bundles import BundleTooLarge, bundle_store_upload
+
+        uploaded = self.cleaned_data.get("bundle")
+        if not uploaded:
+            return None
+        try:
+            return bundle_store_upload(uploaded_file=uploaded, user=user).sha256
+        except BundleTooLarge as error:
+            self.add_error("bundle", str(error))
+        except forms.ValidationError as error:
+            for message in getattr(error, "messages", [str(error)]):
+                self.add_error("bundle", message)
+        return None
 
     def add_service_errors(self, error):
         """Puts a service ValidationError on the fields it names (unknown names on the form)."""

@@ -195,10 +195,14 @@ def job_submit_page(request):
     teams = list(team_list_for_user(user=request.user).order_by("name"))
     if not teams:
         raise PermissionDenied("you are on no team; ask a team admin to add you before submitting jobs")
-    form = JobSubmitForm(request.POST or None, teams=teams)
+    form = JobSubmitForm(request.POST or None, request.FILES or None, teams=teams)
     if request.method == "POST" and form.is_valid():
+        bundle = form.bundle_upload(user=request.user)
         try:
-            job = job_submit(team=form.team_chosen(), submitted_by=request.user, spec=form.spec())
+            if form.errors:
+                raise ValidationError({})
+            job = job_submit(team=form.team_chosen(), submitted_by=request.user,
+                             spec={**form.spec(), "bundle": bundle} if bundle else form.spec())
         except ValidationError as error:
             form.add_service_errors(error)
         else:

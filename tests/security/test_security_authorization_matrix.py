@@ -20,6 +20,9 @@ existence is not the caller's business); deciding a preemption needs the capacit
 (403 for a member who can see it); the agent API takes node tokens only (401 for users), and a
 node reads only its own desired state (403 for another node's id).
 """
+import hashlib
+import io
+
 import pytest
 from django.test import Client
 from rest_framework.authtoken.models import Token
@@ -27,7 +30,10 @@ from rest_framework.test import APIClient
 
 from fleet.models import Node
 from fleet.services import fleet_generate, node_token_issue, node_token_revoke
+from jobs.bundles import bundle_store
+from jobs.models import Job, Replica
 from jobs.services import job_submit, preemption_request_create
+from protocol import bundle as bundle_format
 
 CALLERS = ["anonymous", "member", "other_team", "capacity_mgr", "admin", "node", "other_node", "revoked"]
 USERS = {"member": "alice", "other_team": "charlie", "capacity_mgr": "carol", "admin": "admin"}
@@ -57,6 +63,10 @@ MATRIX = [
     ("GET", "/api/jobs/{job_a}/", None, users(200, other_team=404)),
     ("POST", "/api/jobs/{job_a}/cancel/", None, users(200, other_team=404)),
     ("GET", "/api/jobs/{job_a}/events/", None, users(200, other_team=404)),
+    # job_a has saved no outputs yet: 404 for whoever may see it, the same 404 for another team
+    ("GET", "/api/jobs/{job_a}/outputs/", None, users(404)),
+    # a bundle is visible to those who uploaded it (alice) only: a digest alone grants nothing
+    ("GET", "/api/bundles/{bundle_a}/", None, users(404, member=200)),
     ("GET", "/api/teams/", None, users(200)),
     ("GET", "/api/preemptions/", None, users(200)),
     ("POST", "/api/preemptions/{request_a}/approve/", {"note": "ok"}, users(200, member=403, other_team=404)),
@@ -74,6 +84,8 @@ MATRIX = [
     ("GET", "/api/agent/desired/", None, AGENT),
     ("GET", "/api/agent/nodes/{node_1}/desired/", None, {**AGENT, "other_node": 403}),
     ("POST", "/api/agent/heartbeat/", {"jobs": []}, AGENT),
+    # job_a (which uses bundle_a) has a replica on n1 only: another node may not fetch its code
+    ("GET", "/api/agent/bundles/{bundle_a}/", None, {**AGENT, "other_node": 404}),
     # the pages
     ("GET", "/", None, users(200, anonymous=PAGE_LOGIN, nodes=PAGE_LOGIN)),
     ("GET", "/jobs/", None, users(200, anonymous=PAGE_LOGIN, nodes=PAGE_LOGIN)),
@@ -96,12 +108,17 @@ def world(cast, settings):
     job_a = job_submit(team=cast.team_a, submitted_by=cast.alice, spec={
         "name": "a-job", "accelerator_type": "CPU", "world_size": 4, "min_devices": 2, "entrypoint": "train.py"})
     request_a = preemption_request_create(job=job_a, reason="room for another job", lost_work_seconds=1.0)
+    archive = bundle_format.pack_bytes({"train.py": b"print('hi')\n"})
+    bundle_a, _ = bundle_store(stream=io.BytesIO(archive), sha256=hashlib.sha256(archive).hexdigest(),
+                               user=cast.alice)
+    Job.objects.filter(pk=job_a.pk).update(bundle=bundle_a)
+    Replica.objects.filter(job=job_a, rank=0).update(device=nodes[0].accelerators.first())
     node_tokens = {"node": node_token_issue(node=nodes[0]), "other_node": node_token_issue(node=nodes[1]),
                    "revoked": node_token_issue(node=nodes[2])}
     node_token_revoke(node=nodes[2])
     return {
         "ids": {"job_a": job_a.pk, "request_a": request_a.pk, "node_1": nodes[0].pk,
-                "team_a_slug": cast.team_a.slug},
+                "team_a_slug": cast.team_a.slug, "bundle_a": bundle_a.sha256},
         "users": {caller: getattr(cast, name) for caller, name in USERS.items()},
         "node_tokens": node_tokens,
     }
@@ -175,6 +192,7 @@ def test_every_api_route_is_in_the_matrix():
 
     documented = set(SchemaGenerator().get_schema(request=None, public=True)["paths"])
     in_matrix = {path.replace("{job_a}", "{job_id}").replace("{request_a}", "{request_id}")
-                 .replace("{node_1}", "{node_id}") for _, path, _, _ in MATRIX if path.startswith("/api/")}
+                 .replace("{node_1}", "{node_id}").replace("{bundle_a}", "{sha256}")
+                  for _, path, _, _ in MATRIX if path.startswith("/api/")}
     missing = documented - in_matrix - {"/api/agent/register/"}  # enrollment: the node-side tests
     assert not missing, f"add rows to MATRIX for {sorted(missing)}"

@@ -1,0 +1,6 @@
+"""`python -m cli`: the same as the `meridian` console script."""
+import sys
+
+from cli.main import main
+
+sys.exit(main())
