@@ -21,10 +21,13 @@ unless it changed. A single-process job needs no allreduce: its cut is local.
 """
 import os
 import pathlib
+import time
 
 from protocol.cut import CutRequest
 from runtime import spool as spool_files
 from runtime import vpg
+
+REQUEST_WAIT_S = 60.0
 
 
 class CutBarrier:
@@ -79,8 +82,13 @@ class CutBarrier:
                                f"(sum of ids {ack_sum} over {need_sum} ranks)")
         request_id = ack_sum // need_sum
         request = self._pending_request()
-        if request is None or request.id != request_id:
+        # On a job spanning hosts, each host's launcher writes the request into its own spool:
+        # ranks elsewhere may have seen it a moment before this host's copy landed.
+        deadline = time.monotonic() + REQUEST_WAIT_S
+        while (request is None or request.id != request_id) and time.monotonic() < deadline:
             request = self._pending_request(force=True)
+            if request is None or request.id != request_id:
+                time.sleep(0.005)
         if request is None or request.id != request_id:
             raise RuntimeError(f"consistent cut: request {request_id} is not readable at "
                                f"{self.request_path}")

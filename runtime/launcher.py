@@ -65,7 +65,7 @@ from protocol.launch import (
 )
 from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
-from runtime import control, engines, rank_logs, splice
+from runtime import control, engines, multihost, rank_logs, splice
 from runtime import rank as rank_liveness
 from runtime import sandbox as job_sandbox
 from runtime import spool as spool_files
@@ -136,6 +136,22 @@ class Launcher:
                 device_cores=self.sandbox.device_cores(self.device_indices) if self.sandbox else None))
         except (ValueError, job_sandbox.SandboxError) as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
+        # One node of a multi-host job runs its block of ranks only (runtime/multihost.py).
+        self.nodes, self.node_rank = options.nodes, options.node_rank
+        self.node_addr = options.node_addr
+        try:
+            self.local_ranks = multihost.node_ranks(world_size=self.world_size, nodes=self.nodes,
+                                                    node_rank=self.node_rank)
+        except ValueError as exc:
+            raise LaunchError(f"--nodes/--node-rank: {exc}", EXIT_USAGE) from None
+        if self.nodes > 1 and not options.rendezvous:
+            raise LaunchError("--nodes > 1 needs --rendezvous DIR, a folder of the store every "
+                              "node of the job shares", EXIT_USAGE)
+        if self.nodes > 1 and options.resume and options.engine != "framework":
+            raise LaunchError("--resume of a job spanning hosts is built for --engine framework "
+                              "only (CRIU images of several hosts: not yet)", EXIT_USAGE)
+        self.peers: multihost.JobPeers | None = None
+        self.master_addr, self.master_port = "127.0.0.1", 0
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
                                      keep=options.keep)
@@ -185,15 +201,22 @@ class Launcher:
         import torch.distributed as dist
         # The store server lives in the launcher, which is never dumped, so the ranks hold only
         # client connections that the virtual group closes at a cut.
+        if self.nodes > 1:
+            self.rendezvous, self.master_addr, self.master_port, self.peers = \
+                multihost.join_job(self, self.options.rendezvous)
+            return
         self.rendezvous = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                         wait_for_workers=False)
+        self.master_port = self.rendezvous.port
 
     def rank_env(self, rank, resume_dir=None):
         root = str(pathlib.Path(__file__).resolve().parent.parent)
         runtime_env = {
-            "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous.port),
+            "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(rank - self.local_ranks.start), "LOCAL_WORLD_SIZE": str(len(self.local_ranks)),
+            "GROUP_RANK": str(self.node_rank), "NODE_RANK": str(self.node_rank),
+            "MERIDIAN_NODE_ADDR": self.node_addr,
+            "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
             "MERIDIAN_JOB_DIR": str(self.job_dir), "MERIDIAN_JOB_ID": self.job_id,
             "MERIDIAN_ENGINE": self.engine, "MERIDIAN_NONCE": self.nonce,
             "OMP_NUM_THREADS": "1", "MERIDIAN_LAUNCHER_PID": str(os.getpid()),
@@ -241,10 +264,10 @@ class Launcher:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
-        for rank in range(self.world_size):
+        for rank in self.local_ranks:
             spool_files.rank_dir(self.spool, rank).mkdir(parents=True)
         if self.sandbox is not None:
-            self.sandbox.give_spool(self.spool, [spool_files.rank_dir(self.spool, r) for r in range(self.world_size)])
+            self.sandbox.give_spool(self.spool, [spool_files.rank_dir(self.spool, r) for r in self.local_ranks])
         spool_files.write_json_atomic(self.spool / "devices.json", self.device_map.to_dict())
 
     def give_workspace(self):
@@ -255,7 +278,7 @@ class Launcher:
     def spawn_ranks(self, resume_dir=None):
         self.give_workspace()
         rank_logs.link(self)
-        for rank in range(self.world_size):
+        for rank in self.local_ranks:
             command = [sys.executable, "-m", "runtime.rank", "--spool", str(self.spool),
                        self.script] + list(self.options.args)
             if self.sandbox is not None:
@@ -307,26 +330,38 @@ class Launcher:
         request_id = self.next_request_id()
         self.last_request_id = request_id
         request = CutRequest(id=request_id, action=action, at_step=at_step, **fields)
+        if self.peers is not None:  # every host holds the request before any rank may see it
+            multihost.hand_out_cut(self.peers, request)
+        return self.await_cut(request, timeout_s)
+
+    def await_cut(self, request, timeout_s):
+        """Puts `request` in this node's spool and waits for this node's ranks (and, on a
+        multi-host job's leader, every other node's); returns as request_cut does."""
+        request_id, action = request.id, request.action
         spool_files.write_json_atomic(self.spool / "request.json", request.to_dict())
         deadline = time.monotonic() + timeout_s
         reports: dict[int, CutReport] = {}
-        while len(reports) < self.world_size:
-            for rank in range(self.world_size):
+        while len(reports) < len(self.local_ranks):
+            for rank in self.local_ranks:
                 if rank not in reports:
                     report = spool_files.read_json(
                         spool_files.cut_report_path(self.spool, rank, request_id))
                     if report is not None:
                         reports[rank] = CutReport.from_dict(report)
-            if len(reports) == self.world_size:
+            if len(reports) == len(self.local_ranks):
                 break
             if self.check_ranks():
                 raise LaunchError(f"the job finished before reaching the cut for {action}")
             if time.monotonic() > deadline:
                 self.abandon_cut(request_id)
-                raise LaunchError(f"{action}: ranks {sorted(set(range(self.world_size)) - set(reports))} "
+                if self.peers is not None:
+                    self.peers.withdraw_cut(request_id)
+                raise LaunchError(f"{action}: ranks {sorted(set(self.local_ranks) - set(reports))} "
                                   f"did not reach a consistent cut within {timeout_s} s; the job goes on")
             time.sleep(POLL_S)
         steps = {r.step for r in reports.values()}
+        if self.peers is not None and self.node_rank == 0:
+            steps |= multihost.gather_cut_reports(self, request, deadline)
         if len(steps) != 1:
             self.abandon_cut(request_id)
             raise LaunchError(f"{action}: ranks cut at different steps {sorted(steps)} (its ranks share no "
@@ -339,7 +374,7 @@ class Launcher:
         self.checkpoints.abandon(self, request_id)
 
     def resume_ranks(self, request_id):
-        resume = ResumeFile(master_addr="127.0.0.1", master_port=self.rendezvous.port,
+        resume = ResumeFile(master_addr=self.master_addr, master_port=self.master_port,
                             key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
                             device_indices=self.device_indices)
         spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), resume.to_dict())
@@ -460,6 +495,8 @@ class Launcher:
                 raise LaunchError(f"--resume: {exc}", EXIT_USAGE) from None
         else:
             ref = self.store.latest_good()
+        if self.peers is not None:  # every node resumes from the leader's choice
+            ref = multihost.agree_on_checkpoint(self, ref)
         if ref is None:
             raise LaunchError(f"--resume: no usable checkpoint in {self.store.root}", EXIT_USAGE)
         if self.options.engine not in ("auto", ref.engine):
@@ -513,6 +550,9 @@ class Launcher:
             self._stop_answered.set()
 
     def execute(self, request: ControlRequest) -> CheckpointAnswer | ResizeAnswer | ControlFailure:
+        refusal = multihost.refusal(self, request)  # what a job spanning hosts cannot do yet
+        if refusal is not None:
+            return ControlFailure(error=refusal)
         if isinstance(request, CheckpointRequest):
             return self.do_checkpoint(stop=False, at_step=request.at_step,
                                       timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S)
@@ -581,7 +621,16 @@ class Launcher:
                     return EXIT_STOPPED
                 if isinstance(request, StopRequest):
                     self.state = LaunchState.RUNNING
+            if self.peers is not None:
+                if failure := self.peers.check():
+                    raise LaunchError(f"the job failed on another host ({failure}); this node's "
+                                      "ranks are ended")
+                if self.node_rank > 0 and multihost.follow_cut(self) == "stopped":
+                    self.state = LaunchState.STOPPED
+                    return EXIT_STOPPED
             if self.check_ranks():
+                if self.peers is not None:
+                    multihost.finish_node(self.peers)
                 self.state = LaunchState.FINISHED
                 ranks_view = self.ranks_progress()
                 self.event(Finished, step=ranks_view.step if ranks_view else None)
@@ -638,6 +687,18 @@ def parse_args(argv):
                              "its environment only (runtime/sandbox.py)")
     parser.add_argument("--resume", action="store_true",
                         help="resume from the newest good checkpoint in the store")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="hosts the job spans (one meridian-run on each; must divide --ranks)")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this host's place among --nodes (0 leads: it hosts the rendezvous)")
+    parser.add_argument("--node-addr", default=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"),
+                        help="this host's address the other hosts reach (default $MERIDIAN_NODE_ADDR "
+                             "or 127.0.0.1); its ranks bind gloo to it")
+    parser.add_argument("--rendezvous", default=None,
+                        help="with --nodes > 1: a folder of the store all hosts share, where the "
+                             "leader publishes its address and run-time port")
+    parser.add_argument("--rendezvous-timeout", type=float, default=300.0,
+                        help="seconds a follower waits for the leader before it fails")
     parser.add_argument("--restore-manifest-sha256", default=None, type=_sha256_hex,
                         help="with --resume: restore only the checkpoint whose MANIFEST.json has this sha256 "
                              "(the node agent passes the digest the control plane recorded)")
@@ -664,6 +725,8 @@ def main(argv=None):
         code = launcher.run()
     except LaunchError as exc:
         print(f"meridian-run: {exc}", file=sys.stderr)
+        if launcher is not None and launcher.peers is not None:
+            launcher.peers.report_failed(str(exc))
         if launcher is not None:
             launcher.state = "failed"
             try:

@@ -60,6 +60,11 @@ def read_manifest(job_dir) -> RankLogs | None:
         return None
 
 
+def _local_ranks(launcher: Launcher):
+    """The ranks this launcher runs (all of them, or this host's share of a multi-host job)."""
+    return getattr(launcher, "local_ranks", None) or range(launcher.world_size)
+
+
 def _write_manifest(job_dir, ranks) -> None:
     spool_files.write_json_atomic(pathlib.Path(job_dir) / MANIFEST, RankLogs(ranks=tuple(ranks)).to_dict())
 
@@ -75,7 +80,7 @@ def link(launcher: Launcher) -> RankLogs:
     (launcher.job_dir / "logs").mkdir(parents=True, exist_ok=True)
     sandbox = getattr(launcher, "sandbox", None)
     ranks = []
-    for rank in range(launcher.world_size):
+    for rank in _local_ranks(launcher):
         for stream in STREAMS:
             source = spool_log_path(launcher.spool, rank, stream)
             fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
@@ -117,7 +122,7 @@ def keep(launcher: Launcher) -> None:
     manifest = read_manifest(launcher.job_dir)
     starts: dict[tuple[int, str], int] = {(r.rank, r.stream): r.start for r in manifest.ranks} if manifest else {}
     ranks = []
-    for rank in range(launcher.world_size):
+    for rank in _local_ranks(launcher):
         for stream in STREAMS:
             source, target = spool_log_path(launcher.spool, rank, stream), job_log_path(launcher.job_dir, rank, stream)
             if os.path.lexists(source) and not _same_inode(source, target):
@@ -135,7 +140,7 @@ def carry(launcher: Launcher, folder) -> None:
     (the ranks' own files: never through a link one put in their place)."""
     folder = pathlib.Path(folder)
     folder.mkdir()
-    for rank in range(launcher.world_size):
+    for rank in _local_ranks(launcher):
         for stream, (_, _, carried) in STREAMS.items():
             source = spool_log_path(launcher.spool, rank, stream)
             if os.path.lexists(source):
@@ -146,7 +151,7 @@ def put_back(launcher: Launcher, folder) -> None:
     """Puts the logs a CRIU checkpoint carried back at their spool paths (and sizes; the job's own
     files), before the ranks are restored, and links them (link)."""
     folder = pathlib.Path(folder)
-    for rank in range(launcher.world_size):
+    for rank in _local_ranks(launcher):
         for stream, (_, _, carried) in STREAMS.items():
             if (folder / carried.format(rank=rank)).exists():
                 shutil.copyfile(folder / carried.format(rank=rank), spool_log_path(launcher.spool, rank, stream))

@@ -494,8 +494,10 @@ def install(*, rank, world_size, connection, hooks=None):
     def create(backend_options, pg_options=None):
         def connect():
             master_addr, master_port, key_prefix = _state["connection"]()
+            # On a job spanning hosts, gloo listens on this host's address (runtime/multihost.py).
             return InnerGroup(rank=rank, world_size=world_size, master_addr=master_addr,
-                              master_port=master_port, key_prefix=key_prefix)
+                              master_port=master_port, key_prefix=key_prefix,
+                              bind_addr=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"))
         group = VirtualProcessGroup(backend_options.group_rank, backend_options.group_size,
                                     connect, _state["hooks"])
         if _state["group"] is None:

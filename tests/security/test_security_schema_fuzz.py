@@ -1,5 +1,5 @@
 """CI from issue 15 on: a schemathesis pass over the generated OpenAPI schema (every user-facing
-operation; the agent API is fuzzed by the node-side tests), as a member and as a capacity manager,
+operation as a member and as a capacity manager; the agent API as a node, with a node token),
 with a bounded, derandomized number of examples: zero 5xx, every status code documented, every
 body as its schema says.
 
@@ -53,3 +53,27 @@ schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", get_wsgi_app
 def test_the_api_answers_as_its_schema_says(case, fuzz_callers):
     for headers in fuzz_callers.values():
         case.call_and_validate(headers=headers, checks=CHECKS)
+
+
+# The agent API, as a node: heartbeats, desired state and bundle fetches with a node token (the
+# registration takes an enrollment token instead; tests/trust covers it).
+agent_schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", get_wsgi_application()).include(
+    path_regex="^/api/agent/").exclude(path_regex="^/api/agent/register/")
+
+
+@pytest.fixture
+def fuzz_node(db, settings):
+    """Returns the Authorization header of node 1 of a small fleet (and a second node it is not)."""
+    from fleet.models import Node
+    from fleet.services import fleet_generate, node_token_issue
+
+    fleet_generate(regions=1, clusters=1, nodes=2, devices=4, accelerator_type="CPU", prefix="fa")
+    node = Node.objects.order_by("hostname").first()
+    return {"Authorization": f"Node {node_token_issue(node=node)}"}
+
+
+@agent_schema.parametrize()
+@hypothesis.settings(max_examples=EXAMPLES_PER_OPERATION, derandomize=True, deadline=None, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+def test_the_agent_api_answers_as_its_schema_says(case, fuzz_node):
+    case.call_and_validate(headers=fuzz_node, checks=CHECKS)

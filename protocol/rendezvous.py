@@ -1,0 +1,38 @@
+"""Multi-host rendezvous messages: how the launchers of one job find its leader.
+
+`LeaderAddress` is what the leading launcher (node rank 0) publishes in the job's rendezvous
+folder of the shared store (runtime/rendezvous.py): the address and run-time port of the job's
+TCP store on the leader's own network address, and this launch's nonce, which the store also
+holds, so a follower never joins a stale leader of an earlier attempt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.message import Message, bounded
+
+MAX_NODES = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderAddress(Message):
+    """<rendezvous>/<job-id>/leader.json, written once by the leading launcher."""
+
+    job_id: str = bounded(max_length=255)
+    nonce: str = bounded(max_length=64)
+    addr: str = bounded(max_length=255)
+    port: int = bounded(minimum=1, maximum=65535)
+    nodes: int = bounded(minimum=1, maximum=MAX_NODES)
+    world_size: int = bounded(minimum=1, maximum=1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCutReport(Message):
+    """A follower's answer to a cut the leader handed out (a key in the leader's store): its
+    ranks all cut after `step` (status "ok"), or why not (status "error")."""
+
+    node: int = bounded(minimum=0, maximum=MAX_NODES - 1)
+    request_id: int = bounded(minimum=1)
+    status: str = bounded(max_length=16)
+    step: int | None = bounded(default=None, minimum=0)
+    error: str | None = bounded(default=None, max_length=20000)

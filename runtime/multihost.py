@@ -1,0 +1,304 @@
+"""One job over several hosts: which ranks a node runs, and how its launchers watch each other.
+
+A job of W ranks on N nodes runs one meridian-run per node (``--nodes N --node-rank i
+--node-addr A --rendezvous DIR``). Node i runs the contiguous block of ranks
+[i*W/N, (i+1)*W/N) (protocol.layout's rule, as for devices), so a host holds whole devices of
+a splice and its ranks are neighbours in the reduction order. Node 0 leads: it hosts the job's
+TCP store (runtime/rendezvous.py) that every rank's inner gloo group rendezvouses on.
+
+The virtual group is the same on one host and on many: every element of an all-reduce is
+combined in logical rank order 0, 1, ..., W-1 (runtime/vpg.py), so the bits do not depend on
+how ranks map to hosts. Ranks all on one host reduce through shared memory; when the job spans
+hosts, the shared area cannot be mapped by every rank (each host has its own /dev/shm) and the
+group takes the gloo path, a rank-order reduce-scatter and all-gather over TCP between the
+hosts' addresses. (A hierarchical variant, ranks of a host combining through shared memory
+before hosts exchange, can keep the same bits only as a chain in host order, since
+floating-point addition is not associative; it is not built: see docs/design/runtime.md.)
+
+A consistent cut across hosts (framework engine): the leader hands the CutRequest out through
+its store in two phases before any rank can see it: every follower must say it received the
+request within HAND_OUT_S, else the cut is withdrawn (a frozen, partitioned or lost host: the
+cut fails cleanly, no rank ever saw it, the job goes on); then "go": each node writes it to its
+own spool, where its ranks find it at the next step boundary and agree on the step through the
+meta-allreduce that spans all ranks of all hosts (runtime/cut.py), so every rank on every host
+stops after the same step. Each follower reports its ranks' result to the leader
+(NodeCutReport); the leader commits the one checkpoint of the job (every rank's state, written
+into one staging folder of the shared store) only when every node reported its ranks saved at
+that step: a checkpoint that misses one host's part is never committed. A host that stalls after
+"go" stalls every rank (collectives span hosts): the leader's deadline then ends the cut as
+failed and the job goes on once the host is back (its ranks then save into a staging folder
+that is never committed: the store ignores uncommitted staging folders).
+
+`JobPeers` is how the launchers of one job learn of each other's end, through keys in the
+leader's store: a node whose job failed sets `failed/<node>`, one whose ranks all finished
+sets `finished/<node>`. Every launcher looks every ~0.5 s and ends its own ranks when another
+node failed (they would otherwise wait in a collective until gloo's timeout); the leader keeps
+its store up until every node has finished or failed.
+"""
+import json
+import time
+
+from protocol.cut import CutRequest
+from protocol.layout import layout_check
+from protocol.rendezvous import NodeCutReport
+from runtime.exits import LaunchError
+
+PEER_CHECK_S = 0.5
+LOST_AFTER_S = 30.0  # a node whose heartbeat has not moved this long is lost (killed, frozen, cut off)
+FINISH_WAIT_S = 120.0
+HAND_OUT_S = 10.0  # how long every follower has to take a cut request before the cut is off
+FOLLOW_CHECK_S = 0.05
+
+
+def node_ranks(*, world_size: int, nodes: int, node_rank: int) -> range:
+    """Returns the ranks node `node_rank` of `nodes` runs: a contiguous block of W/N.
+    Raises ValueError (protocol.layout.LayoutError) when nodes does not divide W."""
+    layout_check(world_size, nodes)
+    if not 0 <= node_rank < nodes:
+        raise ValueError(f"--node-rank {node_rank} is not in 0..{nodes - 1}")
+    per_node = world_size // nodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+class JobPeers:
+    """This node's view of the job's other nodes, through the leader's store (see the docstring)."""
+
+    def __init__(self, store, *, nonce, nodes, node_rank):
+        self.store = store
+        self.nonce = nonce
+        self.prefix = f"meridian/{nonce}/nodes"
+        self.nodes = nodes
+        self.node_rank = node_rank
+        self._checked_at = 0.0
+        self._beats = 0
+        self._heard = {}  # leader: node -> (last heartbeat value, monotonic time it changed)
+
+    def _key(self, what, node):
+        return f"{self.prefix}/{what}/{node}"
+
+    def cut_key(self, request_id, what, node=None):
+        key = f"meridian/{self.nonce}/cut/{request_id}/{what}"
+        return key if node is None else f"{key}/{node}"
+
+    def has(self, key) -> bool:
+        return bool(self.store.check([key]))
+
+    def withdraw_cut(self, request_id) -> None:
+        """Leader: the cut `request_id` is off; a follower that has not started it never will."""
+        try:
+            self.store.set(self.cut_key(request_id, "withdrawn"), "1")
+        except (RuntimeError, OSError):
+            pass
+
+    def report_failed(self, error: str) -> None:
+        try:
+            self.store.set(self._key("failed", self.node_rank), error[:2000])
+        except (RuntimeError, OSError):
+            pass  # the leader is gone: nobody is left to tell
+
+    def report_finished(self) -> None:
+        self.store.set(self._key("finished", self.node_rank), "1")
+
+    def failure_elsewhere(self) -> str | None:
+        """Returns "node k: error" for the first other node that failed, or None."""
+        for node in range(self.nodes):
+            if node != self.node_rank and self.store.check([self._key("failed", node)]):
+                return f"node {node}: {self.store.get(self._key('failed', node)).decode()}"
+        return None
+
+    def check(self) -> str | None:
+        """Called from the launcher's loop; at most every PEER_CHECK_S asks the store. Returns
+        why the job cannot go on here (another node failed, the leader is unreachable), or None."""
+        now = time.monotonic()
+        if now - self._checked_at < PEER_CHECK_S:
+            return None
+        self._checked_at = now
+        try:
+            self._beats += 1
+            self.store.set(self._key("alive", self.node_rank), str(self._beats))
+            return self.failure_elsewhere() or (self.lost_node(now) if self.node_rank == 0 else None)
+        except (RuntimeError, OSError) as exc:
+            return f"the job's leader store is unreachable ({exc})"
+
+    def lost_node(self, now) -> str | None:
+        """Leader: returns "node k ..." for a follower whose heartbeat stood still LOST_AFTER_S
+        (its ranks can no longer take part: the job must restart from its last checkpoint)."""
+        for node in range(1, self.nodes):
+            key = self._key("alive", node)
+            value = self.store.get(key) if self.store.check([key]) else None
+            last, since = self._heard.get(node, (None, now))
+            if value != last or node not in self._heard:
+                self._heard[node] = (value, now)
+            elif now - since > LOST_AFTER_S:
+                return (f"node {node} sent no heartbeat for {LOST_AFTER_S:.0f} s (killed, frozen or cut "
+                        "off); the job must restart from its last checkpoint")
+        return None
+
+    def await_all_finished(self, timeout_s=FINISH_WAIT_S) -> str | None:
+        """Leader: waits until every node has finished or failed; returns a failure or None."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            failure = self.failure_elsewhere()
+            if failure:
+                return failure
+            if all(self.store.check([self._key("finished", node)]) for node in range(self.nodes)):
+                return None
+            time.sleep(0.05)
+        return f"not every node finished within {timeout_s:.0f} s"
+
+
+def join_job(launcher, rendezvous_root):
+    """Starts (node 0) or joins (the others) the job's rendezvous; returns (store, master
+    address, master port, JobPeers). A follower takes the leader's nonce, so every rank of
+    the job uses one key prefix."""
+    from protocol.rendezvous import LeaderAddress
+    from runtime import rendezvous
+    folder = rendezvous.FolderRendezvous(rendezvous_root, launcher.job_id)
+    if launcher.node_rank == 0:
+        store = rendezvous.host_leader_store(addr=launcher.node_addr, world_size=launcher.world_size,
+                                             nonce=launcher.nonce)
+        folder.publish(LeaderAddress(job_id=launcher.job_id, nonce=launcher.nonce,
+                                     addr=launcher.node_addr, port=store.port, nodes=launcher.nodes,
+                                     world_size=launcher.world_size))
+        addr, port = launcher.node_addr, store.port
+    else:
+        try:
+            leader, store = rendezvous.connect_to_leader(
+                folder, job_id=launcher.job_id, timeout_s=launcher.options.rendezvous_timeout)
+        except rendezvous.RendezvousError as exc:
+            raise LaunchError(str(exc)) from None
+        if leader.nodes != launcher.nodes or leader.world_size != launcher.world_size:
+            raise LaunchError(f"the leader runs {leader.world_size} ranks on {leader.nodes} nodes, "
+                              f"this node was given {launcher.world_size} on {launcher.nodes}")
+        launcher.nonce = leader.nonce
+        addr, port = leader.addr, leader.port
+    peers = JobPeers(store, nonce=launcher.nonce, nodes=launcher.nodes, node_rank=launcher.node_rank)
+    return store, addr, port, peers
+
+
+def finish_node(peers: JobPeers) -> None:
+    """This node's ranks all finished: says so; the leader then waits for every other node,
+    whose ranks still rendezvous on its store, and fails the job if one failed."""
+    peers.report_finished()
+    if peers.node_rank == 0:
+        failure = peers.await_all_finished()
+        if failure:
+            raise LaunchError(f"the job failed on another host ({failure})")
+
+
+def refusal(launcher, request) -> str | None:
+    """Returns why a control command cannot be carried out on this node of a multi-host job,
+    or None (single-host jobs: always None)."""
+    from protocol.launch import CheckpointRequest, StopRequest
+    if launcher.nodes == 1:
+        return None
+    if launcher.node_rank != 0:
+        return f"{request.cmd}: this is node {launcher.node_rank} of a multi-host job; send it to node 0, the leader"
+    if not isinstance(request, (CheckpointRequest, StopRequest)):
+        return f"{request.cmd} of a job spanning {launcher.nodes} hosts is not built yet; the job goes on"
+    if launcher.engine != "framework":
+        return (f"{request.cmd} of a job spanning hosts is built for the framework engine only (this job "
+                f"runs {launcher.engine}); the job goes on")
+    return None
+
+
+def hand_out_cut(peers: JobPeers, request: CutRequest) -> None:
+    """Leader: gives `request` to every follower and returns once all have it; withdraws it and
+    raises LaunchError naming the hosts that did not take it within HAND_OUT_S."""
+    peers.store.set(peers.cut_key(request.id, "request"), json.dumps(request.to_dict()))
+    peers.store.set(f"meridian/{peers.nonce}/cut/latest", str(request.id))
+    deadline = time.monotonic() + HAND_OUT_S
+    followers = range(1, peers.nodes)
+    while True:
+        missing = [n for n in followers if not peers.has(peers.cut_key(request.id, "received", n))]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            peers.withdraw_cut(request.id)
+            raise LaunchError(f"{request.action} refused: host(s) of node(s) {missing} did not take the cut "
+                              f"request within {HAND_OUT_S:.0f} s (frozen, partitioned or gone); no rank saw "
+                              "it and the job goes on")
+        time.sleep(0.01)
+    peers.store.set(peers.cut_key(request.id, "go"), "1")
+
+
+def gather_cut_reports(launcher, request: CutRequest, deadline: float) -> set[int]:
+    """Leader: waits for every follower's NodeCutReport of `request`; returns the steps they cut
+    at. Raises LaunchError (withdrawing the cut) when one fails or the deadline passes."""
+    peers = launcher.peers
+    steps = set()
+    for node in range(1, peers.nodes):
+        key = peers.cut_key(request.id, "report", node)
+        while not peers.has(key):
+            if time.monotonic() > deadline:
+                peers.withdraw_cut(request.id)
+                launcher.abandon_cut(request.id)
+                raise LaunchError(f"{request.action}: node {node} did not report its ranks' cut in time; "
+                                  "the job goes on")
+            if launcher.check_ranks():
+                raise LaunchError(f"the job finished before reaching the cut for {request.action}")
+            time.sleep(0.01)
+        report = NodeCutReport.from_dict(json.loads(peers.store.get(key)))
+        if report.status != "ok" or report.step is None:
+            launcher.abandon_cut(request.id)
+            raise LaunchError(f"{request.action} refused on node {node}: {report.error}")
+        steps.add(report.step)
+    return steps
+
+
+def follow_cut(launcher) -> str | None:
+    """Follower: carries out a cut the leader handed out, if there is a new one; returns
+    "stopped" when it was a stop and this node's ranks have exited after saving, else None."""
+    peers = launcher.peers
+    now = time.monotonic()
+    if now - getattr(launcher, "_cut_checked_at", 0.0) < FOLLOW_CHECK_S:
+        return None
+    launcher._cut_checked_at = now
+    latest_key = f"meridian/{peers.nonce}/cut/latest"
+    if not peers.has(latest_key):
+        return None
+    request_id = int(peers.store.get(latest_key))
+    if request_id <= launcher.last_request_id:
+        return None
+    launcher.last_request_id = request_id
+    request = CutRequest.from_dict(json.loads(peers.store.get(peers.cut_key(request_id, "request"))))
+    peers.store.set(peers.cut_key(request_id, "received", peers.node_rank), "1")
+    deadline = time.monotonic() + 2 * HAND_OUT_S
+    while not peers.has(peers.cut_key(request_id, "go")):
+        if peers.has(peers.cut_key(request_id, "withdrawn")) or time.monotonic() > deadline:
+            return None  # the cut is off before any rank saw it
+        time.sleep(0.005)
+    report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", error="no report")
+    try:
+        _, step, _, errors = launcher.await_cut(request, FINISH_WAIT_S * 5)
+        if errors:
+            report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", step=step,
+                                   error="; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
+        else:
+            report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="ok", step=step)
+    except LaunchError as exc:
+        report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", error=str(exc))
+    peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
+    if request.action == "stop" and report.status == "ok":
+        launcher.wait_all_exit(FINISH_WAIT_S)
+        return "stopped"
+    return None
+
+
+def agree_on_checkpoint(launcher, ref):
+    """--resume on several hosts: the leader's newest good checkpoint is everyone's. Returns the
+    ref to resume from (None: there is none); raises LaunchError when this node's store sees
+    another newest checkpoint than the leader's (the store is not shared as it must be)."""
+    peers = launcher.peers
+    key = f"meridian/{peers.nonce}/resume-uri"
+    if peers.node_rank == 0:
+        peers.store.set(key, ref.uri if ref is not None else "")
+        return ref
+    uri = peers.store.get(key).decode()
+    if not uri:
+        return None
+    if ref is None or ref.uri != uri:
+        raise LaunchError(f"--resume: the leader resumes from {uri} but this node's store "
+                          f"{launcher.store.root} has {ref.uri if ref else 'no checkpoint'} as its newest; "
+                          "every node of the job must use the same shared --store")
+    return ref

@@ -1,0 +1,55 @@
+"""Runs one meridian-run job over several emulated hosts (one launcher per host)."""
+import os
+import subprocess
+import sys
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def host_env(extra=None):
+    """The environment a launcher gets on an emulated host: ours without Meridian's own settings
+    (each host has its own spool root, /run/meridian, on its private /run)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env["PYTHONPATH"] = REPO
+    env.update(extra or {})
+    return env
+
+
+def start_job(hosts, *, ranks, script, args, engine="framework", job_id=None, launcher_args=(),
+              only_nodes=None):
+    """Starts meridian-run on each of `hosts` (node rank = position; `only_nodes`: just those);
+    returns (job id, Popens)."""
+    job_id = job_id or f"mh-{uuid.uuid4().hex[:8]}"
+    rendezvous = os.path.join(hosts[0].store, "rendezvous")
+    processes = []
+    for node_rank, host in enumerate(hosts):
+        if only_nodes is not None and node_rank not in only_nodes:
+            continue
+        command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks), "--engine", engine,
+                   "--nodes", str(len(hosts)), "--node-rank", str(node_rank), "--node-addr", host.address,
+                   "--rendezvous", rendezvous, "--job-id", job_id,
+                   "--job-dir", f"{host.node_dir}/jobs/{job_id}", *launcher_args, script, *args]
+        processes.append(host.popen(command, env=host_env(), cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True))
+    return job_id, processes
+
+
+def wait_job(processes, timeout=600):
+    """Waits for every launcher; returns [(exit code, output)]."""
+    results = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+            output += "\n(timed out)"
+        results.append((process.returncode, output))
+    return results
+
+
+def rank_log(host, job_id, rank):
+    """Returns a rank's output from its host's job directory (copied there at the launcher's exit)."""
+    result = host.run(["cat", f"{host.node_dir}/jobs/{job_id}/logs/rank{rank}.log"], check=False)
+    return result.stdout
