@@ -94,16 +94,33 @@ def check_quota(workspace: Path, quota_bytes: int | None, files: dict[str, os.st
     return total
 
 
-def _copy_into_objects(source: Path, outputs: Path) -> tuple[str, int, bool]:
-    """Copies `source` into the object store, hashing as it copies; returns (sha256, size,
-    copied). An object already there is not replaced (content-addressed: it is the same)."""
+def open_as_scanned(path: Path, scanned: os.stat_result):
+    """Opens the regular file `path` for reading only if it is still the file that was scanned
+    (same device and inode) and not a link: the launcher reads a job's workspace as root while
+    the job's processes may still be running, so a file (or a folder above it) swapped for a link
+    to a node's file after the scan is refused here rather than copied into the job's outputs."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise WorkspaceError(f"cannot read {path}: {exc.strerror or exc} (changed while it was saved?)") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (scanned.st_dev, scanned.st_ino):
+        os.close(fd)
+        raise WorkspaceError(f"{path} changed while the workspace was saved (it is no longer the file that "
+                             f"was scanned); not saved")
+    return os.fdopen(fd, "rb")
+
+
+def _copy_into_objects(source: Path, outputs: Path, scanned: os.stat_result) -> tuple[str, int, bool]:
+    """Copies `source` (the file `scanned` described) into the object store, hashing as it copies;
+    returns (sha256, size, copied). An object already there is not replaced (content-addressed)."""
     tmp_dir = outputs / "objects" / ".tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / uuid.uuid4().hex
     digest = hashlib.sha256()
     size = 0
     try:
-        with open(source, "rb") as fin, open(tmp, "wb") as fout:
+        with open_as_scanned(source, scanned) as fin, open(tmp, "wb") as fout:
             while chunk := fin.read(CHUNK):
                 digest.update(chunk)
                 fout.write(chunk)
@@ -155,6 +172,13 @@ class Workspace:
         self.path.mkdir(parents=True, exist_ok=True)
         found = scan(self.path)
         total = check_quota(self.path, self.quota_bytes, found)
+        # A regular file the workspace's owner does not own was not written by the job (under the
+        # sandbox the workspace is the job uid's): a hard link to a node's file, say. Never saved.
+        owner = os.lstat(self.path).st_uid
+        foreign = sorted(rel for rel, info in found.items() if stat.S_ISREG(info.st_mode) and info.st_uid != owner)
+        if foreign:
+            raise WorkspaceError(f"the workspace holds files its owner (uid {owner}) does not own: "
+                                 f"{', '.join(foreign[:5])}; they are not saved (the job did not write them)")
         cache = self._load_cache()
         new_cache: dict[str, list] = {}
         entries: dict[str, dict] = {}
@@ -171,7 +195,7 @@ class Workspace:
             cached = cache.get(rel)
             sha = cached[3] if isinstance(cached, list) and len(cached) == 4 and cached[:3] == key else None
             if sha is None or not object_path(self.outputs, sha).is_file():
-                sha, _, copied = _copy_into_objects(full, self.outputs)
+                sha, _, copied = _copy_into_objects(full, self.outputs, info)
                 if copied:
                     copied_bytes += info.st_size
                     copied_files += 1
