@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/runtime_multihost.py [--ranks 8] [--hosts 2,4] [--steps 150] [--repeats 3]
 
-Starts emulated hosts (tests/hosts/harness.py: own network, mount and PID namespaces, a bridge
+Starts emulated hosts (tests/hosts/emulated_hosts.py: own network, mount and PID namespaces, a bridge
 between them; root only) and runs bench/runtime_scripts/timed_ddp.py (a 3x<width> MLP, Adam) as W
 ranks spread evenly over H hosts, two ways:
 - plain torch: W processes, torchrun-style env, gloo over the hosts' addresses
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "hosts"))
 
-import harness  # noqa: E402 - from tests/hosts, put on sys.path above
+import emulated_hosts as harness  # noqa: E402 - from tests/hosts, put on sys.path above
 from multihost_jobs import host_env, start_job, wait_job  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "bench", "runtime_scripts", "timed_ddp.py")

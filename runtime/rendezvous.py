@@ -8,7 +8,7 @@ key back: a file left by an earlier attempt names a store that is gone (the conn
 or holds another nonce, and the follower keeps waiting until its deadline.
 
 The rendezvous root is a folder of the shared store (an NFS/Lustre mount here; on emulated hosts
-a bind mount, tests/hosts/harness.py). Only whole-file create / replace / read is used, which an
+a bind mount, tests/hosts/emulated_hosts.py). Only whole-file create / replace / read is used, which an
 object store's put and get give too: `FolderRendezvous` is the one place to swap for one.
 """
 import datetime

@@ -1,4 +1,4 @@
-"""Fixtures for tests on emulated hosts (tests/hosts/harness.py)."""
+"""Fixtures for tests on emulated hosts (tests/hosts/emulated_hosts.py)."""
 import os
 import sys
 
@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402 - the folder is put on sys.path just above
+import emulated_hosts as harness  # noqa: E402 - the folder is put on sys.path just above
 
 
 @pytest.fixture

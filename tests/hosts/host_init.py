@@ -1,4 +1,4 @@
-"""Pid 1 of an emulated host (tests/hosts/harness.py): mounts the host's own places, then reaps.
+"""Pid 1 of an emulated host (tests/hosts/emulated_hosts.py): mounts the host's own places, then reaps.
 
 Runs as the first process of fresh network, mount, PID and UTS namespaces (`unshare ...
 --mount-proc`). It mounts tmpfs on /dev/shm, /run and /tmp, binds the shared store at its mount

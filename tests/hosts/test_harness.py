@@ -1,10 +1,10 @@
-"""The emulated hosts share nothing but each other's addresses and the store (tests/hosts/harness.py)."""
+"""The emulated hosts share nothing but each other's addresses and the store (tests/hosts/emulated_hosts.py)."""
 import os
 import subprocess
 import sys
 import time
 
-import harness
+import emulated_hosts as harness
 import pytest
 from polling import poll
 

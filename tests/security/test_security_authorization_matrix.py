@@ -63,6 +63,7 @@ MATRIX = [
     ("GET", "/api/jobs/{job_a}/", None, users(200, other_team=404)),
     ("POST", "/api/jobs/{job_a}/cancel/", None, users(200, other_team=404)),
     ("GET", "/api/jobs/{job_a}/events/", None, users(200, other_team=404)),
+    ("GET", "/api/jobs/{job_a}/logs/", None, users(200, other_team=404)),
     # job_a has saved no outputs yet: 404 for whoever may see it, the same 404 for another team
     ("GET", "/api/jobs/{job_a}/outputs/", None, users(404)),
     # a bundle is visible to those who uploaded it (alice) only: a digest alone grants nothing
@@ -84,6 +85,7 @@ MATRIX = [
     ("GET", "/api/agent/desired/", None, AGENT),
     ("GET", "/api/agent/nodes/{node_1}/desired/", None, {**AGENT, "other_node": 403}),
     ("POST", "/api/agent/heartbeat/", {"jobs": []}, AGENT),
+    ("POST", "/api/agent/logs/", {"chunks": []}, AGENT),
     # job_a (which uses bundle_a) has a replica on n1 only: another node may not fetch its code
     ("GET", "/api/agent/bundles/{bundle_a}/", None, {**AGENT, "other_node": 404}),
     # the pages
