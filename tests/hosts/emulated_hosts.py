@@ -48,6 +48,15 @@ import sys
 import time
 
 PREFIX = "mrdh"  # links, cgroups and state folders of this harness start with it
+def _image_paths_under_tmp() -> list[str]:
+    """The checkout and the Python environment, when they lie under /tmp: every host mounts a /tmp
+    of its own, so these are bound back into it (they are the hosts' "installed image")."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = {os.path.realpath(checkout), os.path.realpath(sys.prefix)}
+    tops = sorted(p for p in paths if p.startswith("/tmp/"))
+    return [p for p in tops if not any(p != q and p.startswith(q + "/") for q in tops)]
+
+
 STATE_ROOT = "/var/tmp/meridian-hosts"  # not under /tmp: each host mounts its own /tmp
 FREEZER_ROOT = "/sys/fs/cgroup/freezer"
 STORE_MOUNT = "/run/meridian-store"  # where every host sees the shared store
@@ -220,7 +229,7 @@ class Host:
                    sys.executable, HOST_INIT, "--hostname", self.name,
                    "--store-source", self.cluster.store_dir, "--store-mount", STORE_MOUNT,
                    "--node-dir", NODE_DIR, "--hide", self.cluster.state_dir,
-                   "--ready-fd", str(ready_write)]
+                   "--ready-fd", str(ready_write)] + [f"--keep={path}" for path in _image_paths_under_tmp()]
         self.init = subprocess.Popen(self._in_cgroup(command), pass_fds=(ready_write,),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         os.close(ready_write)

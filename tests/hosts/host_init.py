@@ -26,11 +26,27 @@ def main():
     parser.add_argument("--node-dir", required=True)
     parser.add_argument("--hide", required=True)
     parser.add_argument("--ready-fd", type=int, required=True)
+    parser.add_argument("--keep", action="append", default=[],
+                        help="a folder under /tmp of the installed image (a checkout and its venv there) that "
+                             "stays visible through the host's own /tmp")
     options = parser.parse_args()
     try:
         mount("-t", "tmpfs", "-o", "mode=1777", "host-shm", "/dev/shm")
-        mount("-t", "tmpfs", "-o", "mode=1777", "host-tmp", "/tmp")
         mount("-t", "tmpfs", "-o", "mode=755", "host-run", "/run")
+        # Folders of the image that lie under /tmp (a checkout in /tmp, as CI's clone may be) are
+        # bound aside before the host's own /tmp covers them, then bound back at the same path.
+        for index, path in enumerate(options.keep):
+            aside = f"/run/meridian-image-{index}"
+            os.makedirs(aside)
+            mount("--bind", path, aside)
+        mount("-t", "tmpfs", "-o", "mode=1777", "host-tmp", "/tmp")
+        for index, path in enumerate(options.keep):
+            aside = f"/run/meridian-image-{index}"
+            os.makedirs(path, exist_ok=True)
+            mount("--bind", aside, path)
+            mount("--make-private", aside)
+            subprocess.run(["umount", aside], check=True)
+            os.rmdir(aside)
         os.makedirs(options.node_dir, mode=0o755)
         os.makedirs(options.store_mount, mode=0o755)
         mount("--bind", options.store_source, options.store_mount)
