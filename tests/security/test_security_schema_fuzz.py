@@ -15,6 +15,21 @@ from schemathesis import checks as core_checks
 from schemathesis.specs.openapi import checks as openapi_checks
 
 EXAMPLES_PER_OPERATION = 20
+
+
+@pytest.fixture(autouse=True)
+def _connections_kept_open():
+    """The WSGI application closes the database connection when a request ends (Django's
+    close_old_connections); inside a test's transaction that loses the test database on
+    PostgreSQL. Django's own test client disconnects the same signals; so does this."""
+    from django.core.signals import request_finished, request_started
+    from django.db import close_old_connections
+
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
 CHECKS = [
     core_checks.not_a_server_error,
     openapi_checks.status_code_conformance,
