@@ -18,6 +18,17 @@ from jobs.models import (
 )
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows written only by the control plane's own code: viewable (and deletable) here, never
+    added or edited by hand."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 0
@@ -112,7 +123,7 @@ class ControlLoopLeaseAdmin(admin.ModelAdmin):
 
 
 @admin.register(Move)
-class MoveAdmin(admin.ModelAdmin):
+class MoveAdmin(ReadOnlyAdmin):
     """Read-only: a move is advanced only by its Celery steps (jobs/moves.py)."""
 
     list_display = ["id", "job", "kind", "step", "state", "from_node", "to_node", "cut_step", "step_deadline",
@@ -121,15 +132,9 @@ class MoveAdmin(admin.ModelAdmin):
     list_select_related = ["job", "from_node", "to_node"]
     raw_id_fields = ["job", "from_node", "to_node"]
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
 
 @admin.register(LogChunk)
-class LogChunkAdmin(admin.ModelAdmin):
+class LogChunkAdmin(ReadOnlyAdmin):
     """Read-only: log chunks come from agents (jobs/logs.py) and the state machine's markers."""
 
     list_display = ["id", "job", "kind", "rank", "generation", "attempt", "node", "offset", "created_at"]
@@ -137,26 +142,14 @@ class LogChunkAdmin(admin.ModelAdmin):
     list_select_related = ["job", "node"]
     raw_id_fields = ["job", "node"]
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
 
 @admin.register(LogSource)
-class LogSourceAdmin(admin.ModelAdmin):
+class LogSourceAdmin(ReadOnlyAdmin):
     """Read-only: which node may ship which copy's output (jobs/logs.py)."""
 
     list_display = ["id", "job", "generation", "node", "created_at"]
     list_select_related = ["job", "node"]
     raw_id_fields = ["job", "node"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Bundle)
