@@ -53,6 +53,7 @@ class RankRuntime:
         self.connection = connection
         self._progress_at = 0.0
         self._window = []  # (monotonic time, step) samples for steps/s
+        self.cut_kind = None  # the kind of the cut being taken (runtime/cut.py), for the report
 
     # -- progress (rank 0 only) -----------------------------------------------------------
     def on_step(self, step):
@@ -77,11 +78,13 @@ class RankRuntime:
     # -- the cut ------------------------------------------------------------------------------
     def report(self, request: CutRequest, step: int, status: CutStatus, **fields) -> None:
         """Tells the launcher that this rank is `status` after `step` for `request` (a CutReport)."""
+        fields.setdefault("cut_kind", self.cut_kind)
         report = CutReport(rank=self.rank, step=step, status=status, **fields)
         self.spool_files.write_json_atomic(
             self.spool_files.cut_report_path(self.spool, self.rank, request.id), report.to_dict())
 
-    def on_cut(self, request: CutRequest, step: int) -> None:
+    def on_cut(self, request: CutRequest, step: int, kind: str | None = None) -> None:
+        self.cut_kind = kind
         if self.rank == 0:
             self.write_progress(step)
         if request.action == "resize":
@@ -258,8 +261,9 @@ def main(argv=None):
                           tracker=tracker, slot=slot, connection=Connection())
     tracker.add_step_listener(watch.on_step)
     tracker.add_step_listener(runtime.on_step)
-    barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut)
+    barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut, step_of=lambda: tracker.step)
     tracker.add_step_listener(barrier)
+    cut.watch_between_steps(barrier, engine=engine, runtime=runtime, world_size=world_size)
 
     script = os.path.abspath(options.script)
     sys.argv = [script] + list(options.args)
