@@ -59,7 +59,7 @@ def _page_images(root: Path) -> list[Path]:
 def _digests(path: Path) -> list[bytes]:
     """Returns the sha256 digest of every page of `path`."""
     pages = _blob(path)
-    view = memoryview(pages).cast("B") if len(pages) else memoryview(b"")
+    view = pages.data.cast("B") if len(pages) else memoryview(b"")
     sha = hashlib.sha256
     return [sha(view[i:i + PAGE]).digest() for i in range(0, len(view), PAGE)]
 

@@ -210,7 +210,7 @@ class CriuEngine(Engine):
         self.pack_pages(launcher, staging)
 
     @staticmethod
-    def pack_pages(launcher: Launcher, staging: str) -> None:
+    def pack_pages(launcher: Launcher, staging: os.PathLike | str) -> None:
         """Stores the dump's memory pages once, against the store's base CRIU checkpoint when it
         has one (runtime/criu_pages.py): the store's bytes then follow what the job changed."""
         from runtime import criu_pages

@@ -410,6 +410,10 @@ class CheckpointStore:
         self.root = path_from_uri(uri).absolute()
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
+        # Checkpoints this process verified, with the (inode, size, mtime) of every file then: a
+        # resume checks the newest checkpoint and then the one it restores, the same one; its
+        # base alone is hundreds of MB to hash again.
+        self._verified: dict[str, tuple] = {}
         if not os.access(self.root, os.W_OK):
             raise CheckpointError(f"checkpoint store {self.root} is not writable")
 
@@ -529,6 +533,35 @@ class CheckpointStore:
             return directory, manifest_sha256(directory)
         return None
 
+    def _files_signature(self, directory: Path, manifest: dict) -> tuple | None:
+        names = [(directory, rel) for rel in manifest["files"]] + [(directory, MANIFEST_NAME)]
+        for base in manifest.get("bases") or []:
+            base_dir = directory.parent / str(base.get("name"))
+            try:
+                names += [(base_dir, rel) for rel in read_manifest(base_dir)["files"]] + [(base_dir, MANIFEST_NAME)]
+            except CheckpointError:
+                return None
+        signature = []
+        for folder, rel in sorted(names):
+            try:
+                stat = (folder / rel).stat()
+            except OSError:
+                return None
+            signature.append((str(folder), rel, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+        return tuple(signature)
+
+    def _verify_dir(self, directory: Path, manifest: dict) -> dict:
+        """verify_dir, once per process for files that did not change since."""
+        key = str(directory)
+        signature = self._files_signature(directory, manifest)
+        if signature is not None and self._verified.get(key) == signature:
+            return manifest
+        self._verified.pop(key, None)
+        verify_dir(directory, manifest)
+        if signature is not None:
+            self._verified[key] = signature
+        return manifest
+
     def _committed_dirs(self) -> list[Path]:
         found = []
         for entry in self.root.iterdir():
@@ -579,14 +612,14 @@ class CheckpointStore:
         if manifest["files_sha256"] != ref.sha256:
             raise CheckpointCorrupt(directory / MANIFEST_NAME,
                                     "manifest differs from the one this reference was made from")
-        return verify_dir(directory, manifest)
+        return self._verify_dir(directory, manifest)
 
     def latest_good(self) -> CheckpointRef | None:
         """Returns the newest checkpoint whose files all verify, or None if there is none.
         Each skipped checkpoint is logged with the reason (missing file, bad sha256...)."""
         for directory in reversed(self._committed_dirs()):
             try:
-                manifest = verify_dir(directory)
+                manifest = self._verify_dir(directory, read_manifest(directory))
             except CheckpointError as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", directory, exc)
                 continue
@@ -604,7 +637,7 @@ class CheckpointStore:
                 manifest = read_manifest(directory, expect_sha256=manifest_sha256)
             except CheckpointError:
                 continue
-            return self._ref_for(directory, verify_dir(directory, manifest))
+            return self._ref_for(directory, self._verify_dir(directory, manifest))
         raise ManifestMismatch(self.root / MANIFEST_NAME,
                                f"no checkpoint in {self.root} has the manifest the control plane recorded "
                                f"(sha256 {manifest_sha256[:16]}…); refusing to restore any other")

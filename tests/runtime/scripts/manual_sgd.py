@@ -2,7 +2,11 @@
 
 With WORLD_SIZE > 1 it averages the gradients itself with dist.all_reduce (no DDP). Prints
 "iter <i>" every iteration (tests follow its log); rank 0 saves the parameters at the end.
-Usage: manual_sgd.py OUT [--iters N] [--sleep S]
+After iteration 3 it waits while the file --hold-while names exists (a test keeps the job there
+as long as it needs, on a machine of any load): ticks of 0.1 s, each with an all-reduce of "do all
+ranks still see the file" when W > 1, so the ranks agree when to go on and keep running
+collectives meanwhile. The wait changes nothing in the model. Each iteration sleeps S seconds.
+Usage: manual_sgd.py OUT [--iters N] [--sleep S] [--hold-while PATH]
 """
 import argparse
 import os
@@ -18,6 +22,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--hold-while", default=None)
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
@@ -41,6 +46,13 @@ def main():
                 p.data.add_(-lr * p.grad)
         print(f"iter {i}", flush=True)
         time.sleep(args.sleep)
+        while i == 3 and args.hold_while:
+            holding = torch.tensor([1.0 if os.path.exists(args.hold_while) else 0.0])
+            if world_size > 1:
+                dist.all_reduce(holding)
+            if holding.item() < world_size:
+                break
+            time.sleep(0.1)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
     if world_size > 1:
