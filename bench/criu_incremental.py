@@ -15,7 +15,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,33 +22,16 @@ import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from runtime.control import JobControl, JobControlError  # noqa: E402
+from runtime_migration import launch as launch_any  # noqa: E402
+from runtime_migration import poll  # noqa: E402
+
+from runtime.control import JobControl  # noqa: E402
 
 
 def launch(root, job_dir, job_id, store, ranks, resume, env):
-    script = os.path.join(root, "bench", "runtime_scripts", "long_train.py")
-    command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks), "--engine", "criu",
-               "--job-id", job_id, "--job-dir", job_dir, "--store", store, "--keep", "2"]
-    if resume:
-        command.append("--resume")
-    command += [script, os.path.join(job_dir, "..", "out.pt"), "--width", "64"]
-    env = dict(env, PYTHONPATH=root)
-    return subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-
-
-def poll(fn, what, timeout_s=600):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = fn()
-        except (JobControlError, OSError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.01)
-    raise SystemExit(f"timed out waiting for {what}")
+    return launch_any(job_dir, job_id, store, ranks, "criu", 64, resume, env, root=root, keep=2)
 
 
 def once(root, ranks, workdir):

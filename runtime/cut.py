@@ -45,6 +45,7 @@ import time
 from protocol.cut import CutRequest
 from runtime import spool as spool_files
 from runtime import vpg
+from runtime.polling import PollingThread
 
 REQUEST_WAIT_S = 60.0
 OPTIMIZER_STEP = "optimizer-step"
@@ -156,7 +157,7 @@ class CutBarrier:
         self.on_cut(request, step, kind)
 
 
-class RequestWatch:
+class RequestWatch(PollingThread):
     """A daemon thread of the rank that looks at the cut requests between steps.
 
     `any_moment`: take a checkpoint or stop request at once (a single-rank CRIU job without a
@@ -175,16 +176,8 @@ class RequestWatch:
         self.grace_s = grace_s
         self._first_seen: dict[int, float] = {}
         self.any_moment_now = lambda: True  # rechecked at each request (a group may appear)
-        self._thread = threading.Thread(target=self._run, name="meridian-cut-watch", daemon=True)
 
-    def start(self):
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while True:
-            time.sleep(self.interval_s)
-            self.check()
+    thread_name = "meridian-cut-watch"
 
     def check(self):
         request = self.barrier.pending()

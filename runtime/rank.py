@@ -20,6 +20,7 @@ import time
 
 from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress
 from runtime import engines
+from runtime.polling import PollingThread
 
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"  # node-local indices of this job's devices, when known
 
@@ -175,28 +176,18 @@ def _launcher_gone(spool):
         os._exit(EXIT_LAUNCHER_GONE)
 
 
-class LauncherWatch:
+class LauncherWatch(PollingThread):
     """Ends this rank when its launcher is gone: a daemon thread probes every LAUNCHER_CHECK_S
     (so a rank blocked in a collective, parked at a cut or loading data ends too; collectives
     release the GIL while they wait), and the main thread probes at step boundaries as well.
     CRIU dumps and restores the thread with the rest of the process."""
 
     def __init__(self, spool, interval_s=LAUNCHER_CHECK_S):
-        import threading
         self.spool = str(spool)
         self.interval_s = interval_s
         self._checked_at = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="meridian-launcher-watch",
-                                        daemon=True)
 
-    def start(self):
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while True:
-            time.sleep(self.interval_s)
-            self.check()
+    thread_name = "meridian-launcher-watch"
 
     def check(self):
         self._checked_at = time.monotonic()
