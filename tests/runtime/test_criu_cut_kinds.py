@@ -89,3 +89,65 @@ def test_a_single_rank_without_an_optimizer_is_cut_at_any_moment_and_resumes_exa
 def test_two_ranks_without_an_optimizer_are_cut_at_a_collective_boundary_and_resume_exactly(tmp_path, jobs):
     taken = stop_and_resume(tmp_path, jobs, 2)
     assert {e["cut_kind"] for e in taken} == {cut.COLLECTIVE_BOUNDARY}
+
+
+# -- the watcher between steps, in this process (no ranks, no CRIU: one rank without a group) ----
+
+class Taken:
+    def __init__(self):
+        self.cuts, self.errors = [], []
+
+    def on_cut(self, request, step, kind):
+        self.cuts.append((request.id, step, kind))
+
+    def report_error(self, request, step, reason):
+        self.errors.append((request.id, step, reason))
+
+
+def ask(spool, request_id, **fields):
+    from protocol.cut import CutRequest
+    from runtime import spool as spool_files
+    fields.setdefault("staging_dir", str(spool / "staging"))
+    spool_files.write_json_atomic(spool / "request.json",
+                                  CutRequest(id=request_id, **fields).to_dict())
+
+
+def test_a_single_rank_with_no_step_is_cut_at_once_and_one_with_steps_after_the_grace(tmp_path):
+    taken, steps = Taken(), {"n": 0}
+    barrier = cut.CutBarrier(spool=tmp_path, on_cut=taken.on_cut, step_of=lambda: steps["n"])
+    watch = cut.RequestWatch(barrier, any_moment=True, grace_s=0.3)
+    ask(tmp_path, 1, action="stop")
+    watch.check()
+    assert taken.cuts == [(1, 0, cut.ANY_MOMENT)]
+    watch.check()  # handled: never taken twice
+    assert len(taken.cuts) == 1
+    steps["n"] = 7  # a job with optimizer steps: the step barrier has the grace period first
+    ask(tmp_path, 2, action="checkpoint")
+    watch.check()
+    assert len(taken.cuts) == 1
+    time.sleep(0.35)
+    watch.check()
+    assert taken.cuts[-1] == (2, 7, cut.ANY_MOMENT)
+    ask(tmp_path, 3, action="stop", at_step=40)  # a cut after a given step waits for that step
+    time.sleep(0.35)
+    watch.check()
+    assert len(taken.cuts) == 2
+    barrier(40)  # the step barrier: a single rank's flags sum to its own
+    barrier(41)
+    assert taken.cuts[-1] == (3, 41, cut.OPTIMIZER_STEP)
+
+
+def test_an_engine_that_cannot_cut_without_steps_refuses_at_once_with_its_reason(tmp_path):
+    taken, steps = Taken(), {"n": 0}
+    barrier = cut.CutBarrier(spool=tmp_path, on_cut=taken.on_cut, step_of=lambda: steps["n"])
+    reason = "no torch.optim optimizer: use --engine criu"
+    watch = cut.RequestWatch(barrier, any_moment=False, no_cut_reason=lambda: reason,
+                             report_error=taken.report_error)
+    ask(tmp_path, 5, action="stop")
+    watch.check()
+    watch.check()
+    assert taken.errors == [(5, 0, reason)] and taken.cuts == []
+    steps["n"] = 1  # once a step was taken, the request waits for the step barrier
+    ask(tmp_path, 6, action="stop")
+    watch.check()
+    assert len(taken.errors) == 1
