@@ -9,9 +9,12 @@ two checkpoints (the first and the next) and is stopped; a second launcher resum
 same store in another job directory. Bytes are what the store holds for each checkpoint itself
 (a deduplicated one also needs its base, the first). Downtime runs from the stop command to the
 first optimizer step after the resume; "resume s" is the part from the old launcher's exit
-(a new launcher process, verify, rebuild, restore, first step). Prints medians; note the load.
+(a new launcher process, verify, rebuild, restore, first step), of which "launcher" is the new
+launcher's start until its restore begins (Python, imports, verification) and "restore" the
+engine's restore (rebuilding the images, criu restore). Prints medians; note the load.
 """
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -55,6 +58,7 @@ def once(root, ranks, workdir):
             first.terminate()
             first.wait(timeout=60)
     exited = time.monotonic()
+    exited_unix = time.time()
     shutil.rmtree(os.path.dirname(node_a))
     second = launch(root, node_b, job_id, store, ranks, True, env)
     control_b = JobControl(node_b)
@@ -64,8 +68,11 @@ def once(root, ranks, workdir):
     finally:
         second.terminate()  # the launcher kills its ranks on SIGTERM
         second.wait(timeout=60)
+    restored = [json.loads(line) for line in open(os.path.join(node_b, "events.jsonl"))
+                if '"restored"' in line][0]
     shutil.rmtree(os.path.join(workdir, job_id), ignore_errors=True)
-    return {"first": full["bytes"], "next": after["bytes"], "stop": stopped["bytes"],
+    return {"launch_s": restored["time_unix"] - restored["seconds"] - exited_unix,
+            "restore_s": restored["seconds"], "first": full["bytes"], "next": after["bytes"], "stop": stopped["bytes"],
             "stop_s": stopped["seconds"]["total"], "resume_s": resumed - exited,
             "downtime": resumed - began}
 
@@ -88,10 +95,11 @@ def main():
     print(f"\nCRIU checkpoints of a small MLP, W={options.ranks}, medians of {options.repeats} "
           f"(load average now {load:.1f} on {os.cpu_count()} cores)")
     print(f"{'runtime':<8} {'first MB':>9} {'next MB':>8} {'stop MB':>8} {'next/first':>11} "
-          f"{'stop s':>7} {'resume s':>9} {'downtime s':>11}")
+          f"{'stop s':>7} {'resume s':>9} {'(launcher':>10} {'restore)':>9} {'downtime s':>11}")
     for label, m in rows:
         print(f"{label:<8} {m['first'] / 1e6:9.1f} {m['next'] / 1e6:8.2f} {m['stop'] / 1e6:8.2f} "
-              f"{m['next'] / m['first']:11.3f} {m['stop_s']:7.2f} {m['resume_s']:9.2f} {m['downtime']:11.2f}")
+              f"{m['next'] / m['first']:11.3f} {m['stop_s']:7.2f} {m['resume_s']:9.2f} {m['launch_s']:10.2f} "
+              f"{m['restore_s']:9.2f} {m['downtime']:11.2f}")
     if len(rows) == 2:
         today, new = rows[0][1], rows[1][1]
         print(f"new/today: next checkpoint bytes {new['next'] / today['next']:.3f}, "
