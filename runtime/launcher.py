@@ -209,32 +209,7 @@ class Launcher:
                                         wait_for_workers=False)
         self.master_port = self.rendezvous.port
 
-    def start_rendezvous_beside(self):
-        """Starts the rendezvous on a thread (importing torch takes seconds): a resume verifies
-        and restores its checkpoint meanwhile; rendezvous_ready() waits for it."""
-        failure: list[BaseException] = []
-
-        def start():
-            try:
-                self.start_rendezvous()
-            except BaseException as exc:  # noqa: BLE001 - re-raised by rendezvous_ready
-                failure.append(exc)
-        # Not a daemon: a resume that fails meanwhile still lets the import end before the exit.
-        self._rendezvous_thread = threading.Thread(target=start, name="meridian-rendezvous")
-        self._rendezvous_thread.start()
-        self._rendezvous_failure = failure
-
-    def rendezvous_ready(self):
-        """Returns once the rendezvous runs (at once unless start_rendezvous_beside started it)."""
-        thread = getattr(self, "_rendezvous_thread", None)
-        if thread is not None:
-            thread.join()
-            self._rendezvous_thread = None
-            if self._rendezvous_failure:
-                raise self._rendezvous_failure[0]
-
     def rank_env(self, rank, resume_dir=None):
-        self.rendezvous_ready()
         root = str(pathlib.Path(__file__).resolve().parent.parent)
         runtime_env = {
             "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
@@ -399,7 +374,6 @@ class Launcher:
         self.checkpoints.abandon(self, request_id)
 
     def resume_ranks(self, request_id):
-        self.rendezvous_ready()
         resume = ResumeFile(master_addr=self.master_addr, master_port=self.master_port,
                             key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
                             device_indices=self.device_indices)
@@ -593,10 +567,7 @@ class Launcher:
 
     def run(self):
         if self.options.resume:
-            if self.nodes > 1:  # the hosts agree on the checkpoint through the rendezvous
-                self.start_rendezvous()
-            else:
-                self.start_rendezvous_beside()
+            self.start_rendezvous()
             self.restore_latest()
         else:
             name, self.engine_reason = self.choose_engine()
