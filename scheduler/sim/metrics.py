@@ -53,6 +53,12 @@ class SimResult:
     policy_s: float
     failures: int
     cpu_s: float = float("nan")  # process CPU seconds of the run (wall_s counts waiting for a core)
+    load: float = 1.0  # the offered-load factor the trace was time-scaled by (set by the caller)
+
+    @property
+    def label(self):
+        """Returns the policy's name, with the offered load when it is not 1 (report legends)."""
+        return self.policy if self.load == 1.0 else f"{self.policy} @{self.load:g}x"
 
     @classmethod
     def from_engine(cls, e, wall_s):
@@ -166,8 +172,11 @@ def format_table(summaries, markdown=False):
             return f"{value / 86400:.1f}"
         return fmt.format(value)
 
-    header = [title for _, title, _ in COLUMNS]
-    rows = [[cell(s, key, fmt) for key, _, fmt in COLUMNS] for s in summaries]
+    columns = COLUMNS
+    if any(s.get("load", 1.0) != 1.0 for s in summaries):
+        columns = [("load", "load", "{:g}")] + COLUMNS
+    header = [title for _, title, _ in columns]
+    rows = [[cell(s, key, fmt) for key, _, fmt in columns] for s in summaries]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
