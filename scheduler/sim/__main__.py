@@ -24,6 +24,7 @@ import time
 from . import POLICY_NAMES, make_policy
 from .costs import CostModel
 from .engine import Engine
+from .fidelity import ApprovalModel, FidelityError, StartupCosts
 from .fleet import FleetError, by_name
 from .metrics import format_table
 from .trace import PHILLY_CSV, SYNTHETIC_MIXES, TraceError, load_philly, synthetic
@@ -46,7 +47,9 @@ def build_parser():
     p.add_argument("--load", type=parse_loads, default=(1.0,), metavar="L[,L...]",
                    help="offered loads: arrivals time-scaled by each (e.g. 0.5,1.0,1.5,2.0); "
                         "every policy runs at every load (1.0)")
-    p.add_argument("--fleet", default="philly", help="philly (default), philly-full, planet-<devices>")
+    p.add_argument("--fleet", default="philly",
+                   help="philly (default), philly-hetero (three accelerator types; jobs draw a type), "
+                        "philly-full, planet-<devices>")
     p.add_argument("--policies", default=",".join(POLICY_NAMES),
                    help=f"comma-separated, from {','.join(POLICY_NAMES)}")
     p.add_argument("--start-day", type=float, default=None, help="window start, days from the trace start")
@@ -62,6 +65,14 @@ def build_parser():
     p.add_argument("--premium-reserve", type=int, default=0, metavar="DEVICES",
                    help="Meridian: PolicySettings.premium_reserve_devices, idle devices per region "
                         "that only Premium jobs may take (0)")
+    p.add_argument("--startup", default="default", metavar="SPEC",
+                   help="start-up of a job's first allocation per job class: default (single=75,node=105,"
+                        "multinode=165 s), none, or single=S,node=S,multinode=S (scheduler/sim/fidelity.py)")
+    p.add_argument("--approvals", default="exp:900", metavar="DELAY",
+                   help="how capacity managers answer approval requests: never, fixed:S, exp:MEAN or "
+                        "lognormal:MEDIAN,SIGMA seconds (exp:900)")
+    p.add_argument("--approval-denial-rate", type=float, default=0.1,
+                   help="share of approval requests denied (0.1)")
     p.add_argument("--report", metavar="HTML", help="write the Plotly report here")
     p.add_argument("--json", metavar="PATH", help="write the summaries as JSON here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -114,17 +125,27 @@ def run_policy(trace, fleet, name, costs, args):
     if args.progress:
         progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = Engine(trace, fleet, policy, costs=costs, tick_s=args.tick, seed=args.seed,
-                    progress=progress, progress_every_s=args.progress or 60.0).run()
+                    progress=progress, progress_every_s=args.progress or 60.0,
+                    startup=args.startup_costs, approvals=args.approval_model).run()
     summary = result.summary()
     extra = ""
     if name == "meridian":
         summary["core_calls"] = policy.plans
         summary["core_s"] = policy.core_seconds
         summary["approval_requests"] = policy.approval_requests
+        a = result.approvals
         extra = (f", core called {policy.plans} times ({policy.core_seconds:.1f} s), "
-                 f"{policy.approval_requests} approval requests not granted")
+                 f"{a['requests']} approval requests ({a['granted']} granted, {a['denied']} denied, "
+                 f"{a['dropped']} answered after the run ended)")
     print(f"  {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, {result.passes} passes, "
           f"{result.decisions} decisions, {result.failures} node failures{extra}", flush=True)
+    for j, reason in result.rejections[:5]:
+        print(f"    rejected job {j}: {reason}", flush=True)
+    if len(result.rejections) > 5:
+        print(f"    ... {len(result.rejections) - 5} more jobs rejected: they can never fit the fleet", flush=True)
+    if result.stranded.any():
+        print(f"    {int(result.stranded.sum())} jobs stranded: the fleet was whole and idle and the policy "
+              f"started none of them (first: job {int(result.stranded.argmax())})", flush=True)
     return result, summary
 
 
@@ -159,9 +180,13 @@ def main(argv=None):
         if args.spread_efficiency is not None:
             changes["spread_efficiency"] = args.spread_efficiency
         costs = dataclasses.replace(CostModel(), **changes)
+        args.startup_costs = StartupCosts.parse(args.startup)
+        args.approval_model = ApprovalModel(delay=args.approvals, denial_rate=args.approval_denial_rate)
+        if len(fleet.type_names) > 1 and not trace.type_names:
+            trace = trace.with_types(fleet, args.seed)
         if args.premium_reserve < 0:
             raise ValueError("--premium-reserve must be >= 0")
-    except (TraceError, FleetError, ValueError) as exc:
+    except (TraceError, FleetError, FidelityError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -10,10 +10,15 @@ Definitions (all times in seconds):
 - goodput: ideal device-seconds of finished jobs (duration x W) per second of makespan, in
   devices (divide by the fleet size for a fraction).
 - preemptions / migrations / resizes per job: totals over all jobs / number of jobs.
-- SLA attainment: a job's delivered fraction = duration / (finish - first start), the share of
-  ideal device-time it got once admitted (queueing before the first start is reported
-  separately). Premium is met at >= 0.95, Standard at >= 0.70; Basic is best effort (met by
-  finishing). Attainment = met jobs / finished jobs of the tier.
+- SLA attainment: a job's delivered fraction = duration / (finish - first start - its own
+  start-up), the share of ideal device-time it got once admitted (queueing before the first
+  start is reported separately; the start-up of its first allocation, fidelity.py, is the job's
+  cost under every policy, not the scheduler's). Premium is met at >= 0.95, Standard at
+  >= 0.70; Basic is best effort (met by finishing). Attainment = met jobs / finished jobs of the tier.
+- rejected: jobs refused on arrival because they can never fit the fleet (engine.py);
+  stranded: jobs still waiting when the replay ended on a whole, idle fleet (a policy that
+  cannot place a job that fits). Neither counts as finished; every other metric is over the
+  finished jobs.
 """
 from __future__ import annotations
 
@@ -53,6 +58,11 @@ class SimResult:
     policy_s: float
     failures: int
     cpu_s: float = float("nan")  # process CPU seconds of the run (wall_s counts waiting for a core)
+    rejected: np.ndarray | None = None  # bool: refused on arrival (can never fit)
+    stranded: np.ndarray | None = None  # bool: still waiting at the end on a whole, idle fleet
+    startup_s: np.ndarray | None = None  # float64: start-up paid on the first allocation
+    approvals: dict = dataclasses.field(default_factory=dict)  # requests / granted / denied / dropped
+    rejections: list = dataclasses.field(default_factory=list)  # (job, reason) per rejected job
     load: float = 1.0  # the offered-load factor the trace was time-scaled by (set by the caller)
 
     @property
@@ -71,7 +81,8 @@ class SimResult:
             useful_integral=e.useful_integral, end_time=e.now,
             samples={k: np.frombuffer(v, dtype=np.float64) for k, v in e.samples.items()},
             wall_s=wall_s, passes=e.passes, decisions=e.decisions, policy_s=e.policy_seconds,
-            failures=e.failures,
+            failures=e.failures, rejected=e.rejected, stranded=e.stranded, startup_s=e.startup_s,
+            approvals=dict(e.approval_counts), rejections=list(e.rejections),
         )
 
     def summary(self):
@@ -88,6 +99,11 @@ class SimResult:
             "policy": self.policy,
             "jobs": int(n),
             "finished": int(done.sum()),
+            "rejected": int(self.rejected.sum()) if self.rejected is not None else 0,
+            "stranded": int(self.stranded.sum()) if self.stranded is not None else 0,
+            "approvals_requested": int(self.approvals.get("requests", 0)),
+            "approvals_granted": int(self.approvals.get("granted", 0)),
+            "approvals_denied": int(self.approvals.get("denied", 0)),
             "avg_jct_s": _mean(jct),
             "median_jct_s": _pct(jct, 50),
             "p99_jct_s": _pct(jct, 99),
@@ -124,6 +140,8 @@ class SimResult:
     def delivered_fraction(self):
         """Returns duration / (finish - first start) per job (NaN for unfinished jobs)."""
         span = self.finish - self.first_start
+        if self.startup_s is not None:
+            span = span - self.startup_s
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(span > 0, np.minimum(1.0, self.duration / np.where(span > 0, span, 1.0)), 1.0) \
                 * np.where(np.isnan(self.finish), np.nan, 1.0)
@@ -140,6 +158,7 @@ def _pct(x, q):
 COLUMNS = [
     ("policy", "policy", "{}"),
     ("finished", "done", "{:d}"),
+    ("rejected", "rejected", "{:d}"),
     ("avg_jct_s", "avg JCT h", "h"),
     ("median_jct_s", "med JCT h", "h"),
     ("p99_jct_s", "p99 JCT h", "h"),

@@ -74,6 +74,12 @@ class Trace:
     tier: np.ndarray          # int8: PREMIUM, STANDARD or BASIC
     min_devices: np.ndarray   # int32, smallest allowed device count
     checkpoint_gb: np.ndarray  # float64, the job's whole checkpoint size
+    type_id: np.ndarray | None = None  # int16, index into type_names: the accelerator it asks for
+    type_names: tuple = ()  # () = every job asks for the fleet's first (or only) type
+
+    def __post_init__(self):
+        if self.type_id is None:
+            object.__setattr__(self, "type_id", np.zeros(self.submit.shape[0], dtype=np.int16))
 
     def __len__(self):
         return int(self.submit.shape[0])
@@ -115,7 +121,25 @@ class Trace:
             tier=self.tier[idx],
             min_devices=self.min_devices[idx],
             checkpoint_gb=self.checkpoint_gb[idx],
+            type_id=self.type_id[idx],
         )
+
+    def with_types(self, fleet, seed):
+        """Returns the trace with each job asking for one of the fleet's accelerator types: a
+        seeded draw (`default_rng([seed, 7005])`) weighted by each type's share of the fleet's
+        devices, among the types one region of which can hold the job's smallest size (a job
+        no type can hold keeps the largest type and is rejected by the engine)."""
+        capacity = fleet.region_capacity()
+        share = np.bincount(fleet.node_type, weights=fleet.node_devices, minlength=len(fleet.type_names))
+        rng = np.random.default_rng([seed, 7005])
+        ok = self.min_devices[:, None] <= capacity[None, :]
+        weights = np.where(ok, share[None, :], 0.0)
+        none = weights.sum(axis=1) == 0
+        weights[none, int(np.argmax(capacity))] = 1.0
+        cumulative = np.cumsum(weights / weights.sum(axis=1, keepdims=True), axis=1)
+        draw = rng.random(len(self))[:, None]
+        type_id = np.minimum((draw > cumulative).sum(axis=1), len(fleet.type_names) - 1).astype(np.int16)
+        return dataclasses.replace(self, type_id=type_id, type_names=tuple(fleet.type_names))
 
 
 def assign_tiers(n, seed, shares=TIER_SHARES):
