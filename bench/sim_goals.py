@@ -2,8 +2,8 @@
 seeds, all four policies; one row per goal, workload and load (Meridian's value, the best
 baseline's, whether the goal holds in every seed). Rules: scheduler/sim/goals.py.
 
-    nice .venv/bin/python bench/sim_goals.py --quick              # minutes: 1 Philly window + 3 mixes, 2 seeds
-    nice .venv/bin/python bench/sim_goals.py                      # hours: 3 week-long windows + 3 mixes, 3 seeds
+    nice .venv/bin/python bench/sim_goals.py --quick              # minutes: a fifth of Philly, 2 seeds
+    nice .venv/bin/python bench/sim_goals.py                      # hours: 3 three-week windows + 3 mixes, 3 seeds
     nice .venv/bin/python bench/sim_goals.py --quick --full-trace # also goal 4's full-Philly wall time
     nice .venv/bin/python bench/sim_goals.py --quick --markdown --json goals.json
 
@@ -26,7 +26,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the small grid (a few minutes)")
     p.add_argument("--full-trace", action="store_true", help="also replay full Philly under Meridian (goal 4)")
-    p.add_argument("--fleet", default="philly")
+    p.add_argument("--fleet", default=None, help="replace the grid's fleet (quick: a fifth of Philly; full: philly)")
     p.add_argument("--trace", default=os.environ.get("MERIDIAN_PHILLY_TRACE"), help="Philly CSV")
     p.add_argument("--loads", default=None, help="override the grid's loads, e.g. 1,2")
     p.add_argument("--seeds", default=None, help="override the grid's seeds, e.g. 0")
@@ -35,8 +35,9 @@ def main(argv=None):
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", metavar="PATH", help="write the rows and every run's summary here")
     args = p.parse_args(argv)
-    fleet = by_name(args.fleet)
-    workloads, loads, seeds = goals.quick_grid() if args.quick else goals.full_grid()
+    fleet, workloads, loads, seeds = goals.quick_grid() if args.quick else goals.full_grid()
+    if args.fleet:
+        fleet = by_name(args.fleet)
     if args.loads:
         loads = tuple(float(x) for x in args.loads.split(","))
     if args.seeds:
@@ -50,7 +51,7 @@ def main(argv=None):
     rows, runs = goals.measure(fleet, workloads, loads, seeds, philly_path=args.trace,
                                progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
     if args.full_trace:
-        rows.append(goals.speed_row(fleet, philly_path=args.trace))
+        rows.append(goals.speed_row(by_name("philly"), philly_path=args.trace))
     else:
         rows.append(goals.Row("4 full Philly under Meridian < 300 s wall", "philly (82,247 jobs)", "1x",
                               "not run (add --full-trace)", "-", "not measured"))

@@ -15,6 +15,7 @@ Definitions (all times in seconds):
   start is reported separately; the start-up of its first allocation, fidelity.py, is the job's
   cost under every policy, not the scheduler's). Premium is met at >= 0.95, Standard at
   >= 0.70; Basic is best effort (met by finishing). Attainment = met jobs / finished jobs of the tier.
+- time lost per tier: mean of JCT - duration - the job's start-up (queueing, pauses, slowdowns).
 - rejected: jobs refused on arrival because they can never fit the fleet (engine.py);
   stranded: jobs still waiting when the replay ended on a whole, idle fleet (a policy that
   cannot place a job that fits). Neither counts as finished; every other metric is over the
@@ -125,16 +126,20 @@ class SimResult:
             "policy_s": self.policy_s,
         }
         delivered = self.delivered_fraction()
+        # Time lost to scheduling: JCT - run time alone at W - the job's own start-up.
+        lost = self.finish - self.submit - self.duration - (self.startup_s if self.startup_s is not None else 0.0)
         for tier, name in enumerate(TIER_NAMES):
             mask = done & (self.tier == tier)
             if not mask.any():
                 out[f"sla_{name}"] = float("nan")
                 out[f"avg_jct_{name}_s"] = float("nan")
                 out[f"avg_queue_{name}_s"] = float("nan")
+                out[f"avg_lost_{name}_s"] = float("nan")
                 continue
             out[f"sla_{name}"] = float((delivered[mask] >= SLA_TARGETS[tier] - 1e-9).mean())
             out[f"avg_jct_{name}_s"] = _mean((self.finish - self.submit)[mask])
             out[f"avg_queue_{name}_s"] = _mean((self.first_start - self.submit)[mask])
+            out[f"avg_lost_{name}_s"] = _mean(lost[mask])
         return out
 
     def delivered_fraction(self):

@@ -110,10 +110,15 @@ class Trace:
             idx = idx[:max_jobs]
         if idx.size == 0:
             raise TraceError(f"the window start={start_s} end={end_s} max_jobs={max_jobs} holds no job")
+        return self.subset(idx, f"{self.name}[{idx.size} jobs]")
+
+    def subset(self, idx, name):
+        """Returns the jobs `idx` (ascending) as a trace named `name`, submit times shifted so
+        the first starts at 0 (windows; `every`)."""
         shift = self.submit[idx[0]]
         return dataclasses.replace(
             self,
-            name=f"{self.name}[{idx.size} jobs]",
+            name=name,
             submit=self.submit[idx] - shift,
             duration=self.duration[idx],
             ranks=self.ranks[idx],
@@ -123,6 +128,15 @@ class Trace:
             checkpoint_gb=self.checkpoint_gb[idx],
             type_id=self.type_id[idx],
         )
+
+    def every(self, stride):
+        """Returns every `stride`-th job (1 in stride, in submit order): the same size, duration
+        and burst mix at 1/stride of the arrival rate, for a fleet 1/stride the size."""
+        if stride < 1:
+            raise TraceError(f"a stride must be >= 1, got {stride!r}")
+        if stride == 1:
+            return self
+        return self.subset(np.arange(0, len(self), int(stride)), f"{self.name}/{int(stride)}")
 
     def with_types(self, fleet, seed):
         """Returns the trace with each job asking for one of the fleet's accelerator types: a

@@ -19,7 +19,8 @@ def test_the_goals_table_prints_every_goal_for_every_workload_and_load(capsys, m
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     tiny = [goals.Workload("multinode 40 jobs", "multinode", n_jobs=40)]
-    monkeypatch.setattr(goals, "quick_grid", lambda: (tiny, (1.0, 2.0), (0,)))
+    small = fleet_module.philly(servers_8=2, servers_2=2)
+    monkeypatch.setattr(goals, "quick_grid", lambda: (small, tiny, (1.0, 2.0), (0,)))
     out_json = tmp_path / "goals.json"
     assert bench.main(["--quick", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
