@@ -86,3 +86,13 @@ def test_the_cli_refuses_a_bad_load_list(bad, capsys):
         main(["--synthetic", "10", "--load", bad])
     assert exit_info.value.code == 2
     assert "--load" in capsys.readouterr().err
+
+
+def test_every_keeps_one_job_in_stride_from_the_first():
+    trace = make_jobs([(i * 10.0, 100 + i, 1 + i % 2) for i in range(7)])
+    thinned = trace.every(3)
+    assert thinned.submit.tolist() == [0.0, 30.0, 60.0]
+    assert thinned.duration.tolist() == [100.0, 103.0, 106.0]
+    assert trace.every(1) is trace
+    with pytest.raises(TraceError, match="stride"):
+        trace.every(0)
