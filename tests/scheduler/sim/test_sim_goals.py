@@ -59,3 +59,20 @@ def test_a_goal_that_misses_in_one_seed_does_not_hold():
                         lambda m, b: m >= b, str)
     assert text == ("9.0", "9.0", "no (1/2 seeds)")
     assert np.isfinite(float(text[0]))
+
+
+def test_saved_runs_are_judged_again_without_a_replay(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("sim_goals", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = [goals.Workload("premium-heavy 30 jobs", "premium-heavy", n_jobs=30)]
+    small = fleet_module.philly(servers_8=2, servers_2=2)
+    monkeypatch.setattr(goals, "quick_grid", lambda: (small, tiny, (2.0,), (0,)))
+    saved = tmp_path / "g.json"
+    assert bench.main(["--quick", "--json", str(saved)]) == 0
+    first = capsys.readouterr().out
+    assert bench.main(["--rows-from", str(saved)]) == 0
+    again = capsys.readouterr().out
+    for line in first.splitlines():
+        if line.startswith(("1 ", "2 ", "3 ")):
+            assert line in again
