@@ -166,6 +166,9 @@ class Heartbeat(Message):
 
     telemetry: Telemetry | None = None
     jobs: tuple[JobReport, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    # The `desired_version` of the desired state this agent holds (from an earlier answer): the
+    # answer then omits `desired` while it is unchanged. None (older agents): always sent.
+    desired_version: str | None = bounded(default=None, max_length=MAX_WORD)
 
 
 # --- desired state --------------------------------------------------------------------------------
@@ -243,9 +246,14 @@ class ReportOutcome(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class HeartbeatAnswer(Message):
-    """200 to Heartbeat: what became of each report, and the node's desired state."""
+    """200 to Heartbeat: what became of each report, and the node's desired state.
 
-    desired: DesiredState
+    `desired` is None only when the heartbeat named the current `desired_version` (the agent keeps
+    the desired state it holds); `desired_version` names the content of the desired state (a
+    digest of its wire form: equal versions, equal desired states)."""
+
+    desired: DesiredState | None = None
+    desired_version: str | None = bounded(default=None, max_length=MAX_WORD)
     accepted: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
