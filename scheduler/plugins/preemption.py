@@ -4,7 +4,10 @@ Called for the job at the head of the line when it does not fit in idle devices.
 must hold its accelerator type, be in one region (a gang never spans regions), and be:
   - borrowing over their team's quota while the preemptor's team is within its own: those
     devices are reclaimed first, whatever the victim's tier (except Premium, see below); or
-  - of a lower tier than the preemptor.
+  - of a lower tier than the preemptor; or
+  - Basic, like a Basic preemptor, but in a higher attained-service queue (Tiresias' 2D-LAS,
+    PolicySettings.las_thresholds_device_seconds): a job that already ran for hours yields
+    to a new short one (preempted whole, never shrunk for it; the no-thrash rule holds).
 Within a region, actions are taken in this order until enough devices are free:
   1. reclaim borrowed devices (preempt borrowers, least lost work first);
   2. shrink elastic victims (splicing: no work is lost), Basic before Standard, biggest
@@ -35,13 +38,14 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.plan import Preempt, Resize, Start
-from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NAMES, SPREAD_REGION, STANDARD, TIER_NAMES
+from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NAMES, SPREAD_REGION, STANDARD, TIER_NAMES, las_queue
 from scheduler.state import LEVEL_CLUSTER
 
 NAME = "preempt.sla_cost_aware"
 REASON_PLACED_BY_PREEMPTION = "placed by preemption"  # Start after making room
 REASON_SHRUNK = "shrunk for a higher tier"  # Resize of a victim
 REASON_PREEMPTED = "preempted for a higher tier"  # Preempt of a victim
+REASON_PREEMPTED_LESS_SERVED = "preempted for a less-served job"  # Basic victim of a Basic job (2D-LAS)
 REASON_RECLAIMED = "borrowed devices reclaimed"  # Preempt of a borrower
 REASON_NEEDS_APPROVAL = "needs approval"  # Preempt that would break an SLA
 REASON_WAITING_FOR_APPROVAL = "waiting for approval"  # wait reason of the preemptor
@@ -49,6 +53,18 @@ REASON_NOTHING_TO_PREEMPT = "nothing to preempt"  # no eligible victims suffice 
 REASON_BUDGET_SPENT = "preemption budget spent"  # wait reason: PolicySettings.max_preemptions_per_tick
 
 GROUP_RECLAIM, GROUP_SHRINK, GROUP_PREEMPT, GROUP_APPROVAL = 0, 1, 2, 3
+
+
+def _lower_priority(tick, j: int, facts: dict) -> np.ndarray:
+    """Returns bool per candidate in `facts`: may be preempted for job j by priority alone
+    (a lower tier, or Basic in a higher attained-service queue than Basic job j)."""
+    jobs = tick.snapshot.jobs
+    tier = int(jobs.tier[j])
+    lower = facts["tier"] > tier
+    if tier == BASIC:
+        queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], tick.snapshot.settings)[0])
+        lower |= (facts["tier"] == BASIC) & (facts["queue"] > queue)
+    return lower
 
 
 def _job_regions(tick, cand: np.ndarray) -> np.ndarray:
@@ -98,13 +114,15 @@ class SlaPreemption:
                                  f"the preemption budget of {settings.max_preemptions_per_tick} "
                                  f"victims per tick is spent; next tick")
         need = min(within)
-        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j]))
+        queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], settings)[0])
+        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j]), queue)
         known = tick.known_failure(key, need)
         if known is not None:
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, known)
         actions = self._actions(tick, j)
         if actions is None:
-            who = "borrowed devices" if jobs.tier[j] == BASIC else "lower-tier jobs or borrowed devices"
+            who = ("borrowed devices or more-served Basic jobs" if jobs.tier[j] == BASIC
+                   else "lower-tier jobs or borrowed devices")
             why = f"no {who} of its type to take"
             tick.remember_failure(key, need, why)
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, why)
@@ -203,6 +221,7 @@ class SlaPreemption:
             region=_job_regions(tick, cand),
             lost=tick.lost_work_seconds(cand),
             ckpt=jobs.checkpoint_bytes[cand].astype(np.float64),
+            queue=las_queue(jobs.attained_device_seconds[cand], settings),
         )
         ids = jobs.ids[cand]
         # preemption order: Basic first, least lost work, smallest checkpoint, id
@@ -230,7 +249,7 @@ class SlaPreemption:
         # groups 0 (reclaim borrowed), 2 (preempt), 3 (needs approval), in cost order
         live = ~tick.touched[by_cost["job"]]
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
-        lower = by_cost["tier"] > tier
+        lower = _lower_priority(tick, j, by_cost)
         base = live & (reclaim | lower) & ~by_cost["recent"]
         protected = by_cost["needs_approval"]
         group = np.where(protected, GROUP_APPROVAL, np.where(reclaim, GROUP_RECLAIM, GROUP_PREEMPT))
@@ -295,7 +314,7 @@ class SlaPreemption:
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
         by_cost, *_ = self._candidates(tick, k)
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
-        eligible = (~tick.touched[by_cost["job"]] & (reclaim | (by_cost["tier"] > tier))
+        eligible = (~tick.touched[by_cost["job"]] & (reclaim | _lower_priority(tick, j, by_cost))
                     & ~by_cost["recent"] & ~by_cost["needs_approval"])
         devices = self._devices_by_entity(tick, k, level)
         keep = eligible[devices["row"]]
@@ -468,6 +487,9 @@ class SlaPreemption:
                 why = (f"borrowed devices reclaimed for {tick.job_label(j)} of team "
                        f"{tick.snapshot.teams.names[int(jobs.team[j])]}, which is within its quota"
                        if group == GROUP_RECLAIM else f"preempted for {tick.job_label(j)}")
+                if group != GROUP_RECLAIM and jobs.tier[v] == jobs.tier[j]:
+                    code = REASON_PREEMPTED_LESS_SERVED
+                    why += ", which has had less service (attained-service queues)"
                 step = int(jobs.last_checkpoint_step[v])
                 tick.decisions.append(Preempt(
                     job=v, job_id=int(jobs.ids[v]), code=code,
