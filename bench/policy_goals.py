@@ -4,7 +4,8 @@
     python bench/policy_goals.py --max-jobs 600 --loads 1.5 --policies tiresias,meridian
 
 Each window's arrivals are time-scaled by the load: at 2.0 the jobs arrive twice as fast as in
-the trace (submit times halved), at 0.5 half as fast; 1.0 is the trace as recorded. All four policies replay the same jobs; the table gives,
+the trace (submit times halved), at 0.5 half as fast; 1.0 is the trace as recorded. All four
+policies replay the same jobs; the table gives,
 per (window, load, seed) and policy: goodput (GPUs of finished work per makespan second),
 makespan, average / p99 JCT, SLA met per tier, mean JCT per tier, and the wall time.
 Run from another checkout (e.g. `cd /work/main && python /work/wt/policy/bench/policy_goals.py`)

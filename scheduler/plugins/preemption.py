@@ -311,7 +311,7 @@ class SlaPreemption:
         fewest preemptions, then the least lost work, wins; victims go cheapest first.
         """
         jobs, state = tick.snapshot.jobs, tick.state
-        k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
+        k, team = int(jobs.type_id[j]), int(jobs.team[j])
         by_cost, *_ = self._candidates(tick, k)
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
         eligible = (~tick.touched[by_cost["job"]] & (reclaim | _lower_priority(tick, j, by_cost))
