@@ -347,6 +347,10 @@ class PolicySettings:
     premium_reserve_devices: int = 0  # free devices per region and type that only Premium jobs
     # may take (pending jobs of other tiers and growth leave them idle), so a short Premium job
     # starts at once instead of after a victim's checkpoint; 0 = fully work-conserving
+    premium_reserve_fraction: float = 0.01  # the same, as a fraction of the usable devices per
+    # region and type (rounded down: a region of under 100 devices keeps none); the larger of the
+    # two applies. A Premium job that lands on a victim's devices waits for its checkpoint, and
+    # that wait alone breaks a short job's 95%; 1% idle buys that wait back.
     min_resize_interval_seconds: float = 600.0  # s; a job is not grown again sooner than this
     # after its last resize (grow or shrink), so grow/shrink does not flap tick after tick
     # Attained-service queues within a tier (Tiresias' discretized 2D-LAS): a job whose attained
@@ -362,6 +366,8 @@ class PolicySettings:
             raise SnapshotError("min_run_seconds must be >= 0 and the half-life > 0")
         if not 0.0 <= self.past_usage_weight <= 1.0:
             raise SnapshotError("past_usage_weight must be within 0..1")
+        if not 0.0 <= self.premium_reserve_fraction < 1.0:
+            raise SnapshotError("premium_reserve_fraction must be within 0..1 (exclusive)")
         if self.min_resize_interval_seconds < 0 or self.premium_reserve_devices < 0:
             raise SnapshotError("min_resize_interval_seconds and premium_reserve_devices must be >= 0")
         thresholds = tuple(float(t) for t in self.las_thresholds_device_seconds)

@@ -15,7 +15,9 @@ Within a region, actions are taken in this order until enough devices are free:
      starts only when the victim's cut is done), each to the largest allowed count that still
      frees enough;
   3. preempt victims, Basic before Standard, least lost work first (device-seconds since
-     the last checkpoint), then smallest checkpoint.
+     the last checkpoint), then smallest checkpoint (for a Premium preemptor: smallest
+     checkpoint first, then least lost work: it starts only when its victims' checkpoints
+     are written, and every second of that wait counts against its 95%).
 The region needing the fewest preemptions, then the least lost work, wins. A gang of two or
 more devices that needs a preemption also looks for one node, else one rack, else one
 cluster that preempting whole jobs can free (fewest preemptions, then least lost work) and
@@ -231,9 +233,13 @@ class SlaPreemption:
         # shrink order for a Premium preemptor: Basic first, smallest checkpoint first (it
         # starts only when the victim's cut and checkpoint are done), then biggest release
         by_wait = np.lexsort((ids, -facts["shrink"], facts["ckpt"], -tier))
+        # preemption order for a Premium preemptor: Basic first, smallest checkpoint first (it
+        # starts when its victims' checkpoints are written), then least lost work
+        by_release_time = np.lexsort((ids, facts["lost"], facts["ckpt"], -tier))
         cache[k] = ({name: col[by_cost] for name, col in facts.items()},
                     {name: col[by_release] for name, col in facts.items()},
-                    {name: col[by_wait] for name, col in facts.items()})
+                    {name: col[by_wait] for name, col in facts.items()},
+                    {name: col[by_release_time] for name, col in facts.items()})
         return cache[k]
 
     def _actions(self, tick, j: int):
@@ -241,9 +247,9 @@ class SlaPreemption:
         or None if there are none."""
         jobs = tick.snapshot.jobs
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, by_release, by_wait = self._candidates(tick, k)
+        by_cost, by_release, by_wait, by_release_time = self._candidates(tick, k)
         if tier == PREMIUM:
-            by_release = by_wait
+            by_cost, by_release = by_release_time, by_wait
         if by_cost["job"].size == 0:
             return None
         # groups 0 (reclaim borrowed), 2 (preempt), 3 (needs approval), in cost order
