@@ -10,7 +10,7 @@ runs at 0.9), and a packed-tier (Premium) job is never placed spread out.
 """
 from __future__ import annotations
 
-from scheduler.placement_cost import is_spread
+from scheduler.placement_cost import SPREAD_EFFICIENCY, is_spread, min_nodes
 from scheduler.snapshot import SPREAD_NAMES
 
 NAME = "place.gang_topology"
@@ -67,4 +67,9 @@ class GangPlacement:
             return f"no usable {type_name} in the fleet"
         d = min(counts)
         most = tick.state.max_free(spread, k)
+        if most >= d:  # room, but only spread out: a packed-tier job takes the fewest nodes or waits
+            fewest = min_nodes(d, tick.state.max_node_free[k])
+            return (f"needs {d} {type_name} on {fewest} node{'s' if fewest > 1 else ''} in "
+                    f"{describe_level(spread)}; {most} are free there, but only spread over more nodes "
+                    f"(which would run at {SPREAD_EFFICIENCY:.0%} speed)")
         return f"needs {d} {type_name} in {describe_level(spread)}; at most {most} free together"

@@ -55,6 +55,7 @@ REASON_NOTHING_TO_PREEMPT = "nothing to preempt"  # no eligible victims suffice 
 REASON_BUDGET_SPENT = "preemption budget spent"  # wait reason: PolicySettings.max_preemptions_per_tick
 
 GROUP_RECLAIM, GROUP_SHRINK, GROUP_PREEMPT, GROUP_APPROVAL = 0, 1, 2, 3
+ORDER_BY_COST, ORDER_BY_RELEASE, ORDER_BY_WAIT, ORDER_BY_RELEASE_TIME = 0, 1, 2, 3  # `_candidates`' tables
 
 
 def _lower_priority(tick, j: int, facts: dict) -> np.ndarray:
@@ -287,13 +288,14 @@ class SlaPreemption:
         return {name: col[rows] for name, col in actions.items()}
 
     @staticmethod
-    def _devices_by_entity(tick, k: int, level: int) -> dict:
-        """Returns the devices of type-k candidates sorted by (entity of `level`, victim cost
-        rank), with a flag on each victim's first device per entity; once per tick."""
+    def _devices_by_entity(tick, k: int, level: int, order_index: int = ORDER_BY_COST) -> dict:
+        """Returns the devices of type-k candidates sorted by (entity of `level`, victim rank
+        in `_candidates`' table `order_index`), with a flag on each victim's first device per
+        entity; once per tick."""
         cache = tick.__dict__.setdefault("_preemption_devices", {})
-        if (k, level) in cache:
-            return cache[(k, level)]
-        by_cost, *_ = SlaPreemption._candidates(tick, k)
+        if (k, level, order_index) in cache:
+            return cache[(k, level, order_index)]
+        by_cost = SlaPreemption._candidates(tick, k)[order_index]
         state = tick.state
         row_of = np.full(state.n_jobs, -1, np.int64)
         row_of[by_cost["job"]] = np.arange(by_cost["job"].size)
@@ -305,8 +307,8 @@ class SlaPreemption:
         entity, rows = entity[order], rows[order]
         first = (np.r_[True, (entity[1:] != entity[:-1]) | (rows[1:] != rows[:-1])] if rows.size
                  else np.zeros(0, np.bool_))
-        cache[(k, level)] = {"entity": entity, "row": rows, "first": first}
-        return cache[(k, level)]
+        cache[(k, level, order_index)] = {"entity": entity, "row": rows, "first": first}
+        return cache[(k, level, order_index)]
 
     def _choose_in_one(self, tick, j: int, need: int, level: int):
         """Returns (region, rows, actions, (level, entity)) preempting whole jobs to free
@@ -318,11 +320,13 @@ class SlaPreemption:
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, team = int(jobs.type_id[j]), int(jobs.team[j])
-        by_cost, *_ = self._candidates(tick, k)
+        premium = int(jobs.tier[j]) == PREMIUM
+        order_index = ORDER_BY_RELEASE_TIME if premium else ORDER_BY_COST
+        by_cost = self._candidates(tick, k)[order_index]
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
         eligible = (~tick.touched[by_cost["job"]] & (reclaim | _lower_priority(tick, j, by_cost))
                     & ~by_cost["recent"] & ~by_cost["needs_approval"])
-        devices = self._devices_by_entity(tick, k, level)
+        devices = self._devices_by_entity(tick, k, level, order_index)
         keep = eligible[devices["row"]]
         if not keep.any():
             return None
@@ -337,7 +341,10 @@ class SlaPreemption:
         ends = hit[first_hit]
         n_victims = _cumsum_by_segment(first.astype(np.int64), start)[ends]
         lost = _cumsum_by_segment(np.where(first, by_cost["lost"][row], 0.0), start)[ends]
-        best = int(ends[np.lexsort((hit_entity, lost, n_victims))[0]])
+        # a Premium preemptor waits for its victims' checkpoints: least checkpoint bytes first
+        wait = (_cumsum_by_segment(np.where(first, by_cost["ckpt"][row], 0.0), start)[ends] if premium
+                else np.zeros(ends.size))
+        best = int(ends[np.lexsort((hit_entity, lost, wait, n_victims))[0]])
         segment = np.arange(int(start[best]), best + 1)
         victims = row[segment[first[segment]]]
         actions = {
