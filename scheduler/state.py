@@ -174,6 +174,8 @@ class WorkingState:
         if self.releasing.size:
             self.free &= ~releasing
         settings = snapshot.settings
+        # capacity[level][entity, type]: usable devices, free or held (for defragmentation)
+        self.capacity = topology.capacity(self.usable, self.k)
         self.reserve = self._pick_reserve(snapshot, topology) \
             if settings.premium_reserve_devices > 0 or settings.premium_reserve_fraction > 0 else np.empty(0, np.int64)
         if self.reserve.size:
@@ -204,8 +206,6 @@ class WorkingState:
             ent = self.node_entity[level][free_node]
             counts = np.bincount(ent * self.k + free_type, minlength=self.n_entities[level] * self.k)
             self.free_count.append(counts.reshape(self.n_entities[level], self.k).astype(np.int64))
-        # capacity[level][entity, type]: usable devices, free or held (for defragmentation)
-        self.capacity = topology.capacity(self.usable, self.k)
 
         # best-fit buckets for one-node placement: _buckets[k][c] is a heap of nodes that had
         # c free devices of type k when pushed; stale entries are dropped when seen
@@ -405,10 +405,7 @@ class WorkingState:
             return free_idx
         k = self.k
         settings = snapshot.settings
-        usable_idx = np.flatnonzero(self.usable)
-        n_groups = int(topology.node_region.max(initial=0) + 1) * k
-        usable = np.bincount(topology.node_region[self.node[usable_idx]] * k + self.type_id[usable_idx],
-                             minlength=n_groups)
+        usable = self.capacity[LEVEL_REGION].ravel()  # per region * k + type
         limit = np.maximum(settings.premium_reserve_devices,
                            np.floor(usable * settings.premium_reserve_fraction).astype(np.int64))
         key = self.node[free_idx] * k + self.type_id[free_idx]
