@@ -7,7 +7,7 @@ must hold its accelerator type, be in one region (a gang never spans regions), a
   - of a lower tier than the preemptor; or
   - Basic, like a Basic preemptor, but in a higher attained-service queue (Tiresias' 2D-LAS,
     PolicySettings.las_thresholds_device_seconds): a job that already ran for hours yields
-    to a new short one (preempted whole, never shrunk for it; the no-thrash rule holds).
+    to a new short one (shrunk first if elastic, as for a higher tier; the no-thrash rule holds).
 Within a region, actions are taken in this order until enough devices are free:
   1. reclaim borrowed devices (preempt borrowers, least lost work first);
   2. shrink elastic victims (splicing: no work is lost), Basic before Standard, biggest
@@ -263,13 +263,14 @@ class SlaPreemption:
         pick = np.flatnonzero(base)
         # group 1 (shrink), in release order
         live_b = ~tick.touched[by_release["job"]]
-        shrinkable = (live_b & (by_release["tier"] > tier) & ~(by_release["borrower"] & (by_release["team"] != team))
+        shrinkable = (live_b & _lower_priority(tick, j, by_release)
+                      & ~(by_release["borrower"] & (by_release["team"] != team))
                       & ~by_release["needs_approval"] & (by_release["shrink"] > 0))
         pick_b = np.flatnonzero(shrinkable)
         if pick.size == 0 and pick_b.size == 0:
             return None
         # a preemption after a shrink of the same job releases only what the shrink left
-        shrunk_first = (group == GROUP_PREEMPT) & (by_cost["tier"] > tier) & (by_cost["shrink"] > 0)
+        shrunk_first = (group == GROUP_PREEMPT) & lower & (by_cost["shrink"] > 0)
         release = np.where(shrunk_first, by_cost["usable"] - by_cost["shrink"], by_cost["usable"])
         actions = {
             "job": np.concatenate((by_cost["job"][pick], by_release["job"][pick_b])),
@@ -371,7 +372,7 @@ class SlaPreemption:
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
         by_cost, *_ = self._candidates(tick, k)
-        shrinkable = (~tick.touched[by_cost["job"]] & (by_cost["tier"] > tier)
+        shrinkable = (~tick.touched[by_cost["job"]] & _lower_priority(tick, j, by_cost)
                       & ~(by_cost["borrower"] & (by_cost["team"] != team))
                       & ~by_cost["needs_approval"] & (by_cost["shrink"] > 0))
         if not shrinkable.any():
