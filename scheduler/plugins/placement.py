@@ -6,7 +6,8 @@ never across regions and never looser than the job's `max_spread` (or, for a tie
 PolicySettings.packed_tiers, than the tightest level where W fits: `Tick.spread`). Every region is searched
 (global scheduling). The first d that fits wins; the job gets all d devices or none. For that
 d, the fewest nodes win (scheduler.placement_cost: a gang over more nodes than its size needs
-runs at 0.9), and a packed-tier (Premium) job is never placed spread out.
+runs at 0.9), and a packed-tier (Premium) job is placed spread out only when no packed
+place can be had even by preemption or defragmentation.
 """
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ class GangPlacement:
 
         A placement over more nodes than d needs (scheduler.placement_cost) is replaced by one
         on the fewest nodes if one exists; a Premium (packed-tier) job takes no spread
-        placement at all (it would miss its 95% from the first second): it waits, preempts
-        or defragments for a packed one."""
+        placement (it would miss its 95% from the first second) until preempting and
+        defragmenting could not make a packed one either (`Tick.spread_ok`): then it runs
+        spread out rather than wait."""
         jobs = tick.snapshot.jobs
         k, spread = int(jobs.type_id[j]), tick.spread(j)
         state = tick.state
-        packed = int(jobs.tier[j]) in tick.snapshot.settings.packed_tiers
+        packed = int(jobs.tier[j]) in tick.snapshot.settings.packed_tiers and j not in tick.spread_ok
         largest = state.max_node_free[k]
         for d in counts:
             placement = state.find(k, d, spread, region=region, blocked_nodes=blocked_nodes)

@@ -115,16 +115,30 @@ def test_a_gang_gets_the_fewest_nodes_not_the_best_fitting_rack(tier):
     assert placement_cost.speed(16, 16, len(nodes), 8) == 1.0
 
 
-def test_a_premium_gang_is_never_placed_spread_out():
-    # 16 free devices, but only 4 per node: a Basic gang takes them (at 0.9), a Premium one waits
-    def snap(tier):
-        b = make_snapshot().fleet(make_fleet().region("eu", racks=1, nodes=4, devices=8)).now(NOW)
+def test_a_gang_spreads_out_only_when_no_packed_place_exists():
+    # 16 devices free, but 4 per node (nodes 0-3, half held by Premium jobs); nodes 4-5 are held
+    # by two 8-device Premium jobs. A Basic gang takes the scattered 16 (at 0.9)
+    def snap(tier, basic_victims=True):
+        b = make_snapshot().fleet(make_fleet().region("eu", racks=1, nodes=6, devices=8)).now(NOW)
         for node in range(4):
             b = b.job(make_job(f"p{node}").tier(PREMIUM).ranks(4).running(4, node=node).started(0.0))
+        for node in (4, 5):
+            b = b.job(make_job(f"v{node}").tier(BASIC if basic_victims else PREMIUM).ranks(8)
+                      .running(8, node=node).started(0.0))
         return b.job(make_job("g").tier(tier).ranks(16)).build()
-    assert decisions(snap(BASIC))[0] == [("start", "g")]
-    got, plan = decisions(snap(PREMIUM))
-    assert got == [] and "needs 16 H100-80GB on 2 nodes in one rack" in plan.waiting[0].reason
+
+    def nodes_of_start(s, plan):
+        return sorted(set(s.accelerators.node[list(plan.of_kind(Start)[0].devices)].tolist()))
+
+    s = snap(BASIC)
+    got, plan = decisions(s)
+    assert got == [("start", "g")] and nodes_of_start(s, plan) == [0, 1, 2, 3]
+    # a Premium gang: no packed place is free and preempting cannot make one (the core's
+    # preemption frees devices, it does not yet aim at whole nodes for a gang larger than a
+    # node): it runs spread out rather than wait
+    s = snap(PREMIUM, basic_victims=False)
+    got, plan = decisions(s)
+    assert got == [("start", "g")] and nodes_of_start(s, plan) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("ranks, devices_on_nodes", [
