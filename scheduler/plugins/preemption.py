@@ -180,6 +180,11 @@ class SlaPreemption:
         else:
             done = self._apply(tick, j, actions, rows, region, need, scope)
         placement = tick.policy.place.place(tick, j, within, region=region)
+        if placement is None and j not in tick.spread_ok:
+            # the room made is spread over more nodes than a packed place needs: a Premium gang
+            # runs spread out rather than wait (GangPlacement.place)
+            tick.spread_ok.add(j)
+            placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
