@@ -33,6 +33,7 @@ def main(argv=None):
     p.add_argument("--workloads", default=None,
                    help="keep only the grid's workloads whose name contains one of these (comma-separated)")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--rows-from", metavar="JSON", help="judge the runs saved by an earlier --json again (no replay)")
     p.add_argument("--json", metavar="PATH", help="write the rows and every run's summary here")
     args = p.parse_args(argv)
     fleet, workloads, loads, seeds = goals.quick_grid() if args.quick else goals.full_grid()
@@ -46,6 +47,13 @@ def main(argv=None):
         keep = [w.strip() for w in args.workloads.split(",")]
         workloads = [w for w in workloads if any(k in w.name for k in keep)]
     began = time.perf_counter()
+    if args.rows_from:
+        with open(args.rows_from) as handle:
+            saved = json.load(handle)
+        runs = [(r["workload"], r["load"], r["seed"], r["summaries"], r["premium_fits"]) for r in saved["runs"]]
+        print(f"runs of: {saved['command']}")
+        print(goals.format_rows(goals.rows_from_runs(runs), markdown=args.markdown))
+        return 0
     print(f"fleet {fleet.name} ({fleet.n_devices} devices); loads {', '.join(f'{x:g}' for x in loads)}; "
           f"seeds {', '.join(map(str, seeds))}; workloads: {'; '.join(w.name for w in workloads)}", flush=True)
     rows, runs = goals.measure(fleet, workloads, loads, seeds, philly_path=args.trace,
@@ -63,8 +71,8 @@ def main(argv=None):
         with open(args.json, "w") as handle:
             json.dump({"command": " ".join(["bench/sim_goals.py"] + (argv if argv is not None else sys.argv[1:])),
                        "rows": [r.__dict__ for r in rows],
-                       "runs": [{"workload": w, "load": load, "seed": seed, "summaries": cell}
-                                for w, load, seed, cell in runs]}, handle, indent=1, default=float)
+                       "runs": [{"workload": w, "load": load, "seed": seed, "summaries": cell, "premium_fits": fits}
+                                for w, load, seed, cell, fits in runs]}, handle, indent=1, default=float)
     return 0
 
 

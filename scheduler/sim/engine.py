@@ -155,6 +155,8 @@ class Engine:
         self.dev_node = fleet.device_node
         self.dev_type = fleet.node_type[self.dev_node]
         self.job_type, self.rejected, self.rejections = self._admission(trace, fleet, policy)
+        self.type_node_max = np.zeros(len(fleet.type_names), dtype=np.int64)
+        np.maximum.at(self.type_node_max, fleet.node_type, fleet.node_devices)
         self.stranded = np.zeros(n, dtype=bool)
         self._idle_empty_passes = 0
         self.node_first = fleet.node_first_device
@@ -621,7 +623,9 @@ class Engine:
         speed = self.costs.rate(devs.shape[0], int(self.W[j]), share)
         if devs.shape[0] > 1:
             nodes = len(set(self.dev_node[devs].tolist()))
-            least = -(-devs.shape[0] // int(self.fleet.node_devices.max()))
+            # The fewest nodes of the job's type that could hold it (a 2-GPU-node type spreads
+            # an 8-device job over 4 nodes by necessity, which is no penalty).
+            least = -(-devs.shape[0] // int(self.type_node_max[self.job_type[j]]))
             if nodes > least:
                 speed *= self.costs.spread_efficiency
                 self.spread_jobs[j] = None

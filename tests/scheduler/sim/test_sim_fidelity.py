@@ -197,3 +197,15 @@ def test_jobs_draw_types_the_fleet_can_hold():
     assert (trace.min_devices <= capacity[trace.type_id]).all()
     assert set(trace.type_id.tolist()) == {0, 1, 2}
     assert len(trace.type_names) == 3
+
+
+def test_a_job_spread_only_as_its_types_nodes_force_pays_no_spread_penalty():
+    # A100 nodes hold 4, T4 nodes 1: a 2-rank T4 job must span 2 nodes; it runs at full speed.
+    base = fleet_module.Fleet(name="mixed", node_devices=np.array([4, 1, 1], np.int32),
+                              node_rack=np.zeros(3, np.int32), node_cluster=np.zeros(3, np.int32),
+                              node_region=np.zeros(3, np.int32), node_type=np.array([0, 1, 1], np.int16),
+                              type_names=("A100", "T4"))
+    trace = typed(make_jobs([(0, 100, 2)]), [1])
+    costs = dataclasses.replace(HAND_COSTS, spread_efficiency=0.5)
+    result = Engine(trace, base, Fifo(), costs=costs, tick_s=0.0).run()
+    assert result.finish[0] == pytest.approx(100.0)

@@ -14,13 +14,19 @@ from scheduler.sim.trace import BASIC, PREMIUM
 BENCH = pathlib.Path(__file__).resolve().parents[3] / "bench" / "sim_goals.py"
 
 
-def test_the_goals_table_prints_every_goal_for_every_workload_and_load(capsys, monkeypatch, tmp_path):
+def bench_with_grid(monkeypatch, workload, loads):
+    """Returns bench/sim_goals.py loaded as a module, its --quick grid replaced by one small
+    workload on a 20-GPU Philly-shaped fleet, seed 0."""
     spec = importlib.util.spec_from_file_location("sim_goals", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    tiny = [goals.Workload("multinode 40 jobs", "multinode", n_jobs=40)]
     small = fleet_module.philly(servers_8=2, servers_2=2)
-    monkeypatch.setattr(goals, "quick_grid", lambda: (small, tiny, (1.0, 2.0), (0,)))
+    monkeypatch.setattr(goals, "quick_grid", lambda: (small, [workload], loads, (0,)))
+    return bench
+
+
+def test_the_goals_table_prints_every_goal_for_every_workload_and_load(capsys, monkeypatch, tmp_path):
+    bench = bench_with_grid(monkeypatch, goals.Workload("multinode 40 jobs", "multinode", n_jobs=40), (1.0, 2.0))
     out_json = tmp_path / "goals.json"
     assert bench.main(["--quick", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
@@ -59,3 +65,15 @@ def test_a_goal_that_misses_in_one_seed_does_not_hold():
                         lambda m, b: m >= b, str)
     assert text == ("9.0", "9.0", "no (1/2 seeds)")
     assert np.isfinite(float(text[0]))
+
+
+def test_saved_runs_are_judged_again_without_a_replay(tmp_path, capsys, monkeypatch):
+    bench = bench_with_grid(monkeypatch, goals.Workload("premium-heavy 30 jobs", "premium-heavy", n_jobs=30), (2.0,))
+    saved = tmp_path / "g.json"
+    assert bench.main(["--quick", "--json", str(saved)]) == 0
+    first = capsys.readouterr().out
+    assert bench.main(["--rows-from", str(saved)]) == 0
+    again = capsys.readouterr().out
+    for line in first.splitlines():
+        if line.startswith(("1 ", "2 ", "3 ")):
+            assert line in again

@@ -40,21 +40,25 @@ def test_each_parametric_mix_offers_the_asked_load_and_is_seeded(mix):
     assert (a.duration <= SYNTHETIC_MIXES[mix].max_duration_s).all()
 
 
+# Measured on ../shared/traces/philly/philly_jobs.csv (82,247 jobs): p99 254,758 s / median
+# 1,144 s; 0.34% of jobs ask for more than 8 GPUs. Constants, so the test needs no trace file
+# (CI's checkout may have no ../shared).
+PHILLY_P99_OVER_MEDIAN = 222.7
+PHILLY_SHARE_OVER_8 = 0.0034
+
+
 def test_the_mixes_differ_from_philly_as_documented():
     n = 40000
-    base = trace_module.synthetic(n, devices=1000, mix="philly", seed=1)
     heavy = trace_module.synthetic(n, devices=1000, mix="heavy-tail", seed=1)
     multi = trace_module.synthetic(n, devices=1000, mix="multinode", seed=1)
     premium = trace_module.synthetic(n, devices=1000, mix="premium-heavy", seed=1)
-    # Heavier tail: the p99 / median ratio of durations is well above Philly's.
-    def tail(t):
-        return np.percentile(t.duration, 99) / np.median(t.duration)
-    assert tail(heavy) > 1.5 * tail(base)  # ~430 vs Philly's ~220
-    # More multi-node jobs (W > 8): Philly ~0.3%, multinode 25%.
+    # Heavier tail: the p99 / median ratio of durations is well above Philly's (~430 vs ~220).
+    assert np.percentile(heavy.duration, 99) / np.median(heavy.duration) > 1.5 * PHILLY_P99_OVER_MEDIAN
+    # More multi-node jobs (W > 8): 25% against Philly's 0.3%.
     assert (multi.ranks > 8).mean() == pytest.approx(0.25, abs=0.02)
-    assert (base.ranks > 8).mean() < 0.01
+    assert (heavy.ranks > 8).mean() == pytest.approx(PHILLY_SHARE_OVER_8, abs=0.002)  # Philly's sizes
     assert (premium.tier == PREMIUM).mean() == pytest.approx(0.45, abs=0.02)
-    assert (base.tier == PREMIUM).mean() == pytest.approx(0.20, abs=0.02)
+    assert (heavy.tier == PREMIUM).mean() == pytest.approx(0.20, abs=0.02)
 
 
 def test_an_unknown_mix_is_named():
