@@ -321,7 +321,7 @@ class LocalJob:
         """Returns the newest consistent cut the launcher took (its checkpoint and resize events), or None."""
         for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken):
-                return CutReport(action=CutAction(event.action), step=event.step)
+                return CutReport(action=CutAction(event.action), step=event.step, kind=event.cut_kind)
             if isinstance(event, Resized):
                 return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
