@@ -22,14 +22,24 @@ from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Count, DateTimeField, F, Q, Sum, Value
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from fleet.models import Node
 from jobs.logs import log_marker_for_transition
-from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+from jobs.models import (
+    Checkpoint,
+    Job,
+    JobEvent,
+    Membership,
+    PreemptionRequest,
+    Replica,
+    Team,
+    TeamQuotaClaim,
+    Tier,
+)
 from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
 
@@ -232,6 +242,8 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
             released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
         else:
             released = 0
+        if to in Job.TERMINAL_STATES:
+            _team_quota_release(jobs=[job])
         for field, value in changes.items():
             setattr(job, field, value)
         job_event_add(
@@ -308,6 +320,8 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
                 job_id=stale.pk, from_state=S(stale.state), to_state=to,
                 message=f"job {stale.pk} is no longer {stale.state} (it is {current.get(stale.pk)}); "
                         f"reload it and decide again")
+        if to in Job.TERMINAL_STATES:
+            _team_quota_release(jobs=jobs)
         releasing = [job.pk for job in jobs if writes_of[S(job.state)].releases_devices]
         released = {}
         if releasing:
@@ -444,14 +458,92 @@ def job_spec_clean(spec: object) -> dict:
     }
 
 
-def team_quota_claimed(*, team, accelerator_type):
-    """Returns the sum of min_devices over the team's unfinished jobs of that type."""
+def _team_quota_claimed_recomputed(*, team_id, accelerator_type) -> int:
+    """Returns the sum of min_devices over the team's unfinished jobs of that type (a scan of them)."""
     return (
-        Job.objects.filter(team=team, accelerator_type=accelerator_type)
+        Job.objects.filter(team_id=team_id, accelerator_type=accelerator_type)
         .exclude(state__in=Job.TERMINAL_STATES)
         .aggregate(total=Sum("min_devices"))["total"]
         or 0
     )
+
+
+def team_quota_claimed(*, team, accelerator_type) -> int:
+    """Returns what the team's unfinished jobs of that type claim (the sum of their min_devices),
+    from its TeamQuotaClaim counter, or recomputed from the jobs while the counter does not exist."""
+    claimed = (TeamQuotaClaim.objects.filter(team_id=team.pk, accelerator_type=accelerator_type)
+               .values_list("claimed", flat=True).first())
+    if claimed is None:
+        return _team_quota_claimed_recomputed(team_id=team.pk, accelerator_type=accelerator_type)
+    return claimed
+
+
+def team_quota_claim(*, team, accelerator_type, devices, quota) -> int | None:
+    """Adds `devices` to the team's claim of `accelerator_type` if the claim stays within `quota`;
+    returns None when it did, else the current claim (the caller refuses the job). Call it inside
+    the transaction that creates the job: the counter row stays locked until it ends.
+
+    One UPDATE ... WHERE claimed + devices <= quota, so its cost does not depend on the queue. A
+    team's first claim of a type creates the row from the jobs (ON CONFLICT DO NOTHING: concurrent
+    first submissions agree on one row; on PostgreSQL the loser waits for the winner's commit).
+    """
+    claims = TeamQuotaClaim.objects.filter(team_id=team.pk, accelerator_type=accelerator_type)
+    for _attempt in range(2):
+        if claims.filter(claimed__lte=quota - devices).update(claimed=F("claimed") + devices) == 1:
+            return None
+        current = claims.values_list("claimed", flat=True).first()
+        if current is not None:
+            return current
+        TeamQuotaClaim.objects.bulk_create([TeamQuotaClaim(
+            team_id=team.pk, accelerator_type=accelerator_type,
+            claimed=_team_quota_claimed_recomputed(team_id=team.pk, accelerator_type=accelerator_type))],
+            ignore_conflicts=True)
+    return claims.values_list("claimed", flat=True).first() or 0
+
+
+def _team_quota_release(*, jobs: Sequence[Job]) -> None:
+    """Gives back the min_devices of `jobs` (which are entering a terminal state, inside the
+    transition's transaction) to their teams' claim counters: one UPDATE per (team, type).
+
+    Never below 0: a job written without job_submit (a fixture, an import) was never claimed."""
+    released: dict[tuple[int, str], int] = {}
+    unloaded = []
+    for job in jobs:
+        if {"team_id", "accelerator_type", "min_devices"} & job.get_deferred_fields():
+            unloaded.append(job.pk)
+        else:
+            key = (job.team_id, job.accelerator_type)
+            released[key] = released.get(key, 0) + job.min_devices
+    if unloaded:
+        rows = (Job.objects.filter(pk__in=unloaded).order_by().values_list("team_id", "accelerator_type")
+                .annotate(n=Sum("min_devices")))
+        for team_id, accelerator_type, n in rows:
+            released[(team_id, accelerator_type)] = released.get((team_id, accelerator_type), 0) + n
+    for (team_id, accelerator_type), devices in released.items():
+        TeamQuotaClaim.objects.filter(team_id=team_id, accelerator_type=accelerator_type).update(
+            claimed=Greatest(F("claimed") - devices, Value(0)))
+
+
+def team_quota_recount() -> int:
+    """Rebuilds every TeamQuotaClaim from the jobs; returns how many counters it changed.
+
+    For a database whose jobs were written around job_submit (an import, the admin editing a
+    job's min_devices): the counters then drift from the jobs. Locks the counter rows first, so
+    a submission that claimed before the lock has committed its job when the sums are read."""
+    with transaction.atomic():
+        counters = {(row.team_id, row.accelerator_type): row for row in TeamQuotaClaim.objects.select_for_update()}
+        sums = {(team_id, accelerator_type): n for team_id, accelerator_type, n in (
+            Job.objects.exclude(state__in=Job.TERMINAL_STATES).order_by()
+            .values_list("team_id", "accelerator_type").annotate(n=Sum("min_devices")))}
+        changed = []
+        for key in counters.keys() | sums.keys():
+            row = counters.get(key) or TeamQuotaClaim(team_id=key[0], accelerator_type=key[1], claimed=-1)
+            if row.claimed != sums.get(key, 0):
+                row.claimed = sums.get(key, 0)
+                changed.append(row)
+        for row in changed:
+            row.save()
+    return len(changed)
 
 
 def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
@@ -524,11 +616,12 @@ def job_submit(*, team, submitted_by, spec, now=None):
     _job_world_size_check(clean)
     now = now or timezone.now()
     with transaction.atomic():
-        # Lock the team row so two submissions cannot both squeeze under the quota.
-        team = Team.objects.select_for_update().get(pk=team.pk)
+        # One conditional UPDATE of the team's claim counter: two submissions cannot both squeeze
+        # under the quota (the row is the lock), and its cost does not grow with the queue.
         quota = team.quota_for(clean["accelerator_type"])
-        claimed = team_quota_claimed(team=team, accelerator_type=clean["accelerator_type"])
-        if claimed + clean["min_devices"] > quota:
+        claimed = team_quota_claim(team=team, accelerator_type=clean["accelerator_type"],
+                                   devices=clean["min_devices"], quota=quota)
+        if claimed is not None:
             raise ValidationError(
                 {
                     "min_devices": (
