@@ -205,6 +205,20 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "timeout": 30,
     }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and _env_int("MERIDIAN_DB_POOL", 1, minimum=0):
+    # Django's PostgreSQL connection pool (psycopg-pool): each process opens at most
+    # MERIDIAN_DB_POOL_MAX_SIZE connections, however many threads ASGI runs views in, and a request
+    # hands its connection back when it ends. CONN_MAX_AGE=60 without it kept one connection per
+    # worker thread, and 32 clients against 2 daphne processes ran PostgreSQL out of connections
+    # ("too many clients already", issue 18). The server's max_connections must cover
+    # (web processes + Celery worker processes + beat) * max_size (docs/operator-guide.md).
+    # A request that waits longer than the timeout for a connection fails instead of hanging.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps connections; Django refuses both
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": _env_int("MERIDIAN_DB_POOL_MIN_SIZE", 1, minimum=0),
+        "max_size": _env_int("MERIDIAN_DB_POOL_MAX_SIZE", 8, minimum=1),
+        "timeout": _env_float("MERIDIAN_DB_POOL_TIMEOUT", 10.0, minimum=0.1),
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: Celery broker / results and the Channels layer ---------------------
