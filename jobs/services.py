@@ -102,6 +102,17 @@ class StaleJobState(IllegalTransition):
     """The job left `from_state` before this caller's conditional update: someone else won."""
 
 
+class JobSpecsInvalid(ValidationError):
+    """Some specs of a bulk submission are bad; `per_item` maps each bad one's index (a str) to
+    {field: [message]}. As a ValidationError its "jobs" messages say the same in words."""
+
+    def __init__(self, per_item: dict[str, dict[str, list[str]]]):
+        self.per_item = per_item
+        super().__init__({"jobs": [
+            f"job {index}: " + "; ".join(f"{field}: {' '.join(messages)}" for field, messages in errors.items())
+            for index, errors in per_item.items()]})
+
+
 # --- permissions ---------------------------------------------------------------
 
 
@@ -586,10 +597,14 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
     return {**limits, "max_world_size": limit, "world_size_because": because}
 
 
-def _job_world_size_check(clean: dict) -> None:
+def _job_world_size_check(clean: dict, *, limits_of: dict | None = None) -> None:
     """Raises ValidationError naming world_size or min_devices when the job is bigger than this
-    installation or its fleet could ever run (job_world_size_limits)."""
-    limits = job_world_size_limits(accelerator_type=clean["accelerator_type"], min_devices=clean["min_devices"])
+    installation or its fleet could ever run (job_world_size_limits). `limits_of` caches the
+    limits by (type, min_devices) across the jobs of one bulk submission (each costs a query)."""
+    key = (clean["accelerator_type"], clean["min_devices"])
+    limits = (limits_of or {}).get(key) or job_world_size_limits(accelerator_type=key[0], min_devices=key[1])
+    if limits_of is not None:
+        limits_of[key] = limits
     errors = {}
     if limits["max_min_devices"] is not None and clean["min_devices"] > limits["max_min_devices"]:
         errors["min_devices"] = f"min_devices {clean['min_devices']} is too many: {limits['min_devices_because']}"
@@ -598,6 +613,60 @@ def _job_world_size_check(clean: dict) -> None:
                                 f"{limits['max_world_size']}): {limits['world_size_because']}")
     if errors:
         raise ValidationError(errors)
+
+
+def _job_spec_validate(*, spec, submitted_by, limits_of=None) -> dict:
+    """Returns the cleaned spec (job_spec_clean, its bundle resolved, its size checked)."""
+    from jobs.bundles import bundle_resolve_for_submit
+    clean = job_spec_clean(bundle_resolve_for_submit(spec=spec, user=submitted_by) if isinstance(spec, dict) else spec)
+    _job_world_size_check(clean, limits_of=limits_of)
+    return clean
+
+
+# A bulk submission publishes no live push above this many jobs: pages catch up on their next poll.
+BULK_PUBLISH_MAX = 20
+
+
+def _jobs_create(*, team, submitted_by, cleans: Sequence[dict], now) -> list[Job]:
+    """Returns new pending Jobs for the cleaned specs, in one transaction: the team's quota claimed
+    per accelerator type (one conditional UPDATE each: ValidationError naming min_devices, and
+    nothing written, when a type would go over), then the jobs, their W unplaced replicas each
+    and their SUBMITTED events in one bulk INSERT per table."""
+    needs: dict[str, int] = {}
+    for clean in cleans:
+        needs[clean["accelerator_type"]] = needs.get(clean["accelerator_type"], 0) + clean["min_devices"]
+    with transaction.atomic():
+        # The claim counter's row is the lock: two submissions cannot both squeeze under the quota,
+        # and the check's cost does not grow with the queue.
+        for accelerator_type, devices in needs.items():
+            quota = team.quota_for(accelerator_type)
+            claimed = team_quota_claim(team=team, accelerator_type=accelerator_type, devices=devices, quota=quota)
+            if claimed is not None:
+                what = "this job needs" if len(cleans) == 1 else f"these {len(cleans)} jobs need"
+                raise ValidationError(
+                    {
+                        "min_devices": (
+                            f"over team quota: team {team.name} may claim {quota} {accelerator_type} "
+                            f"device(s); its unfinished jobs already claim {claimed} and {what} "
+                            f"{devices} more. Lower min_devices, wait for a job to finish, "
+                            f"or ask a team admin for more quota."
+                        )
+                    }
+                )
+        jobs = Job.objects.bulk_create([
+            Job(team=team, submitted_by=submitted_by, submitted_at=now, state_changed_at=now, **clean)
+            for clean in cleans])
+        Replica.objects.bulk_create([Replica(job=job, rank=rank) for job in jobs for rank in range(job.world_size)],
+                                    batch_size=5000)
+        actor = submitted_by if (submitted_by is not None and submitted_by.is_authenticated) else None
+        JobEvent.objects.bulk_create([JobEvent(
+            job=job, type=JobEvent.Type.SUBMITTED, actor=actor, to_state=S.PENDING, created_at=now,
+            extra_data={"tier": job.tier, "world_size": job.world_size, "min_devices": job.min_devices})
+            for job in jobs], batch_size=2000)
+        if len(jobs) <= BULK_PUBLISH_MAX:
+            for job in jobs:
+                job_publish_updated(job=job)
+    return jobs
 
 
 def job_submit(*, team, submitted_by, spec, now=None):
@@ -611,38 +680,40 @@ def job_submit(*, team, submitted_by, spec, now=None):
     """
     if not user_can_see_team(user=submitted_by, team_id=team.pk):
         raise PermissionDenied(f"you are not a member of team {team.name}")
-    from jobs.bundles import bundle_resolve_for_submit
-    clean = job_spec_clean(bundle_resolve_for_submit(spec=spec, user=submitted_by) if isinstance(spec, dict) else spec)
-    _job_world_size_check(clean)
-    now = now or timezone.now()
-    with transaction.atomic():
-        # One conditional UPDATE of the team's claim counter: two submissions cannot both squeeze
-        # under the quota (the row is the lock), and its cost does not grow with the queue.
-        quota = team.quota_for(clean["accelerator_type"])
-        claimed = team_quota_claim(team=team, accelerator_type=clean["accelerator_type"],
-                                   devices=clean["min_devices"], quota=quota)
-        if claimed is not None:
-            raise ValidationError(
-                {
-                    "min_devices": (
-                        f"over team quota: team {team.name} may claim {quota} {clean['accelerator_type']} "
-                        f"device(s); its unfinished jobs already claim {claimed} and this job needs "
-                        f"{clean['min_devices']} more. Lower min_devices, wait for a job to finish, "
-                        f"or ask a team admin for more quota."
-                    )
-                }
-            )
-        job = Job.objects.create(team=team, submitted_by=submitted_by, submitted_at=now, state_changed_at=now, **clean)
-        Replica.objects.bulk_create([Replica(job=job, rank=rank) for rank in range(job.world_size)])
-        job_event_add(
-            job=job,
-            type=JobEvent.Type.SUBMITTED,
-            actor=submitted_by,
-            to_state=S.PENDING,
-            extra={"tier": job.tier, "world_size": job.world_size, "min_devices": job.min_devices},
-        )
-        job_publish_updated(job=job)
-    return job
+    clean = _job_spec_validate(spec=spec, submitted_by=submitted_by)
+    return _jobs_create(team=team, submitted_by=submitted_by, cleans=[clean], now=now or timezone.now())[0]
+
+
+def jobs_submit_bulk(*, team, submitted_by, specs: Sequence[object], now=None) -> list[Job]:
+    """Returns the new pending Jobs, one per spec in order (Slurm's --array): all or nothing.
+
+    The same rules as job_submit for every spec. ValidationError({"jobs": {index: {field: message}}})
+    names every bad spec by its index (nothing is written); ValidationError({"jobs": ...}) too for
+    an empty list, more than settings.MERIDIAN_MAX_BULK_JOBS specs or more than
+    settings.MERIDIAN_MAX_BULK_RANKS ranks in all (each rank is a Replica row); a quota error names
+    min_devices with what all the jobs together need. Live pushes only up to BULK_PUBLISH_MAX jobs.
+    """
+    if not user_can_see_team(user=submitted_by, team_id=team.pk):
+        raise PermissionDenied(f"you are not a member of team {team.name}")
+    max_jobs = int(settings.MERIDIAN_MAX_BULK_JOBS)
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise ValidationError({"jobs": "give a non-empty list of job specs"})
+    if len(specs) > max_jobs:
+        raise ValidationError({"jobs": f"at most {max_jobs} jobs in one bulk submission "
+                                       f"(MERIDIAN_MAX_BULK_JOBS); got {len(specs)}: split them"})
+    cleans, errors, limits_of = [], {}, {}
+    for index, spec in enumerate(specs):
+        try:
+            cleans.append(_job_spec_validate(spec=spec, submitted_by=submitted_by, limits_of=limits_of))
+        except ValidationError as error:
+            errors[str(index)] = error.message_dict if hasattr(error, "error_dict") else {"spec": error.messages}
+    if errors:
+        raise JobSpecsInvalid(errors)
+    ranks, max_ranks = sum(clean["world_size"] for clean in cleans), int(settings.MERIDIAN_MAX_BULK_RANKS)
+    if ranks > max_ranks:
+        raise ValidationError({"jobs": f"these jobs have {ranks} ranks in all; one bulk submission may have at most "
+                                       f"{max_ranks} (MERIDIAN_MAX_BULK_RANKS: each rank is a row): split them"})
+    return _jobs_create(team=team, submitted_by=submitted_by, cleans=cleans, now=now or timezone.now())
 
 
 def job_cancel(*, job, by, reason=""):

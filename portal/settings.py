@@ -264,6 +264,10 @@ MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "node",
 # The largest world size (W, logical ranks) a job may ask for. A job costs W Replica rows, written
 # again at every placement; a W the fleet could never run is refused (jobs.services.job_world_size_limits).
 MERIDIAN_MAX_WORLD_SIZE = _env_int("MERIDIAN_MAX_WORLD_SIZE", 4096, minimum=1)
+# Bulk submissions (POST /api/jobs/bulk/, meridian submit --array): at most this many jobs, and
+# this many ranks in all (each rank is a Replica row written in the request).
+MERIDIAN_MAX_BULK_JOBS = _env_int("MERIDIAN_MAX_BULK_JOBS", 1000, minimum=1)
+MERIDIAN_MAX_BULK_RANKS = _env_int("MERIDIAN_MAX_BULK_RANKS", 100_000, minimum=1)
 # How many of a job's ranks may share one device when it is spliced onto fewer devices than W:
 # W <= min_devices * this (min_devices counts against the team's quota).
 MERIDIAN_MAX_RANKS_PER_DEVICE = _env_int("MERIDIAN_MAX_RANKS_PER_DEVICE", 64, minimum=1)
