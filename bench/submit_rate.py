@@ -52,6 +52,8 @@ def parse_args():
     p.add_argument("--web-processes", type=int, default=2)
     p.add_argument("--db", default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DB))
     p.add_argument("--redis", default=os.environ.get("BENCH_REDIS_URL", DEFAULT_REDIS))
+    p.add_argument("--code", default=str(ROOT),
+                   help="the checkout whose code the web processes run (e.g. main's, for a before/after)")
     p.add_argument("--setup", metavar="TOKEN_FILE", help=argparse.SUPPRESS)  # internal: migrate, cast, token
     return p.parse_args()
 
@@ -102,7 +104,7 @@ def fresh_postgres(url):
     ensure_database(url)
 
 
-def start_web(env, processes, data_dir):
+def start_web(env, processes, data_dir, code):
     """Returns (the daphne processes, port): `processes` daphne servers on one listening socket."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,7 +113,7 @@ def start_web(env, processes, data_dir):
     port = listener.getsockname()[1]
     log = open(data_dir / "daphne.log", "ab")
     servers = [subprocess.Popen([sys.executable, "-m", "daphne", "--fd", str(listener.fileno()),
-                                 "portal.asgi:application"], cwd=ROOT, env=env, stdout=log,
+                                 "portal.asgi:application"], cwd=code, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, pass_fds=[listener.fileno()])
                for _ in range(processes)]
     listener.close()
@@ -129,9 +131,37 @@ def start_web(env, processes, data_dir):
     raise RuntimeError(f"daphne did not start; see {data_dir / 'daphne.log'}")
 
 
-def job_body(i):
-    return {"team": TEAM, "name": f"bench-{i}", "tier": "basic", "accelerator_type": "CPU", "world_size": 1,
-            "entrypoint": "train.py"}
+def job_body(i, *, team=True):
+    return {**({"team": TEAM} if team else {}), "name": f"bench-{i}", "tier": "basic", "accelerator_type": "CPU",
+            "world_size": 1, "entrypoint": "train.py"}
+
+
+def cpu_seconds(pids):
+    """Returns the user + system CPU seconds the processes `pids` have used (from /proc)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def database_pids(url):
+    """Returns the PostgreSQL backend pids serving the bench's database (their CPU is the
+    database's share of a submission), or [] for SQLite (it runs inside the web processes)."""
+    if not url:
+        return []
+    from urllib.parse import urlparse
+
+    import psycopg
+
+    parsed = urlparse(url)
+    admin = parsed._replace(path="/postgres").geturl().replace("postgres://", "postgresql://", 1)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        rows = conn.execute("select pid from pg_stat_activity where datname = %s", (parsed.path.lstrip("/"),))
+        return [row[0] for row in rows.fetchall()]
 
 
 def submit_round(port, token, n_jobs, clients):
@@ -182,7 +212,7 @@ def submit_round(port, token, n_jobs, clients):
 def bulk_round(port, token, n_jobs):
     """Returns (seconds, status, jobs created) for one POST /api/jobs/bulk/ of n_jobs jobs."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    body = json.dumps({"jobs": [job_body(i) for i in range(n_jobs)]})
+    body = json.dumps({"team": TEAM, "jobs": [job_body(i, team=False) for i in range(n_jobs)]})
     started = time.perf_counter()
     conn.request("POST", "/api/jobs/bulk/", body=body,
                  headers={"Authorization": f"Token {token}", "Content-Type": "application/json"})
@@ -241,31 +271,47 @@ def main():
             if backend == "postgres":
                 fresh_postgres(args.db)
             token_file = data_dir / "token"
-            subprocess.run([sys.executable, __file__, "--setup", str(token_file)], cwd=ROOT, env=env, check=True)
+            setup = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                     f"from bench.submit_rate import setup_database; setup_database({str(token_file)!r})"]
+            subprocess.run(setup, cwd=args.code, env=env, check=True)
             token = token_file.read_text().strip()
-            servers, port = start_web(env, args.web_processes, data_dir)
+            servers, port = start_web(env, args.web_processes, data_dir, args.code)
+            web_pids = [server.pid for server in servers]
             try:
                 for clients in client_counts:
+                    pids = web_pids + database_pids(env.get("DATABASE_URL"))
+                    cpu_before = cpu_seconds(pids)
                     rate, p50, p99, errors, first_error = submit_round(port, token, args.jobs, clients)
+                    # backends the pool opened during the round count too (from their start: an
+                    # upper bound, as their CPU before the round was spent on this bench as well)
+                    pids_after = set(web_pids + database_pids(env.get("DATABASE_URL")))
+                    cpu = cpu_seconds(pids_after) - cpu_before
                     table.append((backend, f"POST /api/jobs/ x{args.jobs}", clients, rate, p50, p99, errors,
-                                  os.getloadavg()[0], first_error))
+                                  os.getloadavg()[0], 1000 * cpu / args.jobs, first_error))
                     print(f"  {backend} {clients} clients: {rate:.0f}/s p99 {p99:.0f} ms, {errors} errors",
                           file=sys.stderr)
+                pids = web_pids + database_pids(env.get("DATABASE_URL"))
+                cpu_before = cpu_seconds(pids)
                 seconds, status, created = bulk_round(port, token, args.jobs)
+                cpu = cpu_seconds(set(web_pids + database_pids(env.get("DATABASE_URL")))) - cpu_before
                 table.append((backend, f"POST /api/jobs/bulk/ of {args.jobs}", 1, created / seconds if created else 0,
                               1000 * seconds, 1000 * seconds, 0 if status == 201 else 1, os.getloadavg()[0],
-                              "" if status == 201 else f"HTTP {status}"))
+                              1000 * cpu / args.jobs, "" if status == 201 else f"HTTP {status}"))
             finally:
                 for server in servers:
                     server.terminate()
                 for server in servers:
                     server.wait(timeout=30)
     print(f"\n{args.web_processes} daphne processes per backend; {os.cpu_count()} cores; jobs held (no tick runs)")
+    print(f"code: {args.code}")
+    print("cpu ms/job: the web processes' and the database backends' CPU per job (user + system): what a job")
+    print("costs the servers whatever else the machine runs; 1000 / it is the jobs per second one core could take")
     print(f"{'backend':<9} {'what':<28} {'clients':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
-          f"{'load1':>6}")
-    for backend, what, clients, rate, p50, p99, errors, load, first_error in table:
+          f"{'load1':>6} {'cpu ms/job':>10} {'jobs/s/core':>11}")
+    for backend, what, clients, rate, p50, p99, errors, load, cpu_ms, first_error in table:
+        per_core = 1000 / cpu_ms if cpu_ms > 0 else 0
         print(f"{backend:<9} {what:<28} {clients:>7} {rate:>8.0f} {p50:>8.1f} {p99:>8.1f} {errors:>6} {load:>6.2f}"
-              + (f"  first error: {first_error}" if first_error else ""))
+              f" {cpu_ms:>10.2f} {per_core:>11.0f}" + (f"  first error: {first_error}" if first_error else ""))
     for clients, (rate, p99, where) in slurm_rows(args.jobs, client_counts).items():
         print(f"{'slurm':<9} {'sbatch --hold (' + where + ')':<28} {clients:>7} {rate:>8.0f} {'':>8} "
               f"{(f'{p99:.1f}' if p99 else '-'):>8} {0:>6} {'':>6}")

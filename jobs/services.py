@@ -154,9 +154,10 @@ def _job_payload(job):
     }
 
 
-def job_publish_updated(*, job, fleet=False):
-    """Pushes "jobs.job_updated" to the job's and team's groups (and "fleet" if asked) on commit."""
-    groups = [group_for_job(job.pk), group_for_team(job.team_id)]
+def job_publish_updated(*, job, fleet=False, new=False):
+    """Pushes "jobs.job_updated" to the job's and team's groups (and "fleet" if asked) on commit.
+    A `new` job's own group is left out: no page can have joined it before the job existed."""
+    groups = [group_for_team(job.team_id)] if new else [group_for_job(job.pk), group_for_team(job.team_id)]
     if fleet:
         groups.append(GROUP_FLEET)
     events_publish(groups=groups, type="jobs.job_updated", payload={"job": _job_payload(job)})
@@ -665,7 +666,7 @@ def _jobs_create(*, team, submitted_by, cleans: Sequence[dict], now) -> list[Job
             for job in jobs], batch_size=2000)
         if len(jobs) <= BULK_PUBLISH_MAX:
             for job in jobs:
-                job_publish_updated(job=job)
+                job_publish_updated(job=job, new=True)
     return jobs
 
 
