@@ -138,6 +138,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "portal.metrics.HeartbeatMetricsMiddleware",  # sees every heartbeat's answer, refusals included
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -317,6 +318,31 @@ CHANNEL_LAYERS = {
         "CONFIG": {"hosts": [REDIS_URL], "prefix": "meridian", "capacity": 1000, "expiry": 30},
     }
 }
+
+# --- metrics (portal.metrics, observability.metrics) ---------------------------------------------
+# prometheus_client's multiprocess mode: every web process and Celery worker of this host writes
+# its samples under one folder, read by /metrics. Set here, before any metric exists. Empty it when
+# the whole stack (re)starts (counters otherwise carry on from the last run, which Prometheus' rate()
+# takes in its stride; `./meridian run` starts each run with a fresh one).
+METRICS_DIR = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("MERIDIAN_METRICS_DIR")
+                   or DATA_DIR / "metrics")
+METRICS_DIR.mkdir(parents=True, exist_ok=True)
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(METRICS_DIR)
+
+
+def _metrics_token() -> str:
+    """The operator token that opens /metrics: MERIDIAN_METRICS_TOKEN, or the first line of the file
+    MERIDIAN_METRICS_TOKEN_FILE names; empty (metrics refused) when neither is set."""
+    path = os.environ.get("MERIDIAN_METRICS_TOKEN_FILE", "").strip()
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise ImproperlyConfigured(f"MERIDIAN_METRICS_TOKEN_FILE={path!r} cannot be read: {exc}") from None
+    return os.environ.get("MERIDIAN_METRICS_TOKEN", "").strip()
+
+
+MERIDIAN_METRICS_TOKEN = _metrics_token()
 
 # --- auth -----------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
