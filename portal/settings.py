@@ -250,6 +250,16 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_RESULT_EXPIRES = 3600
+# Redis redelivers a task that its worker has not acknowledged within the visibility timeout
+# (celery#5935, #3430): with acks_late that is every task still running, and every retry still
+# waiting for its countdown, past the timeout. So the timeout must exceed the longest a task can
+# hold its message: a tick, a move step and its retry countdown are seconds, and a stuck step ends
+# at MERIDIAN_WORKFLOW_TIMEOUT_SECONDS. Recovering a crashed worker's tasks does not depend on it:
+# the tick comes back from beat, and moves_sweep re-enqueues a lost move chain within seconds (a new
+# chain id supersedes the old). So it is set long (an hour, and at least 4 workflow timeouts), and
+# a redelivery that happens anyway is harmless: every move task is idempotent
+# (tests/jobs/test_redelivery.py).
+CELERY_VISIBILITY_TIMEOUT_SECONDS = _env_float("MERIDIAN_CELERY_VISIBILITY_TIMEOUT_SECONDS", 3600.0, minimum=60.0)
 # --- control loop ---------------------------------------------------------------------
 # Scheduling policy (jobs.snapshot.policy_settings): short times for tests and the demo.
 MERIDIAN_MIN_RUN_SECONDS = _env_float("MERIDIAN_MIN_RUN_SECONDS", 600.0, minimum=0.0)
@@ -297,6 +307,9 @@ MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS"
 # The bootstrap token agents present to register; empty disables registration.
 MERIDIAN_AGENT_ENROLLMENT_TOKEN = os.environ.get("MERIDIAN_AGENT_ENROLLMENT_TOKEN", "")
 MERIDIAN_TICK_SECONDS = _env_float("MERIDIAN_TICK_SECONDS", 2.0, minimum=0.0)
+CELERY_VISIBILITY_TIMEOUT_SECONDS = max(CELERY_VISIBILITY_TIMEOUT_SECONDS, 4 * MERIDIAN_WORKFLOW_TIMEOUT_SECONDS)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS}
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS}
 CELERY_BEAT_SCHEDULE = {
     "scheduler-tick": {
         "task": "jobs.tasks.scheduler_tick",
