@@ -91,9 +91,21 @@ class JobOutputSerializer(serializers.ModelSerializer):
         return copy.deepcopy(prototype)
 
 
+class StrictInputSerializer(serializers.Serializer):
+    """An input serializer that refuses fields it does not know (a typo is a 400, not ignored)."""
+
+    def validate(self, attrs):
+        unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({"non_field_errors": [
+                f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(self.fields))}"
+            ]})
+        return attrs
+
+
 class JobSubmitApi(APIView):
     @extend_schema_serializer(component_name="JobSubmitInput")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(StrictInputSerializer):
         team = serializers.CharField(
             required=False, help_text="Team slug or id; may be left out by a user on exactly one team."
         )
@@ -127,13 +139,6 @@ class JobSubmitApi(APIView):
             help_text="sha256 of a code bundle you uploaded (PUT /api/bundles/<sha256>/); the entrypoint is then "
                       "a path inside it. Left out: the entrypoint is on the node itself.")
 
-        def validate(self, attrs):
-            unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
-            if unknown:
-                raise serializers.ValidationError({"non_field_errors": [
-                    f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(self.fields))}"
-                ]})
-            return attrs
 
     @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer},
                    summary="Submit a job")
@@ -156,20 +161,13 @@ class JobBulkSubmitApi(APIView):
     a thousand full jobs would cost more than creating them."""
 
     @extend_schema_serializer(component_name="JobBulkSubmitInput")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(StrictInputSerializer):
         team = serializers.CharField(
             required=False, help_text="Team slug or id; may be left out by a user on exactly one team.")
         jobs = serializers.ListField(
             child=serializers.DictField(), allow_empty=False,
             help_text="Job specs, each with the fields of POST /api/jobs/ but team; at most "
                       "MERIDIAN_MAX_BULK_JOBS (1000 by default). A 400 names each bad one by its index.")
-
-        def validate(self, attrs):
-            unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
-            if unknown:
-                raise serializers.ValidationError({"non_field_errors": [
-                    f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(self.fields))}"]})
-            return attrs
 
     @extend_schema_serializer(component_name="JobBulkSubmitOutput")
     class OutputSerializer(serializers.Serializer):
