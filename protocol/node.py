@@ -151,6 +151,10 @@ class JobReport(Message):
     exit_code: int | None = bounded(default=None, minimum=-255, maximum=255)
     # How the copy's ranks are confined ("uid 1000007, cgroup v1 ...") or "UNCONFINED ...: why"
     sandbox: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # Why the copy's checkpoint engine was chosen ("auto: CRIU cannot dump ranks ... here"), once known
+    engine_reason: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # Why a copy that is starting waits before its launch ("fetching code (bundle ...)")
+    waiting: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)
