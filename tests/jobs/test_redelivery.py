@@ -11,11 +11,10 @@ from celery.exceptions import Retry
 from django.conf import settings
 from django.db import connection
 
-from fleet.models import Node
 from jobs import tasks
 from jobs.models import Job, JobEvent, Move
 from tests.jobs.test_moves import (  # noqa: F401  (fixtures and helpers)
-    make_node,
+    live_migration,
     moves_policy,
     preempted_victim,
     report,
@@ -81,22 +80,8 @@ def test_a_preemption_chain_delivered_twice_and_out_of_order_has_one_outcome(run
 @pytest.mark.django_db
 @pytest.mark.parametrize("seed", [4, 5])
 def test_a_migration_chain_delivered_twice_and_out_of_order_has_one_outcome(running, seed):  # noqa: F811
-    from types import SimpleNamespace
-
-    from django.utils import timezone
-
-    from fleet.models import Accelerator
-    from jobs.plan_apply import _migrate
-
-    make_node("n1")
-    job, _ = running("m")
-    n2 = make_node("n2")
-    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
-    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
-    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"],
-             now=timezone.now())
+    job, n1, n2 = live_migration(running)
     move = Move.objects.get(job=job, state=Move.State.ACTIVE)
-    n1 = Node.objects.get(hostname="n1")
     rng = random.Random(seed)
     steps = ("barrier", "checkpoint", "store", "restore", "release")
     queue = [lambda step=step: tasks.move_step(move.pk, step, move.chain_id) for step in steps]
