@@ -54,6 +54,7 @@ from django.utils import timezone
 from fleet.models import Node
 from jobs.models import Checkpoint, Job, JobEvent, Move
 from jobs.services import IllegalTransition, job_event_add, job_transition
+from observability import metrics
 from protocol import ProtocolError
 from protocol.node import CheckpointReport, CutReport, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction
@@ -366,6 +367,7 @@ def _complete(*, move, job, outcome, now):
         updated = Move.objects.filter(pk=move.pk, state=Move.State.ACTIVE, step=step).update(**changes)
         if updated != 1:
             return False
+        metrics.move_step_observed(kind=move.kind, step=step, seconds=(now - move.step_started_at).total_seconds(), last=following == St.DONE)  # noqa: E501
         for field, value in changes.items():
             setattr(move, field, value)
         node_id = move.to_node_id if step in (St.RESTORE, St.RESIZE) or move.kind == K.RESIZE else move.from_node_id
@@ -401,6 +403,7 @@ def move_end(*, move, job, state, reason, now, requeue=True):
         if updated != 1:
             return False
         move.state = state
+        metrics.move_ended(kind=move.kind, outcome=state)
         job_event_add(
             job=job, type=JobEvent.Type.MOVE_ENDED, reason=f"{move.kind} {state} at {move.step}: {reason}"[:500],
             extra={"move": move.pk, "kind": move.kind, "step": move.step, "state": state,

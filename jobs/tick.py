@@ -25,6 +25,7 @@ from jobs.plan_apply import plan_apply
 from jobs.services import node_lost_sweep, preemption_expire_due
 from jobs.snapshot import snapshot_build
 from jobs.workflows import workflow_timeouts_sweep
+from observability import metrics
 
 
 @dataclass
@@ -81,6 +82,7 @@ def tick_run(*, now: datetime | None = None, holder: str = HOLDER) -> TickResult
             result.devices = len(index.snapshot.accelerators)
             result.jobs = len(index.snapshot.jobs)
             result.seconds["total"] = time.perf_counter() - began
+            metrics.tick_observed(result=result, index=index, plan=plan)
             ControlLoopLease.objects.filter(name=TICK_LEASE).update(last_tick_at=now,
                                                                     last_tick_stats=result.as_dict())
         if result.rows_written >= ANALYZE_AFTER_ROWS:
