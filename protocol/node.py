@@ -151,6 +151,8 @@ class JobReport(Message):
     exit_code: int | None = bounded(default=None, minimum=-255, maximum=255)
     # How the copy's ranks are confined ("uid 1000007, cgroup v1 ...") or "UNCONFINED ...: why"
     sandbox: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # What the launcher said about a finished copy (its finished event's note), e.g. no steps taken
+    note: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)

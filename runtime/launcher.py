@@ -102,6 +102,11 @@ def parse_device_indices(text):
     return indices
 
 
+NO_STEPS_NOTE = ("the script ended without a single optimizer step: it trained nothing through "
+                 "torch.optim (an empty dataset, a wrong data path, a loop that never ran?); a "
+                 "script that updates its parameters by hand also counts 0 steps")
+
+
 class Launcher:
     def __init__(self, options):
         from runtime.store import CheckpointStore
@@ -633,7 +638,8 @@ class Launcher:
                     multihost.finish_node(self.peers)
                 self.state = LaunchState.FINISHED
                 ranks_view = self.ranks_progress()
-                self.event(Finished, step=ranks_view.step if ranks_view else None)
+                step = ranks_view.step if ranks_view else None
+                self.event(Finished, step=step, note=None if step else NO_STEPS_NOTE)
                 return EXIT_FINISHED
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
