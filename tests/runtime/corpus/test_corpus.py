@@ -138,6 +138,8 @@ REFUSED_AT_RESUME = [
     pytest.param("data_order.py", (), "batch 1 of the epoch in progress", id="order-from-clock"),
     pytest.param("data_order.py", ("--urandom",), "batch 1 of the epoch in progress",
                  id="order-from-urandom"),
+    pytest.param("private_generator.py", (), "batch 1 of the epoch in progress",
+                 id="private-numpy-generator"),
     pytest.param("own_snapshot.py", (), "snapshot.pt with torch.load", id="own-snapshot-relative"),
 ]
 
