@@ -165,7 +165,7 @@ def test_own_snapshot_at_an_absolute_path_is_refused_and_its_own_resume_then_wor
     assert proc.returncode == UNRESUMABLE, proc.stderr[-3000:]
     assert f"{snapshot} with torch.load" in proc.stderr
     restarted = run_ok("own_snapshot.py", where, SNAPSHOT=snapshot)
-    assert "resuming from my own snapshot at epoch 2" in restarted.stdout
+    assert "resuming from my own snapshot at epoch 1" in restarted.stdout
     assert (where / "final.pt").exists()
 
 
@@ -204,6 +204,45 @@ def test_a_script_that_trains_nothing_says_so_in_its_finished_event(tmp_path):
     finished = [e for e in events if e["event"] == "finished"]
     assert finished and finished[-1]["step"] == 0
     assert "no optimizer step" in finished[-1]["note"]
+
+
+def _events(job_dir):
+    return [json.loads(line) for line in (Path(job_dir) / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_refused_resume_fails_with_its_reason_or_restarts_as_the_job_allows(tmp_path, jobs, monkeypatch):
+    """meridian-run, framework engine: a script that keeps its own snapshot (absolute path) is
+    stopped at a step; its resume is refused (exit 1, a failed event with the reason), and with
+    --if-resume-refused restart the launcher starts it from scratch instead, where the script's
+    own resume logic takes over."""
+    snapshot = tmp_path / "own" / "snapshot.pt"
+    snapshot.parent.mkdir()
+    monkeypatch.setenv("SNAPSHOT", str(snapshot))
+    out = tmp_path / "final.pt"
+    node, job_id = tmp_path / "node", unique_id("own-snapshot")
+    script = CORPUS / "own_snapshot.py"
+    first = Job(node, ranks=1, script=script, out=out, engine="framework", job_id=job_id)
+    jobs.append(first)
+    first.wait_ready()
+    assert first.control.stop(at_step=CUT_STEP)["step"] == CUT_STEP
+    first.finish(75)
+    refused = Job(node, ranks=1, script=script, out=out, engine="framework", job_id=job_id, resume=True)
+    jobs.append(refused)
+    refused.finish(1)
+    failed = [e for e in _events(node) if e["event"] == "failed"][-1]
+    assert "resume refused by the framework engine" in failed["error"]
+    assert f"{snapshot} with torch.load" in failed["error"]
+    assert not out.exists()
+    restarted = Job(node, ranks=1, script=script, out=out, engine="framework", job_id=job_id,
+                    resume=True, launcher_args=["--if-resume-refused", "restart"])
+    jobs.append(restarted)
+    restarted.finish(0)
+    events = _events(node)
+    assert "restarted from scratch" in [e for e in events if e["event"] == "started"][-1]["reason"]
+    assert events[-1]["event"] == "finished" and out.exists()
+    assert "resuming from my own snapshot at epoch 1" in (node / "logs" / "rank0.log").read_text()
+    assert (node / "logs" / "attempt-1" / "rank0.log").exists()  # the earlier attempts' logs are kept
 
 
 # --------------------------------------------------------------------------- CRIU
