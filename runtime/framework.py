@@ -632,30 +632,21 @@ class FrameworkTracker:
                       f"loaded {', '.join(recorded['loaded'][:3]) or 'nothing'}")
         hint = (" (an unseeded script: torch.manual_seed / numpy / random not seeded, or data "
                 "built from the clock or os.urandom; or the script restored its own snapshot)")
-        if len(mine["modules"]) != len(recorded["modules"]):
-            raise UnresumableScript(
-                f"the re-run is not the run that was cut: it holds {len(mine['modules'])} models "
-                f"at its first DataLoader epoch, the first run held {len(recorded['modules'])}"
-                f"{loaded}")
-        for i, ((name, digest), (rec_name, rec_digest)) in enumerate(
-                zip(mine["modules"], recorded["modules"])):
-            if (name, digest) != (rec_name, rec_digest):
+        for key, word, what, why in (
+                ("modules", "model", "different parameters or buffers", hint),
+                ("optimizers", "optimizer", "a different state or hyper-parameters",
+                 " (the script restored its own optimizer snapshot?)")):
+            if len(mine[key]) != len(recorded[key]):
                 raise UnresumableScript(
-                    f"the re-run is not the run that was cut: model #{i + 1} ({name}) has "
-                    f"different parameters or buffers at its first DataLoader epoch than in the "
-                    f"first run{hint}{loaded}; resuming would train a different model")
-        if len(mine["optimizers"]) != len(recorded["optimizers"]):
-            raise UnresumableScript(
-                f"the re-run is not the run that was cut: {len(mine['optimizers'])} optimizers at "
-                f"its first DataLoader epoch, the first run had {len(recorded['optimizers'])}"
-                f"{loaded}")
-        for i, ((name, digest), (_, rec_digest)) in enumerate(
-                zip(mine["optimizers"], recorded["optimizers"])):
-            if digest != rec_digest:
-                raise UnresumableScript(
-                    f"the re-run is not the run that was cut: optimizer #{i + 1} ({name}) has a "
-                    f"different state or hyper-parameters at its first DataLoader epoch than in "
-                    f"the first run (the script restored its own optimizer snapshot?){loaded}")
+                    f"the re-run is not the run that was cut: it holds {len(mine[key])} {word}s "
+                    f"at its first DataLoader epoch, the first run held {len(recorded[key])}"
+                    f"{loaded}")
+            for i, (entry, rec) in enumerate(zip(mine[key], recorded[key])):
+                if list(entry) != list(rec):
+                    raise UnresumableScript(
+                        f"the re-run is not the run that was cut: {word} #{i + 1} ({entry[0]}) "
+                        f"has {what} at its first DataLoader epoch than in the first run{why}"
+                        f"{loaded}; resuming would train a different model")
 
     def _check_sampler_epoch(self, record, index) -> None:
         assert self._resume is not None
