@@ -4,6 +4,7 @@ for tests that do not need the launcher. Environment:
   MERIDIAN_RESUME             framework checkpoint folder to resume from
   TEST_CUT_STEP, TEST_SAVE_DIR   save at this step into that folder, then die like a
                                preempted process (os._exit, no cleanup)
+  TEST_CUT_CONTINUE           with TEST_CUT_STEP: save, then go on to the end (no preemption)
   TEST_STEP_FILE              where to write tracker.step (and no_cut_reason()) when the
                               script ends
 Usage: python harness.py script.py args...
@@ -38,6 +39,8 @@ def preempt_at_cut(step):
         sys.stderr.write(f"UNRESUMABLE: {exc.reason}\n")
         sys.stderr.flush()
         os._exit(3)
+    if os.environ.get("TEST_CUT_CONTINUE"):
+        return  # a checkpoint the run goes on from (its end is the reference of an unseeded script)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
