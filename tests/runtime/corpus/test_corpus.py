@@ -212,7 +212,7 @@ def test_a_script_that_trains_nothing_says_so_in_its_finished_event(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "job" / "events.jsonl").read_text().splitlines()]
     finished = [e for e in events if e["event"] == "finished"]
     assert finished and finished[-1]["step"] == 0
-    assert "no optimizer step" in finished[-1]["note"]
+    assert "without a single optimizer step" in finished[-1]["note"]
 
 
 def _events(job_dir):
