@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 torch.manual_seed(19)
-x = torch.randn(32, 4)
+x = torch.randn(48, 4)
 y = x.pow(2).sum(1, keepdim=True)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 compiled = torch.compile(model)
