@@ -47,6 +47,7 @@ from protocol import ProtocolError
 from protocol.launch import (
     CheckpointTaken,
     Failed,
+    Finished,
     LaunchEvent,
     Progress,
     Resized,
@@ -354,6 +355,8 @@ class LocalJob:
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
             restored_step=self.restored_step(events), sandbox=self.sandbox(events),
+            note=next((e.note for e in events if isinstance(e, Finished) and e.note), None)
+            if state == CopyState.FINISHED else None,
             engine_reason=((progress.engine_reason or "")[:MAX_ERROR] or None) if progress else None,
             error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)

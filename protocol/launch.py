@@ -102,6 +102,8 @@ class Stopped(LaunchEvent):
 class Finished(LaunchEvent):
     event: Literal["finished"] = "finished"
     step: int | None = bounded(default=None, minimum=0)  # None: rank 0 never reported a step
+    # Something the job's owner should know about a success (e.g. it took no optimizer step).
+    note: str | None = bounded(default=None, max_length=2000)
 
 
 @dataclass(frozen=True, kw_only=True)

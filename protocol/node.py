@@ -158,6 +158,8 @@ class JobReport(Message):
     engine_reason: str | None = bounded(default=None, max_length=MAX_ERROR)
     # Why a copy that is starting waits before its launch ("fetching code (bundle ...)")
     waiting: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # What the launcher said about a finished copy (its finished event's note), e.g. no steps taken
+    note: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -325,6 +325,11 @@ class FrameworkEngine(Engine):
     def start_rank(self) -> None:
         _die_with_launcher()
 
+    def no_cut_reason(self, runtime: RankRuntime) -> str | None:
+        """Asked while a cut request waits and the script has taken no optimizer step: why this
+        engine can never cut it (a script without torch.optim), or None to keep waiting."""
+        return runtime.tracker.no_cut_reason()
+
     def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         from runtime import vpg
         try:

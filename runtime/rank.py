@@ -199,6 +199,17 @@ class LauncherWatch(PollingThread):
             self.check()
 
 
+def _refuse_resume(rank_dir, exc):
+    """The framework engine refused this resume: say why (for the launcher, whose job policy
+    decides: fail, or restart from scratch) and end with EXIT_RESUME_REFUSED."""
+    from runtime import exits
+    from runtime import spool as spool_files
+    sys.stderr.write(f"meridian rank: resume refused: {exc.reason}\n")
+    sys.stderr.flush()
+    spool_files.write_json_atomic(os.path.join(rank_dir, exits.REFUSED_FILE), {"reason": exc.reason})
+    os._exit(exits.EXIT_RESUME_REFUSED)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m runtime.rank")
     parser.add_argument("--spool", required=True)
@@ -246,7 +257,10 @@ def main(argv=None):
 
     resume_dir = os.environ.get("MERIDIAN_RESUME") or None
     from runtime import framework
-    tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+    try:
+        tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+    except framework.UnresumableScript as exc:
+        _refuse_resume(rank_dir, exc)
 
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())
@@ -259,7 +273,12 @@ def main(argv=None):
     script = os.path.abspath(options.script)
     sys.argv = [script] + list(options.args)
     sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except framework.UnresumableScript as exc:
+        if resume_dir is None:
+            raise
+        _refuse_resume(rank_dir, exc)
 
     if rank == 0:
         runtime.write_progress(tracker.step)
