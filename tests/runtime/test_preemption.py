@@ -87,10 +87,12 @@ def test_sigkill_every_rank_restores_from_last_checkpoint(engine, tmp_path, jobs
     out = tmp_path / "out.pt"
     job_id = unique_id("kill")
     node = tmp_path / "node"
-    # A sleep per step (part of the user's script, 40 steps: 20 s) leaves time to take two
-    # checkpoints and kill between them; the ranks keep training while a checkpoint is committed,
-    # so the second one is taken as soon as possible rather than at a fixed step.
-    args = DDP_ARGS + ["--step-sleep", "0.5"]
+    # A sleep per step (part of the user's script, 40 steps: 20 s; 40 s under CRIU, whose
+    # checkpoint also stores each distinct page of 4 ranks' images once, which on a loaded machine
+    # took long enough for the job to reach its end) leaves time to take two checkpoints and kill
+    # between them; the ranks keep training while a checkpoint is committed, so the second one is
+    # taken as soon as possible rather than at a fixed step.
+    args = DDP_ARGS + ["--step-sleep", "1.0" if engine == "criu" else "0.5"]
     first = Job(node, ranks=4, script=DDP_SCRIPT, out=out, script_args=args, engine=engine,
                 job_id=job_id)
     jobs.append(first)
