@@ -281,6 +281,10 @@ def follow_cut(launcher) -> str | None:
     peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
     if request.action == "stop" and report.status == "ok":
         launcher.wait_all_exit(FINISH_WAIT_S)
+        # The leader commits the job's one checkpoint and names it in its own events; this
+        # node's agent learns only that its share stopped at the cut.
+        from protocol.launch import Stopped
+        launcher.event(Stopped, step=report.step or 0, checkpoint="")
         return "stopped"
     return None
 
