@@ -505,9 +505,9 @@ class NodeReconciler:
                 if job is not None and job.outcome() is None:
                     if job.stop_requested or not (job.job_dir / "control.sock").exists():
                         continue  # stopping, or its launcher is not serving commands yet
-                    if job.follower or entry.span is not None:
-                        continue  # the leader's launcher cuts every host's ranks; resize across hosts: not built
-                    if entry.devices != job.devices and job.busy is None:
+                    if job.follower:
+                        continue  # the leader's launcher cuts and checkpoints every host's ranks
+                    if entry.devices != job.devices and job.busy is None and entry.span is None:
                         self._call(job, "resize", entry.devices, entry.device_indices)
                     elif (job.busy is None and self.checkpoint_every_s > 0
                           and time.monotonic() - job.last_checkpoint_at > self.checkpoint_every_s):

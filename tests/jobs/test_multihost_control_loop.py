@@ -162,3 +162,20 @@ def test_a_preemption_steps_through_every_host_and_fences_a_host_left_behind(wid
     late = report(n2, job.pk, "running", generation=1, step=31)
     assert late["rejected"] == [{"job_id": job.pk, "fence": True, "cancel": False,
                                  "error": NOT_YOURS.format(job_id=job.pk)}]
+
+
+@pytest.mark.django_db
+def test_the_job_page_shows_the_placement_per_host(wide, alice):
+    from django.test import Client
+    from django.urls import reverse
+
+    job, _n1, _n2 = wide
+    client = Client()
+    client.force_login(alice)
+    page = client.get(reverse("pages:job-detail", args=[job.pk]))
+    assert page.status_code == 200
+    assert page.context["data"]["job"]["placement"] == [
+        {"host": "n1", "first_rank": 0, "last_rank": 3, "devices": 4},
+        {"host": "n2", "first_rank": 4, "last_rank": 7, "devices": 4}]
+    html = page.content.decode()
+    assert "n1: ranks 0–3 on 4 devices" in html and "n2: ranks 4–7 on 4 devices" in html
