@@ -11,6 +11,7 @@ torch.equal to an uninterrupted single-host run of the same script.
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from stack_fixtures import template_db  # noqa: E402, F401 - the fixture
 pytestmark = [pytest.mark.runtime, pytest.mark.slow]
 
 SCRIPT = "tests/runtime/scripts/ddp_mlp.py"
+IMPORTED = time.monotonic()
 ARGS = ["--epochs", "14", "--step-sleep", "0.4"]  # 2 steps per epoch at W = 8
 
 
@@ -36,6 +38,7 @@ def plane(tmp_path_factory, template_db, emulated_hosts):  # noqa: F811 - the im
     cp = ControlPlane(base, bind=cluster.control_plane_addr, env={
         "MERIDIAN_CHECKPOINT_STORE": f"{cluster[0].store}/ckpt",  # the hosts' shared mount
         "MERIDIAN_NODE_LOST_AFTER_SECONDS": "8",
+        "ALLOWED_HOSTS": f"{cluster.control_plane_addr},127.0.0.1,localhost",
     })
     agents = []
 
@@ -87,42 +90,54 @@ def assert_equal_states(expected, actual):
             assert torch.equal(value, actual["optimizer"]["state"][index][key]), (index, key)
 
 
+def say(what):
+    """Prints a phase with the seconds since the module was imported (the phases' durations)."""
+    print(f"[{time.monotonic() - IMPORTED:7.1f} s] {what}", flush=True)
+
+
 def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_killed_host(plane):
     cluster, cp, start_agent = plane
+    say("control plane up")
     store = cluster[0].store
     # The uninterrupted single-host run of the same script (8 ranks on one host).
     _, processes = start_job([cluster[3]], ranks=8, script=os.path.join(REPO, SCRIPT),
                              args=[f"{store}/reference.pt", *ARGS])
     assert [code for code, _ in wait_job(processes)] == [0]
+    say("reference run done")
 
     start_agent(0), start_agent(1)
     victim = submit(cp, "wide", "basic", f"{store}/victim.pt")
-    cp.wait_state(victim, "running", timeout=180)
+    cp.wait_state(victim, "running", timeout=600)
+    say(f"victim running on {placement(cp, victim)}")
     assert placement(cp, victim) == ["mh-0", "mh-1"]  # bigger than a node: it spans two hosts
-    poll("the victim to checkpoint", lambda: (cp.job(victim)["last_checkpoint_step"] or 0) >= 2, timeout=120,
+    poll("the victim to checkpoint", lambda: (cp.job(victim)["last_checkpoint_step"] or 0) >= 2, timeout=600,
          on_timeout=lambda: cp.diagnose(victim))
 
     # Preempted: the leader's cut stops every host's ranks after one step, one checkpoint of all.
     premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "2"])
-    cp.wait_state(victim, "preempted", timeout=180)
+    cp.wait_state(victim, "preempted", timeout=600)
     assert cp.moves(victim)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"])
     preempted_at = cp.job(victim)["last_checkpoint_step"]
+    say(f"victim preempted at step {preempted_at}")
 
     # Resumed on two other hosts, which never ran it.
     start_agent(2), start_agent(3)
-    cp.wait_state(victim, "running", timeout=180)
+    cp.wait_state(victim, "running", timeout=600)
+    say(f"victim resumed on {placement(cp, victim)}")
     assert placement(cp, victim) == ["mh-2", "mh-3"]
-    cp.wait_state(premium, "succeeded", timeout=240)
+    cp.wait_state(premium, "succeeded", timeout=600)
     poll("a checkpoint after the resume",
-         lambda: (cp.job(victim)["last_checkpoint_step"] or 0) > preempted_at, timeout=120,
+         lambda: (cp.job(victim)["last_checkpoint_step"] or 0) > preempted_at, timeout=600,
          on_timeout=lambda: cp.diagnose(victim))
 
     # One of its hosts killed: restarted from its last checkpoint on the remaining and a replacement host.
+    say(f"killing mh-3 (last checkpoint step {cp.job(victim)['last_checkpoint_step']})")
     cluster[3].kill()
     poll("the victim to be restarted off the killed host",
          lambda: "mh-3" not in placement(cp, victim) and len(placement(cp, victim)) == 2, timeout=180,
          on_timeout=lambda: cp.diagnose(victim))
     print("restarted on", placement(cp, victim), flush=True)
-    cp.wait_state(victim, "succeeded", timeout=300)
+    cp.wait_state(victim, "succeeded", timeout=900)
+    say("victim succeeded")
     assert_equal_states(torch.load(os.path.join(cluster.store_dir, "reference.pt"), weights_only=True),
                         torch.load(os.path.join(cluster.store_dir, "victim.pt"), weights_only=True))
