@@ -17,23 +17,12 @@ Usage:
   .venv/bin/python bench/log_latency.py [--prints 30] [--poll 0.2]
 """
 import argparse
-import os
 import statistics
-import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "browser"))
-sys.path.insert(0, str(REPO / "tests"))
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+from browser_bench import database_name, django_setup, logged_in_page, percentile
 
 
 def main():
@@ -43,34 +32,16 @@ def main():
                         help="the shipper's poll interval(s) to measure (the agent's default: 0.2 s)")
     args = parser.parse_args()
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    data_dir = tempfile.TemporaryDirectory(prefix="meridian-log-latency-")
-    os.environ.setdefault("MERIDIAN_DATA_DIR", data_dir.name)
-    import django
-
-    django.setup()
-    from browser_harness import PortalServer, chromium_launch, chromium_missing_reason
+    data_dir = django_setup("meridian-log-latency-")
+    from browser_harness import PortalServer
     from log_tail_harness import LogNode
     from playwright.sync_api import expect, sync_playwright
 
-    from jobs.demo_cast import DEMO_PASSWORDS
-
-    reason = chromium_missing_reason()
-    if reason:
-        raise SystemExit(reason)
     server = PortalServer().start()
     results = {}
     try:
         with sync_playwright() as playwright:
-            browser = chromium_launch(playwright)
-            context = browser.new_context(base_url=server.url)
-            context.set_default_timeout(15_000)
-            page = context.new_page()
-            page.goto("/accounts/login/")
-            page.fill("#id_username", "alice")
-            page.fill("#id_password", DEMO_PASSWORDS["alice"])
-            page.click("button[type=submit]")
-            page.wait_for_url(lambda url: "/accounts/login/" not in url)
+            browser, page = logged_in_page(playwright, server)
             for poll_s in args.poll:
                 node = LogNode(server, Path(data_dir.name) / f"node-{poll_s}", world_size=1, poll_s=poll_s)
                 try:
@@ -94,7 +65,7 @@ def main():
     finally:
         server.stop()
 
-    database = "PostgreSQL" if os.environ.get("DATABASE_URL", "").startswith("postgres") else "SQLite"
+    database = database_name()
     print(f"\nlog latency, print → visible in the browser ({database}, daphne, Channels + Redis, Chromium), "
           f"{args.prints} prints each\n")
     print(f"{'shipper poll (s)':>17} {'median ms':>10} {'p90 ms':>8} {'min ms':>8} {'max ms':>8}")

@@ -20,23 +20,12 @@ Usage:
 import argparse
 import os
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "browser"))
-sys.path.insert(0, str(REPO / "tests"))  # browser_harness polls with tests/polling.py
+from browser_bench import database_name, django_setup, logged_in_page, percentile
 
 # The cycle a job page watches: every arrow is legal in jobs.services.TRANSITIONS.
 CYCLE = ["running", "preempting", "preempted", "scheduled", "running", "migrating", "running", "resizing"]
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def main():
@@ -44,20 +33,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    data_dir = tempfile.TemporaryDirectory(prefix="meridian-latency-")  # removed at exit
-    os.environ.setdefault("MERIDIAN_DATA_DIR", data_dir.name)
-    import django
-
-    django.setup()
-    from browser_harness import PortalServer, chromium_launch, chromium_missing_reason, free_devices, place_job
+    data_dir = django_setup("meridian-latency-")  # noqa: F841 (removed at exit)
+    from browser_harness import PortalServer, free_devices, place_job
     from playwright.sync_api import expect, sync_playwright
-
-    from jobs.demo_cast import DEMO_PASSWORDS
-
-    reason = chromium_missing_reason()
-    if reason:
-        raise SystemExit(reason)
 
     def submit(name, world_size):
         from django.contrib.auth import get_user_model
@@ -93,15 +71,10 @@ def main():
     job_page_ms, fleet_page_ms = [], []
     try:
         with sync_playwright() as playwright:
-            browser = chromium_launch(playwright)
-            context = browser.new_context(base_url=server.url, viewport={"width": 1400, "height": 1000})
-            context.set_default_timeout(15_000)
-            page = context.new_page()
-            page.goto("/accounts/login/")
-            page.fill("#id_username", "alice")
-            page.fill("#id_password", DEMO_PASSWORDS["alice"])
-            page.click("button[type=submit]")
-            page.wait_for_url(lambda url: "/accounts/login/" not in url)
+            browser, page = logged_in_page(playwright, server, viewport={"width": 1400, "height": 1000},
+                                           # wait_for_function evaluates its predicate with eval, which the
+                                           # portal's CSP forbids; the pages' own scripts still run under it
+                                           bypass_csp=True)
 
             # 1. job page
             job_id = server.call(submit, "latency-job", 2)
@@ -135,7 +108,7 @@ def main():
     finally:
         server.stop()
 
-    database = "PostgreSQL" if os.environ.get("DATABASE_URL", "").startswith("postgres") else "SQLite"
+    database = database_name()
     redis = "REDIS_URL" if os.environ.get("REDIS_URL") else "private redis-server (unix socket)"
     print(f"\nlive-update latency, event in database → browser redrawn ({database}, {redis}, daphne, Chromium)\n")
     print(f"{'page':<12} {'rounds':>6} {'min ms':>7} {'median ms':>10} {'p95 ms':>7} {'max ms':>7}")
