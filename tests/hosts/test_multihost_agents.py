@@ -95,15 +95,14 @@ def say(what):
     print(f"[{time.monotonic() - IMPORTED:7.1f} s] {what}", flush=True)
 
 
+@pytest.mark.timeout(2400)  # about 10 min on an idle 2-core machine, 3x that at a load of 20
 def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_killed_host(plane):
     cluster, cp, start_agent = plane
     say("control plane up")
     store = cluster[0].store
-    # The uninterrupted single-host run of the same script (8 ranks on one host).
-    _, processes = start_job([cluster[3]], ranks=8, script=os.path.join(REPO, SCRIPT),
+    # The uninterrupted single-host run of the same script (8 ranks on host 3, before its agent starts).
+    _, reference = start_job([cluster[3]], ranks=8, script=os.path.join(REPO, SCRIPT),
                              args=[f"{store}/reference.pt", *ARGS])
-    assert [code for code, _ in wait_job(processes)] == [0]
-    say("reference run done")
 
     start_agent(0), start_agent(1)
     victim = submit(cp, "wide", "basic", f"{store}/victim.pt")
@@ -120,6 +119,8 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
     preempted_at = cp.job(victim)["last_checkpoint_step"]
     say(f"victim preempted at step {preempted_at}")
 
+    assert [code for code, _ in wait_job(reference)] == [0]
+    say("reference run done")
     # Resumed on two other hosts, which never ran it.
     start_agent(2), start_agent(3)
     cp.wait_state(victim, "running", timeout=600)
