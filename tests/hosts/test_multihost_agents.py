@@ -100,7 +100,7 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
     cluster, cp, start_agent = plane
     say("control plane up")
     store = cluster[0].store
-    # The uninterrupted single-host run of the same script (8 ranks on host 3, before its agent starts).
+    # The uninterrupted single-host run of the same script (8 ranks on host 3, beside its agent later).
     _, reference = start_job([cluster[3]], ranks=8, script=os.path.join(REPO, SCRIPT),
                              args=[f"{store}/reference.pt", *ARGS])
 
@@ -113,15 +113,13 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
          on_timeout=lambda: cp.diagnose(victim))
 
     # Preempted: the leader's cut stops every host's ranks after one step, one checkpoint of all.
-    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "2"])
+    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "8"])
     cp.wait_state(victim, "preempted", timeout=600)
     assert cp.moves(victim)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"])
     preempted_at = cp.job(victim)["last_checkpoint_step"]
     say(f"victim preempted at step {preempted_at}")
 
-    assert [code for code, _ in wait_job(reference)] == [0]
-    say("reference run done")
-    # Resumed on two other hosts, which never ran it.
+    # Resumed on two other hosts, which never ran it (the premium job holds the first two).
     start_agent(2), start_agent(3)
     cp.wait_state(victim, "running", timeout=600)
     say(f"victim resumed on {placement(cp, victim)}")
@@ -140,5 +138,6 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
     print("restarted on", placement(cp, victim), flush=True)
     cp.wait_state(victim, "succeeded", timeout=900)
     say("victim succeeded")
+    assert [code for code, _ in wait_job(reference)] == [0]
     assert_equal_states(torch.load(os.path.join(cluster.store_dir, "reference.pt"), weights_only=True),
                         torch.load(os.path.join(cluster.store_dir, "victim.pt"), weights_only=True))
