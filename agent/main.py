@@ -8,7 +8,7 @@
 
 Tokens never go on the command line (any user of the host can read it in ps): the enrollment
 token comes from $MERIDIAN_AGENT_ENROLL_TOKEN or --enroll-token-file, a node token from
-$MERIDIAN_AGENT_TOKEN or --token-file. Neither reaches a job's environment (agent/job_env.py).
+$MERIDIAN_AGENT_TOKEN or --token-file. Neither reaches a job's environment (runtime/sandbox.py: rank_environment).
 
 The enrollment token enrols a new node (hostname, devices) and the node token it gets is stored in
 <work dir>/node-token (mode 600); a restarted agent registers again with that token (its devices

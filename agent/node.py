@@ -330,7 +330,7 @@ class LocalJob:
         """Returns the newest consistent cut the launcher took (its checkpoint and resize events), or None."""
         for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken):
-                return CutReport(action=CutAction(event.action), step=event.step)
+                return CutReport(action=CutAction(event.action), step=event.step, kind=event.cut_kind)
             if isinstance(event, Resized):
                 return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
@@ -363,6 +363,7 @@ class LocalJob:
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
             restored_step=self.restored_step(events), sandbox=self.sandbox(events),
+            engine_reason=((progress.engine_reason or "")[:MAX_ERROR] or None) if progress else None,
             error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
 
@@ -395,10 +396,12 @@ class NodeReconciler:
         self.engine = engine
         self.checkpoint_every_s = checkpoint_every_s
         self.workload_root = pathlib.Path(workload_root or os.getcwd()).absolute()
-        # Each job's workspace (agent/bundles.py): the same root on every node; bundle_fetcher(sha256) -> archive.
+        # Each job's workspace (agent/bundles.py): the same root on every node; bundle_fetcher(sha256) -> archive
+        # runs in the background, and a job waiting for its bundle is reported with why (self.waiting).
         self.workspace_root = pathlib.Path(workspace_root or os.environ.get(bundles.WORKSPACE_ROOT_ENV)
                                            or self.work_dir / "workspaces").absolute()
-        self.bundle_fetcher = bundle_fetcher
+        self.bundle_fetches = bundles.BackgroundFetches(bundle_fetcher) if bundle_fetcher else None
+        self.waiting: dict[int, JobReport] = {}  # job id -> the report of a launch that waits, saying why
         self.python = python
         self.keep_finished_checkpoints = keep_finished_checkpoints
         self.jobs: dict[int, LocalJob] = {}
@@ -453,6 +456,8 @@ class NodeReconciler:
             reports = [_checked(job.observed()) for job in self.jobs.values()]
             for report in reports:
                 self.jobs[report.job_id].reported_state = report.state
+            # Jobs whose launch waits (for their code): a copy that is starting, and why.
+            reports += [report for job_id, report in self.waiting.items() if job_id not in self.jobs]
             return reports
 
     def busy_device_indices(self, desired_jobs: Iterable[DesiredJob]) -> list[int]:
@@ -490,6 +495,9 @@ class NodeReconciler:
         entries = [e if isinstance(e, DesiredJob) else DesiredJob.from_dict(e) for e in desired_jobs]
         desired = {e.job_id: e for e in entries}
         with self.lock:
+            for job_id in list(self.waiting):  # waits no more: launched, or not wanted here now
+                if job_id in self.jobs or job_id not in desired or desired[job_id].action != DesiredAction.RUN:
+                    self.waiting.pop(job_id, None)
             for job_id, existing in list(self.jobs.items()):
                 if existing.outcome() is not None:
                     continue
@@ -671,11 +679,14 @@ class NodeReconciler:
         resume = bool(entry.restore_from)
         span_problem = multihost_span_problem(entry)
         if span_problem:
-            job_dir = self.jobs_dir / f"{job_id}.{next_attempt(self.jobs_dir, job_id)}"
-            job_dir.mkdir(parents=True)
-            self._launch_refused(entry, job_dir, span_problem)
+            self._launch_refused_new_attempt(entry, span_problem)
             return
-        workspace = bundles.workspace_for_launch(self, entry, resume=resume, fetch=self.bundle_fetcher)
+        try:
+            workspace = bundles.workspace_for_launch(self, entry, resume=resume, fetches=self.bundle_fetches)
+        except bundles.BundleRefused as exc:
+            self.waiting.pop(job_id, None)
+            self._launch_refused_new_attempt(entry, f"the job's code bundle cannot be had: {exc}")
+            return
         if workspace is None:
             return
         attempt = next_attempt(self.jobs_dir, job_id)
@@ -728,6 +739,12 @@ class NodeReconciler:
                           "(widen the uid range: --sandbox-uid-count)", job_id, other.job_id, uid)
                 return True
         return False
+
+    def _launch_refused_new_attempt(self, entry: DesiredJob, error: str) -> None:
+        """_launch_refused in the job directory of a new attempt (nothing was prepared yet)."""
+        job_dir = self.jobs_dir / f"{entry.job_id}.{next_attempt(self.jobs_dir, entry.job_id)}"
+        job_dir.mkdir(parents=True)
+        self._launch_refused(entry, job_dir, error)
 
     def _launch_refused(self, entry: DesiredJob, job_dir: pathlib.Path, error: str) -> None:
         """Records a launch that could not start as a failed copy (its error is the job's failure

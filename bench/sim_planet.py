@@ -24,14 +24,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", type=int, default=1_000_000)
     p.add_argument("--devices", type=int, default=100_000)
-    p.add_argument("--load", type=float, default=0.8)
+    p.add_argument("--load", type=float, default=0.8, help="offered load, a fraction of the fleet (0.8)")
+    p.add_argument("--mix", default="philly", help="synthetic mix (scheduler/sim/trace.py SYNTHETIC_MIXES)")
     p.add_argument("--policies", default="fifo,meridian")
     p.add_argument("--tick", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     fleet = fleet_module.planet(args.devices)
     t0 = time.perf_counter()
-    trace = synthetic(args.jobs, fleet.n_devices, load=args.load, seed=args.seed)
+    trace = synthetic(args.jobs, fleet.n_devices, load=args.load, seed=args.seed, mix=args.mix)
     print(f"trace {trace.name}: {len(trace)} jobs over {trace.submit[-1] / 86400:.1f} days, built in "
           f"{time.perf_counter() - t0:.1f} s; fleet {fleet.name}: {fleet.n_devices} devices, "
           f"{fleet.n_nodes} nodes; tick {args.tick:g} s", flush=True)

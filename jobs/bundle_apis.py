@@ -10,7 +10,9 @@
   GET  /api/agent/bundles/<sha256>/   (Authorization: Node <token>) the bundle's bytes, only for a
                                   bundle of a job placed on that node; 404 otherwise
 """
+from django.conf import settings
 from django.http import FileResponse, StreamingHttpResponse
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import exceptions, serializers, status
 from rest_framework.exceptions import NotFound, ValidationError
@@ -23,6 +25,7 @@ from jobs.bundles import (
     bundle_get_for_user,
     bundle_path_for_node,
     bundle_store,
+    job_outputs_expired,
     job_outputs_manifest,
     job_outputs_tar,
 )
@@ -83,6 +86,10 @@ class JobOutputsApi(APIView):
     def get(self, request, job_id):
         job = job_get_visible_or_404(user=request.user, job_id=job_id)
         manifest = job_outputs_manifest(job=job)
+        if manifest is None and job_outputs_expired(job=job, now=timezone.now()):
+            raise NotFound(f"job {job.pk} ended on {job.finished_at:%Y-%m-%d}; its saved outputs were deleted after "
+                           f"the retention of {settings.MERIDIAN_OUTPUTS_RETENTION_DAYS:g} days "
+                           f"(MERIDIAN_OUTPUTS_RETENTION_DAYS)")
         if manifest is None:
             raise NotFound(f"job {job.pk} has no saved outputs yet: a job's workspace is saved with each "
                            f"checkpoint and when it ends (state now: {job.state})")

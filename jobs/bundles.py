@@ -10,6 +10,10 @@ MERIDIAN_BUNDLE_MAX_BYTES (413) or when the digest is not the one named (400), c
 bundle (protocol.bundle.check: a malicious archive is a 400 naming the member), then renamed
 into place. The same bytes twice are stored once; each uploader is recorded, and only an
 uploader may submit a job with the bundle.
+
+Nothing is kept for ever: `artifacts_collect` (Celery beat, hourly, and `manage.py artifacts_gc`)
+deletes bundles no job references after MERIDIAN_BUNDLE_GRACE_DAYS and the saved outputs of
+jobs that ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS ago.
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ import tarfile
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import IO
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import ProtectedError
 
 from jobs.models import Bundle, Job
 from protocol import bundle as bundle_format
@@ -270,3 +276,105 @@ def job_outputs_tar(*, job: Job, manifest: dict) -> Iterator[bytes]:
             info.size = len(text)
             archive.addfile(info, io.BytesIO(text))
     yield pipe.drain()
+
+
+# --- garbage collection ---------------------------------------------------------------------------
+
+
+def _older_than(path: Path, cutoff: float) -> bool:
+    """True when nothing in `path` (a file, or a folder and what it holds) changed after `cutoff`."""
+    try:
+        if path.is_file() or path.is_symlink():
+            return path.lstat().st_mtime < cutoff
+        return all(p.lstat().st_mtime < cutoff for p in [path, *path.rglob("*")])
+    except OSError:
+        return False
+
+
+def bundles_collect(*, now, dry_run: bool = False) -> list[str]:
+    """Deletes the code bundles no job references that were uploaded more than
+    MERIDIAN_BUNDLE_GRACE_DAYS ago (their rows and files), and stray files under <store>/bundles
+    (an interrupted upload, a file without its row) untouched that long; returns what it deleted
+    (digests and paths). A grace of 0 keeps every bundle.
+
+    A bundle any job names, whatever the job's state, is kept: its jobs may run again (a
+    preempted or resumed job fetches it on its next node). The grace lets a user who uploaded a
+    bundle submit with it later; a submission racing the deletion is refused by the database
+    (Job.bundle protects the row), never left without its code."""
+    grace_days = float(settings.MERIDIAN_BUNDLE_GRACE_DAYS)
+    if grace_days <= 0:
+        return []
+    cutoff = now - timedelta(days=grace_days)
+    deleted: list[str] = []
+    for bundle in Bundle.objects.filter(jobs__isnull=True, created_at__lt=cutoff).only("id", "sha256"):
+        if dry_run:
+            deleted.append(bundle.sha256)
+            continue
+        try:
+            with transaction.atomic():
+                # Locked, then counted again: a job submitted since the query keeps its bundle (a
+                # submission inserting its job now waits for this lock, then finds no row).
+                row = Bundle.objects.select_for_update().filter(pk=bundle.pk).first()
+                if row is None or Job.objects.filter(bundle_id=row.pk).exists():
+                    continue
+                row.delete()
+                bundle_path(bundle.sha256).unlink(missing_ok=True)
+        except ProtectedError:
+            continue
+        deleted.append(bundle.sha256)
+    folder = store_root() / "bundles"
+    known = set(Bundle.objects.values_list("sha256", flat=True))
+    for path in sorted(folder.glob("*/*")) if folder.is_dir() else []:
+        digest = path.name.removesuffix(".tar.gz")
+        if (digest in known and path.name == f"{digest}.tar.gz") or not _older_than(path, cutoff.timestamp()):
+            continue
+        if not dry_run and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+        deleted.append(str(path))
+    return deleted
+
+
+def job_outputs_expired(*, job: Job, now) -> bool:
+    """True when `job` ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS before `now` (its saved
+    outputs are collected); never for a live job, nor when the retention is 0 (kept for ever)."""
+    retention_days = float(settings.MERIDIAN_OUTPUTS_RETENTION_DAYS)
+    return (retention_days > 0 and job.state in Job.TERMINAL_STATES and job.finished_at is not None
+            and job.finished_at < now - timedelta(days=retention_days))
+
+
+def job_outputs_collect(*, now, dry_run: bool = False) -> list[int]:
+    """Deletes the saved outputs (<store>/outputs/job-<id>/) of jobs that ended more than
+    MERIDIAN_OUTPUTS_RETENTION_DAYS ago, and of job ids the database does not know untouched that
+    long; returns the job ids whose outputs it deleted. A retention of 0 keeps them all.
+
+    Never a live job's (queued, running, preempted, moving: its outputs are what it resumes
+    with) nor one that ended within the retention."""
+    import shutil
+
+    retention_days = float(settings.MERIDIAN_OUTPUTS_RETENTION_DAYS)
+    folder = store_root() / "outputs"
+    if retention_days <= 0 or not folder.is_dir():
+        return []
+    cutoff = now - timedelta(days=retention_days)
+    on_disk = {}
+    for path in folder.iterdir():
+        name = path.name.removeprefix("job-")
+        if path.name.startswith("job-") and name.isdigit() and path.is_dir() and not path.is_symlink():
+            on_disk[int(name)] = path
+    jobs = Job.objects.filter(pk__in=list(on_disk)).only("id", "state", "finished_at").in_bulk()
+    deleted = []
+    for job_id, path in sorted(on_disk.items()):
+        job = jobs.get(job_id)
+        expired = _older_than(path, cutoff.timestamp()) if job is None else job_outputs_expired(job=job, now=now)
+        if not expired:
+            continue
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        deleted.append(job_id)
+    return deleted
+
+
+def artifacts_collect(*, now, dry_run: bool = False) -> dict:
+    """Runs both collections (the beat task and `manage.py artifacts_gc`); returns what each deleted."""
+    return {"bundles": bundles_collect(now=now, dry_run=dry_run),
+            "outputs": job_outputs_collect(now=now, dry_run=dry_run)}

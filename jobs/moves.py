@@ -298,7 +298,9 @@ def _check_barrier(move, job):
     cut = seen.cut
     checkpoint = seen.checkpoint
     if cut is not None and cut.action == CutAction.STOP:
-        return _Outcome(DONE, f"consistent cut at step {cut.step}", {"cut_step": cut.step}, cut_step=cut.step)
+        kind = f" ({cut.kind})" if cut.kind else ""
+        return _Outcome(DONE, f"consistent cut at step {cut.step}{kind}",
+                        {"cut_step": cut.step, "cut_kind": cut.kind}, cut_step=cut.step)
     if seen.state == CopyState.STOPPED and checkpoint is not None and checkpoint.step is not None:
         return _Outcome(DONE, f"stopped at a consistent cut at step {checkpoint.step}",
                         {"cut_step": checkpoint.step}, cut_step=checkpoint.step)

@@ -10,6 +10,8 @@
   jobs.tasks.move_step               one step of a move (jobs/moves.py), chained per move; retries
                                      with a short countdown until its step is observed or its deadline
   jobs.tasks.move_advance            completes a move's steps already observed (enqueued by reports)
+  jobs.tasks.artifacts_gc            beat, hourly: jobs.bundles.artifacts_collect (unreferenced bundles,
+                                     expired outputs; also `manage.py artifacts_gc`)
 """
 import logging
 
@@ -87,3 +89,14 @@ def records_retention():
     from jobs.workflows import checkpoint_rows_prune
 
     return {"checkpoints_deleted": checkpoint_rows_prune()}
+
+
+@shared_task(name="jobs.tasks.artifacts_gc", ignore_result=True)
+def artifacts_gc():
+    from jobs.bundles import artifacts_collect
+
+    deleted = artifacts_collect(now=timezone.now())
+    if deleted["bundles"] or deleted["outputs"]:
+        logger.info("artifacts gc: %d bundle file(s), outputs of job(s) %s", len(deleted["bundles"]),
+                    deleted["outputs"])
+    return {"bundles": len(deleted["bundles"]), "outputs": len(deleted["outputs"])}

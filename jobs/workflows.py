@@ -29,9 +29,9 @@ from django.db.models import Count, Min, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from fleet.services import node_heartbeat_record
-from jobs.models import Checkpoint, Job, Move, Replica
+from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_follower_nodes, move_observe
-from jobs.services import IllegalTransition, checkpoint_record, job_transition
+from jobs.services import IllegalTransition, checkpoint_record, job_event_add, job_transition
 from protocol.node import (
     SHA256_HEX,
     DesiredJob,
@@ -359,12 +359,16 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
         Job.objects.filter(pk=job.pk).update(**updates)
     if not current:
         return None
+    _waiting_apply(job=job, entry=entry, node=node)
     try:
         if state == CopyState.RUNNING and job.state == S.SCHEDULED:
             # An unconfined copy (a node that cannot sandbox it) says so in the job's events.
+            # So does the checkpoint engine and why it was chosen (a framework fallback names its cause).
             loud = f" ({entry.sandbox})" if entry.sandbox and entry.sandbox.startswith("UNCONFINED") else ""
-            job_transition(job=job, to=S.RUNNING, reason=f"running on {node.hostname}{loud}"[:500], now=now,
-                           extra={"node": node.hostname, "devices": entry.devices, "sandbox": entry.sandbox})
+            engine = f"; {entry.engine} engine: {entry.engine_reason}" if entry.engine and entry.engine_reason else ""
+            job_transition(job=job, to=S.RUNNING, reason=f"running on {node.hostname}{loud}{engine}"[:500], now=now,
+                           extra={"node": node.hostname, "devices": entry.devices, "sandbox": entry.sandbox,
+                                  "engine": entry.engine, "engine_reason": entry.engine_reason})
         elif state == CopyState.FINISHED and job.state == S.MIGRATING:
             return "deferred"  # the move's restore/release steps run first; reported again then
         elif state == CopyState.FINISHED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
@@ -380,6 +384,20 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
     except IllegalTransition as exc:
         logger.info("report from %s on job %s: %s", node.hostname, job.pk, exc)
     return None
+
+
+def _waiting_apply(*, job, entry: JobReport, node):
+    """Shows why the current copy of a placed job has not started yet (the agent is fetching its
+    code, say) as the job's wait reason, with an event each time the reason changes; clears it
+    once the copy runs."""
+    waiting = f"{entry.waiting} on {node.hostname}"[:500] if entry.waiting and entry.state == CopyState.STARTING else ""
+    if waiting == job.wait_reason or (not waiting and job.state in Job.WAITING_STATES):
+        return
+    Job.objects.filter(pk=job.pk).update(wait_reason=waiting)
+    job.wait_reason = waiting
+    if waiting:
+        job_event_add(job=job, type=JobEvent.Type.MESSAGE, reason=waiting, extra={"node": node.hostname,
+                                                                                 "waiting": entry.waiting})
 
 
 # --- timeouts ------------------------------------------------------------------------------------

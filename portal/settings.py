@@ -274,6 +274,11 @@ MERIDIAN_BUNDLE_MAX_BYTES = _env_int("MERIDIAN_BUNDLE_MAX_BYTES", 256 << 20, min
 MERIDIAN_BUNDLE_MAX_UNPACKED_BYTES = _env_int("MERIDIAN_BUNDLE_MAX_UNPACKED_BYTES", 1 << 30, minimum=1)
 MERIDIAN_BUNDLE_MAX_ENTRIES = _env_int("MERIDIAN_BUNDLE_MAX_ENTRIES", 20_000, minimum=1)
 MERIDIAN_WORKSPACE_QUOTA_BYTES = _env_int("MERIDIAN_WORKSPACE_QUOTA_BYTES", 10 << 30, minimum=0)
+# Garbage collection (jobs.bundles.artifacts_collect, hourly and `manage.py artifacts_gc`): bundles
+# no job references, this long after their upload; a job's saved outputs, this long after it ended.
+# 0 keeps them for ever.
+MERIDIAN_BUNDLE_GRACE_DAYS = _env_float("MERIDIAN_BUNDLE_GRACE_DAYS", 7.0, minimum=0.0)
+MERIDIAN_OUTPUTS_RETENTION_DAYS = _env_float("MERIDIAN_OUTPUTS_RETENTION_DAYS", 30.0, minimum=0.0)
 # Agents' heartbeat period, told to them at registration.
 MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS", 5.0, minimum=0.0)
 # The bootstrap token agents present to register; empty disables registration.
@@ -290,6 +295,8 @@ CELERY_BEAT_SCHEDULE = {
     "accounting": {"task": "jobs.tasks.accounting", "schedule": max(1.0, MERIDIAN_ACCOUNTING_SECONDS)},
     # Checkpoint rows beyond the newest few per job (the store keeps only those).
     "records-retention": {"task": "jobs.tasks.records_retention", "schedule": 600.0},
+    # Unreferenced bundles and expired outputs in the artifact store (jobs.bundles.artifacts_collect).
+    "artifacts-gc": {"task": "jobs.tasks.artifacts_gc", "schedule": 3600.0, "options": {"expires": 3600.0}},
     # Telemetry history: node minutes → cluster minutes and hours, retention (fleet.services).
     "telemetry-rollup": {"task": "fleet.tasks.telemetry_rollup", "schedule": 60.0, "options": {"expires": 60.0}},
 }

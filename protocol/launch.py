@@ -74,6 +74,11 @@ class CheckpointTaken(LaunchEvent):
     bytes: int = bounded(minimum=0)
     action: CheckpointAction
     seconds: CheckpointSeconds
+    # optimizer-step / collective-boundary / any-moment (runtime/cut.py): where the ranks were cut
+    cut_kind: str | None = bounded(default=None, max_length=64)
+    # `bytes` is what the store holds for this checkpoint itself; a CRIU checkpoint whose pages
+    # are deduplicated also needs its base (runtime/criu_pages.py), named here
+    base: str | None = bounded(default=None, max_length=MAX_PATH)
 
 
 @dataclass(frozen=True, kw_only=True)

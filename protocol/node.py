@@ -46,6 +46,7 @@ MAX_ARG = 100_000
 MAX_DEVICE_MEMORY_GB = 4096
 MAX_STEPS_PER_S = 1e7  # a training step takes at least a microsecond or so: 1e7 is beyond any job
 SHA256_HEX = r"[0-9a-f]{64}"
+CUT_KIND = r"optimizer-step|collective-boundary|any-moment"
 # A committed checkpoint's folder in a store (runtime.store.CHECKPOINT_DIR_PATTERN): ckpt-<step>-<ns>.
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{12}-\d+")
 
@@ -131,6 +132,8 @@ class CutReport(Message):
     action: CutAction
     step: int = bounded(minimum=0, maximum=MAX_STEP)
     devices: int | None = bounded(default=None, minimum=0, maximum=MAX_DEVICES)  # a resize's new count
+    # where the ranks were cut (runtime/cut.py); None: an older agent, or a resize
+    kind: str | None = bounded(default=None, pattern=CUT_KIND)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +154,10 @@ class JobReport(Message):
     exit_code: int | None = bounded(default=None, minimum=-255, maximum=255)
     # How the copy's ranks are confined ("uid 1000007, cgroup v1 ...") or "UNCONFINED ...: why"
     sandbox: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # Why the copy's checkpoint engine was chosen ("auto: CRIU cannot dump ranks ... here"), once known
+    engine_reason: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # Why a copy that is starting waits before its launch ("fetching code (bundle ...)")
+    waiting: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)

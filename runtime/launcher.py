@@ -416,8 +416,9 @@ class Launcher:
         self.last_checkpoint = LastCheckpoint(step=step, uri=ref.uri, engine=ref.engine, bytes=ref.bytes)
         seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
                                     total=round(time.monotonic() - began, 4))
+        kinds = {report.cut_kind for report in reports.values()}
         self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
-                   seconds=seconds)
+                   seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base)
         return CheckpointAnswer(step=step, engine=self.engine, checkpoint=ref.uri, bytes=ref.bytes,
                                 seconds=seconds)
 

@@ -5,7 +5,8 @@ script that reads its data and writes its results with relative paths, as on a l
 
 Reads data/points.csv (relative to the project folder, which is the job's workspace); writes
 outputs/started.txt once, before training (a resumed copy finds it there, restored with the
-workspace, and leaves it), and at the end outputs/model.pt and outputs/metrics.json. W ranks
+workspace, and leaves it), after every epoch outputs/checkpoints/latest.pt (its own checkpoint), and
+at the end outputs/model.pt and outputs/metrics.json. W ranks
 from the torchrun-style environment (gloo); rank 0 writes. Nothing in it knows about Meridian:
 it is preempted, moved and resized, and its outputs follow it (saved with every checkpoint).
 """
@@ -64,6 +65,10 @@ def main():
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         print(f"epoch {epoch} loss {loss.item():.4f}", flush=True)
+        if rank == 0:  # the script's own checkpoint, as users write them: the newest epoch's state
+            (outputs / "checkpoints").mkdir(exist_ok=True)
+            torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                       outputs / "checkpoints" / "latest.pt")
     if rank == 0:
         torch.save(model.state_dict(), outputs / "model.pt")
         (outputs / "metrics.json").write_text(json.dumps({"epochs": args.epochs, "final_loss": loss.item()}))

@@ -3,6 +3,13 @@
     python -m scheduler.sim                                   # full Philly, all four policies
     python -m scheduler.sim --days 7 --start-day 20 --policies fifo,meridian --report r.html
     python -m scheduler.sim --synthetic 1000000 --fleet planet-100000 --policies fifo
+    python -m scheduler.sim --days 7 --load 0.5,1.0,1.5,2.0          # offered loads: arrivals time-scaled
+    python -m scheduler.sim --synthetic 5000 --mix multinode --load 1,2 --seed 3
+
+`--load` scales arrival times (submit / load) of whatever trace is replayed, after the window is
+cut: 2.0 offers the window's jobs twice as fast. A synthetic trace is first generated at
+`--synthetic-load` (a fraction of the fleet; 0.67 by default, Philly's own average on the
+default fleet, so 1.0x means as busy as Philly) and then scaled the same way.
 """
 from __future__ import annotations
 
@@ -17,9 +24,10 @@ import time
 from . import POLICY_NAMES, make_policy
 from .costs import CostModel
 from .engine import Engine
+from .fidelity import ApprovalModel, FidelityError, StartupCosts
 from .fleet import FleetError, by_name
 from .metrics import format_table
-from .trace import PHILLY_CSV, TraceError, load_philly, synthetic
+from .trace import PHILLY_CSV, SYNTHETIC_MIXES, TraceError, load_philly, synthetic
 
 
 def build_parser():
@@ -29,10 +37,19 @@ def build_parser():
                    help="Philly-format CSV (default: ../shared/traces/philly/philly_jobs.csv "
                         "or $MERIDIAN_PHILLY_TRACE)")
     p.add_argument("--synthetic", type=int, metavar="JOBS",
-                   help="replay a synthetic trace of JOBS jobs drawn from the Philly distribution")
-    p.add_argument("--load", type=float, default=0.8,
-                   help="offered load of the synthetic trace, as a fraction of the fleet (0.8)")
-    p.add_argument("--fleet", default="philly", help="philly (default), philly-full, planet-<devices>")
+                   help="replay a seeded synthetic trace of JOBS jobs (see --mix)")
+    p.add_argument("--mix", default="philly", choices=sorted(SYNTHETIC_MIXES),
+                   help="the synthetic trace's size/duration/tier mix (philly: resampled Philly jobs); "
+                        "distributions in scheduler/sim/trace.py")
+    p.add_argument("--synthetic-load", type=float, default=SYNTHETIC_BASE_LOAD,
+                   help="the synthetic trace's offered load before --load, as a fraction of the fleet "
+                        f"({SYNTHETIC_BASE_LOAD:g}, Philly's average on the default fleet)")
+    p.add_argument("--load", type=parse_loads, default=(1.0,), metavar="L[,L...]",
+                   help="offered loads: arrivals time-scaled by each (e.g. 0.5,1.0,1.5,2.0); "
+                        "every policy runs at every load (1.0)")
+    p.add_argument("--fleet", default="philly",
+                   help="philly (default), philly-hetero (three accelerator types; jobs draw a type), "
+                        "philly-full, planet-<devices>")
     p.add_argument("--policies", default=",".join(POLICY_NAMES),
                    help=f"comma-separated, from {','.join(POLICY_NAMES)}")
     p.add_argument("--start-day", type=float, default=None, help="window start, days from the trace start")
@@ -48,6 +65,14 @@ def build_parser():
     p.add_argument("--premium-reserve", type=int, default=0, metavar="DEVICES",
                    help="Meridian: PolicySettings.premium_reserve_devices, idle devices per region "
                         "that only Premium jobs may take (0)")
+    p.add_argument("--startup", default="default", metavar="SPEC",
+                   help="start-up of a job's first allocation per job class: default (single=75,node=105,"
+                        "multinode=165 s), none, or single=S,node=S,multinode=S (scheduler/sim/fidelity.py)")
+    p.add_argument("--approvals", default="exp:900", metavar="DELAY",
+                   help="how capacity managers answer approval requests: never, fixed:S, exp:MEAN or "
+                        "lognormal:MEDIAN,SIGMA seconds (exp:900)")
+    p.add_argument("--approval-denial-rate", type=float, default=0.1,
+                   help="share of approval requests denied (0.1)")
     p.add_argument("--report", metavar="HTML", help="write the Plotly report here")
     p.add_argument("--json", metavar="PATH", help="write the summaries as JSON here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -57,6 +82,21 @@ def build_parser():
     return p
 
 
+# Philly's 82,247 jobs keep 374 GPUs busy on average; the default fleet has 560 (fleet.py).
+SYNTHETIC_BASE_LOAD = 0.67
+
+
+def parse_loads(text):
+    """Returns the offered loads of a comma-separated list (each > 0); argparse reports the error."""
+    try:
+        loads = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--load takes numbers separated by commas, got {text!r}") from None
+    if not loads or any(not (0 < x < float("inf")) for x in loads):
+        raise argparse.ArgumentTypeError(f"every offered load must be a positive number, got {text!r}")
+    return loads
+
+
 def write_jobs_csv(results, path):
     """Writes policy, job, tier, ranks, submit, first_start, finish, duration and the counts
     of preemptions, migrations, resizes and failure restarts, one row per job and policy."""
@@ -64,13 +104,49 @@ def write_jobs_csv(results, path):
 
     with open(path, "w", newline="") as handle:
         out = csv.writer(handle)
-        out.writerow(["policy", "job", "tier", "ranks", "submit", "first_start", "finish", "duration",
+        out.writerow(["load", "policy", "job", "tier", "ranks", "submit", "first_start", "finish", "duration",
                       "preemptions", "migrations", "resizes", "failures"])
         for r in results:
             for j in range(r.submit.shape[0]):
-                out.writerow([r.policy, j, int(r.tier[j]), int(r.ranks[j]), f"{r.submit[j]:.1f}",
+                out.writerow([f"{r.load:g}", r.policy, j, int(r.tier[j]), int(r.ranks[j]), f"{r.submit[j]:.1f}",
                               f"{r.first_start[j]:.1f}", f"{r.finish[j]:.1f}", f"{r.duration[j]:.1f}",
                               int(r.n_preempt[j]), int(r.n_migrate[j]), int(r.n_resize[j]), int(r.n_fail[j])])
+
+
+def run_policy(trace, fleet, name, costs, args):
+    """Runs one policy on the trace; prints its one-line account; returns (SimResult, summary)."""
+    options = {}
+    if name == "meridian" and args.premium_reserve:
+        from scheduler.snapshot import PolicySettings
+
+        options["settings"] = PolicySettings(premium_reserve_devices=args.premium_reserve)
+    policy = make_policy(name, **options)
+    progress = None
+    if args.progress:
+        progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = Engine(trace, fleet, policy, costs=costs, tick_s=args.tick, seed=args.seed,
+                    progress=progress, progress_every_s=args.progress or 60.0,
+                    startup=args.startup_costs, approvals=args.approval_model).run()
+    summary = result.summary()
+    extra = ""
+    if name == "meridian":
+        summary["core_calls"] = policy.plans
+        summary["core_s"] = policy.core_seconds
+        summary["approval_requests"] = policy.approval_requests
+        a = result.approvals
+        extra = (f", core called {policy.plans} times ({policy.core_seconds:.1f} s), "
+                 f"{a['requests']} approval requests ({a['granted']} granted, {a['denied']} denied, "
+                 f"{a['dropped']} answered after the run ended)")
+    print(f"  {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, {result.passes} passes, "
+          f"{result.decisions} decisions, {result.failures} node failures{extra}", flush=True)
+    for j, reason in result.rejections[:5]:
+        print(f"    rejected job {j}: {reason}", flush=True)
+    if len(result.rejections) > 5:
+        print(f"    ... {len(result.rejections) - 5} more jobs rejected: they can never fit the fleet", flush=True)
+    if result.stranded.any():
+        print(f"    {int(result.stranded.sum())} jobs stranded: the fleet was whole and idle and the policy "
+              f"started none of them (first: job {int(result.stranded.argmax())})", flush=True)
+    return result, summary
 
 
 def main(argv=None):
@@ -86,7 +162,8 @@ def main(argv=None):
                 raise ValueError(f"unknown policy {n!r}; choose from {', '.join(POLICY_NAMES)}")
         started = time.perf_counter()
         if args.synthetic:
-            trace = synthetic(args.synthetic, fleet.n_devices, load=args.load, seed=args.seed)
+            trace = synthetic(args.synthetic, fleet.n_devices, load=args.synthetic_load, seed=args.seed,
+                              mix=args.mix)
         else:
             trace = load_philly(args.trace, seed=args.seed)
         if args.start_day is not None or args.days is not None or args.max_jobs is not None:
@@ -103,9 +180,13 @@ def main(argv=None):
         if args.spread_efficiency is not None:
             changes["spread_efficiency"] = args.spread_efficiency
         costs = dataclasses.replace(CostModel(), **changes)
+        args.startup_costs = StartupCosts.parse(args.startup)
+        args.approval_model = ApprovalModel(delay=args.approvals, denial_rate=args.approval_denial_rate)
+        if len(fleet.type_names) > 1 and not trace.type_names:
+            trace = trace.with_types(fleet, args.seed)
         if args.premium_reserve < 0:
             raise ValueError("--premium-reserve must be >= 0")
-    except (TraceError, FleetError, ValueError) as exc:
+    except (TraceError, FleetError, FidelityError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -113,36 +194,22 @@ def main(argv=None):
           f"loaded in {load_s:.1f} s; fleet {fleet.name}: {fleet.n_devices} devices on "
           f"{fleet.n_nodes} nodes; tick {args.tick:g} s; seed {args.seed}", flush=True)
     results, summaries = [], []
-    for name in names:
-        options = {}
-        if name == "meridian" and args.premium_reserve:
-            from scheduler.snapshot import PolicySettings
-
-            options["settings"] = PolicySettings(premium_reserve_devices=args.premium_reserve)
-        policy = make_policy(name, **options)
-        progress = None
-        if args.progress:
-            progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        result = Engine(trace, fleet, policy, costs=costs, tick_s=args.tick, seed=args.seed,
-                        progress=progress, progress_every_s=args.progress or 60.0).run()
-        summary = result.summary()
-        extra = ""
-        if name == "meridian":
-            summary["core_calls"] = policy.plans
-            summary["core_s"] = policy.core_seconds
-            summary["approval_requests"] = policy.approval_requests
-            extra = (f", core called {policy.plans} times ({policy.core_seconds:.1f} s), "
-                     f"{policy.approval_requests} approval requests not granted")
-        print(f"  {name}: {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU, {result.passes} passes, "
-              f"{result.decisions} decisions, {result.failures} node failures{extra}", flush=True)
-        results.append(result)
-        summaries.append(summary)
+    for load in args.load:
+        scaled = trace.scaled(load)
+        if len(args.load) > 1 or load != 1.0:
+            print(f"offered load {load:g}x: {scaled.name}", flush=True)
+        for name in names:
+            result, summary = run_policy(scaled, fleet, name, costs, args)
+            result.load = load
+            summary["load"] = load
+            results.append(result)
+            summaries.append(summary)
     print()
     print(format_table(summaries, markdown=args.markdown))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"command": command, "trace": trace.name, "fleet": fleet.name,
-                       "devices": fleet.n_devices, "summaries": summaries}, handle, indent=1)
+                       "devices": fleet.n_devices, "loads": list(args.load), "summaries": summaries}, handle, indent=1)
     if args.jobs_csv:
         write_jobs_csv(results, args.jobs_csv)
     if args.report:

@@ -16,6 +16,12 @@
   when devices free up, one job of a time-sliced pair migrates onto them, and a job spread
   over more nodes than it needs migrates onto one node when one has room (Gandiva's
   packing/consolidation migrations).
+
+On a fleet of several accelerator types each job runs on its own type only: every policy
+places into one workspace per type (`workspaces`), FIFO keeps one line per type, Tiresias
+picks its top set per type, and Gandiva time-slices only a host of the same size and type.
+All three run jobs at full size (W devices), so a job whose W exceeds one region's devices of
+its type is rejected by the engine when it arrives.
 """
 from __future__ import annotations
 
@@ -25,6 +31,28 @@ from .engine import MIGRATE, PREEMPT, START, Decision, Policy
 from .placement import Workspace
 
 
+def workspaces(engine):
+    """Returns one placement Workspace per accelerator type (indexed by type id), each seeing
+    only the nodes of its type (a node has one type, so they never share a device)."""
+    fleet = engine.fleet
+    if len(fleet.type_names) == 1:
+        return [Workspace(engine)]
+    out = []
+    for t in range(len(fleet.type_names)):
+        ws = Workspace(engine)
+        other = fleet.node_type != t
+        ws.node_free[other] = 0
+        ws.dev_free[engine.dev_type != t] = False
+        ws.free_total = int(ws.node_free.sum())
+        ws.max_node = int(fleet.node_devices[~other].max()) if (~other).any() else 0
+        out.append(ws)
+    return out
+
+
+def free_total(spaces):
+    return sum(ws.free_total for ws in spaces)
+
+
 class Fifo(Policy):
     name = "fifo"
 
@@ -32,16 +60,25 @@ class Fifo(Policy):
         pending = engine.pending_in_submit_order()
         if not pending:
             return []
-        ws = Workspace(engine)
+        spaces = workspaces(engine)
         out = []
         W = engine.W
+        job_type = engine.job_type
+        blocked = set()  # one line per accelerator type (a partition's queue)
         for j in pending:
+            t = int(job_type[j])
+            if t in blocked:
+                continue
+            ws = spaces[t]
             devs = ws.find(int(W[j]))
             if devs is None:
-                break  # head-of-line blocking: nobody jumps the queue
+                blocked.add(t)  # head-of-line blocking: nobody jumps the queue of this type
+                if len(blocked) == len(spaces):
+                    break
+                continue
             ws.take(devs)
             out.append(Decision(START, j, devs, "fifo: head of line fits"))
-            if ws.free_total == 0:
+            if free_total(spaces) == 0:
                 break
         return out
 
@@ -62,17 +99,20 @@ class Tiresias(Policy):
         service = engine.attained_now(active)
         queue = np.searchsorted(self.thresholds, service, side="right")
         order = active[np.lexsort((active, engine.submit[active], queue))]
-        capacity = engine.healthy_devices
+        fleet = engine.fleet
+        healthy = engine.node_healthy
+        left = np.bincount(fleet.node_type[healthy], weights=fleet.node_devices[healthy],
+                           minlength=len(fleet.type_names)).astype(np.int64)
         W = engine.W
+        job_type = engine.job_type
         chosen = []
-        left = capacity
         smallest = int(W[active].min())
         for j in order.tolist():
-            w = int(W[j])
-            if w <= left:
+            w, t = int(W[j]), job_type[j]
+            if w <= left[t]:
                 chosen.append(j)
-                left -= w
-                if left < smallest:
+                left[t] -= w
+                if left.max() < smallest:
                     break
         chosen_set = set(chosen)
         running_set = engine.running
@@ -81,18 +121,24 @@ class Tiresias(Policy):
         if not starters:
             self._wake_for_demotions(engine, running, now)
             return []
-        ws = Workspace(engine)
+        spaces = workspaces(engine)
         out = []
-        # Preempt only as many victims as the starters need, lowest priority first.
-        need = sum(int(W[j]) for j in starters) - ws.free_total
+        # Preempt only as many victims of each type as that type's starters need, lowest
+        # priority first.
+        need = np.zeros(len(spaces), dtype=np.int64)
+        for j in starters:
+            need[job_type[j]] += int(W[j])
+        need -= np.array([ws.free_total for ws in spaces])
         rank = {j: i for i, j in enumerate(order.tolist())}
         for j in sorted(victims, key=rank.__getitem__, reverse=True):
-            if need <= 0:
-                break
+            t = job_type[j]
+            if need[t] <= 0:
+                continue
             out.append(Decision(PREEMPT, j, None, "tiresias: lower priority queue"))
-            ws.give(engine.job_devices[j])
-            need -= int(W[j])
+            spaces[t].give(engine.job_devices[j])
+            need[t] -= int(W[j])
         for j in starters:
+            ws = spaces[job_type[j]]
             devs = ws.find(int(W[j]))
             if devs is None:
                 continue
@@ -125,15 +171,17 @@ class Gandiva(Policy):
         self.max_migrations = max_migrations_per_pass
 
     def schedule(self, engine, now):
-        ws = Workspace(engine)
+        spaces = workspaces(engine)
         out = []
         W = engine.W
+        job_type = engine.job_type
         migrations = 0
         # 1. Admit in submit order, skipping jobs that do not fit.
         pending = engine.pending_in_submit_order()
         hosts = None
         for j in list(pending):
             w = int(W[j])
+            ws = spaces[job_type[j]]
             devs = ws.find(w) if ws.free_total >= w else None
             if devs is not None:
                 ws.take(devs)
@@ -141,20 +189,21 @@ class Gandiva(Policy):
                 continue
             if hosts is None:
                 hosts = self._unshared_hosts(engine, out)
-            candidates = hosts.get(w)
+            candidates = hosts.get((w, int(job_type[j])))
             if candidates:
                 host = candidates.pop()
                 out.append(Decision(START, j, engine.job_devices[host], "gandiva: time-slice", share=True))
-            elif ws.free_total == 0 and not any(hosts.values()):
+            elif free_total(spaces) == 0 and not any(hosts.values()):
                 break
         # 2. Un-share: a time-sliced pair splits when one of them fits on free devices.
-        if engine.any_shared and ws.free_total:
+        if engine.any_shared and free_total(spaces):
             for j in list(engine.guests):
-                if migrations >= self.max_migrations or ws.free_total == 0:
+                if migrations >= self.max_migrations or free_total(spaces) == 0:
                     break
                 devs = engine.job_devices[j]
                 if (engine.owner2[devs] != j).all():
                     continue  # only the guest of a pair moves
+                ws = spaces[job_type[j]]
                 target = ws.find_on_one_node(int(W[j])) if W[j] <= ws.max_node else ws.find(int(W[j]))
                 if target is None:
                     continue
@@ -162,11 +211,12 @@ class Gandiva(Policy):
                 out.append(Decision(MIGRATE, j, target, "gandiva: leave time-slice for free devices"))
                 migrations += 1
         # 3. Consolidate: a job spread over more nodes than it needs moves onto one node.
-        if ws.free_total and migrations < self.max_migrations:
+        if free_total(spaces) and migrations < self.max_migrations:
             for j in list(engine.spread_jobs):
                 if migrations >= self.max_migrations:
                     break
                 w = int(W[j])
+                ws = spaces[job_type[j]]
                 if w < 2 or w > ws.max_node:
                     continue
                 devs = engine.job_devices[j]
@@ -183,17 +233,18 @@ class Gandiva(Policy):
         return out
 
     def _unshared_hosts(self, engine, planned):
-        """Returns W -> running jobs at full size that share no device and that no decision
-        of this pass moves (oldest popped first)."""
+        """Returns (W, type) -> running jobs at full size that share no device and that no
+        decision of this pass moves (oldest popped first)."""
         moved = {d.job for d in planned}
         running = np.fromiter(engine.running, dtype=np.int64, count=len(engine.running))
         ok = (engine.ndev[running] == engine.W[running]) & ~engine.shared_flag[running]
         running = running[ok]
         hosts = {}
-        for w in np.unique(engine.W[running]).tolist():
-            group = [j for j in running[engine.W[running] == w].tolist() if j not in moved]
+        keys = engine.W[running] * 65536 + engine.job_type[running]
+        for key in np.unique(keys).tolist():
+            group = [j for j in running[keys == key].tolist() if j not in moved]
             group.reverse()
-            hosts[w] = group
+            hosts[(key // 65536, key % 65536)] = group
         return hosts
 
 

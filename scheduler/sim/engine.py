@@ -19,7 +19,19 @@ Costs: a preempted job's devices stay busy for its checkpoint time (`free_at`), 
 started on them begins only when they are free plus its own restore time; a migration
 pays checkpoint + transfer + restore; a resize pays the state move of the ranks that change
 device. A node failure rolls its jobs back to their last periodic checkpoint and re-queues
-them.
+them. A job's first allocation pays its start-up (`fidelity.StartupCosts`).
+
+Termination: a job that can never fit the fleet (its smallest size for this policy, W for the
+full-size baselines and the elastic floor for a policy that splices, above the most devices
+of its accelerator type in one region; or a type the fleet lacks) is rejected when it
+arrives and reported (`rejections`), as the production API refuses it at submission. A
+replay whose fleet is whole and idle, with no arrival left, where the policy's passes start
+nothing, ends: the jobs still waiting are reported as stranded (a policy that cannot place a
+job that fits), never waited on forever.
+
+Approvals: a policy asks `request_approval(job)`; `fidelity.ApprovalModel` draws when the
+answer comes and whether it is a grant (`approved[job]`) or a denial (`denied[job]`); both
+last for the job's current run.
 """
 from __future__ import annotations
 
@@ -33,11 +45,15 @@ import numpy as np
 
 from .costs import CostModel
 
-NOT_ARRIVED, PENDING, RUNNING, DONE = 0, 1, 2, 3
+NOT_ARRIVED, PENDING, RUNNING, DONE, REJECTED = 0, 1, 2, 3, 4
 
 START, PREEMPT, MIGRATE, RESIZE = "start", "preempt", "migrate", "resize"
 
-_FINISH, _PAUSE_END, _REPAIR = 0, 1, 2
+_FINISH, _PAUSE_END, _REPAIR, _ANSWER = 0, 1, 2, 3
+
+# Passes in a row that start nothing on a whole, idle fleet with no arrival left before the
+# waiting jobs are declared stranded (a policy's answer may change with time alone, e.g. age).
+STRANDED_AFTER_PASSES = 3
 
 
 class SimulationError(RuntimeError):
@@ -62,6 +78,9 @@ class Policy:
 
     name = "policy"
     slots_per_device = 1
+    # True for a policy that may run a job on fewer than W devices (down to its elastic floor):
+    # what decides whether a job can ever fit.
+    runs_below_world_size = False
 
     def schedule(self, engine, now):  # pragma: no cover - interface
         raise NotImplementedError
@@ -69,9 +88,13 @@ class Policy:
 
 class Engine:
     def __init__(self, trace, fleet, policy, costs=None, tick_s=60.0, seed=0, until=None,
-                 sample_s=None, failures=None, progress=None, progress_every_s=60.0):
+                 sample_s=None, failures=None, progress=None, progress_every_s=60.0,
+                 startup=None, approvals=None):
         """`failures`: an optional list of (time, node) node failures to use instead of the
-        seeded random ones (maintenance plans, tests)."""
+        seeded random ones (maintenance plans, tests). `startup`: fidelity.StartupCosts (None:
+        no start-up); `approvals`: fidelity.ApprovalModel (None: no one answers)."""
+        from .fidelity import NEVER
+
         self.trace = trace
         self.fleet = fleet
         self.policy = policy
@@ -92,6 +115,14 @@ class Engine:
         self.submit = trace.submit
         self.min_devices = trace.min_devices
         self.checkpoint_gb = trace.checkpoint_gb
+        self.startup = startup
+        self.startup_s = startup.per_job(trace.ranks) if startup is not None else np.zeros(n)
+        self.approvals = approvals or NEVER
+        self.approval_rng = np.random.default_rng([seed, 7006])
+        self.approved = np.zeros(n, dtype=bool)   # a grant holds for the job's current run
+        self.denied = np.zeros(n, dtype=bool)     # a denial holds for the job's current run
+        self.asked = np.zeros(n, dtype=bool)      # a request is waiting for its answer
+        self.approval_counts = {"requests": 0, "granted": 0, "denied": 0, "dropped": 0}
         self.state = np.zeros(n, dtype=np.int8)
         self.done_work = np.zeros(n)
         self.settle_t = np.zeros(n)
@@ -122,6 +153,12 @@ class Engine:
 
         self.n_devices = fleet.n_devices
         self.dev_node = fleet.device_node
+        self.dev_type = fleet.node_type[self.dev_node]
+        self.job_type, self.rejected, self.rejections = self._admission(trace, fleet, policy)
+        self.type_node_max = np.zeros(len(fleet.type_names), dtype=np.int64)
+        np.maximum.at(self.type_node_max, fleet.node_type, fleet.node_devices)
+        self.stranded = np.zeros(n, dtype=bool)
+        self._idle_empty_passes = 0
         self.node_first = fleet.node_first_device
         self.owner = np.full(self.n_devices, -1, dtype=np.int64)
         self.owner2 = np.full(self.n_devices, -1, dtype=np.int64)
@@ -162,6 +199,36 @@ class Engine:
         self.next_failure = self._draw_failure(0.0)
         self.failures = 0
 
+    def _admission(self, trace, fleet, policy):
+        """Returns (fleet type id per job, rejected mask, [(job, reason)]): the jobs that can
+        never fit this fleet under this policy (see the module docstring)."""
+        n = len(trace)
+        job_type = np.zeros(n, dtype=np.int16)
+        unknown = np.zeros(n, dtype=bool)
+        if trace.type_names:
+            index = {name: i for i, name in enumerate(fleet.type_names)}
+            table = np.array([index.get(name, -1) for name in trace.type_names], dtype=np.int16)
+            mapped = table[trace.type_id]
+            unknown = mapped < 0
+            job_type = np.where(unknown, 0, mapped).astype(np.int16)
+        capacity = fleet.region_capacity()[job_type]
+        need = self.min_devices if policy.runs_below_world_size else trace.ranks
+        too_big = need > capacity
+        rejected = unknown | too_big
+        reasons = []
+        for j in np.flatnonzero(rejected).tolist():
+            if unknown[j]:
+                asked = trace.type_names[int(trace.type_id[j])]
+                reasons.append((j, f"asks for accelerator type {asked!r}; the fleet has only "
+                                   f"{', '.join(fleet.type_names)}"))
+            else:
+                size = ("its elastic floor" if policy.runs_below_world_size
+                        else "its world size (this policy runs jobs at full size)")
+                reasons.append((j, f"needs {int(need[j])} {fleet.type_names[job_type[j]]} devices ({size}, "
+                                   f"W={int(trace.ranks[j])}); one region of the fleet has at most "
+                                   f"{int(capacity[j])}"))
+        return job_type, rejected, reasons
+
     # ----- views for policies -------------------------------------------------------
 
     def dev_free_mask(self):
@@ -188,6 +255,33 @@ class Engine:
         extra = np.where(running, self.rate[jobs] * np.maximum(0.0, self.now - start), 0.0)
         return np.minimum(self.work[jobs], self.done_work[jobs] + extra)
 
+    def request_approval(self, j):
+        """Asks a capacity manager to approve preempting or shrinking running job j; returns
+        True when a new request was made (not already asked, granted or denied this run)."""
+        if self.state[j] != RUNNING or self.asked[j] or self.approved[j] or self.denied[j]:
+            return False
+        self.asked[j] = True
+        self.approval_counts["requests"] += 1
+        delay, deny = self.approvals.draw(self.approval_rng)
+        if math.isfinite(delay):
+            # The answer carries the run it was asked in (its start time) and the verdict.
+            heapq.heappush(self.heap, (self.now + delay, _ANSWER, j, (float(self.last_start[j]), deny)))
+        return True
+
+    def _answer(self, j, asked_in):
+        run_started, deny = asked_in
+        if self.state[j] != RUNNING or self.last_start[j] != run_started:
+            self.approval_counts["dropped"] += 1  # the run it was asked for has ended
+            return
+        self.asked[j] = False
+        if deny:
+            self.denied[j] = True
+            self.approval_counts["denied"] += 1
+        else:
+            self.approved[j] = True
+            self.approval_counts["granted"] += 1
+        self._mark_dirty()
+
     def wake_at(self, t):
         """Asks for a scheduling pass at time t (rounded up to the next tick)."""
         t = max(t, self.now)
@@ -206,6 +300,7 @@ class Engine:
         inf = math.inf
         next_report = started + self.progress_every_s
         events = 0
+        stopped_early = False
         while True:
             events += 1
             if self.progress is not None and events % 1024 == 0 and time.perf_counter() >= next_report:
@@ -222,6 +317,7 @@ class Engine:
             t_pass = self.next_pass
             t = min(t_heap, t_arr, t_fail, t_pass)
             if t == inf or (self.until is not None and t > self.until):
+                stopped_early = t != inf
                 break
             if not (self.running or self.pending) and t_heap == inf and t_fail < t_arr and t_pass == inf:
                 # Idle fleet: failures of empty nodes change nothing the metrics see but
@@ -239,6 +335,11 @@ class Engine:
                 self._pass()
             if self.next_arrival >= n and not self.pending and not self.running:
                 break
+            if self._idle_empty_passes >= STRANDED_AFTER_PASSES:
+                break  # nothing will ever change: the waiting jobs are stranded
+        if not stopped_early and self.next_arrival >= n and not self.running:
+            for j in self.pending:
+                self.stranded[j] = True
         self._advance(self.now)
         self._sample(force=True)
         result = SimResult.from_engine(self, time.perf_counter() - started)
@@ -284,6 +385,9 @@ class Engine:
         if kind == _REPAIR:
             self._repair_node(j)
             return
+        if kind == _ANSWER:
+            self._answer(j, ver)
+            return
         if ver != self.version[j] or self.state[j] != RUNNING:
             return
         if kind == _PAUSE_END:
@@ -294,6 +398,9 @@ class Engine:
     # ----- events --------------------------------------------------------------------
 
     def _arrive(self, j):
+        if self.rejected[j]:
+            self.state[j] = REJECTED  # refused at submission: it could never start
+            return
         self.state[j] = PENDING
         self.pending[j] = None
         self.queued_since[j] = self.now
@@ -366,6 +473,10 @@ class Engine:
         self.policy_seconds += time.perf_counter() - began
         for decision in decisions:
             self.apply(decision)
+        if decisions or self.running or not self.pending or self.next_arrival < self.n_jobs:
+            self._idle_empty_passes = 0
+        elif self.healthy_devices == self.n_devices and not (self.free_at > self.now).any():
+            self._idle_empty_passes += 1  # a pass on a part-failed fleet proves nothing either way
 
     # ----- decisions -----------------------------------------------------------------
 
@@ -399,7 +510,8 @@ class Engine:
             raise SimulationError(
                 f"{d.kind} job {j}: {count} devices is not an allowed size "
                 f"(a divisor of W={W} that is >= {int(self.min_devices[j])})")
-        if np.unique(devs).shape[0] != count or devs.min() < 0 or devs.max() >= self.n_devices:
+        # set() over a few dozen ints is ~10x cheaper than np.unique (one call per decision).
+        if len(set(devs.tolist())) != count or devs.min() < 0 or devs.max() >= self.n_devices:
             raise SimulationError(f"{d.kind} job {j}: devices repeated or out of range: {devs.tolist()}")
         if not self.node_healthy[self.dev_node[devs]].all():
             raise SimulationError(f"{d.kind} job {j}: a device is on a failed node")
@@ -421,8 +533,12 @@ class Engine:
     def _start(self, j, devs, share):
         if self.state[j] != PENDING:
             raise SimulationError(f"start of job {j} which is not pending (state {int(self.state[j])})")
-        overhead = self.costs.restore_s(self.checkpoint_gb[j]) if self.needs_restore[j] else 0.0
+        if self.needs_restore[j]:
+            overhead = self.costs.restore_s(self.checkpoint_gb[j])
+        else:
+            overhead = self.startup_s[j] if math.isnan(self.first_start[j]) else 0.0
         ready = max(self.now, float(self.free_at[devs].max()))
+        self.approved[j] = self.denied[j] = self.asked[j] = False  # approvals hold for one run
         del self.pending[j]
         self.running[j] = None
         self.state[j] = RUNNING
@@ -506,8 +622,10 @@ class Engine:
             share = 1 + int((self.owner2[devs] >= 0).any())
         speed = self.costs.rate(devs.shape[0], int(self.W[j]), share)
         if devs.shape[0] > 1:
-            nodes = np.unique(self.dev_node[devs]).shape[0]
-            least = -(-devs.shape[0] // int(self.fleet.node_devices.max()))
+            nodes = len(set(self.dev_node[devs].tolist()))
+            # The fewest nodes of the job's type that could hold it (a 2-GPU-node type spreads
+            # an 8-device job over 4 nodes by necessity, which is no penalty).
+            least = -(-devs.shape[0] // int(self.type_node_max[self.job_type[j]]))
             if nodes > least:
                 speed *= self.costs.spread_efficiency
                 self.spread_jobs[j] = None

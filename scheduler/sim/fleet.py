@@ -13,6 +13,13 @@ full 480-server fleet (`--fleet philly-full`).
 
 `planet(devices)` builds synthetic planet-scale fleets of 8-GPU nodes, 16 nodes a rack,
 64 racks a cluster, spread over regions of at most 4 clusters.
+
+Heterogeneous fleets: every node carries one accelerator type (`node_type`, an index into
+`type_names`); a job asks for one type (`Trace.type_id`) and runs only on devices of it.
+`philly-hetero` is the default Philly fleet with its 8-GPU servers split into 30 V100 and 30
+P100 servers and its 2-GPU servers K80 (Philly ran several GPU generations; the split is an
+assumption, the trace does not record types). `region_capacity()` says how many devices of
+each type one job could ever hold (its devices never span regions).
 """
 from __future__ import annotations
 
@@ -36,10 +43,20 @@ class Fleet:
     node_rack: np.ndarray      # int32
     node_cluster: np.ndarray   # int32
     node_region: np.ndarray    # int32
-    accelerator: str = DEFAULT_ACCELERATOR
+    accelerator: str = DEFAULT_ACCELERATOR  # the type name of a one-type fleet
+    node_type: np.ndarray | None = None  # int16, index into type_names; None = all `accelerator`
+    type_names: tuple = ()  # accelerator type names; () = (accelerator,)
 
     def __post_init__(self):
         n = self.node_devices.shape[0]
+        if not self.type_names:
+            object.__setattr__(self, "type_names", (self.accelerator,))
+        if self.node_type is None:
+            object.__setattr__(self, "node_type", np.zeros(n, dtype=np.int16))
+        if self.node_type.shape[0] != n:
+            raise FleetError("node_type must have one entry per node")
+        if n and (self.node_type.min() < 0 or self.node_type.max() >= len(self.type_names)):
+            raise FleetError(f"node_type must index type_names {self.type_names}")
         if n == 0:
             raise FleetError("a fleet needs at least one node")
         if (self.node_devices < 1).any():
@@ -63,6 +80,14 @@ class Fleet:
     @property
     def node_first_device(self):
         return np.concatenate([[0], np.cumsum(self.node_devices)[:-1]]).astype(np.int64)
+
+    def region_capacity(self):
+        """Returns, per accelerator type, the most devices of it in one region: the most one
+        job of that type could ever hold (int64[types])."""
+        regions = int(self.node_region.max()) + 1
+        per = np.zeros((len(self.type_names), regions), dtype=np.int64)
+        np.add.at(per, (self.node_type, self.node_region), self.node_devices)
+        return per.max(axis=1)
 
 
 def uniform(n_nodes, devices_per_node, nodes_per_rack=None, name=None):
@@ -108,10 +133,20 @@ def planet(devices, devices_per_node=8, nodes_per_rack=16, racks_per_cluster=64,
     )
 
 
+def philly_hetero():
+    """Returns the default Philly fleet with three accelerator types (module docstring)."""
+    base = philly()
+    node_type = np.array([0] * 30 + [1] * 30 + [2] * 40, dtype=np.int16)
+    return dataclasses.replace(base, name="philly-hetero-30xV100x8+30xP100x8+40xK80x2", node_type=node_type,
+                               type_names=("V100-16GB", "P100-16GB", "K80-12GB"), accelerator="V100-16GB")
+
+
 def by_name(name):
-    """Returns a named fleet: 'philly', 'philly-full' (480 servers) or 'planet-N'."""
+    """Returns a named fleet: 'philly', 'philly-hetero', 'philly-full' (480 servers) or 'planet-N'."""
     if name == "philly":
         return philly()
+    if name == "philly-hetero":
+        return philly_hetero()
     if name == "philly-full":
         # 480 servers, inside the 420-550 the trace README quotes; the 2-/8-GPU split is
         # not published, so half and half.
@@ -121,5 +156,5 @@ def by_name(name):
             return planet(int(name.split("-", 1)[1]))
         except ValueError:
             pass
-    raise FleetError(f"unknown fleet {name!r}: use philly, philly-full or planet-<devices> "
+    raise FleetError(f"unknown fleet {name!r}: use philly, philly-hetero, philly-full or planet-<devices> "
                      "(e.g. planet-100000)")

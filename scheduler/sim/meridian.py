@@ -18,8 +18,9 @@ Translation (engine -> Snapshot):
 - failed nodes are NODE_LOST (their jobs were already re-queued by the engine).
 
 Plan -> engine: Start/Preempt/Migrate/Resize become engine Decisions in plan order; a
-Preempt with needs_approval is a request to a capacity manager, which the simulator does not
-grant (no one approves in a replay): it is counted in `approval_requests` and not applied.
+Preempt with needs_approval is a request to a capacity manager (`engine.request_approval`,
+answered by the engine's `fidelity.ApprovalModel`; the answer reaches the core as
+Jobs.preemption_approved / preemption_denied): counted in `approval_requests`, not applied.
 
 When to call: on the engine's batched ticks (arrivals, completions, failures), and every
 `wait_wake_s` while jobs wait (time alone changes the core's answer: age, attained
@@ -56,6 +57,7 @@ from .engine import MIGRATE, PREEMPT, RESIZE, RUNNING, START, Decision, Policy
 
 class Meridian(Policy):
     name = "meridian"
+    runs_below_world_size = True  # elastic: a job fits if its floor (min_devices) fits
 
     def __init__(self, core_policy=None, settings=None, wait_wake_s=600.0):
         # The core's default plugins unless told otherwise; built once (plugins are pure).
@@ -72,9 +74,8 @@ class Meridian(Policy):
     def _build_static(self, engine):
         fleet = engine.fleet
         dev_node = engine.dev_node
-        n = engine.n_devices
         self._static = dict(
-            type_id=np.zeros(n, np.int16),
+            type_id=engine.dev_type.astype(np.int16),
             node=dev_node.astype(np.int32),
             rack=fleet.node_rack[dev_node].astype(np.int32),
             cluster=fleet.node_cluster[dev_node].astype(np.int32),
@@ -83,9 +84,10 @@ class Meridian(Policy):
             team_names=tuple(engine.trace.team_names) or ("team-0",),
         )
         self._row_of = np.full(engine.n_jobs + 1, -1, np.int32)  # last entry: owner -1
-        self._usage = np.zeros((len(self._static["team_names"]), 1))
+        self._n_types = len(fleet.type_names)
+        self._usage = np.zeros((len(self._static["team_names"]), self._n_types))  # per team and type
         self._usage_t = engine.now
-        self._team_alloc = np.zeros(len(self._static["team_names"]))
+        self._team_alloc = np.zeros_like(self._usage)
 
     def snapshot(self, engine, now):
         """Returns the Snapshot of the engine's state at `now` (also used by tests)."""
@@ -103,11 +105,11 @@ class Meridian(Policy):
         # Decayed team usage: device-seconds since the last pass at the allocation then held.
         half_life = self.settings.fair_share_half_life_seconds
         dt = max(0.0, now - self._usage_t)
-        self._usage[:, 0] = self._usage[:, 0] * 0.5 ** (dt / half_life) + self._team_alloc * dt
+        self._usage = self._usage * 0.5 ** (dt / half_life) + self._team_alloc * dt
         self._usage_t = now
         team = engine.trace.team[active]
-        self._team_alloc = np.bincount(team, weights=engine.ndev[active],
-                                       minlength=self._usage.shape[0]).astype(np.float64)
+        self._team_alloc = np.bincount(team * self._n_types + engine.job_type[active], weights=engine.ndev[active],
+                                       minlength=self._usage.size).astype(np.float64).reshape(self._usage.shape)
 
         state = np.where(engine.state[active] == RUNNING, SNAP_RUNNING, SNAP_PENDING).astype(np.int8)
         interval = engine.costs.periodic_checkpoint_s
@@ -120,7 +122,7 @@ class Meridian(Policy):
             ids=active,
             team=team.astype(np.int32),
             tier=engine.trace.tier[active],
-            type_id=np.zeros(active.shape[0], np.int16),
+            type_id=engine.job_type[active],
             world_size=engine.W[active].astype(np.int32),
             min_devices=engine.min_devices[active],
             state=state,
@@ -131,6 +133,8 @@ class Meridian(Policy):
             checkpoint_bytes=(engine.checkpoint_gb[active] * 1e9).astype(np.int64),
             last_start_time=engine.last_start[active],
             last_resize_time=engine.last_resize[active],
+            preemption_approved=engine.approved[active],  # the engine's approval model (fidelity.py)
+            preemption_denied=engine.denied[active],
         )
         healthy_nodes = engine.node_healthy
         accelerators = Accelerators(
@@ -141,7 +145,7 @@ class Meridian(Policy):
         return Snapshot(
             accelerators=accelerators, jobs=jobs,
             teams=Teams(names=st["team_names"], decayed_usage=self._usage.copy()),
-            now=now, type_names=(engine.fleet.accelerator,), region_names=st["region_names"],
+            now=now, type_names=tuple(engine.fleet.type_names), region_names=st["region_names"],
             node_status=np.where(healthy_nodes, NODE_READY, NODE_LOST).astype(np.int8),
             settings=self.settings,
         )
@@ -174,7 +178,7 @@ class Meridian(Policy):
                 out.append(Decision(START, job, np.asarray(d.devices, np.int64), d.reason))
             elif d.kind == "preempt":
                 if d.needs_approval:
-                    self.approval_requests += 1
+                    self.approval_requests += engine.request_approval(job)
                     continue
                 out.append(Decision(PREEMPT, job, None, d.reason))
             elif d.kind == "migrate":

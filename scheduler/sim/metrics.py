@@ -10,10 +10,16 @@ Definitions (all times in seconds):
 - goodput: ideal device-seconds of finished jobs (duration x W) per second of makespan, in
   devices (divide by the fleet size for a fraction).
 - preemptions / migrations / resizes per job: totals over all jobs / number of jobs.
-- SLA attainment: a job's delivered fraction = duration / (finish - first start), the share of
-  ideal device-time it got once admitted (queueing before the first start is reported
-  separately). Premium is met at >= 0.95, Standard at >= 0.70; Basic is best effort (met by
-  finishing). Attainment = met jobs / finished jobs of the tier.
+- SLA attainment: a job's delivered fraction = duration / (finish - first start - its own
+  start-up), the share of ideal device-time it got once admitted (queueing before the first
+  start is reported separately; the start-up of its first allocation, fidelity.py, is the job's
+  cost under every policy, not the scheduler's). Premium is met at >= 0.95, Standard at
+  >= 0.70; Basic is best effort (met by finishing). Attainment = met jobs / finished jobs of the tier.
+- time lost per tier: mean of JCT - duration - the job's start-up (queueing, pauses, slowdowns).
+- rejected: jobs refused on arrival because they can never fit the fleet (engine.py);
+  stranded: jobs still waiting when the replay ended on a whole, idle fleet (a policy that
+  cannot place a job that fits). Neither counts as finished; every other metric is over the
+  finished jobs.
 """
 from __future__ import annotations
 
@@ -53,6 +59,17 @@ class SimResult:
     policy_s: float
     failures: int
     cpu_s: float = float("nan")  # process CPU seconds of the run (wall_s counts waiting for a core)
+    rejected: np.ndarray | None = None  # bool: refused on arrival (can never fit)
+    stranded: np.ndarray | None = None  # bool: still waiting at the end on a whole, idle fleet
+    startup_s: np.ndarray | None = None  # float64: start-up paid on the first allocation
+    approvals: dict = dataclasses.field(default_factory=dict)  # requests / granted / denied / dropped
+    rejections: list = dataclasses.field(default_factory=list)  # (job, reason) per rejected job
+    load: float = 1.0  # the offered-load factor the trace was time-scaled by (set by the caller)
+
+    @property
+    def label(self):
+        """Returns the policy's name, with the offered load when it is not 1 (report legends)."""
+        return self.policy if self.load == 1.0 else f"{self.policy} @{self.load:g}x"
 
     @classmethod
     def from_engine(cls, e, wall_s):
@@ -65,7 +82,8 @@ class SimResult:
             useful_integral=e.useful_integral, end_time=e.now,
             samples={k: np.frombuffer(v, dtype=np.float64) for k, v in e.samples.items()},
             wall_s=wall_s, passes=e.passes, decisions=e.decisions, policy_s=e.policy_seconds,
-            failures=e.failures,
+            failures=e.failures, rejected=e.rejected, stranded=e.stranded, startup_s=e.startup_s,
+            approvals=dict(e.approval_counts), rejections=list(e.rejections),
         )
 
     def summary(self):
@@ -82,6 +100,11 @@ class SimResult:
             "policy": self.policy,
             "jobs": int(n),
             "finished": int(done.sum()),
+            "rejected": int(self.rejected.sum()) if self.rejected is not None else 0,
+            "stranded": int(self.stranded.sum()) if self.stranded is not None else 0,
+            "approvals_requested": int(self.approvals.get("requests", 0)),
+            "approvals_granted": int(self.approvals.get("granted", 0)),
+            "approvals_denied": int(self.approvals.get("denied", 0)),
             "avg_jct_s": _mean(jct),
             "median_jct_s": _pct(jct, 50),
             "p99_jct_s": _pct(jct, 99),
@@ -103,21 +126,27 @@ class SimResult:
             "policy_s": self.policy_s,
         }
         delivered = self.delivered_fraction()
+        # Time lost to scheduling: JCT - run time alone at W - the job's own start-up.
+        lost = self.finish - self.submit - self.duration - (self.startup_s if self.startup_s is not None else 0.0)
         for tier, name in enumerate(TIER_NAMES):
             mask = done & (self.tier == tier)
             if not mask.any():
                 out[f"sla_{name}"] = float("nan")
                 out[f"avg_jct_{name}_s"] = float("nan")
                 out[f"avg_queue_{name}_s"] = float("nan")
+                out[f"avg_lost_{name}_s"] = float("nan")
                 continue
             out[f"sla_{name}"] = float((delivered[mask] >= SLA_TARGETS[tier] - 1e-9).mean())
             out[f"avg_jct_{name}_s"] = _mean((self.finish - self.submit)[mask])
             out[f"avg_queue_{name}_s"] = _mean((self.first_start - self.submit)[mask])
+            out[f"avg_lost_{name}_s"] = _mean(lost[mask])
         return out
 
     def delivered_fraction(self):
         """Returns duration / (finish - first start) per job (NaN for unfinished jobs)."""
         span = self.finish - self.first_start
+        if self.startup_s is not None:
+            span = span - self.startup_s
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(span > 0, np.minimum(1.0, self.duration / np.where(span > 0, span, 1.0)), 1.0) \
                 * np.where(np.isnan(self.finish), np.nan, 1.0)
@@ -134,6 +163,7 @@ def _pct(x, q):
 COLUMNS = [
     ("policy", "policy", "{}"),
     ("finished", "done", "{:d}"),
+    ("rejected", "rejected", "{:d}"),
     ("avg_jct_s", "avg JCT h", "h"),
     ("median_jct_s", "med JCT h", "h"),
     ("p99_jct_s", "p99 JCT h", "h"),
@@ -166,8 +196,11 @@ def format_table(summaries, markdown=False):
             return f"{value / 86400:.1f}"
         return fmt.format(value)
 
-    header = [title for _, title, _ in COLUMNS]
-    rows = [[cell(s, key, fmt) for key, _, fmt in COLUMNS] for s in summaries]
+    columns = COLUMNS
+    if any(s.get("load", 1.0) != 1.0 for s in summaries):
+        columns = [("load", "load", "{:g}")] + COLUMNS
+    header = [title for _, title, _ in columns]
+    rows = [[cell(s, key, fmt) for key, _, fmt in columns] for s in summaries]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]

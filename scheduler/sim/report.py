@@ -44,18 +44,18 @@ def write_report(results, path, title="Meridian simulator", command=None):
         jct = np.sort((r.finish - r.submit)[done]) / 3600.0
         cdf = np.arange(1, jct.shape[0] + 1) / max(jct.shape[0], 1)
         x, y = _thin(jct, cdf)
-        fig.add_trace(go.Scatter(x=x, y=y, name=r.policy, legendgroup=r.policy,
+        fig.add_trace(go.Scatter(x=x, y=y, name=r.label, legendgroup=r.label,
                                  line=dict(color=color)), row=1, col=1)
         s = r.samples
         days = s["t"] / 86400.0
         alloc = s["allocated"] / r.n_devices
         useful = s["useful"] / r.n_devices
         t1, a1, u1, p1 = _thin(days, alloc, useful, s["pending"])
-        fig.add_trace(go.Scatter(x=t1, y=a1, name=f"{r.policy} allocated", legendgroup=r.policy,
+        fig.add_trace(go.Scatter(x=t1, y=a1, name=f"{r.label} allocated", legendgroup=r.label,
                                  showlegend=False, line=dict(color=color, width=1)), row=2, col=1)
-        fig.add_trace(go.Scatter(x=t1, y=u1, name=f"{r.policy} useful", legendgroup=r.policy,
+        fig.add_trace(go.Scatter(x=t1, y=u1, name=f"{r.label} useful", legendgroup=r.label,
                                  showlegend=False, line=dict(color=color, width=1, dash="dot")), row=2, col=1)
-        fig.add_trace(go.Scatter(x=t1, y=p1, name=f"{r.policy} waiting", legendgroup=r.policy,
+        fig.add_trace(go.Scatter(x=t1, y=p1, name=f"{r.label} waiting", legendgroup=r.label,
                                  showlegend=False, line=dict(color=color, width=1)), row=3, col=1)
     fig.update_xaxes(title_text="JCT (hours, log)", type="log", row=1, col=1)
     fig.update_yaxes(title_text="fraction of jobs", row=1, col=1)

@@ -179,9 +179,14 @@ class ControlPlane:
         return process
 
     def start_agent(self, hostname, *, devices=1, region="r1", cluster="c1", checkpoint_every=3.0,
-                    partitionable=False, engine=ENGINE):
-        """Starts an agent; partitionable=True puts a Partition between it and the control plane
-        (self.partitions[hostname])."""
+                    partitionable=False, engine=ENGINE, sandbox="off", extra=()):
+        """Starts an agent; returns its process (its work dir is self.agents[hostname][1]).
+        partitionable=True puts a Partition between it and the control plane (self.partitions[hostname]).
+
+        sandbox="off" (the default) runs jobs as the agent's user: most e2e tests write outputs where
+        the test reads them, which a job uid could not. sandbox="enforce" runs them as real agents do
+        (a uid per job, a cgroup, a clean environment): it needs root and cgroups (tests/job_uids.py
+        says why not), and folders job uids can pass through (the stack's are 0711)."""
         work_dir = self.dir / "agents" / hostname
         url = self.url
         if partitionable:
@@ -190,10 +195,11 @@ class ControlPlane:
         argv = [PYTHON, "-m", "agent.main", "--control-plane", url,
                 "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", region, "--cluster", cluster,
                 "--work-dir", str(work_dir), "--engine", engine, "--checkpoint-every", str(checkpoint_every),
-                "--interval", "1", "--workload-root", str(ROOT),
-                # These tests write outputs where the test reads them; the sandbox (job uids that
-                # cannot write there) is proven by tests/sandbox/ with real agents.
-                "--sandbox", "off"]
+                "--interval", "1", "--workload-root", str(ROOT), "--sandbox", sandbox, *extra]
+        if sandbox != "off":
+            # Job uids of their own: other stacks on this machine number their jobs from 1 too.
+            argv += ["--sandbox-uid-base", str(2_000_000 + (self.port % 1000) * 65536)]
+        # The enrollment token in the environment, never on the command line.
         process = self._spawn(f"agent-{hostname}", argv, env={"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL})
         self.agents[hostname] = (process, work_dir)
         poll(f"agent {hostname} to register", lambda: (work_dir / "node-token").exists(), timeout=60,

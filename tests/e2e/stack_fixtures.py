@@ -28,6 +28,7 @@ def stack(template_db):
     started = []
     # short paths: the launchers' control sockets must fit in 107 bytes
     base = pathlib.Path(tempfile.mkdtemp(prefix="mer-e2e-", dir="/tmp"))
+    os.chmod(base, 0o711)  # passable by job uids (a sandboxed agent's jobs), not listable
 
     def start(env=None):
         plane = ControlPlane(base / f"cp{len(started)}", env=env)

@@ -392,3 +392,15 @@ def test_a_move_records_the_typed_report_as_wire_words_and_reads_a_garbled_recor
     assert move_step_run(move_id=move.pk, step="barrier") == WAITING  # not seen: no crash, no step done
     report(n1, victim.pk, "running", generation=1, step=42, cut={"action": "stop", "step": 42})
     assert move_step_run(move_id=move.pk, step="barrier") == DONE
+
+
+@pytest.mark.django_db
+def test_the_barrier_event_names_the_kind_of_cut_the_node_took(running, alice, team_a, job_spec):
+    victim, n1, _ = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    report(n1, victim.pk, "running", generation=1, step=41,
+           cut={"action": "stop", "step": 42, "kind": "collective-boundary"})
+    assert move_step_run(move_id=move.pk, step="barrier") == DONE
+    barrier = JobEvent.objects.filter(job=victim, type=JobEvent.Type.MOVE_STEP,
+                                      extra_data__step="barrier").get()
+    assert barrier.extra_data["cut_kind"] == "collective-boundary"

@@ -6,27 +6,17 @@ import os
 import pathlib
 import signal
 
-from harness import BIN, ENROLL, PYTHON, ROOT
+from harness import BIN
 from polling import poll
 
 CHATTY = "tests/logs/chatty_train.py"
 
 
 def start_agent(plane, hostname, *, devices=1, extra=(), checkpoint_every=3.0):
-    work_dir = plane.dir / "agents" / hostname
-    argv = [PYTHON, "-m", "agent.main", "--control-plane", plane.url,
-            "--devices", f"cpu:{devices}", "--hostname", hostname, "--region", "r1", "--cluster", "c1",
-            "--work-dir", str(work_dir), "--engine", "framework", "--checkpoint-every", str(checkpoint_every),
-            "--interval", "1", "--workload-root", str(ROOT),
-            # As harness.start_agent: the chatty job renames files in the test's folder, which a job
-            # uid could not; the sandbox is proven by tests/sandbox/.
-            "--sandbox", "off", *extra]
-    # As harness.start_agent: the enrollment token in the environment, never on the command line.
-    process = plane._spawn(f"agent-{hostname}", argv, env={"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL})
-    plane.agents[hostname] = (process, work_dir)
-    poll(f"agent {hostname} to register", lambda: (work_dir / "node-token").exists(), timeout=60,
-         on_timeout=lambda: plane.logs(f"agent-{hostname}"))
-    return work_dir
+    """harness.start_agent with the framework engine and sandbox off (the chatty job renames files in
+    the test's folder, which a job uid could not); returns the agent's work dir."""
+    plane.start_agent(hostname, devices=devices, checkpoint_every=checkpoint_every, extra=extra)
+    return plane.agents[hostname][1]
 
 
 def stop_web(plane):

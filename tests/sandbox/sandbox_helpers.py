@@ -3,6 +3,7 @@ import json
 import pathlib
 
 import pytest
+from job_uids import sandbox_unavailable
 from polling import poll
 
 from agent.node import NodeReconciler
@@ -14,16 +15,7 @@ PROBE = SCRIPTS / "probe.py"
 UID_BASE = 1_500_000  # a range of its own, away from other tests' agents
 
 
-def _cgroups_reason():
-    from runtime import sandbox as mechanisms
-    try:
-        mechanisms.detect_cgroups()
-    except mechanisms.SandboxError as exc:
-        return str(exc)
-    return None
-
-
-CGROUPS_UNAVAILABLE = _cgroups_reason()
+CGROUPS_UNAVAILABLE = sandbox_unavailable()
 needs_sandbox = pytest.mark.skipif(CGROUPS_UNAVAILABLE is not None,
                                    reason=f"no sandbox on this machine: {CGROUPS_UNAVAILABLE}")
 

@@ -27,7 +27,6 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from agent.embedded import embedded_processes
-from agent.job_env import without_agent_secrets
 from agent.main import parse_args
 from agent.node import NodeReconciler, RestoreRefused, seed_store
 from fleet.models import Accelerator, Cluster, EnrollmentToken, Node, NodeTelemetryBucket, Region, TelemetryResolution
@@ -420,7 +419,12 @@ def test_a_job_never_sees_the_agents_tokens(tmp_path, monkeypatch):
     # what the member gave the job still reaches it: through sandbox.json, never the launcher's own
     # environment (agent/sandbox.py; the ranks get it, tests/sandbox/test_isolation.py)
     assert "MY_TOKEN_FOR_JOB" in (node.jobs[3].job_dir / "sandbox.json").read_text()
-    assert without_agent_secrets({"DJANGO_SECRET_KEY": "x", "HF_TOKEN": "y", "HOME": "/h"}) == {"HOME": "/h"}
+    # The ranks' environment is an allowlist (runtime.sandbox.rank_environment): built from the job's
+    # own env and the runtime's variables, never from the launcher's or the agent's environment.
+    from runtime.sandbox import rank_environment
+    ranks = rank_environment({"MY_TOKEN_FOR_JOB": "kept"}, home="/w", user="job", runtime={"RANK": "0"},
+                             pythonpath=str(ROOT))
+    assert not {n for n in ranks if n.startswith("MERIDIAN_AGENT_")} and ranks["MY_TOKEN_FOR_JOB"] == "kept"
 
 
 # --- High 4 and Medium 6: every number from a node is checked ----------------------------------------------------
