@@ -130,6 +130,8 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
          on_timeout=lambda: cp.diagnose(victim))
 
     # One of its hosts killed: restarted from its last checkpoint on the remaining and a replacement host.
+    assert [code for code, _ in wait_job(reference)] == [0]  # it ran on mh-3, killed next
+    say("reference run done")
     say(f"killing mh-3 (last checkpoint step {cp.job(victim)['last_checkpoint_step']})")
     cluster[3].kill()
     poll("the victim to be restarted off the killed host",
@@ -138,6 +140,5 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
     print("restarted on", placement(cp, victim), flush=True)
     cp.wait_state(victim, "succeeded", timeout=900)
     say("victim succeeded")
-    assert [code for code, _ in wait_job(reference)] == [0]
     assert_equal_states(torch.load(os.path.join(cluster.store_dir, "reference.pt"), weights_only=True),
                         torch.load(os.path.join(cluster.store_dir, "victim.pt"), weights_only=True))
