@@ -69,6 +69,9 @@ def parse_args(argv):
     p.add_argument("--region", default="local")
     p.add_argument("--cluster", default="default")
     p.add_argument("--rack", default="")
+    p.add_argument("--node-addr", default=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"),
+                   help="this host's address the other hosts of a job reach (a job that spans hosts: its "
+                        "ranks bind gloo to it, the leader's rendezvous store listens on it)")
     p.add_argument("--work-dir", default=os.environ.get("MERIDIAN_AGENT_WORK_DIR"),
                    help="job directories, spool and the node token (default ./meridian-agent-<hostname>)")
     p.add_argument("--engine", default="auto", choices=["auto", "criu", "framework"],
@@ -153,7 +156,8 @@ class Agent:
                                          keep_finished_checkpoints=options.keep_finished_checkpoints,
                                          workspace_root=getattr(options, "workspace_root", None),
                                          bundle_fetcher=self.fetch_bundle,
-                                         sandbox=node_sandbox(options, self.work_dir, self.devices))
+                                         sandbox=node_sandbox(options, self.work_dir, self.devices),
+                                         node_addr=getattr(options, "node_addr", None) or "127.0.0.1")
         self.desired_jobs: tuple[DesiredJob, ...] = ()
         # Self-fencing: seconds without a heartbeat the control plane answered after which this
         # node counts as lost there (its jobs restarted elsewhere); told in every heartbeat reply.

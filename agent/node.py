@@ -58,6 +58,7 @@ from protocol.launch import (
 )
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState
+from runtime import multihost
 from runtime.control import JobControl, JobControlError
 
 log = logging.getLogger("agent.node")
@@ -166,7 +167,12 @@ def seed_store(store, checkpoint_uri, manifest_sha256):
     try:
         shutil.copytree(source, staging, copy_function=link_or_copy)
         check(staging)  # what was copied is what will be restored
-        os.rename(staging, target)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            check(target)  # another host of the same job seeded the shared store first
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -286,6 +292,9 @@ class LocalJob:
         self.reported_final = False
         self.reported_state: CopyState | None = None
         self.manifest_digests: dict[str, str] = {}  # checkpoint URI -> sha256 of its MANIFEST.json
+        # A follower host's share of a job that spans hosts: the leader's launcher cuts, stops and
+        # checkpoints every host's ranks; this one's launcher ends with them.
+        self.follower = False
 
     def _events(self, events: list[LaunchEvent] | None) -> list[LaunchEvent]:
         """Returns `events` when the caller read them already, else this copy's events.jsonl."""
@@ -375,8 +384,9 @@ class LocalJob:
 class NodeReconciler:
     def __init__(self, work_dir, *, engine="auto", checkpoint_every_s=60.0, workload_root=None,
                  python=sys.executable, keep_finished_checkpoints=False, workspace_root=None, bundle_fetcher=None,
-                 sandbox: job_sandbox.NodeSandbox | None = None):
+                 sandbox: job_sandbox.NodeSandbox | None = None, node_addr="127.0.0.1"):
         self.work_dir = pathlib.Path(work_dir).absolute()
+        self.node_addr = node_addr  # this host's address for the other hosts of a job that spans hosts
         # How jobs are confined (agent/sandbox.py); a reconciler made without one (tests of other
         # parts) runs them unconfined, saying so, with their own environment only.
         self.sandbox = sandbox or job_sandbox.NodeSandbox(job_sandbox.SandboxPolicy(mode="off"),
@@ -506,7 +516,9 @@ class NodeReconciler:
                 if job is not None and job.outcome() is None:
                     if job.stop_requested or not (job.job_dir / "control.sock").exists():
                         continue  # stopping, or its launcher is not serving commands yet
-                    if entry.devices != job.devices and job.busy is None:
+                    if job.follower:
+                        continue  # the leader's launcher cuts and checkpoints every host's ranks
+                    if entry.devices != job.devices and job.busy is None and entry.span is None:
                         self._call(job, "resize", entry.devices, entry.device_indices)
                     elif (job.busy is None and self.checkpoint_every_s > 0
                           and time.monotonic() - job.last_checkpoint_at > self.checkpoint_every_s):
@@ -563,6 +575,11 @@ class NodeReconciler:
         return killed
 
     def _call(self, job, action, *args):
+        if action == "stop" and job.follower:
+            # Its launcher refuses commands (the leader's cut stops every host's ranks at one step,
+            # and this launcher exits with them); if the leader is gone, the launcher ends on its own.
+            job.stop_requested = True
+            return
         job.busy = action
         if action == "stop":
             job.stop_requested = True
@@ -606,10 +623,25 @@ class NodeReconciler:
             entrypoint = workspace / entrypoint  # a path inside the bundle (checked at submission)
         elif not entrypoint.is_absolute():
             entrypoint = self.workload_root / entrypoint
-        command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
-                   "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
-                   "--job-id", f"j{entry.job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
-        if entry.device_indices:
+        span = entry.span
+        if span is not None:
+            # One meridian-run per host (runtime/multihost.py); the job id is the same on every host
+            # (its rendezvous folder is the generation's own), the device count the job's in all.
+            command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
+                       "--devices", str(span.job_devices), "--engine", self.engine, "--job-dir", str(job_dir),
+                       "--job-id", f"j{entry.job_id}-g{entry.generation or 0}", "--store", str(store),
+                       "--nodes", str(span.nodes), "--node-rank", str(span.node_rank),
+                       "--node-addr", self.node_addr, "--rendezvous", span.rendezvous]
+        else:
+            command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
+                       "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
+                       "--job-id", f"j{entry.job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
+        if span is not None and entry.device_indices:
+            # The launcher's device map is job-wide over hosts; pinning a host's ranks to its own
+            # device indices across hosts is not built (CPU devices here): said, not hidden.
+            log.warning("job %s: spans %d hosts; its ranks are not pinned to device indices %s", entry.job_id,
+                        span.nodes, ",".join(map(str, entry.device_indices)))
+        elif entry.device_indices:
             if len(entry.device_indices) == entry.devices:
                 command += ["--device-indices", ",".join(str(i) for i in entry.device_indices)]
             else:
@@ -648,13 +680,15 @@ class NodeReconciler:
         # Only what the control plane recorded is restored (pinned to its manifest digest): a
         # checkpoint in the store that it does not name is never resumed from.
         resume = bool(entry.restore_from)
+        span_problem = multihost_span_problem(entry)
+        if span_problem:
+            self._launch_refused_new_attempt(entry, span_problem)
+            return
         try:
             workspace = bundles.workspace_for_launch(self, entry, resume=resume, fetches=self.bundle_fetches)
         except bundles.BundleRefused as exc:
             self.waiting.pop(job_id, None)
-            job_dir = self.jobs_dir / f"{job_id}.{next_attempt(self.jobs_dir, job_id)}"
-            job_dir.mkdir(parents=True)
-            self._launch_refused(entry, job_dir, f"the job's code bundle cannot be had: {exc}")
+            self._launch_refused_new_attempt(entry, f"the job's code bundle cannot be had: {exc}")
             return
         if workspace is None:
             return
@@ -687,10 +721,13 @@ class NodeReconciler:
                                      stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
         job = LocalJob(job_id, job_dir, popen=popen, devices=entry.devices, world_size=entry.world_size,
                        generation=generation, store=store, device_indices=entry.device_indices)
+        job.follower = entry.span is not None and entry.span.node_rank > 0
         self._write_meta(job)
         self.jobs[job_id] = job
-        log.info("job %s: launched %s on %s device(s)%s", job_id, pathlib.Path(entry.entrypoint).name, entry.devices,
-                 " (restoring its newest checkpoint)" if resume else "")
+        span = entry.span
+        where = f" as host {span.node_rank} of {span.nodes} (leader {span.leader})" if span else ""
+        log.info("job %s: launched %s on %s device(s)%s%s", job_id, pathlib.Path(entry.entrypoint).name, entry.devices,
+                 where, " (restoring its newest checkpoint)" if resume else "")
 
     def _sandbox_uid_taken(self, job_id) -> bool:
         """True (and logged) when another live job here runs as the uid job `job_id` would get (their
@@ -705,6 +742,12 @@ class NodeReconciler:
                           "(widen the uid range: --sandbox-uid-count)", job_id, other.job_id, uid)
                 return True
         return False
+
+    def _launch_refused_new_attempt(self, entry: DesiredJob, error: str) -> None:
+        """_launch_refused in the job directory of a new attempt (nothing was prepared yet)."""
+        job_dir = self.jobs_dir / f"{entry.job_id}.{next_attempt(self.jobs_dir, entry.job_id)}"
+        job_dir.mkdir(parents=True)
+        self._launch_refused(entry, job_dir, error)
 
     def _launch_refused(self, entry: DesiredJob, job_dir: pathlib.Path, error: str) -> None:
         """Records a launch that could not start as a failed copy (its error is the job's failure
@@ -756,6 +799,23 @@ class NodeReconciler:
         with self.lock:
             for job in self.jobs.values():
                 self._kill(job)
+
+
+def multihost_span_problem(entry: DesiredJob) -> str | None:
+    """Returns why `entry`'s share of a job that spans hosts cannot run as the launcher would run
+    it (node i runs the i-th contiguous block of W/N ranks), or None (it can, or one host)."""
+    span = entry.span
+    if span is None:
+        return None
+    try:
+        block = multihost.node_ranks(world_size=entry.world_size, nodes=span.nodes, node_rank=span.node_rank)
+    except ValueError as exc:
+        return f"the job spans {span.nodes} hosts but cannot run so: {exc}"
+    if (block.start, len(block)) != (span.first_rank, span.ranks):
+        return (f"this host holds ranks {span.first_rank}..{span.first_rank + span.ranks - 1} of the job, but a "
+                f"job over {span.nodes} hosts runs ranks {block.start}..{block.stop - 1} on its host "
+                f"{span.node_rank} (equal contiguous blocks): uneven placements across hosts are not built")
+    return None
 
 
 def _remove_cgroup_soon(job_dir, wait_s=2.0):

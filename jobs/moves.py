@@ -104,12 +104,17 @@ def _log(move, now, step, note):
 
 
 def move_create(*, job, kind, reason, now, from_node_id=None, to_node_id=None, from_generation=None,
-                to_generation=None, from_devices=0, to_devices=0, first_step=None, cut_step=None, note=""):
+                to_generation=None, from_devices=0, to_devices=0, first_step=None, cut_step=None, note="",
+                from_nodes=()):
     """Returns a new active Move of `job` and enqueues its chain on commit. Call it inside the
     transaction that puts the job into its moving state.
 
     Any other active move of the job is ended first (failed, "superseded"): one active move per
     job, which the database also enforces (move_one_active_per_job).
+
+    `from_nodes`: every Node.pk the old copy ran on (a job spanning hosts; from_node_id, its
+    leader, among them), kept in observed["from_nodes"]: their copies of from_generation are the
+    move's too (their reports are accepted, not fenced) and release waits for all of them.
     """
     for old in Move.objects.filter(job_id=job.pk, state=Move.State.ACTIVE):
         Move.objects.filter(pk=old.pk, state=Move.State.ACTIVE).update(
@@ -123,6 +128,8 @@ def move_create(*, job, kind, reason, now, from_node_id=None, to_node_id=None, f
         from_devices=from_devices, to_devices=to_devices, start_step=job.progress_step or 0, cut_step=cut_step,
         created_at=now, step_started_at=now, step_deadline=now + step_timeout(), polled_at=now,
         log=[{"at": now.isoformat(), "step": first, "note": (note or reason)[:300]}],
+        observed={FROM_NODES: sorted(set(from_nodes) - {from_node_id})} if from_node_id and len(set(from_nodes)) > 1
+        else {},
     )
     job_event_add(job=job, type=JobEvent.Type.MOVE_STEP, reason=f"{kind} started: {reason}"[:500],
                   extra={"move": move.pk, "kind": kind, "step": "started", "next": first,
@@ -164,16 +171,31 @@ def move_active(*, job_id):
 OBSERVED_FIELDS = ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error")
 
 
+FROM_NODES = "from_nodes"  # Move.observed key: the old copy's follower hosts (move_create)
+
+
+def move_follower_nodes(move) -> list[int]:
+    """Returns the Node.pks besides from_node that ran the old copy (a job that spans hosts)."""
+    return [int(pk) for pk in move.observed.get(FROM_NODES) or ()]
+
+
+def _follower_key(generation, node_id):
+    return f"{generation_key(generation)}@{int(node_id)}"
+
+
 def move_observe(*, move, generation, node, entry: JobReport, now):
     """Records one agent report on a copy of the moving job (its `generation`) on the move, and
-    enqueues jobs.tasks.move_advance after commit. Returns nothing."""
+    enqueues jobs.tasks.move_advance after commit. Returns nothing. The leader of a job that
+    spans hosts speaks for the copy; a follower host's report is kept under its own key (only
+    release reads it: the move is done once every host's share has exited)."""
     record = {"node": node.pk, "hostname": node.hostname, "at": now.isoformat()}
     wire = entry.to_dict()
     for key in OBSERVED_FIELDS:
         if wire.get(key) is not None:
             record[key] = wire[key]
     observed = dict(move.observed)
-    observed[generation_key(generation)] = record
+    follower = generation == move.from_generation and node.pk in move_follower_nodes(move)
+    observed[_follower_key(generation, node.pk) if follower else generation_key(generation)] = record
     Move.objects.filter(pk=move.pk).update(observed=observed)
     move.observed = observed
     move_id = move.pk
@@ -337,10 +359,25 @@ def _check_release(move, job):
     gone = _old(move).state in FINAL_COPY_STATES
     if move.from_node_id is None:
         return _Outcome(DONE, "the old copy is fenced (its node was lost)", {"checkpoint_step": move.cut_step})
+    still = _followers_running(move)
+    if still:
+        return None  # a host's share of the old copy has not exited yet: its devices are not free
     if gone or _node_lost(move.from_node_id):
         why = "the old copy exited" if gone else "its node is lost"
         return _Outcome(DONE, f"{why}; its devices are free", {"checkpoint_step": move.cut_step})
     return None
+
+
+def _followers_running(move) -> list[str]:
+    """Returns the hostnames of the old copy's follower hosts whose share last reported alive
+    (a host never heard from during the move, or lost, is not waited for)."""
+    running = []
+    for node_id in move_follower_nodes(move):
+        record = move.observed.get(_follower_key(move.from_generation, node_id)) or {}
+        state = record.get("state")
+        if state and CopyState(state) not in FINAL_COPY_STATES and not _node_lost(node_id):
+            running.append(record.get("hostname") or str(node_id))
+    return running
 
 
 CHECKS = {St.BARRIER: _check_barrier, St.CHECKPOINT: _check_checkpoint, St.STORE: _check_store,

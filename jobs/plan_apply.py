@@ -163,6 +163,12 @@ def _nodes_of(index: SnapshotIndex, devices: tuple) -> list[str]:
     return sorted({index.hostnames[int(index.accelerator_node_ids[d])] for d in devices})
 
 
+def _node_ids_held(job_id: int) -> list[int]:
+    """Returns the Node.pks the job's replicas lie on (several: a job that spans hosts)."""
+    return sorted(set(Replica.objects.filter(job_id=job_id, device__isnull=False)
+                      .values_list("device__node_id", flat=True)))
+
+
 def _rank0_node(job_id: int) -> int | None:
     """Returns the Node.pk holding rank 0 of the job (where its launcher runs), or None."""
     return Replica.objects.filter(job_id=job_id, rank=0).values_list("device__node_id", flat=True).first()
@@ -185,7 +191,7 @@ def _preempt(*, job: Job, decision: scheduler.Preempt, now: datetime) -> int:
         _generation_bump(job)
         job_transition(job=job, to=S.PREEMPTED, reason=decision.reason, now=now, extra={"code": decision.code})
         return 2
-    from_node = _rank0_node(job.pk)
+    from_node, from_nodes = _rank0_node(job.pk), _node_ids_held(job.pk)
     job = job_transition(job=job, to=S.PREEMPTING, reason=decision.reason, now=now,
                          extra={"code": decision.code, "released_devices": _device_ids_held(job.pk)})
     released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
@@ -193,13 +199,13 @@ def _preempt(*, job: Job, decision: scheduler.Preempt, now: datetime) -> int:
     job_event_add(job=job, type=JobEvent.Type.RELEASED, reason=decision.reason,
                   extra={"replicas": released, "checkpoint": "the agent stops it at a consistent cut"})
     move_create(job=job, kind=Move.Kind.PREEMPTION, reason=decision.reason, now=now, from_node_id=from_node,
-                from_devices=job.device_count)
+                from_devices=job.device_count, from_nodes=from_nodes)
     return released + 4
 
 
 def _migrate(*, job: Job, decision: scheduler.Migrate, devices: list[int], region: int, nodes: list[str],
              now: datetime) -> int:
-    from_node = _rank0_node(job.pk)
+    from_node, from_nodes = _rank0_node(job.pk), _node_ids_held(job.pk)
     from_generation = job.generation
     if job.state == S.SCHEDULED:
         job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now)
@@ -219,7 +225,8 @@ def _migrate(*, job: Job, decision: scheduler.Migrate, devices: list[int], regio
     if job.state == S.MIGRATING:
         common = dict(job=job, kind=Move.Kind.MIGRATION, reason=decision.reason, now=now, from_node_id=from_node,
                       to_node_id=_rank0_node(job.pk), from_generation=from_generation,
-                      to_generation=job.generation, from_devices=from_devices, to_devices=len(devices))
+                      to_generation=job.generation, from_devices=from_devices, to_devices=len(devices),
+                      from_nodes=from_nodes)
         if decision.from_checkpoint:
             # Its old processes are gone, or cut off with their node: nothing to cut; the new node
             # restores the last checkpoint right away. No from_node: the old copy is not part of the

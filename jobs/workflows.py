@@ -25,12 +25,12 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import OuterRef, Q, Subquery
+from django.db.models import Count, Min, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from fleet.services import node_heartbeat_record
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
-from jobs.moves import move_observe
+from jobs.moves import move_follower_nodes, move_observe
 from jobs.services import IllegalTransition, checkpoint_record, job_event_add, job_transition
 from protocol.node import (
     SHA256_HEX,
@@ -38,6 +38,7 @@ from protocol.node import (
     DesiredState,
     Heartbeat,
     JobReport,
+    JobSpan,
     Rejection,
     ReportOutcome,
     Telemetry,
@@ -117,6 +118,7 @@ def node_desired_state_build(*, node) -> DesiredState:
         "total_steps", "last_checkpoint_step", "generation", "bundle__sha256",
     ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
                restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
+    spans = _job_spans(list(devices))
     entries = []
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
@@ -130,6 +132,8 @@ def node_desired_state_build(*, node) -> DesiredState:
             store=job_store_uri(job.pk, generation=job.generation), restore_from=job.restore_from,
             restore_sha256=job.restore_sha256 if re.fullmatch(SHA256_HEX, job.restore_sha256 or "") else None,
             last_checkpoint_step=job.last_checkpoint_step,
+            span=_span_for(spans.get(job.pk), node_id=node.pk, job_id=job.pk, generation=job.generation,
+                           world_size=job.world_size),
             **job_workspace_fields(job),
         ))
     listed = {e.job_id for e in entries}
@@ -141,6 +145,34 @@ def node_desired_state_build(*, node) -> DesiredState:
                                       move_step=str(move.step)))
     return DesiredState(node_id=node.pk, hostname=node.hostname, state=str(node.state),
                         lost_after_seconds=node_lost_after_seconds(), jobs=tuple(entries))
+
+
+def _job_spans(job_ids) -> dict[int, list[tuple[int, int, int, str, int]]]:
+    """Returns {job id: [(first rank, ranks, node id, hostname, devices), ...] in rank order} for
+    the jobs among `job_ids` whose replicas lie on more than one node. One grouped query."""
+    if not job_ids:
+        return {}
+    rows = (Replica.objects.filter(job_id__in=job_ids, device__isnull=False)
+            .values_list("job_id", "device__node_id", "device__node__hostname")
+            .annotate(first=Min("rank"), ranks=Count("id"), devices=Count("device_id", distinct=True)))
+    per_job = defaultdict(list)
+    for job_id, node_id, hostname, first, ranks, n_devices in rows:
+        per_job[job_id].append((first, ranks, node_id, hostname, n_devices))
+    return {job_id: sorted(shares) for job_id, shares in per_job.items() if len(shares) > 1}
+
+
+def _span_for(shares, *, node_id, job_id, generation, world_size) -> JobSpan | None:
+    """Returns this node's JobSpan of a job that spans hosts (None: it runs on one host).
+    A placement that is not W/N contiguous ranks per host still gets its span: the launcher
+    refuses it by name (agent/node.py: the block its launcher would run differs), so the job
+    fails saying why, never runs wrong."""
+    if not shares:
+        return None
+    node_rank = next(i for i, share in enumerate(shares) if share[2] == node_id)
+    first, ranks, _node, _hostname, _devices = shares[node_rank]
+    return JobSpan(nodes=len(shares), node_rank=node_rank, first_rank=first, ranks=ranks,
+                   job_devices=sum(share[4] for share in shares), leader=shares[0][3],
+                   rendezvous=f"{job_store_uri(job_id, generation=generation)}/rendezvous")
 
 
 def node_desired_state(*, node) -> dict:
@@ -243,6 +275,9 @@ ended is accepted (recording nothing). A report of the held job naming
         ids = [entry.job_id for entry in observed]
         jobs = Job.objects.in_bulk(ids)
         placed = _placed_on(node.pk, ids)
+        # Where rank 0 of each job lies: the leader of a job that spans hosts speaks for all of it.
+        leaders = dict(Replica.objects.filter(job_id__in=ids, rank=0, device__isnull=False)
+                       .values_list("job_id", "device__node_id")) if ids else {}
         moves = {m.job_id: m for m in Move.objects.filter(job_id__in=ids, state=Move.State.ACTIVE)} if ids else {}
         for entry in observed:
             job = jobs.get(entry.job_id)
@@ -251,7 +286,7 @@ ended is accepted (recording nothing). A report of the held job naming
                 continue
             here = job.pk in placed
             move = moves.get(job.pk)
-            old_node = move is not None and move.from_node_id == node.pk
+            old_node = move is not None and (move.from_node_id == node.pk or node.pk in move_follower_nodes(move))
             if entry.generation is None:  # an agent that does not say (hollow nodes, older agents)
                 generation = move.from_generation if old_node and not here else job.generation
             else:
@@ -277,11 +312,33 @@ ended is accepted (recording nothing). A report of the held job naming
                 field, why = problem
                 rejected.append(Rejection(job_id=job.pk, error=f"{field}: {why}; nothing of this report was recorded"))
                 continue
+            leader = leaders.get(job.pk) in (None, node.pk)
+            if current and not leader:
+                # A follower host of a job that spans hosts: its copy's state is the leader's to
+                # report (the leader ends when any host fails); its own step is not the job's.
+                accepted.append(job.pk)
+                continue
+            if current and entry.state == CopyState.FAILED and _a_host_is_silent(job, node, now=now):
+                # Most likely the leader failed because a host of the job went silent: the lost-node
+                # sweep restarts the job from its last checkpoint; the report waits until then.
+                deferred.append(job.pk)
+                continue
             result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now)
             if move is not None:
                 move_observe(move=move, generation=generation, node=node, entry=entry, now=now)
             (deferred if result == "deferred" else accepted).append(job.pk)
     return ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
+
+
+def _a_host_is_silent(job, node, *, now) -> bool:
+    """True when another node holding `job`'s replicas is lost or missed heartbeats for a third of
+    the lost-node threshold: a job spanning hosts whose leader reports it failed then is most
+    likely the victim of that host, not of its own code. One query."""
+    from fleet.models import Node
+
+    cutoff = now - timedelta(seconds=node_lost_after_seconds() / 3)
+    return Node.objects.filter(Q(state=Node.State.LOST) | Q(last_heartbeat__lt=cutoff),
+                               accelerators__replicas__job_id=job.pk).exclude(pk=node.pk).exists()
 
 
 def _observed_apply(*, job, entry: JobReport, current, node, now):

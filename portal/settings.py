@@ -268,9 +268,10 @@ MERIDIAN_STANDARD_SLA_FLOOR = _env_float("MERIDIAN_STANDARD_SLA_FLOOR", 0.70)
 MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = _env_float("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", 600.0, minimum=0.0)
 # Free devices per region and type kept for Premium jobs.
 MERIDIAN_PREMIUM_RESERVE_DEVICES = _env_int("MERIDIAN_PREMIUM_RESERVE_DEVICES", 0, minimum=0)
-# How far one job's ranks may spread: "node" (the meridian-run launcher runs all of a job's
-# ranks on one host), "rack", "cluster", or "region" (hollow / scale runs).
-MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "node",
+# How far one job's ranks may spread at most: "node", "rack", "cluster" or "region" (the default:
+# topology decides; the core packs a gang onto the tightest level that fits, one node first, and a
+# job bigger than a node runs one meridian-run per host: runtime/multihost.py).
+MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "region",
                                       choices=("node", "rack", "cluster", "region"))
 # The largest world size (W, logical ranks) a job may ask for. A job costs W Replica rows, written
 # again at every placement; a W the fleet could never run is refused (jobs.services.job_world_size_limits).

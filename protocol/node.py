@@ -177,6 +177,27 @@ class Heartbeat(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class JobSpan(Message):
+    """A job that spans hosts: this node's share of it (the desired entry's `span`; absent on a
+    job that runs on one host, so an entry without it is what every agent always ran).
+
+    Node `node_rank` of `nodes` runs the logical ranks [first_rank, first_rank + ranks), the
+    contiguous block runtime.multihost.node_ranks gives it (one meridian-run per host, node 0
+    leading); the job has `job_devices` devices in all. `leader` is the hostname of node 0 (for
+    humans and logs: no address or port travels here). `rendezvous` is the folder of the shared
+    store where the leader publishes its run-time address (runtime/rendezvous.py), one per
+    placement generation."""
+
+    nodes: int = bounded(minimum=2, maximum=MAX_DEVICES)
+    node_rank: int = bounded(minimum=0, maximum=MAX_DEVICES - 1)
+    first_rank: int = bounded(minimum=0, maximum=MAX_WORLD_SIZE - 1)
+    ranks: int = bounded(minimum=1, maximum=MAX_WORLD_SIZE)
+    job_devices: int = bounded(minimum=1, maximum=MAX_DEVICES)
+    leader: str = bounded(default="", max_length=MAX_NAME)
+    rendezvous: str = bounded(max_length=MAX_URI)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DesiredJob(Message):
     """One job the node should run, wait for, or stop (see DesiredAction).
 
@@ -209,6 +230,9 @@ class DesiredJob(Message):
     bundle: str | None = bounded(default=None, max_length=64)
     outputs: str | None = bounded(default=None, max_length=MAX_URI)  # where the workspace is saved
     workspace_quota_bytes: int | None = bounded(default=None, minimum=0, maximum=2**63 - 1)
+    # Added in the multi-host control loop (issue 14): present only when the job spans hosts; an
+    # agent that does not know it would run all W ranks here, so such jobs need upgraded agents.
+    span: JobSpan | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,8 +122,11 @@ class JobPeers:
 
     def lost_node(self, now) -> str | None:
         """Leader: returns "node k ..." for a follower whose heartbeat stood still LOST_AFTER_S
-        (its ranks can no longer take part: the job must restart from its last checkpoint)."""
+        (its ranks can no longer take part: the job must restart from its last checkpoint). A
+        follower that said its ranks finished stops beating when it exits: it is not lost."""
         for node in range(1, self.nodes):
+            if self.store.check([self._key("finished", node)]):
+                continue  # its ranks all finished and its launcher left: silent, not lost
             key = self._key("alive", node)
             value = self.store.get(key) if self.store.check([key]) else None
             last, since = self._heard.get(node, (None, now))
@@ -281,6 +284,10 @@ def follow_cut(launcher) -> str | None:
     peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
     if request.action == "stop" and report.status == "ok":
         launcher.wait_all_exit(FINISH_WAIT_S)
+        # The leader commits the job's one checkpoint and names it in its own events; this
+        # node's agent learns only that its share stopped at the cut.
+        from protocol.launch import Stopped
+        launcher.event(Stopped, step=report.step or 0, checkpoint="")
         return "stopped"
     return None
 

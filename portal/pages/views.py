@@ -36,6 +36,7 @@ from portal.pages.logs import job_log_context
 from portal.pages.selectors import (
     fleet_page_data,
     job_place_in_line,
+    job_placement_per_host,
     job_timeline,
     preemption_audit_trail,
     preemption_pending_for,
@@ -151,6 +152,7 @@ def _job_detail_data(job, *, user):
             "queue_position_source": position_source,
             "attained_sla_fraction": job.attained_sla_fraction,
             "is_terminal": job.is_terminal,
+            "placement": job_placement_per_host(job=job),
         },
         "timeline": job_timeline(job=job, events=events),
     }

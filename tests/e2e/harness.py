@@ -110,11 +110,12 @@ class Partition:
 
 
 class ControlPlane:
-    def __init__(self, base_dir, *, env=None):
+    def __init__(self, base_dir, *, env=None, bind="127.0.0.1"):
         self.dir = pathlib.Path(base_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.bind = bind  # daphne's address: the emulated hosts' bridge address (tests/hosts) or loopback
+        self.url = f"http://{bind}:{self.port}"
         self.processes = {}
         self.agents = {}
         self.partitions = {}
@@ -155,7 +156,7 @@ class ControlPlane:
             shutil.copyfile(template_db, db)
         else:
             prepare_database(self.env)
-        self._spawn("web", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "portal.asgi:application"])
+        self._spawn("web", [str(BIN / "daphne"), "-b", self.bind, "-p", str(self.port), "portal.asgi:application"])
         self._spawn("worker", [str(BIN / "celery"), "-A", "portal", "worker", "--loglevel", "INFO", "--pool", "solo",
                                "--hostname", f"e2e-{self.port}@%h"])
         self._spawn("beat", [str(BIN / "celery"), "-A", "portal", "beat", "--loglevel", "INFO",

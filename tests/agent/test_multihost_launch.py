@@ -1,0 +1,54 @@
+"""The agent's share of a job that spans hosts (issue 14 §4): the multi-node meridian-run command
+line from the desired entry's span, a share that is not the block the launcher would run is
+refused by name, and a follower's copy is never sent commands (the leader cuts every host)."""
+from protocol.node import DesiredJob
+
+SPAN = {"nodes": 2, "node_rank": 1, "first_rank": 4, "ranks": 4, "job_devices": 8, "leader": "mh-0",
+        "rendezvous": "/store/job-7/g3/rendezvous"}
+
+
+def desired_job(**fields):
+    return DesiredJob.from_dict({"job_id": 7, "action": "run", "world_size": 8, "devices": 4, "generation": 3,
+                                 "device_indices": [0, 1, 2, 3], "entrypoint": "train.py", "args": ["--steps", "9"],
+                                 "store": "/store/job-7/g3", "span": SPAN, **fields})
+
+
+def test_the_launch_command_of_a_hosts_share_runs_the_multi_node_launcher(tmp_path):
+    from agent import node as agent_node
+
+    reconciler = agent_node.NodeReconciler(tmp_path / "w", workload_root=tmp_path, node_addr="10.213.5.11")
+    command = reconciler.launch_command(desired_job(), job_dir=tmp_path / "j", attempt=2, store=tmp_path / "s",
+                                        resume=True)
+
+    def value(flag):
+        return command[command.index(flag) + 1]
+
+    assert (value("--nodes"), value("--node-rank"), value("--node-addr"), value("--rendezvous")) == (
+        "2", "1", "10.213.5.11", "/store/job-7/g3/rendezvous")
+    assert value("--devices") == "8" and value("--ranks") == "8"  # the job's devices in all
+    assert value("--job-id") == "j7-g3"  # the same on every host of the generation, whatever the attempt
+    assert "--device-indices" not in command  # not pinned across hosts (said in the log)
+    # one host: the single-node command, as before
+    single = reconciler.launch_command(desired_job(span=None), job_dir=tmp_path / "j", attempt=2,
+                                       store=tmp_path / "s", resume=False)
+    assert "--nodes" not in single and single[single.index("--device-indices") + 1] == "0,1,2,3"
+
+
+def test_a_share_that_is_not_the_launchers_block_is_refused_by_name(tmp_path):
+    from agent.node import multihost_span_problem
+
+    assert multihost_span_problem(desired_job()) is None
+    assert multihost_span_problem(desired_job(span=None)) is None
+    uneven = multihost_span_problem(desired_job(span={**SPAN, "first_rank": 5, "ranks": 3}))
+    assert "holds ranks 5..7" in uneven and "runs ranks 4..7" in uneven and "not built" in uneven
+    assert "cannot run so" in multihost_span_problem(desired_job(world_size=7, span={**SPAN, "ranks": 3}))
+
+
+def test_a_followers_copy_is_never_sent_a_command(tmp_path):
+    from agent import node as agent_node
+
+    reconciler = agent_node.NodeReconciler(tmp_path / "w", workload_root=tmp_path)
+    job = agent_node.LocalJob(7, tmp_path / "j")
+    job.follower = True
+    reconciler._call(job, "stop")
+    assert job.stop_requested and job.busy is None  # it ends with the leader's cut; no thread, no call
