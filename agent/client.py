@@ -8,6 +8,7 @@ ControlPlaneError with the server's message.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -57,6 +58,9 @@ class ControlPlaneClient:
         self.retries = retries
         self.backoff_cap_s = backoff_cap_s
         self.session = session or requests.Session()
+        # (version, desired state) of the last desired state the control plane sent: heartbeats name
+        # the version, and the control plane omits an unchanged desired state from its answer.
+        self.desired_held: tuple[str, DesiredState] | None = None
 
     def _request(self, method, path, *, json=None, auth=None, retries=None, timeout_s=None):
         url = f"{self.url}/api/agent/{path}"
@@ -90,6 +94,7 @@ class ControlPlaneClient:
         answer = _decoded(RegistrationAnswer, self._request("POST", "register/", auth=f"Enroll {enrollment_token}",
                                                             json=registration.to_dict()), "register/")
         self.token = answer.token
+        self.desired_held = None
         return answer
 
     def register_again(self, *, token: str, registration: Registration) -> RegistrationAnswer:
@@ -99,6 +104,7 @@ class ControlPlaneClient:
         answer = _decoded(RegistrationAnswer, self._request("POST", "register/", auth=f"Node {token}",
                                                             json=registration.to_dict()), "register/")
         self.token = answer.token
+        self.desired_held = None
         return answer
 
     def heartbeat(self, *, telemetry: Telemetry | dict | None, jobs: Sequence[JobReport],
@@ -107,9 +113,18 @@ class ControlPlaneClient:
         what became of each report and the node's desired state."""
         if isinstance(telemetry, dict):
             telemetry = Telemetry.from_dict(telemetry)
-        heartbeat = Heartbeat(telemetry=telemetry, jobs=tuple(jobs))
-        return _decoded(HeartbeatAnswer, self._request("POST", "heartbeat/", json=heartbeat.to_dict(),
-                                                       retries=retries), "heartbeat/")
+        held = self.desired_held
+        heartbeat = Heartbeat(telemetry=telemetry, jobs=tuple(jobs), desired_version=held[0] if held else None)
+        answer = _decoded(HeartbeatAnswer, self._request("POST", "heartbeat/", json=heartbeat.to_dict(),
+                                                         retries=retries), "heartbeat/")
+        if answer.desired is None:
+            if held is None or answer.desired_version != held[0]:
+                self.desired_held = None  # the next heartbeat asks for the whole desired state
+                raise ControlPlaneError("heartbeat/: the answer omits the desired state, but not the version "
+                                        "this agent holds")
+            return dataclasses.replace(answer, desired=held[1])
+        self.desired_held = (answer.desired_version, answer.desired) if answer.desired_version else None
+        return answer
 
     def logs(self, batch: LogBatch, *, timeout_s: float = 10.0) -> LogBatchAnswer:
         """Sends one batch of rank output (agent/logs.py), once: the shipper backs off itself and

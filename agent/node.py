@@ -47,6 +47,7 @@ from protocol import ProtocolError
 from protocol.launch import (
     CheckpointTaken,
     Failed,
+    Finished,
     LaunchEvent,
     Progress,
     Resized,
@@ -322,7 +323,7 @@ class LocalJob:
         """Returns the newest consistent cut the launcher took (its checkpoint and resize events), or None."""
         for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken):
-                return CutReport(action=CutAction(event.action), step=event.step)
+                return CutReport(action=CutAction(event.action), step=event.step, kind=event.cut_kind)
             if isinstance(event, Resized):
                 return CutReport(action=CutAction.RESIZE, step=event.step, devices=event.devices)
         return None
@@ -355,6 +356,8 @@ class LocalJob:
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
             restored_step=self.restored_step(events), sandbox=self.sandbox(events),
+            note=next((e.note for e in events if isinstance(e, Finished) and e.note), None)
+            if state == CopyState.FINISHED else None,
             engine_reason=((progress.engine_reason or "")[:MAX_ERROR] or None) if progress else None,
             error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
             exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)

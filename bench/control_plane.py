@@ -55,6 +55,7 @@ def parse_args():
     p.add_argument("--ticks", type=int, default=3)
     p.add_argument("--heartbeat-nodes", type=int, default=1000)
     p.add_argument("--http-threads", type=int, default=8)
+    p.add_argument("--web-processes", type=int, default=2, help="daphne processes the hollow nodes spread over")
     p.add_argument("--inproc-heartbeats", type=int, default=500)
     p.add_argument("--history-hours", type=int, default=6, help="hours of per-node minute buckets to bulk-fill")
     p.add_argument("--drop", action="store_true", help="drop the database afterwards")
@@ -204,20 +205,25 @@ def process_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def heartbeat_round(url, tokens, n_nodes, threads, server_pid=None):
-    """Returns (heartbeats/s, device samples/s, failures, server CPU ms per heartbeat) for one
-    heartbeat from n_nodes hollow nodes. The server's CPU per heartbeat does not depend on how
-    busy the shared machine is, unlike heartbeats/s."""
+def hollow_nodes(urls, tokens, n_nodes):
+    """Returns n_nodes hollow nodes (one token each), spread round-robin over the web processes `urls`."""
     import requests
 
     from agent.client import ControlPlaneClient
     from agent.hollow import HollowNode
 
-    nodes = []
-    for hostname in sorted(tokens)[:n_nodes]:
-        client = ControlPlaneClient(url, token=tokens[hostname], session=requests.Session(), retries=2)
-        node = HollowNode(hostname, devices=8, device_type="H100-80GB", client=client)
-        nodes.append(node)
+    return [HollowNode(hostname, devices=8, device_type="H100-80GB",
+                       client=ControlPlaneClient(urls[i % len(urls)], token=tokens[hostname],
+                                                 session=requests.Session(), retries=2))
+            for i, hostname in enumerate(sorted(tokens)[:n_nodes])]
+
+
+def heartbeat_round(nodes, threads, server_pids=()):
+    """Returns (heartbeats/s, device samples/s, failures, server CPU ms per heartbeat) for one
+    heartbeat from each hollow node. The servers' CPU per heartbeat (all web processes together)
+    does not depend on how busy the shared machine is, unlike heartbeats/s. A node's client names
+    the desired-state version it holds: from the second round on, unchanged desired states are
+    neither rebuilt nor sent."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(node):
@@ -230,11 +236,12 @@ def heartbeat_round(url, tokens, n_nodes, threads, server_pid=None):
             return False
 
     began = time.perf_counter()
-    cpu_before = process_cpu_seconds(server_pid) if server_pid else 0.0
+    cpu_before = sum(process_cpu_seconds(pid) for pid in server_pids)
     with ThreadPoolExecutor(threads) as pool:
         ok = sum(pool.map(one, nodes))
     seconds = time.perf_counter() - began
-    cpu_ms = (process_cpu_seconds(server_pid) - cpu_before) / max(ok, 1) * 1000 if server_pid else float("nan")
+    cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
+    cpu_ms = cpu / max(ok, 1) * 1000 if server_pids else float("nan")
     return ok / seconds, ok * 8 / seconds, len(nodes) - ok, cpu_ms
 
 
@@ -348,17 +355,19 @@ def run_size(n, args, rng, data_dir):
     # The agents report their jobs running (what their first heartbeats do), in bulk here.
     Job.objects.filter(state=Job.State.SCHEDULED).update(state=Job.State.RUNNING, last_started_at=now)
     env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # daphne's thread pool must not hoard connections
-    daphne, url = start_daphne(env)
+    servers = [start_daphne(env) for _ in range(args.web_processes)]
     try:
         telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        rates = [heartbeat_round(url, tokens, min(args.heartbeat_nodes, len(tokens)), args.http_threads,
-                                 server_pid=daphne.pid)
-                 for _ in range(2)]
+        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)))
+        # round 1: every desired state built and sent; rounds 2-3: the agents hold their versions
+        rates = [heartbeat_round(nodes, args.http_threads, server_pids=[p.pid for p, _ in servers])
+                 for _ in range(3)]
         telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
         heartbeat_history_rows = None if args.skip_history else history_rows()
     finally:
-        daphne.terminate()
-        daphne.wait(timeout=20)
+        for daphne, _ in servers:
+            daphne.terminate()
+            daphne.wait(timeout=20)
     steady = []
     for _ in range(args.ticks):
         now = now + timedelta(seconds=5)
@@ -394,8 +403,8 @@ def main():
         rows.append(run_size(n, args, rng, data_dir))
     print()
     print(f"control loop on PostgreSQL ({urlparse(args.db).path.lstrip('/')}) + Redis, 2 shared cores; "
-          f"{args.ticks} steady ticks, heartbeats from {args.heartbeat_nodes} hollow nodes x 2 rounds "
-          f"over HTTP (daphne, {args.http_threads} client threads)")
+          f"{args.ticks} steady ticks, heartbeats from {args.heartbeat_nodes} hollow nodes x 3 rounds "
+          f"over HTTP ({args.web_processes} daphne processes, {args.http_threads} client threads)")
     header = (f"{'accel':>8} {'jobs':>7} | {'place tick s':>12} {'starts':>7} {'rows':>8} | "
               f"{'steady tick s':>13} {'snap':>6} {'plan':>6} {'apply':>6} {'rows/tick':>9} | "
               f"{'hb/s':>6} {'cpu ms/hb':>10} {'dev samples/s':>13} {'fail':>4} | {'telemetry MB before→after':>25} | "
@@ -407,10 +416,11 @@ def main():
         steady = r["steady"]
         med = sorted(steady, key=lambda s: s[1])[len(steady) // 2]
         result, wall, rows_written = med
-        hb = max(rate[0] for rate in r["heartbeats"])
-        samples = max(rate[1] for rate in r["heartbeats"])
+        warm = r["heartbeats"][1:]  # the agents hold their desired-state versions
+        hb = max(rate[0] for rate in warm)
+        samples = max(rate[1] for rate in warm)
         fails = sum(rate[2] for rate in r["heartbeats"])
-        server_cpu = min(rate[3] for rate in r["heartbeats"])
+        server_cpu = min(rate[3] for rate in warm)
         before, after = r["telemetry_bytes"]
         print(f"{r['n']:>8} {r['jobs']:>7} | {placement_wall:>12.2f} {placement.counts.get('start', 0):>7} "
               f"{placement_rows:>8} | {wall:>13.3f} {result.seconds['snapshot']:>6.2f} {result.seconds['plan']:>6.2f} "
@@ -436,6 +446,10 @@ def main():
                   f"{h['minute_s']:>9.2f} | "
                   f"{h['prune_s']:>11.2f} {h['deleted']:>8} | {h['left'][0]:>9} {h['left'][1] / 2**20:>7.1f}")
         print("(MB left: the table files keep the freed space for new rows after VACUUM; they do not grow further)")
+    print("\nheartbeats per round (hb/s, web CPU ms/hb; round 1 builds and sends every desired state): " + "; ".join(
+        f"{r['n']}: " + ", ".join(f"{x[0]:.0f}/s {x[3]:.1f} ms" for x in r["heartbeats"]) for r in rows))
+    print("heartbeats per second per core of web CPU (1000 / warm ms/hb): " + ", ".join(
+        f"{r['n']}: {1000 / min(x[3] for x in r['heartbeats'][1:]):.0f}" for r in rows))
     print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\nsteady ticks (all): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{s[1]:.2f}s/{s[2]} rows" for s in r["steady"]) for r in rows))

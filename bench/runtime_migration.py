@@ -27,13 +27,15 @@ from runtime import criu  # noqa: E402
 from runtime.control import JobControl, JobControlError  # noqa: E402
 
 
-def launch(job_dir, job_id, store, ranks, engine, width, resume, env):
+def launch(job_dir, job_id, store, ranks, engine, width, resume, env, *, root=ROOT, keep=1):
+    """Starts meridian-run of the checkout at `root` (bench/criu_incremental.py runs main's too)."""
     command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks), "--engine", engine,
-               "--job-id", job_id, "--job-dir", job_dir, "--store", store, "--keep", "1"]
+               "--job-id", job_id, "--job-dir", job_dir, "--store", store, "--keep", str(keep)]
     if resume:
         command.append("--resume")
-    command += [SCRIPT, os.path.join(job_dir, "..", "out.pt"), "--width", str(width)]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    script = os.path.join(root, os.path.relpath(SCRIPT, ROOT))
+    command += [script, os.path.join(job_dir, "..", "out.pt"), "--width", str(width)]
+    return subprocess.Popen(command, cwd=root, env=dict(env, PYTHONPATH=root), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
 

@@ -81,6 +81,9 @@ def _submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-devices", type=int, default=None, help="fewest devices (divides W; default 1)")
     parser.add_argument("--total-steps", type=int, default=None, help="steps the script will take (for progress)")
     parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="K=V")
+    parser.add_argument("--array", type=int, default=None, metavar="N",
+                        help="submit N copies at once (Slurm's --array), all or none; copy i is named NAME[i] and "
+                             "gets MERIDIAN_ARRAY_TASK_ID=i in its environment")
     parser.add_argument("--include", action="append", default=[], metavar="GLOB", help="bundle an ignored file anyway")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="leave files out of the bundle")
     parser.add_argument("--dir", default=".", help="the project folder to bundle (default: the current one)")
@@ -145,6 +148,8 @@ def submit(args: argparse.Namespace, client: Client) -> int:
         spec["min_devices"] = args.min_devices
     if args.total_steps is not None:
         spec["total_steps"] = args.total_steps
+    if args.array is not None:
+        return _submit_array(args, client, spec, sha256=sha256, size=size, files=len(files), sent=sent)
     job = client.post("/api/jobs/", spec)
     page = f"{client.url}/jobs/{job['id']}/"
     if args.json:
@@ -154,6 +159,29 @@ def submit(args: argparse.Namespace, client: Client) -> int:
         how = f"uploaded {bundle_format.human_bytes(size)}" if sent else "already uploaded"
         print(f"bundle {sha256[:12]} ({len(files)} files, {how})")
         print(f"submitted job {job['id']} ({job['name']}, {job['tier']}, W={job['world_size']}): {page}")
+    return 0
+
+
+ARRAY_TASK_ID = "MERIDIAN_ARRAY_TASK_ID"
+
+
+def _submit_array(args: argparse.Namespace, client: Client, spec: dict, *, sha256: str, size: int, files: int,
+                  sent: bool) -> int:
+    """Submits args.array copies of `spec` in one POST /api/jobs/bulk/ (all or none); prints their ids."""
+    if args.array < 1:
+        raise CliError(f"--array wants a number of copies, 1 or more (not {args.array})")
+    team = spec.pop("team", None)
+    specs = [{**spec, "name": f"{spec['name']}[{i}]", "env": {**spec["env"], ARRAY_TASK_ID: str(i)}}
+             for i in range(args.array)]
+    answer = client.post("/api/jobs/bulk/", {**({"team": team} if team else {}), "jobs": specs})
+    ids = [job["id"] for job in answer["jobs"]]
+    if args.json:
+        print_json({"ids": ids, "bundle": sha256, "bundle_bytes": size, "bundle_files": files, "uploaded": sent})
+    else:
+        how = f"uploaded {bundle_format.human_bytes(size)}" if sent else "already uploaded"
+        print(f"bundle {sha256[:12]} ({files} files, {how})")
+        print(f"submitted {len(ids)} jobs {ids[0]}..{ids[-1]} ({spec['name']}[0..{len(ids) - 1}], {spec['tier']}, "
+              f"W={spec['world_size']})")
     return 0
 
 

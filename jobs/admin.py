@@ -15,6 +15,7 @@ from jobs.models import (
     PreemptionRequest,
     Replica,
     Team,
+    TeamQuotaClaim,
 )
 
 
@@ -73,6 +74,7 @@ class JobAdmin(admin.ModelAdmin):
     raw_id_fields = ["submitted_by", "region", "bundle"]
     readonly_fields = [
         "state", "state_changed_at", "submitted_at", "started_at", "last_started_at", "finished_at", "updated_at",
+        "team", "accelerator_type", "min_devices",  # what the team's quota counter claimed (TeamQuotaClaim)
     ]
     inlines = [JobEventInline]
 
@@ -160,3 +162,11 @@ class BundleAdmin(admin.ModelAdmin):
     search_fields = ["sha256"]
     readonly_fields = ["sha256", "size_bytes", "unpacked_bytes", "entries", "created_at"]
     raw_id_fields = ["uploaders"]
+
+
+@admin.register(TeamQuotaClaim)
+class TeamQuotaClaimAdmin(ReadOnlyAdmin):
+    """Read-only: kept by jobs.services (job_submit claims, the state machine releases). Deleting a
+    row is safe: the team's next submission of the type recounts it from the jobs."""
+
+    list_display = ["team", "accelerator_type", "claimed"]

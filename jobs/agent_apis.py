@@ -13,7 +13,8 @@ a 400 naming it (dotted: "jobs.0.step"), a newer protocol version a 400 naming "
                               or Node <node token> (the node registers again: same token, its hostname only)
        Registration -> 201 RegistrationAnswer
   POST /api/agent/heartbeat/  Heartbeat (see jobs.workflows.node_report_record)
-       -> 200 HeartbeatAnswer (desired: DesiredState, see jobs.workflows.node_desired_state_build)
+       -> 200 HeartbeatAnswer (desired: DesiredState, see jobs.workflows.node_desired_state_build;
+          omitted while the heartbeat's desired_version is current: jobs/desired_version.py)
   GET  /api/agent/desired/                       -> 200 the node's DesiredState
   GET  /api/agent/nodes/<node_id>/desired/       -> the same for your own id; 403 for another node's
 """
@@ -34,7 +35,8 @@ from rest_framework.views import APIView
 from fleet.agent_services import node_enrollment_check, node_register, node_reregister
 from fleet.models import Node
 from fleet.selectors import node_get_by_token
-from jobs.workflows import node_desired_state, node_desired_state_build, node_report_record
+from jobs.desired_version import node_desired_answer
+from jobs.workflows import node_desired_state, node_report_record
 from protocol import Message, ProtocolError
 from protocol.node import DesiredState, Heartbeat, HeartbeatAnswer, Registration, RegistrationAnswer
 
@@ -196,7 +198,8 @@ class NodeHeartbeatApi(AgentApi):
         heartbeat = _decoded(HeartbeatSerializer, request)
         # node_report_record keeps request.auth up to date (state, last heartbeat): no re-read.
         outcome = node_report_record(node=request.auth, heartbeat=heartbeat)
-        answer = HeartbeatAnswer(desired=node_desired_state_build(node=request.auth), accepted=outcome.accepted,
+        desired, version = node_desired_answer(node=request.auth, held_version=heartbeat.desired_version)
+        answer = HeartbeatAnswer(desired=desired, desired_version=version, accepted=outcome.accepted,
                                  rejected=outcome.rejected, deferred=outcome.deferred,
                                  heartbeat_seconds=heartbeat_seconds())
         return Response(answer.to_dict())

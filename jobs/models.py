@@ -41,6 +41,23 @@ class Team(models.Model):
         return int(self.quotas.get(accelerator_type, 0))
 
 
+class TeamQuotaClaim(models.Model):
+    """The sum of min_devices over a team's unfinished jobs of one accelerator type, kept by
+    jobs.services (claimed at job_submit, released when the state machine finishes a job) so that
+    a submission checks its quota with one conditional UPDATE whose cost does not grow with the
+    queue. jobs.services.team_quota_recount rebuilds it from the jobs (see its docstring)."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="quota_claims")
+    accelerator_type = models.CharField(max_length=32, choices=ACCELERATOR_TYPE_CHOICES)
+    claimed = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["team", "accelerator_type"], name="teamquotaclaim_unique")]
+
+    def __str__(self):
+        return f"{self.team_id}/{self.accelerator_type}: {self.claimed}"
+
+
 class Membership(models.Model):
     class Role(models.TextChoices):
         MEMBER = "member", "Member"

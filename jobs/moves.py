@@ -54,6 +54,7 @@ from django.utils import timezone
 from fleet.models import Node
 from jobs.models import Checkpoint, Job, JobEvent, Move
 from jobs.services import IllegalTransition, job_event_add, job_transition
+from observability import metrics
 from protocol import ProtocolError
 from protocol.node import CheckpointReport, CutReport, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction
@@ -276,7 +277,9 @@ def _check_barrier(move, job):
     cut = seen.cut
     checkpoint = seen.checkpoint
     if cut is not None and cut.action == CutAction.STOP:
-        return _Outcome(DONE, f"consistent cut at step {cut.step}", {"cut_step": cut.step}, cut_step=cut.step)
+        kind = f" ({cut.kind})" if cut.kind else ""
+        return _Outcome(DONE, f"consistent cut at step {cut.step}{kind}",
+                        {"cut_step": cut.step, "cut_kind": cut.kind}, cut_step=cut.step)
     if seen.state == CopyState.STOPPED and checkpoint is not None and checkpoint.step is not None:
         return _Outcome(DONE, f"stopped at a consistent cut at step {checkpoint.step}",
                         {"cut_step": checkpoint.step}, cut_step=checkpoint.step)
@@ -364,6 +367,7 @@ def _complete(*, move, job, outcome, now):
         updated = Move.objects.filter(pk=move.pk, state=Move.State.ACTIVE, step=step).update(**changes)
         if updated != 1:
             return False
+        metrics.move_step_observed(kind=move.kind, step=step, seconds=(now - move.step_started_at).total_seconds(), last=following == St.DONE)  # noqa: E501
         for field, value in changes.items():
             setattr(move, field, value)
         node_id = move.to_node_id if step in (St.RESTORE, St.RESIZE) or move.kind == K.RESIZE else move.from_node_id
@@ -399,6 +403,7 @@ def move_end(*, move, job, state, reason, now, requeue=True):
         if updated != 1:
             return False
         move.state = state
+        metrics.move_ended(kind=move.kind, outcome=state)
         job_event_add(
             job=job, type=JobEvent.Type.MOVE_ENDED, reason=f"{move.kind} {state} at {move.step}: {reason}"[:500],
             extra={"move": move.pk, "kind": move.kind, "step": move.step, "state": state,

@@ -287,19 +287,48 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
                          reasons={job_id: d.reason for job_id, d in by_id.items()},
                          extras={job_id: {"code": d.code} for job_id, d in by_id.items()},
                          publish_max=LIVE_PUSH_MAX_STARTS)
-    # executemany of one-row UPDATEs (pipelined by psycopg) beats bulk_update's CASE WHEN lists
-    # by an order of magnitude at 100k rows, on PostgreSQL and SQLite alike.
     with connection.cursor() as cursor:
-        # A new placement is a new generation: reports of any older copy are fenced off.
-        cursor.executemany(f"UPDATE {Job._meta.db_table} SET device_count = %s, region_id = %s, "
-                           f"generation = generation + 1 WHERE id = %s",
-                           [(job.device_count, job.region_id, job.pk) for job in jobs])
         replica_rows = []
         for chunk in range(0, len(ready), 5000):
             ids = ready[chunk:chunk + 5000]
             cursor.execute(f"SELECT id, job_id, rank FROM {Replica._meta.db_table} WHERE job_id IN "
                            f"({', '.join(['%s'] * len(ids))})", ids)
             replica_rows += cursor.fetchall()
-        cursor.executemany(f"UPDATE {Replica._meta.db_table} SET device_id = %s, updated_at = %s WHERE id = %s",
-                           [(layouts[job_id][rank], now, replica_id) for replica_id, job_id, rank in replica_rows])
+    # A new placement is a new generation: reports of any older copy are fenced off.
+    rows_update(Job._meta.db_table, set_sql="device_count = v.c1, region_id = v.c2, generation = generation + 1",
+                columns=[[job.device_count for job in jobs], [job.region_id for job in jobs]],
+                ids=[job.pk for job in jobs], types=("integer", "bigint"))
+    rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = v.c2",
+                columns=[[layouts[job_id][rank] for _, job_id, rank in replica_rows], [now] * len(replica_rows)],
+                ids=[replica_id for replica_id, _, _ in replica_rows], types=("bigint", "timestamptz"))
     return len(jobs), len(ready) * 2 + len(replica_rows) + len(jobs) * 2
+
+
+ROWS_UPDATE_CHUNK = 50_000
+
+
+def rows_update(table: str, *, set_sql: str, columns: list[list], ids: list[int], types: tuple[str, ...]) -> None:
+    """UPDATE `table` SET `set_sql` for the rows `ids`, row i taking columns[k][i] as v.c<k+1>.
+
+    PostgreSQL: one UPDATE ... FROM unnest(arrays) per ROWS_UPDATE_CHUNK rows (the arrays travel
+    as parameters: 100k rows in well under a second, where an executemany of one-row UPDATEs
+    took ~40 s at 100k accelerators under load). Other databases: the executemany.
+    """
+    if not ids:
+        return
+    names = [f"c{k + 1}" for k in range(len(columns))]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            arrays = ", ".join(f"%s::{t}[]" for t in ("bigint", *types))
+            sql = (f"UPDATE {table} SET {set_sql} FROM unnest({arrays}) AS v(id, {', '.join(names)}) "
+                   f"WHERE {table}.id = v.id")
+            for start in range(0, len(ids), ROWS_UPDATE_CHUNK):
+                end = start + ROWS_UPDATE_CHUNK
+                cursor.execute(sql, [ids[start:end], *(c[start:end] for c in columns)])
+        else:
+            assignments = set_sql
+            for name in names:
+                assignments = assignments.replace(f"v.{name}", "%s")
+            order = sorted(range(len(names)), key=lambda k: set_sql.index(f"v.{names[k]}"))
+            cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s",
+                               [tuple(columns[k][i] for k in order) + (ids[i],) for i in range(len(ids))])

@@ -22,14 +22,24 @@ from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Count, DateTimeField, F, Q, Sum, Value
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from fleet.models import Node
 from jobs.logs import log_marker_for_transition
-from jobs.models import Checkpoint, Job, JobEvent, Membership, PreemptionRequest, Replica, Team, Tier
+from jobs.models import (
+    Checkpoint,
+    Job,
+    JobEvent,
+    Membership,
+    PreemptionRequest,
+    Replica,
+    Team,
+    TeamQuotaClaim,
+    Tier,
+)
 from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
 
@@ -92,6 +102,17 @@ class StaleJobState(IllegalTransition):
     """The job left `from_state` before this caller's conditional update: someone else won."""
 
 
+class JobSpecsInvalid(ValidationError):
+    """Some specs of a bulk submission are bad; `per_item` maps each bad one's index (a str) to
+    {field: [message]}. As a ValidationError its "jobs" messages say the same in words."""
+
+    def __init__(self, per_item: dict[str, dict[str, list[str]]]):
+        self.per_item = per_item
+        super().__init__({"jobs": [
+            f"job {index}: " + "; ".join(f"{field}: {' '.join(messages)}" for field, messages in errors.items())
+            for index, errors in per_item.items()]})
+
+
 # --- permissions ---------------------------------------------------------------
 
 
@@ -133,9 +154,10 @@ def _job_payload(job):
     }
 
 
-def job_publish_updated(*, job, fleet=False):
-    """Pushes "jobs.job_updated" to the job's and team's groups (and "fleet" if asked) on commit."""
-    groups = [group_for_job(job.pk), group_for_team(job.team_id)]
+def job_publish_updated(*, job, fleet=False, new=False):
+    """Pushes "jobs.job_updated" to the job's and team's groups (and "fleet" if asked) on commit.
+    A `new` job's own group is left out: no page can have joined it before the job existed."""
+    groups = [group_for_team(job.team_id)] if new else [group_for_job(job.pk), group_for_team(job.team_id)]
     if fleet:
         groups.append(GROUP_FLEET)
     events_publish(groups=groups, type="jobs.job_updated", payload={"job": _job_payload(job)})
@@ -232,6 +254,8 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
             released = Replica.objects.filter(job_id=job.pk, device__isnull=False).update(device=None)
         else:
             released = 0
+        if to in Job.TERMINAL_STATES:
+            _team_quota_release(jobs=[job])
         for field, value in changes.items():
             setattr(job, field, value)
         job_event_add(
@@ -308,6 +332,8 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
                 job_id=stale.pk, from_state=S(stale.state), to_state=to,
                 message=f"job {stale.pk} is no longer {stale.state} (it is {current.get(stale.pk)}); "
                         f"reload it and decide again")
+        if to in Job.TERMINAL_STATES:
+            _team_quota_release(jobs=jobs)
         releasing = [job.pk for job in jobs if writes_of[S(job.state)].releases_devices]
         released = {}
         if releasing:
@@ -444,14 +470,92 @@ def job_spec_clean(spec: object) -> dict:
     }
 
 
-def team_quota_claimed(*, team, accelerator_type):
-    """Returns the sum of min_devices over the team's unfinished jobs of that type."""
+def _team_quota_claimed_recomputed(*, team_id, accelerator_type) -> int:
+    """Returns the sum of min_devices over the team's unfinished jobs of that type (a scan of them)."""
     return (
-        Job.objects.filter(team=team, accelerator_type=accelerator_type)
+        Job.objects.filter(team_id=team_id, accelerator_type=accelerator_type)
         .exclude(state__in=Job.TERMINAL_STATES)
         .aggregate(total=Sum("min_devices"))["total"]
         or 0
     )
+
+
+def team_quota_claimed(*, team, accelerator_type) -> int:
+    """Returns what the team's unfinished jobs of that type claim (the sum of their min_devices),
+    from its TeamQuotaClaim counter, or recomputed from the jobs while the counter does not exist."""
+    claimed = (TeamQuotaClaim.objects.filter(team_id=team.pk, accelerator_type=accelerator_type)
+               .values_list("claimed", flat=True).first())
+    if claimed is None:
+        return _team_quota_claimed_recomputed(team_id=team.pk, accelerator_type=accelerator_type)
+    return claimed
+
+
+def team_quota_claim(*, team, accelerator_type, devices, quota) -> int | None:
+    """Adds `devices` to the team's claim of `accelerator_type` if the claim stays within `quota`;
+    returns None when it did, else the current claim (the caller refuses the job). Call it inside
+    the transaction that creates the job: the counter row stays locked until it ends.
+
+    One UPDATE ... WHERE claimed + devices <= quota, so its cost does not depend on the queue. A
+    team's first claim of a type creates the row from the jobs (ON CONFLICT DO NOTHING: concurrent
+    first submissions agree on one row; on PostgreSQL the loser waits for the winner's commit).
+    """
+    claims = TeamQuotaClaim.objects.filter(team_id=team.pk, accelerator_type=accelerator_type)
+    for _attempt in range(2):
+        if claims.filter(claimed__lte=quota - devices).update(claimed=F("claimed") + devices) == 1:
+            return None
+        current = claims.values_list("claimed", flat=True).first()
+        if current is not None:
+            return current
+        TeamQuotaClaim.objects.bulk_create([TeamQuotaClaim(
+            team_id=team.pk, accelerator_type=accelerator_type,
+            claimed=_team_quota_claimed_recomputed(team_id=team.pk, accelerator_type=accelerator_type))],
+            ignore_conflicts=True)
+    return claims.values_list("claimed", flat=True).first() or 0
+
+
+def _team_quota_release(*, jobs: Sequence[Job]) -> None:
+    """Gives back the min_devices of `jobs` (which are entering a terminal state, inside the
+    transition's transaction) to their teams' claim counters: one UPDATE per (team, type).
+
+    Never below 0: a job written without job_submit (a fixture, an import) was never claimed."""
+    released: dict[tuple[int, str], int] = {}
+    unloaded = []
+    for job in jobs:
+        if {"team_id", "accelerator_type", "min_devices"} & job.get_deferred_fields():
+            unloaded.append(job.pk)
+        else:
+            key = (job.team_id, job.accelerator_type)
+            released[key] = released.get(key, 0) + job.min_devices
+    if unloaded:
+        rows = (Job.objects.filter(pk__in=unloaded).order_by().values_list("team_id", "accelerator_type")
+                .annotate(n=Sum("min_devices")))
+        for team_id, accelerator_type, n in rows:
+            released[(team_id, accelerator_type)] = released.get((team_id, accelerator_type), 0) + n
+    for (team_id, accelerator_type), devices in released.items():
+        TeamQuotaClaim.objects.filter(team_id=team_id, accelerator_type=accelerator_type).update(
+            claimed=Greatest(F("claimed") - devices, Value(0)))
+
+
+def team_quota_recount() -> int:
+    """Rebuilds every TeamQuotaClaim from the jobs; returns how many counters it changed.
+
+    For a database whose jobs were written around job_submit (an import, the admin editing a
+    job's min_devices): the counters then drift from the jobs. Locks the counter rows first, so
+    a submission that claimed before the lock has committed its job when the sums are read."""
+    with transaction.atomic():
+        counters = {(row.team_id, row.accelerator_type): row for row in TeamQuotaClaim.objects.select_for_update()}
+        sums = {(team_id, accelerator_type): n for team_id, accelerator_type, n in (
+            Job.objects.exclude(state__in=Job.TERMINAL_STATES).order_by()
+            .values_list("team_id", "accelerator_type").annotate(n=Sum("min_devices")))}
+        changed = []
+        for key in counters.keys() | sums.keys():
+            row = counters.get(key) or TeamQuotaClaim(team_id=key[0], accelerator_type=key[1], claimed=-1)
+            if row.claimed != sums.get(key, 0):
+                row.claimed = sums.get(key, 0)
+                changed.append(row)
+        for row in changed:
+            row.save()
+    return len(changed)
 
 
 def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
@@ -494,10 +598,14 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
     return {**limits, "max_world_size": limit, "world_size_because": because}
 
 
-def _job_world_size_check(clean: dict) -> None:
+def _job_world_size_check(clean: dict, *, limits_of: dict | None = None) -> None:
     """Raises ValidationError naming world_size or min_devices when the job is bigger than this
-    installation or its fleet could ever run (job_world_size_limits)."""
-    limits = job_world_size_limits(accelerator_type=clean["accelerator_type"], min_devices=clean["min_devices"])
+    installation or its fleet could ever run (job_world_size_limits). `limits_of` caches the
+    limits by (type, min_devices) across the jobs of one bulk submission (each costs a query)."""
+    key = (clean["accelerator_type"], clean["min_devices"])
+    limits = (limits_of or {}).get(key) or job_world_size_limits(accelerator_type=key[0], min_devices=key[1])
+    if limits_of is not None:
+        limits_of[key] = limits
     errors = {}
     if limits["max_min_devices"] is not None and clean["min_devices"] > limits["max_min_devices"]:
         errors["min_devices"] = f"min_devices {clean['min_devices']} is too many: {limits['min_devices_because']}"
@@ -506,6 +614,60 @@ def _job_world_size_check(clean: dict) -> None:
                                 f"{limits['max_world_size']}): {limits['world_size_because']}")
     if errors:
         raise ValidationError(errors)
+
+
+def _job_spec_validate(*, spec, submitted_by, limits_of=None) -> dict:
+    """Returns the cleaned spec (job_spec_clean, its bundle resolved, its size checked)."""
+    from jobs.bundles import bundle_resolve_for_submit
+    clean = job_spec_clean(bundle_resolve_for_submit(spec=spec, user=submitted_by) if isinstance(spec, dict) else spec)
+    _job_world_size_check(clean, limits_of=limits_of)
+    return clean
+
+
+# A bulk submission publishes no live push above this many jobs: pages catch up on their next poll.
+BULK_PUBLISH_MAX = 20
+
+
+def _jobs_create(*, team, submitted_by, cleans: Sequence[dict], now) -> list[Job]:
+    """Returns new pending Jobs for the cleaned specs, in one transaction: the team's quota claimed
+    per accelerator type (one conditional UPDATE each: ValidationError naming min_devices, and
+    nothing written, when a type would go over), then the jobs, their W unplaced replicas each
+    and their SUBMITTED events in one bulk INSERT per table."""
+    needs: dict[str, int] = {}
+    for clean in cleans:
+        needs[clean["accelerator_type"]] = needs.get(clean["accelerator_type"], 0) + clean["min_devices"]
+    with transaction.atomic():
+        # The claim counter's row is the lock: two submissions cannot both squeeze under the quota,
+        # and the check's cost does not grow with the queue.
+        for accelerator_type, devices in needs.items():
+            quota = team.quota_for(accelerator_type)
+            claimed = team_quota_claim(team=team, accelerator_type=accelerator_type, devices=devices, quota=quota)
+            if claimed is not None:
+                what = "this job needs" if len(cleans) == 1 else f"these {len(cleans)} jobs need"
+                raise ValidationError(
+                    {
+                        "min_devices": (
+                            f"over team quota: team {team.name} may claim {quota} {accelerator_type} "
+                            f"device(s); its unfinished jobs already claim {claimed} and {what} "
+                            f"{devices} more. Lower min_devices, wait for a job to finish, "
+                            f"or ask a team admin for more quota."
+                        )
+                    }
+                )
+        jobs = Job.objects.bulk_create([
+            Job(team=team, submitted_by=submitted_by, submitted_at=now, state_changed_at=now, **clean)
+            for clean in cleans])
+        Replica.objects.bulk_create([Replica(job=job, rank=rank) for job in jobs for rank in range(job.world_size)],
+                                    batch_size=5000)
+        actor = submitted_by if (submitted_by is not None and submitted_by.is_authenticated) else None
+        JobEvent.objects.bulk_create([JobEvent(
+            job=job, type=JobEvent.Type.SUBMITTED, actor=actor, to_state=S.PENDING, created_at=now,
+            extra_data={"tier": job.tier, "world_size": job.world_size, "min_devices": job.min_devices})
+            for job in jobs], batch_size=2000)
+        if len(jobs) <= BULK_PUBLISH_MAX:
+            for job in jobs:
+                job_publish_updated(job=job, new=True)
+    return jobs
 
 
 def job_submit(*, team, submitted_by, spec, now=None):
@@ -519,37 +681,40 @@ def job_submit(*, team, submitted_by, spec, now=None):
     """
     if not user_can_see_team(user=submitted_by, team_id=team.pk):
         raise PermissionDenied(f"you are not a member of team {team.name}")
-    from jobs.bundles import bundle_resolve_for_submit
-    clean = job_spec_clean(bundle_resolve_for_submit(spec=spec, user=submitted_by) if isinstance(spec, dict) else spec)
-    _job_world_size_check(clean)
-    now = now or timezone.now()
-    with transaction.atomic():
-        # Lock the team row so two submissions cannot both squeeze under the quota.
-        team = Team.objects.select_for_update().get(pk=team.pk)
-        quota = team.quota_for(clean["accelerator_type"])
-        claimed = team_quota_claimed(team=team, accelerator_type=clean["accelerator_type"])
-        if claimed + clean["min_devices"] > quota:
-            raise ValidationError(
-                {
-                    "min_devices": (
-                        f"over team quota: team {team.name} may claim {quota} {clean['accelerator_type']} "
-                        f"device(s); its unfinished jobs already claim {claimed} and this job needs "
-                        f"{clean['min_devices']} more. Lower min_devices, wait for a job to finish, "
-                        f"or ask a team admin for more quota."
-                    )
-                }
-            )
-        job = Job.objects.create(team=team, submitted_by=submitted_by, submitted_at=now, state_changed_at=now, **clean)
-        Replica.objects.bulk_create([Replica(job=job, rank=rank) for rank in range(job.world_size)])
-        job_event_add(
-            job=job,
-            type=JobEvent.Type.SUBMITTED,
-            actor=submitted_by,
-            to_state=S.PENDING,
-            extra={"tier": job.tier, "world_size": job.world_size, "min_devices": job.min_devices},
-        )
-        job_publish_updated(job=job)
-    return job
+    clean = _job_spec_validate(spec=spec, submitted_by=submitted_by)
+    return _jobs_create(team=team, submitted_by=submitted_by, cleans=[clean], now=now or timezone.now())[0]
+
+
+def jobs_submit_bulk(*, team, submitted_by, specs: Sequence[object], now=None) -> list[Job]:
+    """Returns the new pending Jobs, one per spec in order (Slurm's --array): all or nothing.
+
+    The same rules as job_submit for every spec. ValidationError({"jobs": {index: {field: message}}})
+    names every bad spec by its index (nothing is written); ValidationError({"jobs": ...}) too for
+    an empty list, more than settings.MERIDIAN_MAX_BULK_JOBS specs or more than
+    settings.MERIDIAN_MAX_BULK_RANKS ranks in all (each rank is a Replica row); a quota error names
+    min_devices with what all the jobs together need. Live pushes only up to BULK_PUBLISH_MAX jobs.
+    """
+    if not user_can_see_team(user=submitted_by, team_id=team.pk):
+        raise PermissionDenied(f"you are not a member of team {team.name}")
+    max_jobs = int(settings.MERIDIAN_MAX_BULK_JOBS)
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise ValidationError({"jobs": "give a non-empty list of job specs"})
+    if len(specs) > max_jobs:
+        raise ValidationError({"jobs": f"at most {max_jobs} jobs in one bulk submission "
+                                       f"(MERIDIAN_MAX_BULK_JOBS); got {len(specs)}: split them"})
+    cleans, errors, limits_of = [], {}, {}
+    for index, spec in enumerate(specs):
+        try:
+            cleans.append(_job_spec_validate(spec=spec, submitted_by=submitted_by, limits_of=limits_of))
+        except ValidationError as error:
+            errors[str(index)] = error.message_dict if hasattr(error, "error_dict") else {"spec": error.messages}
+    if errors:
+        raise JobSpecsInvalid(errors)
+    ranks, max_ranks = sum(clean["world_size"] for clean in cleans), int(settings.MERIDIAN_MAX_BULK_RANKS)
+    if ranks > max_ranks:
+        raise ValidationError({"jobs": f"these jobs have {ranks} ranks in all; one bulk submission may have at most "
+                                       f"{max_ranks} (MERIDIAN_MAX_BULK_RANKS: each rank is a row): split them"})
+    return _jobs_create(team=team, submitted_by=submitted_by, cleans=cleans, now=now or timezone.now())
 
 
 def job_cancel(*, job, by, reason=""):

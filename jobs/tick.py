@@ -17,13 +17,15 @@ from django.db import transaction
 from django.utils import timezone
 
 import scheduler
+from fleet.services import ANALYZE_AFTER_ROWS, tables_analyze
 from jobs.lease import HOLDER, TICK_LEASE, tick_lease_claim, tick_lease_release
-from jobs.models import ControlLoopLease
+from jobs.models import ControlLoopLease, Job, Replica
 from jobs.moves import moves_sweep
 from jobs.plan_apply import plan_apply
 from jobs.services import node_lost_sweep, preemption_expire_due
 from jobs.snapshot import snapshot_build
 from jobs.workflows import workflow_timeouts_sweep
+from observability import metrics
 
 
 @dataclass
@@ -80,8 +82,14 @@ def tick_run(*, now: datetime | None = None, holder: str = HOLDER) -> TickResult
             result.devices = len(index.snapshot.accelerators)
             result.jobs = len(index.snapshot.jobs)
             result.seconds["total"] = time.perf_counter() - began
+            metrics.tick_observed(result=result, index=index, plan=plan)
             ControlLoopLease.objects.filter(name=TICK_LEASE).update(last_tick_at=now,
                                                                     last_tick_stats=result.as_dict())
+        if result.rows_written >= ANALYZE_AFTER_ROWS:
+            # A placement tick rewrote most of the replica rows (all unplaced before): without fresh
+            # statistics PostgreSQL plans each heartbeat's desired-state query as a sequential scan of
+            # every replica (73 ms at 100k accelerators, instead of 0.2 ms) until autovacuum catches up.
+            tables_analyze(Job, Replica)
         return result
     finally:
         tick_lease_release(holder=holder)

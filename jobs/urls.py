@@ -4,6 +4,7 @@ from jobs import apis, bundle_apis, log_apis
 
 urlpatterns = [
     path("jobs/", apis.JobCollectionApi.as_view(), name="api-job-list"),
+    path("jobs/bulk/", apis.JobBulkSubmitApi.as_view(), name="api-job-bulk-submit"),
     path("jobs/<int:job_id>/", apis.JobDetailApi.as_view(), name="api-job-detail"),
     path("jobs/<int:job_id>/cancel/", apis.JobCancelApi.as_view(), name="api-job-cancel"),
     path("jobs/<int:job_id>/events/", apis.JobEventListApi.as_view(), name="api-job-events"),

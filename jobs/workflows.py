@@ -318,8 +318,10 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
             if job.state == S.SCHEDULED:
                 job = job_transition(job=job, to=S.RUNNING, now=now, reason=f"ran on {node.hostname}")
             Job.objects.filter(pk=job.pk).update(exit_code=0)
-            job_transition(job=job, to=S.SUCCEEDED, now=now, reason=f"finished on {node.hostname}",
-                           extra={"step": entry.step})
+            # A success the owner should hear about (no optimizer step taken) says so.
+            note = f": {entry.note}" if entry.note else ""
+            job_transition(job=job, to=S.SUCCEEDED, now=now, reason=f"finished on {node.hostname}{note}"[:500],
+                           extra={"step": entry.step, "note": entry.note})
         elif state == CopyState.FAILED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
             error = str(entry.error or "the job's launcher failed")
             Job.objects.filter(pk=job.pk).update(exit_code=entry.exit_code, failure_reason=error[:4000])

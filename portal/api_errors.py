@@ -3,6 +3,8 @@
 `exception_handler` maps what services raise onto HTTP:
   django ValidationError → 400 {field: [message]}      PermissionDenied → 403
   IllegalTransition → 409 {"detail": ...}             RequestDataTooBig → 413
+  the database too busy to answer in time (SQLite's write lock held past its timeout, no pooled
+  PostgreSQL connection free) → 503 {"detail": ...} with Retry-After: load, not a bug
   anything else (a bug) → 500 {"detail": ...} as JSON, logged with its traceback
 `BoundedJSONParser` refuses bodies above DATA_UPLOAD_MAX_MEMORY_SIZE with a 413
 (DRF's own JSON parser reads the stream without that limit) and JSON nested deeper than
@@ -15,6 +17,7 @@ from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import OperationalError
 from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
@@ -79,6 +82,16 @@ class BoundedJSONParser(JSONParser):
         return parsed
 
 
+# What OperationalError says when the database is only busy: SQLite's lock timeout, and
+# psycopg_pool's PoolTimeout (Django wraps it when no pooled connection frees up in time).
+BUSY_MESSAGES = ("database is locked", "couldn't get a connection")
+RETRY_AFTER_S = 2
+
+
+def database_busy(exc) -> bool:
+    return isinstance(exc, OperationalError) and any(text in str(exc) for text in BUSY_MESSAGES)
+
+
 def _validation_error_data(error):
     if hasattr(error, "message_dict"):
         return {field: list(messages) for field, messages in error.message_dict.items()}
@@ -97,6 +110,12 @@ def exception_handler(exc, context):
         return Response({"detail": message}, status=status.HTTP_403_FORBIDDEN)
     if isinstance(exc, IllegalTransition):
         return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+    if database_busy(exc):
+        logger.warning("database busy: %s", exc)
+        set_rollback()
+        return Response({"detail": f"the control plane's database is busy; the request was not completed, retry in "
+                                   f"{RETRY_AFTER_S} s"}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     response = drf_exception_handler(exc, context)
     if response is None:
         # A bug, not bad input: the client still gets JSON (not Django's HTML page), without the

@@ -138,6 +138,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "portal.metrics.HeartbeatMetricsMiddleware",  # sees every heartbeat's answer, refusals included
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -205,6 +206,20 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "timeout": 30,
     }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and _env_int("MERIDIAN_DB_POOL", 1, minimum=0):
+    # Django's PostgreSQL connection pool (psycopg-pool): each process opens at most
+    # MERIDIAN_DB_POOL_MAX_SIZE connections, however many threads ASGI runs views in, and a request
+    # hands its connection back when it ends. CONN_MAX_AGE=60 without it kept one connection per
+    # worker thread, and 32 clients against 2 daphne processes ran PostgreSQL out of connections
+    # ("too many clients already", issue 18). The server's max_connections must cover
+    # (web processes + Celery worker processes + beat) * max_size (docs/operator-guide.md).
+    # A request that waits longer than the timeout for a connection fails instead of hanging.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps connections; Django refuses both
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": _env_int("MERIDIAN_DB_POOL_MIN_SIZE", 1, minimum=0),
+        "max_size": _env_int("MERIDIAN_DB_POOL_MAX_SIZE", 8, minimum=1),
+        "timeout": _env_float("MERIDIAN_DB_POOL_TIMEOUT", 10.0, minimum=0.1),
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: Celery broker / results and the Channels layer ---------------------
@@ -235,6 +250,16 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_RESULT_EXPIRES = 3600
+# Redis redelivers a task that its worker has not acknowledged within the visibility timeout
+# (celery#5935, #3430): with acks_late that is every task still running, and every retry still
+# waiting for its countdown, past the timeout. So the timeout must exceed the longest a task can
+# hold its message: a tick, a move step and its retry countdown are seconds, and a stuck step ends
+# at MERIDIAN_WORKFLOW_TIMEOUT_SECONDS. Recovering a crashed worker's tasks does not depend on it:
+# the tick comes back from beat, and moves_sweep re-enqueues a lost move chain within seconds (a new
+# chain id supersedes the old). So it is set long (an hour, and at least 4 workflow timeouts), and
+# a redelivery that happens anyway is harmless: every move task is idempotent
+# (tests/jobs/test_redelivery.py).
+CELERY_VISIBILITY_TIMEOUT_SECONDS = _env_float("MERIDIAN_CELERY_VISIBILITY_TIMEOUT_SECONDS", 3600.0, minimum=60.0)
 # --- control loop ---------------------------------------------------------------------
 # Scheduling policy (jobs.snapshot.policy_settings): short times for tests and the demo.
 MERIDIAN_MIN_RUN_SECONDS = _env_float("MERIDIAN_MIN_RUN_SECONDS", 600.0, minimum=0.0)
@@ -250,6 +275,10 @@ MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "node",
 # The largest world size (W, logical ranks) a job may ask for. A job costs W Replica rows, written
 # again at every placement; a W the fleet could never run is refused (jobs.services.job_world_size_limits).
 MERIDIAN_MAX_WORLD_SIZE = _env_int("MERIDIAN_MAX_WORLD_SIZE", 4096, minimum=1)
+# Bulk submissions (POST /api/jobs/bulk/, meridian submit --array): at most this many jobs, and
+# this many ranks in all (each rank is a Replica row written in the request).
+MERIDIAN_MAX_BULK_JOBS = _env_int("MERIDIAN_MAX_BULK_JOBS", 1000, minimum=1)
+MERIDIAN_MAX_BULK_RANKS = _env_int("MERIDIAN_MAX_BULK_RANKS", 100_000, minimum=1)
 # How many of a job's ranks may share one device when it is spliced onto fewer devices than W:
 # W <= min_devices * this (min_devices counts against the team's quota).
 MERIDIAN_MAX_RANKS_PER_DEVICE = _env_int("MERIDIAN_MAX_RANKS_PER_DEVICE", 64, minimum=1)
@@ -283,6 +312,9 @@ MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS"
 # The bootstrap token agents present to register; empty disables registration.
 MERIDIAN_AGENT_ENROLLMENT_TOKEN = os.environ.get("MERIDIAN_AGENT_ENROLLMENT_TOKEN", "")
 MERIDIAN_TICK_SECONDS = _env_float("MERIDIAN_TICK_SECONDS", 2.0, minimum=0.0)
+CELERY_VISIBILITY_TIMEOUT_SECONDS = max(CELERY_VISIBILITY_TIMEOUT_SECONDS, 4 * MERIDIAN_WORKFLOW_TIMEOUT_SECONDS)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS}
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS}
 CELERY_BEAT_SCHEDULE = {
     "scheduler-tick": {
         "task": "jobs.tasks.scheduler_tick",
@@ -306,6 +338,31 @@ CHANNEL_LAYERS = {
         "CONFIG": {"hosts": [REDIS_URL], "prefix": "meridian", "capacity": 1000, "expiry": 30},
     }
 }
+
+# --- metrics (portal.metrics, observability.metrics) ---------------------------------------------
+# prometheus_client's multiprocess mode: every web process and Celery worker of this host writes
+# its samples under one folder, read by /metrics. Set here, before any metric exists. Empty it when
+# the whole stack (re)starts (counters otherwise carry on from the last run, which Prometheus' rate()
+# takes in its stride; `./meridian run` starts each run with a fresh one).
+METRICS_DIR = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("MERIDIAN_METRICS_DIR")
+                   or DATA_DIR / "metrics")
+METRICS_DIR.mkdir(parents=True, exist_ok=True)
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(METRICS_DIR)
+
+
+def _metrics_token() -> str:
+    """The operator token that opens /metrics: MERIDIAN_METRICS_TOKEN, or the first line of the file
+    MERIDIAN_METRICS_TOKEN_FILE names; empty (metrics refused) when neither is set."""
+    path = os.environ.get("MERIDIAN_METRICS_TOKEN_FILE", "").strip()
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise ImproperlyConfigured(f"MERIDIAN_METRICS_TOKEN_FILE={path!r} cannot be read: {exc}") from None
+    return os.environ.get("MERIDIAN_METRICS_TOKEN", "").strip()
+
+
+MERIDIAN_METRICS_TOKEN = _metrics_token()
 
 # --- auth -----------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

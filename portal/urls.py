@@ -3,6 +3,7 @@
   /                    dashboard pages (portal.pages.urls)
   /accounts/login/ …   session login/logout (django.contrib.auth)
   /admin/              Django admin
+  /metrics             Prometheus metrics, for an operator token (portal.metrics)
   /api/                REST API (fleet.urls, jobs.urls); /api/auth/token/ trades a username
                        and password for an API token; /api/schema/ (OpenAPI), /api/docs/
 """
@@ -13,6 +14,7 @@ from drf_spectacular.views import SpectacularAPIView
 
 from portal import views
 from portal.auth import TokenObtainApi
+from portal.metrics import metrics_view
 
 api_patterns = [
     path("", include("fleet.urls")),
@@ -25,6 +27,7 @@ api_patterns = [
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("metrics", metrics_view, name="metrics"),  # Prometheus; an operator token (portal.metrics)
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include(api_patterns)),

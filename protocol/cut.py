@@ -88,6 +88,8 @@ class CutReport(Message):
     open_sockets: tuple[str, ...] = bounded(default=(), max_length=1024)  # CRIU: what a dump would refuse
     device: int | None = bounded(default=None, minimum=0)  # status "resized": where it runs now
     cores: tuple[int, ...] | None = bounded(default=None, max_length=4096)
+    # optimizer-step / collective-boundary / any-moment (runtime/cut.py): where the rank was cut
+    cut_kind: str | None = bounded(default=None, max_length=64)
 
     def problem(self) -> str:
         """Returns why this report refuses the cut, in words (for the launcher's error)."""

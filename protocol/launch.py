@@ -74,6 +74,11 @@ class CheckpointTaken(LaunchEvent):
     bytes: int = bounded(minimum=0)
     action: CheckpointAction
     seconds: CheckpointSeconds
+    # optimizer-step / collective-boundary / any-moment (runtime/cut.py): where the ranks were cut
+    cut_kind: str | None = bounded(default=None, max_length=64)
+    # `bytes` is what the store holds for this checkpoint itself; a CRIU checkpoint whose pages
+    # are deduplicated also needs its base (runtime/criu_pages.py), named here
+    base: str | None = bounded(default=None, max_length=MAX_PATH)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +102,8 @@ class Stopped(LaunchEvent):
 class Finished(LaunchEvent):
     event: Literal["finished"] = "finished"
     step: int | None = bounded(default=None, minimum=0)  # None: rank 0 never reported a step
+    # Something the job's owner should know about a success (e.g. it took no optimizer step).
+    note: str | None = bounded(default=None, max_length=2000)
 
 
 @dataclass(frozen=True, kw_only=True)

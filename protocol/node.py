@@ -46,6 +46,7 @@ MAX_ARG = 100_000
 MAX_DEVICE_MEMORY_GB = 4096
 MAX_STEPS_PER_S = 1e7  # a training step takes at least a microsecond or so: 1e7 is beyond any job
 SHA256_HEX = r"[0-9a-f]{64}"
+CUT_KIND = r"optimizer-step|collective-boundary|any-moment"
 # A committed checkpoint's folder in a store (runtime.store.CHECKPOINT_DIR_PATTERN): ckpt-<step>-<ns>.
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{12}-\d+")
 
@@ -131,6 +132,8 @@ class CutReport(Message):
     action: CutAction
     step: int = bounded(minimum=0, maximum=MAX_STEP)
     devices: int | None = bounded(default=None, minimum=0, maximum=MAX_DEVICES)  # a resize's new count
+    # where the ranks were cut (runtime/cut.py); None: an older agent, or a resize
+    kind: str | None = bounded(default=None, pattern=CUT_KIND)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +158,8 @@ class JobReport(Message):
     engine_reason: str | None = bounded(default=None, max_length=MAX_ERROR)
     # Why a copy that is starting waits before its launch ("fetching code (bundle ...)")
     waiting: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # What the launcher said about a finished copy (its finished event's note), e.g. no steps taken
+    note: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +168,9 @@ class Heartbeat(Message):
 
     telemetry: Telemetry | None = None
     jobs: tuple[JobReport, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
+    # The `desired_version` of the desired state this agent holds (from an earlier answer): the
+    # answer then omits `desired` while it is unchanged. None (older agents): always sent.
+    desired_version: str | None = bounded(default=None, max_length=MAX_WORD)
 
 
 # --- desired state --------------------------------------------------------------------------------
@@ -240,9 +248,14 @@ class ReportOutcome(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class HeartbeatAnswer(Message):
-    """200 to Heartbeat: what became of each report, and the node's desired state."""
+    """200 to Heartbeat: what became of each report, and the node's desired state.
 
-    desired: DesiredState
+    `desired` is None only when the heartbeat named the current `desired_version` (the agent keeps
+    the desired state it holds); `desired_version` names the content of the desired state (a
+    digest of its wire form: equal versions, equal desired states)."""
+
+    desired: DesiredState | None = None
+    desired_version: str | None = bounded(default=None, max_length=MAX_WORD)
     accepted: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)

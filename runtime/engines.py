@@ -21,6 +21,7 @@ optimizer, RNG and loader state), which hold the mechanisms.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +94,9 @@ class Engine(ABC):
     # True when the ranks themselves write the checkpoint into the staging folder (a sandboxed
     # job's ranks are then given that folder, and the launcher seals it before the commit).
     ranks_write_checkpoint: ClassVar[bool] = False
+    # The kinds of consistent cut this engine can take (runtime/cut.py): a job it cannot cut at
+    # any of them waits for an optimizer step, or is refused by no_cut_reason.
+    cut_kinds: ClassVar[tuple[str, ...]] = ("optimizer-step",)
 
     # -- choice ----------------------------------------------------------------------------------
     @classmethod
@@ -139,6 +143,12 @@ class Engine(ABC):
         """Starts the job's ranks (launcher.ranks) again from the verified checkpoint `ref`."""
 
     # -- the rank's side -------------------------------------------------------------------------
+    def no_cut_reason(self, runtime: RankRuntime) -> str | None:
+        """Called in a rank while a checkpoint or stop request waits and no optimizer step was
+        ever taken: why this engine cannot cut the job (the request is refused with it at once),
+        or None to keep waiting for a step."""
+        return None
+
     def start_rank(self) -> None:
         """Called in a rank process before it sets anything up."""
 
@@ -153,6 +163,7 @@ class CriuEngine(Engine):
 
     name = "criu"
     label = "CRIU"
+    cut_kinds = ("optimizer-step", "collective-boundary", "any-moment")
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -194,6 +205,29 @@ class CriuEngine(Engine):
             raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
         if not stop:
             launcher.resume_ranks(request.id)
+        # The ranks are gone or running again: deduplicating the pages is no part of the downtime
+        # of a checkpoint that goes on, and part of a stop's only until the store has it.
+        self.pack_pages(launcher, staging)
+
+    @staticmethod
+    def pack_pages(launcher: Launcher, staging: os.PathLike | str) -> None:
+        """Stores the dump's memory pages once, against the store's base CRIU checkpoint when it
+        has one (runtime/criu_pages.py): the store's bytes then follow what the job changed."""
+        from runtime import criu_pages
+        from runtime.store import CheckpointError
+        base = launcher.store.base_candidate(CriuEngine.name)
+        try:
+            if base is not None and criu_pages.is_packed(base[0]):
+                criu_pages.pack(staging, base_dir=base[0], base_name=base[0].name,
+                                base_manifest_sha256=base[1])
+            else:
+                criu_pages.pack(staging)
+        except (OSError, ValueError, CheckpointError) as exc:
+            if criu_pages.is_packed(staging):
+                raise LaunchError(f"checkpoint failed while storing its pages: {exc}") from None
+            # The plain dump is whole: store it as CRIU wrote it (bigger, never wrong).
+            print(f"meridian-run: pages not deduplicated ({exc}); storing the whole CRIU images",
+                  file=sys.stderr)
 
     def abandon(self, launcher: Launcher, request_id: int) -> None:
         # Parked ranks wait for the resume file; a rank that reaches the cut later finds it.
@@ -207,14 +241,30 @@ class CriuEngine(Engine):
         # The store was verified (sha256 of every image); CRIU only reads the images, so they are
         # restored straight from it (a shared filesystem on a fleet). Put the rank logs back at
         # their paths and sizes, then restore each rank into a new PID namespace.
+        # A checkpoint whose pages are deduplicated (runtime/criu_pages.py) is rebuilt into a
+        # local folder first, from its own pages and its base's (both verified by the store).
+        from runtime import criu_pages
+        from runtime.store import CheckpointError, read_manifest
         local = ref.path
+        images = local
+        if criu_pages.is_packed(local):
+            try:
+                images = criu_pages.unpack(local, launcher.job_dir / "restore" / "images",
+                                           read_manifest(local))
+            except (OSError, CheckpointError) as exc:
+                raise LaunchError(f"--resume: checkpoint {ref.uri} cannot be rebuilt: {exc}",
+                                  EXIT_USAGE) from None
         launcher.restore_at_dumped_spool(meta)
         launcher.fresh_spool()
         # Linked before any restored rank writes: this attempt starts at the restored size.
         rank_logs.put_back(launcher, local / "logs")
-        for rank in range(launcher.world_size):
-            pid = criu.restore(local / f"rank{rank}", work_dir=launcher.job_dir / "restore")
-            launcher.ranks.append(RankProcess(rank, pid))
+        try:
+            for rank in range(launcher.world_size):
+                pid = criu.restore(images / f"rank{rank}", work_dir=launcher.job_dir / "restore")
+                launcher.ranks.append(RankProcess(rank, pid))
+        finally:
+            if images != local:  # the restored ranks no longer need their images
+                shutil.rmtree(images, ignore_errors=True)
         launcher.last_request_id = int(meta["request_id"])
         launcher.resume_ranks(int(meta["request_id"]))
 
@@ -274,6 +324,11 @@ class FrameworkEngine(Engine):
 
     def start_rank(self) -> None:
         _die_with_launcher()
+
+    def no_cut_reason(self, runtime: RankRuntime) -> str | None:
+        """Asked while a cut request waits and the script has taken no optimizer step: why this
+        engine can never cut it (a script without torch.optim), or None to keep waiting."""
+        return runtime.tracker.no_cut_reason()
 
     def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         from runtime import vpg

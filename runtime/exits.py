@@ -5,6 +5,10 @@ EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_STOPPED = 75
+# A rank's (not the launcher's): the framework engine refused to resume the re-run script (it is
+# not the run that was cut); the reason is in <spool>/rank<r>/refused.json.
+EXIT_RESUME_REFUSED = 77
+REFUSED_FILE = "refused.json"
 
 
 class LaunchError(RuntimeError):

@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 from runtime import store
 
 ENGINE = "framework"
-FORMAT = 1
+FORMAT = 2  # 2: with the witness (a format-1 checkpoint cannot prove the re-run is the same run)
 STATE_FILE = "state.pt"
 RANK_DIR = "rank-{rank}"
 EXIT_NEVER_APPLIED = 75
@@ -159,6 +159,91 @@ def _loader_generators(loader) -> list:
     return found
 
 
+# ------------------------------------------------------------------ the witness (digests)
+#
+# A resume re-runs the script, which rebuilds its data and models before any state is restored.
+# If the re-run builds something else (an unseeded model or dataset, data ordered by the clock,
+# the script's own snapshot loaded at start), restoring the checkpoint into it and fast-forwarding
+# would train a different model and report success. So the first run records a *witness* of what
+# the script had built, and a resume compares before it goes on:
+#   - at the script's first DataLoader epoch (the first ``__iter__``): a digest of every model's
+#     state and every optimizer's state, and the sampler epoch of every later epoch;
+#   - every batch fetched: a digest, kept for the epoch in progress; at the apply point the
+#     batches fetched again are compared one by one, (epoch, index), with the first run's.
+# A mismatch raises UnresumableScript naming what differs. Tensors larger than _FULL_BYTES are
+# digested from their first and last _SAMPLE_BYTES and a strided sample of the middle (a
+# different initialisation or dataset changes every element; a sample sees it).
+
+_FULL_BYTES = 4 << 20
+_SAMPLE_BYTES = 1 << 20
+_DIGEST_SIZE = 8
+
+
+def _update_with_tensor(h, tensor: torch.Tensor) -> None:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    h.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
+    if t.is_sparse or t.layout != torch.strided:
+        t = t.to_dense()
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+    if raw.numel() <= _FULL_BYTES:
+        h.update(raw.numpy().tobytes())
+        return
+    stride = max(1, raw.numel() // _SAMPLE_BYTES)
+    for part in (raw[:_SAMPLE_BYTES], raw[-_SAMPLE_BYTES:], raw[::stride]):
+        h.update(part.numpy().tobytes())
+
+
+def _update_with(h, value, depth=0) -> None:
+    if depth > 20:
+        h.update(b"...")
+    elif isinstance(value, torch.Tensor):
+        _update_with_tensor(h, value)
+    elif isinstance(value, np.ndarray):
+        _update_with_tensor(h, torch.from_numpy(np.ascontiguousarray(value)))
+    elif isinstance(value, dict):
+        h.update(b"{")
+        for key, item in value.items():
+            h.update(repr(key).encode()[:200])
+            _update_with(h, item, depth + 1)
+        h.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[")
+        for item in value:
+            _update_with(h, item, depth + 1)
+        h.update(b"]")
+    elif isinstance(value, (int, float, bool, str, bytes, type(None))):
+        h.update(repr(value).encode()[:4096])
+    else:
+        h.update(type(value).__qualname__.encode())
+
+
+def _digest(value) -> bytes:
+    import hashlib
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    _update_with(h, value)
+    return h.digest()
+
+
+def _optimizer_digest(optimizer) -> bytes:
+    state = optimizer.state_dict()
+    return _digest([state["state"], [{k: v for k, v in g.items() if k != "params"}
+                                     for g in state["param_groups"]]])
+
+
+def _sampler_epoch(loader):
+    for sampler in (getattr(loader, "sampler", None),
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        epoch = getattr(sampler, "epoch", None)
+        if isinstance(epoch, int):
+            return epoch
+    return None
+
+
 @contextlib.contextmanager
 def _no_zip_crc32():
     """torch.save computes a CRC-32 of every record on the calling thread (about 0.5 s per 3 GB
@@ -182,6 +267,8 @@ class _LoaderRecord:
         self.pre_epoch_generators: list = []
         self.live_iterator = None         # weakref to the latest iterator
         self.fingerprint = _loader_fingerprint(loader)
+        self.digests = bytearray()        # the latest epoch's batch digests, _DIGEST_SIZE each
+        self.sampler_epochs: list = []    # per __iter__ call: the sampler's epoch attribute
 
 
 def _loader_fingerprint(loader) -> dict:
@@ -219,6 +306,8 @@ class _TrackedIterator:
             self._record.epochs[self._epoch_index][1] = True
             raise
         self._record.epochs[self._epoch_index][0] += 1
+        if self._epoch_index == len(self._record.epochs) - 1:
+            self._record.digests += _digest(batch)
         self._tracker._active_loader = self._record
         return batch
 
@@ -260,6 +349,8 @@ class FrameworkTracker:
         self._tensors_dirty = True
         self._tensors: list = []
         self._resume = None
+        self._witness: dict | None = None      # what the script built at its first epoch
+        self._loaded_files: list[str] = []     # files the script torch.load-ed before that
         self._applied = resume_dir is None
         if resume_dir is not None:
             self._resume = self._load_resume(Path(resume_dir))
@@ -294,6 +385,17 @@ class FrameworkTracker:
             raise UnresumableScript(
                 f"{len(busy) + 1} DataLoaders are in the middle of an epoch at once (e.g. zip of "
                 f"two loaders); only one loader may be mid-epoch at a cut")
+
+    def no_cut_reason(self) -> str | None:
+        """Why this script can never reach a framework cut, or None (it may: wait for a step).
+        The cut fires only right after a torch.optim optimizer's step(); a script that builds
+        none (manual updates: ``p.data.add_(p.grad, alpha=-lr)``) never gets there."""
+        if self.step == 0 and not self._live(self._optimizers):
+            return ("the script builds no torch.optim optimizer (manual parameter updates such as "
+                    "p.data.add_(p.grad, alpha=-lr)?): the framework engine cuts only right after "
+                    "optimizer.step(), so it can never stop or checkpoint this job; run it with "
+                    "--engine criu, or update the parameters with a torch.optim optimizer")
+        return None
 
     def save(self, directory) -> Path:
         """Writes this rank's state at the current cut to ``directory/rank-<r>/`` atomically
@@ -360,6 +462,14 @@ class FrameworkTracker:
             wrap_init(cls, self._note_scheduler)
         wrap_init(DataLoader, self._note_loader)
         wrap_init(torch.amp.GradScaler, self._note_grad_scaler)
+        original_load = torch.load
+
+        def load(f, *args, **kwargs):
+            if tracker._witness is None and isinstance(f, (str, os.PathLike)):
+                tracker._loaded_files.append(os.path.abspath(os.fspath(f)))
+            return original_load(f, *args, **kwargs)
+        self._originals.append((torch, "load", original_load))
+        setattr(torch, "load", load)  # noqa: B010 - mypy refuses assigning to a module's function
         original_iter = DataLoader.__dict__["__iter__"]
 
         def __iter__(loader):
@@ -488,13 +598,66 @@ class FrameworkTracker:
             self._loaders.append(record)
         index = len(record.epochs)
         record.epochs.append([0, False])
+        record.sampler_epochs.append(_sampler_epoch(loader))
+        if self._witness is None:
+            self._witness = self._take_witness()
+            if self._resume is not None:
+                self._check_witness(self._resume.get("witness"), self._witness)
         if self._resume is not None and not self._applied:
+            self._check_sampler_epoch(record, index)
             return self._resumed_iter(record, index, loader, original_iter)
+        record.digests = bytearray()
         record.pre_epoch_rng = _rng_state()
         record.pre_epoch_generators = [g.get_state() for g in _loader_generators(loader)]
         iterator = _TrackedIterator(self, record, index, original_iter(loader))
         record.live_iterator = weakref.ref(iterator)
         return iterator
+
+    def _take_witness(self) -> dict:
+        roots = self._roots()
+        return {"modules": [[type(m).__qualname__, _digest(m.state_dict()).hex()] for m in roots],
+                "optimizers": [[type(o).__qualname__, _optimizer_digest(o).hex()]
+                               for o in self._live(self._optimizers)],
+                "loaded": list(self._loaded_files)}
+
+    def _check_witness(self, recorded, mine) -> None:
+        """Refuses a resume whose re-run built other models or optimizer states, by the time of
+        its first DataLoader epoch, than the run that was cut."""
+        if recorded is None:
+            raise UnresumableScript("the checkpoint holds no witness of the first run")
+        loaded = ""
+        if mine["loaded"] and mine["loaded"] != recorded["loaded"]:
+            loaded = (f"; before its first epoch the re-run loaded {', '.join(mine['loaded'][:3])} "
+                      f"with torch.load (the script's own snapshot/resume logic?), the first run "
+                      f"loaded {', '.join(recorded['loaded'][:3]) or 'nothing'}")
+        hint = (" (an unseeded script: torch.manual_seed / numpy / random not seeded, or data "
+                "built from the clock or os.urandom; or the script restored its own snapshot)")
+        for key, word, what, why in (
+                ("modules", "model", "different parameters or buffers", hint),
+                ("optimizers", "optimizer", "a different state or hyper-parameters",
+                 " (the script restored its own optimizer snapshot?)")):
+            if len(mine[key]) != len(recorded[key]):
+                raise UnresumableScript(
+                    f"the re-run is not the run that was cut: it holds {len(mine[key])} {word}s "
+                    f"at its first DataLoader epoch, the first run held {len(recorded[key])}"
+                    f"{loaded}")
+            for i, (entry, rec) in enumerate(zip(mine[key], recorded[key])):
+                if list(entry) != list(rec):
+                    raise UnresumableScript(
+                        f"the re-run is not the run that was cut: {word} #{i + 1} ({entry[0]}) "
+                        f"has {what} at its first DataLoader epoch than in the first run{why}"
+                        f"{loaded}; resuming would train a different model")
+
+    def _check_sampler_epoch(self, record, index) -> None:
+        assert self._resume is not None
+        saved = self._resume["loaders"][self._loaders.index(record)]["sampler_epochs"]
+        mine = record.sampler_epochs[index]
+        if index < len(saved) and saved[index] != mine:
+            raise UnresumableScript(
+                f"DataLoader #{self._loaders.index(record) + 1}'s iteration #{index + 1} has "
+                f"sampler epoch {mine}, the first run's had {saved[index]}: the script skips or "
+                f"renumbers epochs on its own (its own resume logic?), so its epochs cannot be "
+                f"matched with the checkpoint's")
 
     def _empty_iter(self, record, index):
         iterator = _TrackedIterator(self, record, index, iter(()))
@@ -657,6 +820,7 @@ class FrameworkTracker:
                 "fingerprint": record.fingerprint, "epochs": [list(e) for e in record.epochs],
                 "batches": record.fingerprint["batches"], "pre_epoch_rng": record.pre_epoch_rng,
                 "pre_epoch_generators": record.pre_epoch_generators,
+                "digests": bytes(record.digests).hex(), "sampler_epochs": list(record.sampler_epochs),
                 "generators": [g.get_state() for g in _loader_generators(loader)]
                 if loader is not None else []})
         return {
@@ -674,6 +838,7 @@ class FrameworkTracker:
             "replay": self._replay or [0] * len(schedulers),
             "cycle": self._cycle, "observed_intervals": self._observed_intervals,
             "loaders": loaders, "active_loader": active, "rng": _rng_state(),
+            "witness": self._witness,
         }
 
     def _load_resume(self, resume_dir: Path) -> dict:
@@ -716,6 +881,11 @@ class FrameworkTracker:
         checker.join()
         if failure:
             raise UnresumableScript(f"cannot resume rank {self.rank}: {failure[0]}") from None
+        if state.get("format") == 1:
+            raise UnresumableScript(
+                f"{rank_dir / STATE_FILE} was written by an older runtime (format 1) without a "
+                f"witness of the first run, so a resume could not prove it rebuilds the same "
+                f"model and data; restart the job or resume it with the runtime that wrote it")
         if state.get("format") != FORMAT or state.get("step") != manifest.get("step"):
             raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
         return state
@@ -778,13 +948,30 @@ class FrameworkTracker:
             inner = iter(())
         else:
             inner = original_iter(loader)
+            recorded = bytes.fromhex(loader_state["digests"])
             for skipped in range(position):
                 try:
-                    next(inner)
+                    batch = next(inner)
                 except StopIteration:
                     raise UnresumableScript(
                         f"the DataLoader ran out after {skipped} batches while skipping the "
                         f"{position} consumed before the cut") from None
+                # The first batch follows the restored pre-epoch RNG directly, and a worker's
+                # batches come from worker RNGs seeded from it: those must come back the same.
+                # A later batch of a loader without workers may draw from the main process's
+                # RNG, which the first run's training steps had advanced in between: not compared.
+                if skipped > 0 and loader.num_workers == 0:
+                    continue
+                expected = recorded[skipped * _DIGEST_SIZE:(skipped + 1) * _DIGEST_SIZE]
+                if len(expected) != _DIGEST_SIZE or _digest(batch) != expected:
+                    raise UnresumableScript(
+                        f"the re-run is not the run that was cut: batch {skipped + 1} of the "
+                        f"epoch in progress (DataLoader #{self._loaders.index(record) + 1}, "
+                        f"iteration #{index + 1}) differs from the one the first run trained on; "
+                        f"the data is built or ordered differently on each run (an unseeded "
+                        f"dataset, data order from the clock or os.urandom, a random generator "
+                        f"of the script's own that the engine cannot restore)")
+            record.digests = bytearray(recorded[:position * _DIGEST_SIZE])  # as the first run's
         record.epochs[index] = [position, False]
         for other, other_state in zip(self._loaders, saved["loaders"]):
             other_loader = other.ref()

@@ -27,6 +27,7 @@ Exit codes: 0 the script finished; 75 stopped after a checkpoint (resume with --
 1 a rank or a checkpoint failed; 2 bad arguments or the requested engine is unavailable.
 """
 import argparse
+import json
 import os
 import pathlib
 import queue
@@ -71,7 +72,7 @@ from runtime import sandbox as job_sandbox
 from runtime import spool as spool_files
 from runtime import workspace as job_workspace
 from runtime.engines import RankProcess, choose_engine
-from runtime.exits import EXIT_FINISHED, EXIT_STOPPED, EXIT_USAGE, LaunchError
+from runtime.exits import EXIT_FINISHED, EXIT_RESUME_REFUSED, EXIT_STOPPED, EXIT_USAGE, REFUSED_FILE, LaunchError
 from runtime.store import CheckpointError
 
 ENGINES = (*engines.ENGINES, engines.AUTO)
@@ -100,6 +101,11 @@ def parse_device_indices(text):
     except ProtocolError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return indices
+
+
+NO_STEPS_NOTE = ("the script ended without a single optimizer step: it trained nothing through "
+                 "torch.optim (an empty dataset, a wrong data path, a loop that never ran?); a "
+                 "script that updates its parameters by hand also counts 0 steps")
 
 
 class Launcher:
@@ -169,6 +175,7 @@ class Launcher:
         self.engine_reason = None
         self.last_request_id = 0
         self._spool_lock = None  # fd of <spool>/launcher.lock, held until this process exits
+        self.restarted = False  # a refused framework resume was started again from scratch
 
     # -- bookkeeping --------------------------------------------------------------------------
     def event(self, event_type: type[LaunchEvent], **fields) -> None:
@@ -295,10 +302,35 @@ class Launcher:
         failed = [(r.rank, c) for r, c in zip(self.ranks, codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
+            if code == EXIT_RESUME_REFUSED:
+                return self.resume_refused(rank)
             tail = self.log_tail(rank)
             raise LaunchError(f"rank {rank} exited with code {code}; the job fails.\n"
                               f"--- last lines of rank {rank}'s output ---\n{tail}")
         return all(c == 0 for c in codes)
+
+    def resume_refused(self, rank):
+        """The framework engine refused the resume in rank `rank` (the re-run is not the run that
+        was cut). The job's policy (--if-resume-refused) decides: fail with the reason, or start
+        the script again from scratch (a script with its own snapshot then resumes itself). A job
+        spanning hosts only fails (its hosts would have to restart together)."""
+        try:
+            raw = job_sandbox.read_job_file(spool_files.rank_dir(self.spool, rank) / REFUSED_FILE, limit=16384)
+            reason = str(json.loads(raw).get("reason"))[:4000]
+        except (OSError, ValueError, AttributeError):
+            reason = "(no reason recorded)"
+        if self.options.if_resume_refused != "restart" or self.restarted or self.peers is not None:
+            raise LaunchError(f"resume refused by the framework engine (rank {rank}): {reason}")
+        self.kill_all()
+        self.ranks = []
+        self.restarted = True
+        self.fresh_spool()
+        self.spawn_ranks()
+        self.engine_reason = f"restarted from scratch (--if-resume-refused restart): the resume was refused: {reason}"
+        self.event(Started, world_size=self.world_size, devices=self.devices,
+                   reason=self.engine_reason[:2000], device_indices=self.device_indices,
+                   sandbox=self.sandbox.describe() if self.sandbox else None)
+        return False
 
     def log_tail(self, rank, lines=20):
         rank_dir = spool_files.rank_dir(self.spool, rank)
@@ -416,8 +448,9 @@ class Launcher:
         self.last_checkpoint = LastCheckpoint(step=step, uri=ref.uri, engine=ref.engine, bytes=ref.bytes)
         seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
                                     total=round(time.monotonic() - began, 4))
+        kinds = {report.cut_kind for report in reports.values()}
         self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
-                   seconds=seconds)
+                   seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base)
         return CheckpointAnswer(step=step, engine=self.engine, checkpoint=ref.uri, bytes=ref.bytes,
                                 seconds=seconds)
 
@@ -633,7 +666,8 @@ class Launcher:
                     multihost.finish_node(self.peers)
                 self.state = LaunchState.FINISHED
                 ranks_view = self.ranks_progress()
-                self.event(Finished, step=ranks_view.step if ranks_view else None)
+                step = ranks_view.step if ranks_view else None
+                self.event(Finished, step=step, note=None if step else NO_STEPS_NOTE)
                 return EXIT_FINISHED
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
@@ -687,6 +721,10 @@ def parse_args(argv):
                              "its environment only (runtime/sandbox.py)")
     parser.add_argument("--resume", action="store_true",
                         help="resume from the newest good checkpoint in the store")
+    parser.add_argument("--if-resume-refused", choices=("fail", "restart"), default="fail",
+                        help="when the framework engine refuses a resume because the re-run is not the run "
+                             "that was cut (unseeded, the script's own snapshot...): fail with the reason "
+                             "(default), or start the script again from scratch")
     parser.add_argument("--nodes", type=int, default=1,
                         help="hosts the job spans (one meridian-run on each; must divide --ranks)")
     parser.add_argument("--node-rank", type=int, default=0,

@@ -20,6 +20,7 @@ import time
 
 from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress
 from runtime import engines
+from runtime.polling import PollingThread
 
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"  # node-local indices of this job's devices, when known
 
@@ -53,6 +54,7 @@ class RankRuntime:
         self.connection = connection
         self._progress_at = 0.0
         self._window = []  # (monotonic time, step) samples for steps/s
+        self.cut_kind = None  # the kind of the cut being taken (runtime/cut.py), for the report
 
     # -- progress (rank 0 only) -----------------------------------------------------------
     def on_step(self, step):
@@ -77,11 +79,13 @@ class RankRuntime:
     # -- the cut ------------------------------------------------------------------------------
     def report(self, request: CutRequest, step: int, status: CutStatus, **fields) -> None:
         """Tells the launcher that this rank is `status` after `step` for `request` (a CutReport)."""
+        fields.setdefault("cut_kind", self.cut_kind)
         report = CutReport(rank=self.rank, step=step, status=status, **fields)
         self.spool_files.write_json_atomic(
             self.spool_files.cut_report_path(self.spool, self.rank, request.id), report.to_dict())
 
-    def on_cut(self, request: CutRequest, step: int) -> None:
+    def on_cut(self, request: CutRequest, step: int, kind: str | None = None) -> None:
+        self.cut_kind = kind
         if self.rank == 0:
             self.write_progress(step)
         if request.action == "resize":
@@ -172,28 +176,18 @@ def _launcher_gone(spool):
         os._exit(EXIT_LAUNCHER_GONE)
 
 
-class LauncherWatch:
+class LauncherWatch(PollingThread):
     """Ends this rank when its launcher is gone: a daemon thread probes every LAUNCHER_CHECK_S
     (so a rank blocked in a collective, parked at a cut or loading data ends too; collectives
     release the GIL while they wait), and the main thread probes at step boundaries as well.
     CRIU dumps and restores the thread with the rest of the process."""
 
     def __init__(self, spool, interval_s=LAUNCHER_CHECK_S):
-        import threading
         self.spool = str(spool)
         self.interval_s = interval_s
         self._checked_at = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="meridian-launcher-watch",
-                                        daemon=True)
 
-    def start(self):
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while True:
-            time.sleep(self.interval_s)
-            self.check()
+    thread_name = "meridian-launcher-watch"
 
     def check(self):
         self._checked_at = time.monotonic()
@@ -203,6 +197,17 @@ class LauncherWatch:
     def on_step(self, step):
         if time.monotonic() - self._checked_at >= self.interval_s:
             self.check()
+
+
+def _refuse_resume(rank_dir, exc):
+    """The framework engine refused this resume: say why (for the launcher, whose job policy
+    decides: fail, or restart from scratch) and end with EXIT_RESUME_REFUSED."""
+    from runtime import exits
+    from runtime import spool as spool_files
+    sys.stderr.write(f"meridian rank: resume refused: {exc.reason}\n")
+    sys.stderr.flush()
+    spool_files.write_json_atomic(os.path.join(rank_dir, exits.REFUSED_FILE), {"reason": exc.reason})
+    os._exit(exits.EXIT_RESUME_REFUSED)
 
 
 def main(argv=None):
@@ -252,19 +257,28 @@ def main(argv=None):
 
     resume_dir = os.environ.get("MERIDIAN_RESUME") or None
     from runtime import framework
-    tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+    try:
+        tracker = framework.install(rank=rank, world_size=world_size, resume_dir=resume_dir)
+    except framework.UnresumableScript as exc:
+        _refuse_resume(rank_dir, exc)
 
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())
     tracker.add_step_listener(watch.on_step)
     tracker.add_step_listener(runtime.on_step)
-    barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut)
+    barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut, step_of=lambda: tracker.step)
     tracker.add_step_listener(barrier)
+    cut.watch_between_steps(barrier, engine=engine, runtime=runtime, world_size=world_size)
 
     script = os.path.abspath(options.script)
     sys.argv = [script] + list(options.args)
     sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except framework.UnresumableScript as exc:
+        if resume_dir is None:
+            raise
+        _refuse_resume(rank_dir, exc)
 
     if rank == 0:
         runtime.write_progress(tracker.step)

@@ -10,7 +10,9 @@ reads what the rank writes as it writes it, and the file outlives the spool), an
 offset where this attempt's output starts in it: 0 for a fresh start or a framework restore (new
 files); for a CRIU restore, the size of the log carried in the checkpoint (the restored rank
 appends to it, at the same path and size, as CRIU requires), so what earlier attempts printed is
-not shipped twice. A checkpoint carries them as ``logs/rank<r>.log`` and ``logs/rank<r>.err.log``
+not shipped twice. Logs that an earlier attempt left in the job directory under other inodes (a
+framework resume or a restart in the same directory) are kept in ``logs/attempt-<n>/``, never
+replaced. A checkpoint carries them as ``logs/rank<r>.log`` and ``logs/rank<r>.err.log``
 (a checkpoint made before stderr had a file of its own has no .err.log: its ranks' stderr is
 their out.log).
 
@@ -79,6 +81,7 @@ def link(launcher: Launcher) -> RankLogs:
     file: the agent reads that, never a link a rank put in the spool."""
     (launcher.job_dir / "logs").mkdir(parents=True, exist_ok=True)
     sandbox = getattr(launcher, "sandbox", None)
+    keep_previous_attempt(launcher)
     ranks = []
     for rank in _local_ranks(launcher):
         for stream in STREAMS:
@@ -104,6 +107,34 @@ def link(launcher: Launcher) -> RankLogs:
             ranks.append(RankLog(rank=rank, stream=stream, path=str(path), start=info.st_size))
     _write_manifest(launcher.job_dir, ranks)
     return RankLogs(ranks=tuple(ranks))
+
+
+PREVIOUS = "attempt-{n}"  # <job dir>/logs/attempt-<n>/: an earlier attempt's logs, kept whole
+
+
+def keep_previous_attempt(launcher: Launcher) -> pathlib.Path | None:
+    """Moves the logs an earlier attempt left in this job directory (a framework resume, a
+    restart, a second launcher in the same directory: new spool files, so link() would replace
+    them) to ``logs/attempt-<n>/`` (n = 1, 2, ... in attempt order) instead of losing them.
+    Returns that folder, or None when there was nothing to keep."""
+    logs = launcher.job_dir / "logs"
+    earlier = []
+    for rank in _local_ranks(launcher):
+        for stream in STREAMS:
+            target = job_log_path(launcher.job_dir, rank, stream)
+            source = spool_log_path(launcher.spool, rank, stream)
+            if target.is_file() and not target.is_symlink() and not _same_inode(source, target):
+                earlier.append(target)
+    if not earlier:
+        return None
+    n = 1
+    while (logs / PREVIOUS.format(n=n)).exists():
+        n += 1
+    folder = logs / PREVIOUS.format(n=n)
+    folder.mkdir()
+    for target in earlier:
+        os.rename(target, folder / target.name)
+    return folder
 
 
 def _same_inode(source: pathlib.Path, target: pathlib.Path) -> bool:

@@ -9,6 +9,15 @@ was written into one of its own staging folders, renames) it into place:
                                                   byte size and sha256 of every other file
         <the engine's files, any depth>
 
+A checkpoint may depend on *base* checkpoints of the same store (a CRIU checkpoint whose pages
+are deduplicated against an earlier one: runtime/criu_pages.py). The engine names them in a
+``BASES.json`` of its staging folder; at commit the store checks each is a committed checkpoint
+of this store without bases of its own, and records it in the manifest as
+``"bases": [{"name": "ckpt-...", "manifest_sha256": hex}]`` (so the one manifest digest the control
+plane records pins the bases too: a hash chain). Every verification checks the bases against
+those digests and their files; a missing or altered base refuses the checkpoint with its reason.
+Retention keeps every base a kept checkpoint needs.
+
 A checkpoint exists only once its folder has its final name: files are written into a
 ``.tmp-*`` folder, each fsynced, the manifest written and fsynced, the folder renamed and the
 parent folder fsynced.  A crash at any moment leaves either the old set of checkpoints or the new
@@ -38,6 +47,7 @@ from pathlib import Path
 log = logging.getLogger("runtime.store")
 
 MANIFEST_NAME = "MANIFEST.json"
+BASES_NAME = "BASES.json"
 MANIFEST_FORMAT = 1
 CHECKPOINT_DIR_PATTERN = re.compile(r"^ckpt-(\d{12})-(\d+)$")
 STAGING_PREFIX = ".staging-"
@@ -77,6 +87,7 @@ class CheckpointRef:
     engine: str
     bytes: int
     sha256: str
+    base: str | None = None  # URI of the base checkpoint it depends on (runtime/criu_pages.py), if any
 
     @property
     def path(self) -> Path:
@@ -198,6 +209,12 @@ def write_file_atomic(path, payload: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def write_bases(directory, bases: list[dict]) -> None:
+    """Names the base checkpoints (``{"name", "manifest_sha256"}``) a staged checkpoint depends
+    on; ``CheckpointStore.commit`` checks them and records them in its manifest."""
+    write_file_atomic(Path(directory) / BASES_NAME, json.dumps(list(bases)).encode())
+
+
 def _files_digest(files: dict) -> str:
     canonical = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()
@@ -271,6 +288,33 @@ def verify_dir(directory, manifest=None) -> dict:
         manifest = read_manifest(directory)
     for rel, entry in sorted(manifest["files"].items()):
         verify_file(directory / rel, entry)
+    for base in manifest.get("bases") or []:
+        verify_base(directory, base)
+    return manifest
+
+
+def verify_base(directory, base) -> dict:
+    """Checks one base a checkpoint's manifest pins: a committed sibling folder whose manifest
+    has the pinned sha256 and whose files all verify, with no base of its own. Returns its
+    manifest; raises CheckpointMissing / ManifestMismatch / CheckpointCorrupt saying whose base."""
+    directory = Path(directory)
+    name = base.get("name") if isinstance(base, dict) else None
+    digest = base.get("manifest_sha256") if isinstance(base, dict) else None
+    if not isinstance(name, str) or not CHECKPOINT_DIR_PATTERN.match(name) or not isinstance(digest, str):
+        raise CheckpointCorrupt(directory / MANIFEST_NAME, f"bad base entry {base!r}")
+    base_dir = directory.parent / name
+    try:
+        manifest = read_manifest(base_dir, expect_sha256=digest)
+        if manifest.get("bases"):
+            raise CheckpointCorrupt(base_dir / MANIFEST_NAME, "a base has bases of its own")
+        for rel, entry in sorted(manifest["files"].items()):
+            verify_file(base_dir / rel, entry)
+    except CheckpointMissing as exc:
+        raise CheckpointMissing(exc.path, f"{exc.reason}: it belongs to base checkpoint {name} of "
+                                          f"{directory.name}, which cannot be restored without it") from None
+    except CheckpointCorrupt as exc:
+        raise type(exc)(exc.path, f"{exc.reason} (base checkpoint {name} of {directory.name}, "
+                                  f"which cannot be restored without it)") from None
     return manifest
 
 
@@ -366,6 +410,10 @@ class CheckpointStore:
         self.root = path_from_uri(uri).absolute()
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
+        # Checkpoints this process verified, with the (inode, size, mtime) of every file then: a
+        # resume checks the newest checkpoint and then the one it restores, the same one; its
+        # base alone is hundreds of MB to hash again.
+        self._verified: dict[str, tuple] = {}
         if not os.access(self.root, os.W_OK):
             raise CheckpointError(f"checkpoint store {self.root} is not writable")
 
@@ -425,23 +473,94 @@ class CheckpointStore:
                     if p.name in files or p.name == MANIFEST_NAME:
                         raise CheckpointError(f"cannot commit {p}: duplicate or reserved name")
                     files[p.name] = _copy_file_hashing(p, tmp / p.name)
+            bases = self._staged_bases(tmp, files)
             if not files:
                 raise CheckpointError(f"refusing to commit an empty checkpoint from {source}")
             for dirpath, _, _ in os.walk(tmp):
                 fsync_dir(dirpath)
+            extra = {"bases": bases} if bases else {}
             manifest = write_manifest(tmp, files, step=step, engine=engine, meta=meta,
-                                      created_unix=time.time())
+                                      created_unix=time.time(), **extra)
             os.rename(tmp, final)
             fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        ref = CheckpointRef(uri=final.as_uri(), step=step, engine=engine,
-                            bytes=manifest["bytes"], sha256=manifest["files_sha256"])
+        ref = self._ref_for(final, manifest)
         log.info("committed checkpoint %s (step %d, engine %s, %d bytes)",
                  final, step, engine, ref.bytes)
         self._apply_retention()
         return ref
+
+    def _staged_bases(self, tmp: Path, files: dict) -> list[dict]:
+        """Reads and removes BASES.json of a staged checkpoint; checks that each base is a
+        committed checkpoint of this store, without bases, whose manifest has that sha256."""
+        path = tmp / BASES_NAME
+        if not path.is_file():
+            return []
+        files.pop(BASES_NAME, None)
+        try:
+            bases = json.loads(path.read_bytes())
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        path.unlink()
+        if not isinstance(bases, list):
+            raise CheckpointError(f"{path}: not a list of bases")
+        for base in bases:
+            name = base.get("name") if isinstance(base, dict) else None
+            if not isinstance(name, str) or not CHECKPOINT_DIR_PATTERN.match(name) \
+                    or not (self.root / name).is_dir():
+                raise CheckpointError(f"cannot commit: base {base!r} is not a checkpoint of {self.root}")
+            manifest = read_manifest(self.root / name, expect_sha256=base.get("manifest_sha256"))
+            if manifest.get("bases"):
+                raise CheckpointError(f"cannot commit: base {name} has bases of its own")
+        return [{"name": b["name"], "manifest_sha256": b["manifest_sha256"]} for b in bases]
+
+    def base_candidate(self, engine: str) -> tuple[Path, str] | None:
+        """Returns (folder, manifest sha256) of the checkpoint a new `engine` checkpoint can be
+        deduplicated against: the newest one's base, or the newest one when it has none."""
+        for directory in reversed(self._committed_dirs()):
+            try:
+                manifest = read_manifest(directory)
+            except CheckpointError:
+                continue
+            if manifest.get("engine") != engine:
+                continue
+            bases = manifest.get("bases") or []
+            if bases:
+                base_dir = self.root / bases[0]["name"]
+                return base_dir, bases[0]["manifest_sha256"]
+            return directory, manifest_sha256(directory)
+        return None
+
+    def _files_signature(self, directory: Path, manifest: dict) -> tuple | None:
+        names = [(directory, rel) for rel in manifest["files"]] + [(directory, MANIFEST_NAME)]
+        for base in manifest.get("bases") or []:
+            base_dir = directory.parent / str(base.get("name"))
+            try:
+                names += [(base_dir, rel) for rel in read_manifest(base_dir)["files"]] + [(base_dir, MANIFEST_NAME)]
+            except CheckpointError:
+                return None
+        signature = []
+        for folder, rel in sorted(names):
+            try:
+                stat = (folder / rel).stat()
+            except OSError:
+                return None
+            signature.append((str(folder), rel, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+        return tuple(signature)
+
+    def _verify_dir(self, directory: Path, manifest: dict) -> dict:
+        """verify_dir, once per process for files that did not change since."""
+        key = str(directory)
+        signature = self._files_signature(directory, manifest)
+        if signature is not None and self._verified.get(key) == signature:
+            return manifest
+        self._verified.pop(key, None)
+        verify_dir(directory, manifest)
+        if signature is not None:
+            self._verified[key] = signature
+        return manifest
 
     def _committed_dirs(self) -> list[Path]:
         found = []
@@ -453,15 +572,25 @@ class CheckpointStore:
 
     def _apply_retention(self) -> None:
         dirs = self._committed_dirs()
+        needed = set()
+        for kept in dirs[-self.keep:]:
+            try:
+                needed |= {base["name"] for base in read_manifest(kept).get("bases") or []}
+            except (CheckpointError, KeyError, TypeError):
+                continue
         for old in dirs[:-self.keep]:
+            if old.name in needed:
+                continue  # a kept checkpoint's pages live there
             log.info("retention: removing checkpoint %s (keeping the newest %d)", old, self.keep)
             shutil.rmtree(old, ignore_errors=True)
         fsync_dir(self.root)
 
     def _ref_for(self, directory: Path, manifest: dict) -> CheckpointRef:
+        bases = manifest.get("bases") or []
         return CheckpointRef(uri=directory.as_uri(), step=int(manifest["step"]),
                              engine=str(manifest["engine"]), bytes=int(manifest["bytes"]),
-                             sha256=manifest["files_sha256"])
+                             sha256=manifest["files_sha256"],
+                             base=(self.root / bases[0]["name"]).as_uri() if bases else None)
 
     def list(self) -> list[CheckpointRef]:
         """Returns the committed checkpoints whose manifest reads, oldest first (files are not
@@ -483,14 +612,14 @@ class CheckpointStore:
         if manifest["files_sha256"] != ref.sha256:
             raise CheckpointCorrupt(directory / MANIFEST_NAME,
                                     "manifest differs from the one this reference was made from")
-        return verify_dir(directory, manifest)
+        return self._verify_dir(directory, manifest)
 
     def latest_good(self) -> CheckpointRef | None:
         """Returns the newest checkpoint whose files all verify, or None if there is none.
         Each skipped checkpoint is logged with the reason (missing file, bad sha256...)."""
         for directory in reversed(self._committed_dirs()):
             try:
-                manifest = verify_dir(directory)
+                manifest = self._verify_dir(directory, read_manifest(directory))
             except CheckpointError as exc:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", directory, exc)
                 continue
@@ -508,7 +637,7 @@ class CheckpointStore:
                 manifest = read_manifest(directory, expect_sha256=manifest_sha256)
             except CheckpointError:
                 continue
-            return self._ref_for(directory, verify_dir(directory, manifest))
+            return self._ref_for(directory, self._verify_dir(directory, manifest))
         raise ManifestMismatch(self.root / MANIFEST_NAME,
                                f"no checkpoint in {self.root} has the manifest the control plane recorded "
                                f"(sha256 {manifest_sha256[:16]}…); refusing to restore any other")
@@ -522,6 +651,10 @@ class CheckpointStore:
         manifest = self.verify(ref) if dest is None else read_manifest(ref.path)
         if dest is None:
             return ref.path
+        if manifest.get("bases"):
+            raise CheckpointError(f"checkpoint {ref.path.name} depends on base checkpoint(s) "
+                                  f"{', '.join(b['name'] for b in manifest['bases'])} of {self.root}; "
+                                  "restore it from the store itself, not from a copy")
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         for rel, entry in sorted(manifest["files"].items()):

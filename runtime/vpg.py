@@ -45,7 +45,7 @@ BACKEND_NAME = "meridian"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 _state = {"group": None, "installed": False, "connection": None, "hooks": None,
-          "outgoing_flags": None, "carried_flags": None}
+          "outgoing_flags": None, "carried_flags": None, "collective_hook": None}
 
 
 class CollectiveHooks:
@@ -379,6 +379,9 @@ class VirtualProcessGroup(dist.ProcessGroup):
         op = getattr(op, "op", op)
         if op not in _RANK_ORDER_OPS:  # refused on every rank alike, before anyone waits
             raise NotImplementedError(f"meridian virtual group: reduce op {op} is not supported")
+        hook = _state["collective_hook"]
+        if hook is not None:  # the collective-boundary cut (runtime/cut.py): may cut right here
+            hook()
         flags = _state["outgoing_flags"]
         _state["outgoing_flags"] = None
         if self.ensure_inner().local is not None and (flags is None
@@ -473,6 +476,12 @@ def take_carried_flags():
         return None
     group = _state["group"]
     return group.wait(carried) if group is not None else carried.wait()
+
+
+def set_collective_hook(hook):
+    """Makes hook() run at the entry of every all-reduce of the job (None: no hook): the
+    collective-boundary cut of runtime/cut.py, which may close and rebuild the inner group."""
+    _state["collective_hook"] = hook
 
 
 def current_group():

@@ -28,6 +28,7 @@ large fleets come from scheduler.builders.synthetic_fleet. Pass timer=time.perf_
 schedule() to get Plan.phase_seconds. The phases and plugins are described in
 scheduler/framework.py and the README ("How the scheduler decides").
 """
+from scheduler import placement_cost
 from scheduler.apply import PlanConflict, apply_plan
 from scheduler.framework import PHASES, Policy, schedule
 from scheduler.plan import Migrate, Plan, Preempt, Resize, Start, WaitReason, rank_layout
@@ -57,7 +58,7 @@ from scheduler.snapshot import (
 )
 
 __all__ = [
-    "schedule", "apply_plan", "Policy", "PHASES", "PlanConflict",
+    "schedule", "apply_plan", "Policy", "PHASES", "PlanConflict", "placement_cost",
     "Plan", "Start", "Preempt", "Migrate", "Resize", "WaitReason", "rank_layout", "decay_usage",
     "Snapshot", "Accelerators", "AcceleratorRow", "Jobs", "JobRow", "Teams", "PolicySettings", "SnapshotError",
     "PREMIUM", "STANDARD", "BASIC", "PENDING", "RUNNING", "NODE_READY", "NODE_DRAINING",

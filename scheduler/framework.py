@@ -157,6 +157,7 @@ class Tick:
         self.line: np.ndarray = np.empty(0, np.int64)  # pending jobs in order
         self.victims_used = 0  # jobs preempted or shrunk so far (PolicySettings budget)
         self.migrations_used = 0  # defragmentation moves so far (PolicySettings budget)
+        self.spread_ok: set[int] = set()  # packed-tier jobs allowed a spread placement (no packed one)
         self.approval_asked: set[int] = set()  # jobs already named in a needs_approval Preempt
         self.approval_waiters: dict[int, set] = {}  # victim -> jobs waiting for its approval
         self.releases = 0  # devices released so far (a failed search stays failed until this moves)
@@ -337,6 +338,13 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
         if not placed and policy.defrag is not None:
             with clock.phase(PHASES[5]):
                 placed = policy.defrag.run(tick, j)
+        if not placed and int(snapshot.jobs.tier[j]) in snapshot.settings.packed_tiers:
+            # no packed place, even by preempting or moving others: spread out rather than wait
+            with clock.phase(PHASES[2]):
+                tick.spread_ok.add(j)
+                before = tick.waiting.get(j)
+                if not _admit(tick, j) and before is not None:
+                    tick.waiting[j] = before
         tick.state.close_pools()  # the next job tries devices free now first again
 
     if tick.decisions and tick.waiting:

@@ -266,6 +266,13 @@ class Jobs:
         return dataclasses.replace(self, **changes)
 
 
+def las_queue(attained_device_seconds, settings: "PolicySettings") -> np.ndarray:
+    """Returns int64[J]: each job's attained-service queue (0 = least served; see
+    PolicySettings.las_thresholds_device_seconds)."""
+    thresholds = np.asarray(settings.las_thresholds_device_seconds, np.float64)
+    return np.searchsorted(thresholds, np.asarray(attained_device_seconds, np.float64), side="right").astype(np.int64)
+
+
 @functools.lru_cache(maxsize=4096)
 def allowed_counts(world_size: int, min_devices: int) -> tuple[int, ...]:
     """Returns the divisors of world_size that are >= min_devices, largest first.
@@ -340,8 +347,17 @@ class PolicySettings:
     premium_reserve_devices: int = 0  # free devices per region and type that only Premium jobs
     # may take (pending jobs of other tiers and growth leave them idle), so a short Premium job
     # starts at once instead of after a victim's checkpoint; 0 = fully work-conserving
+    premium_reserve_fraction: float = 0.01  # the same, as a fraction of the usable devices per
+    # region and type (rounded down: a region of under 100 devices keeps none); the larger of the
+    # two applies. A Premium job that lands on a victim's devices waits for its checkpoint, and
+    # that wait alone breaks a short job's 95%; 1% idle buys that wait back.
     min_resize_interval_seconds: float = 600.0  # s; a job is not grown again sooner than this
     # after its last resize (grow or shrink), so grow/shrink does not flap tick after tick
+    # Attained-service queues within a tier (Tiresias' discretized 2D-LAS): a job whose attained
+    # device-seconds passed the i-th threshold is in queue i+1; within a tier, a lower queue is
+    # served first, and a Basic job may preempt a Basic job of a higher queue, so short jobs do
+    # not wait behind long large ones. () = one queue (order by fair share and age only).
+    las_thresholds_device_seconds: tuple = (3600.0, 36000.0)
 
     def __post_init__(self):
         if not 0.0 <= self.standard_sla_floor <= 1.0:
@@ -350,8 +366,14 @@ class PolicySettings:
             raise SnapshotError("min_run_seconds must be >= 0 and the half-life > 0")
         if not 0.0 <= self.past_usage_weight <= 1.0:
             raise SnapshotError("past_usage_weight must be within 0..1")
+        if not 0.0 <= self.premium_reserve_fraction < 1.0:
+            raise SnapshotError("premium_reserve_fraction must be within 0..1 (exclusive)")
         if self.min_resize_interval_seconds < 0 or self.premium_reserve_devices < 0:
             raise SnapshotError("min_resize_interval_seconds and premium_reserve_devices must be >= 0")
+        thresholds = tuple(float(t) for t in self.las_thresholds_device_seconds)
+        if any(not t > 0 for t in thresholds) or list(thresholds) != sorted(thresholds):
+            raise SnapshotError("las_thresholds_device_seconds must be positive and increasing")
+        object.__setattr__(self, "las_thresholds_device_seconds", thresholds)
         for name in ("full_size_tiers", "packed_tiers"):
             tiers = tuple(int(t) for t in getattr(self, name))
             if any(t not in (PREMIUM, STANDARD, BASIC) for t in tiers):

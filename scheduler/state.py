@@ -12,6 +12,7 @@ import heapq
 
 import numpy as np
 
+from scheduler.placement_cost import min_nodes
 from scheduler.snapshot import (
     NO_JOB,
     NODE_READY,
@@ -172,8 +173,11 @@ class WorkingState:
         self.releasing = np.flatnonzero(releasing)  # devices, ascending
         if self.releasing.size:
             self.free &= ~releasing
+        settings = snapshot.settings
+        # capacity[level][entity, type]: usable devices, free or held (for defragmentation)
+        self.capacity = topology.capacity(self.usable, self.k)
         self.reserve = self._pick_reserve(snapshot, topology) \
-            if snapshot.settings.premium_reserve_devices > 0 else np.empty(0, np.int64)
+            if settings.premium_reserve_devices > 0 or settings.premium_reserve_fraction > 0 else np.empty(0, np.int64)
         if self.reserve.size:
             self.free[self.reserve] = False
         self.pools = {POOL_RELEASING: self.releasing, POOL_RESERVE: self.reserve}
@@ -202,8 +206,6 @@ class WorkingState:
             ent = self.node_entity[level][free_node]
             counts = np.bincount(ent * self.k + free_type, minlength=self.n_entities[level] * self.k)
             self.free_count.append(counts.reshape(self.n_entities[level], self.k).astype(np.int64))
-        # capacity[level][entity, type]: usable devices, free or held (for defragmentation)
-        self.capacity = topology.capacity(self.usable, self.k)
 
         # best-fit buckets for one-node placement: _buckets[k][c] is a heap of nodes that had
         # c free devices of type k when pushed; stale entries are dropped when seen
@@ -337,6 +339,46 @@ class WorkingState:
         takes = np.minimum(node_free, d - before)
         return Placement(self._pick_devices(nodes.tolist(), takes.tolist(), k), level)
 
+    def n_nodes_of(self, devices: np.ndarray) -> int:
+        """Returns how many nodes `devices` span."""
+        return int(np.unique(self.node[devices]).size)
+
+    def find_fewest_nodes(self, k: int, d: int, max_level: int, region: int | None = None,
+                          blocked_nodes: np.ndarray | None = None) -> Placement | None:
+        """Returns d free devices of type k on the fewest nodes the fleet's node size allows
+        (scheduler.placement_cost.min_nodes), within one entity of `max_level`, or None.
+
+        `find` fills the best-fitting entity's fullest nodes first, which can take more nodes
+        than needed when that entity's free devices are scattered while another entity has
+        whole nodes free; this looks at every entity's m fullest nodes (m = min_nodes) and
+        takes the entity whose m fullest nodes hold d with the least to spare, lowest index.
+        """
+        m = min_nodes(d, self.max_node_free[k])
+        col = self._node_free(k, blocked_nodes)
+        nodes = np.flatnonzero(col > 0)
+        if region is not None:
+            nodes = nodes[self.node_region[nodes] == region]
+        if nodes.size < m:
+            return None
+        free = col[nodes]
+        entity = self.node_entity[max_level][nodes]
+        order = np.lexsort((nodes, -free, entity))
+        nodes, free, entity = nodes[order], free[order], entity[order]
+        first = np.r_[True, entity[1:] != entity[:-1]]
+        start = np.maximum.accumulate(np.where(first, np.arange(entity.size), 0))
+        top = (np.arange(entity.size) - start) < m
+        sums = np.bincount(entity[top], weights=free[top], minlength=self.n_entities[max_level])
+        fits = np.flatnonzero(sums >= d)
+        if fits.size == 0:
+            return None
+        best = int(fits[np.argmin(sums[fits])])
+        chosen, chosen_free = nodes[top & (entity == best)], free[top & (entity == best)]
+        before = np.cumsum(chosen_free) - chosen_free
+        used = before < d
+        takes = np.minimum(chosen_free[used], d - before[used])
+        level = LEVEL_NODE if m == 1 else max_level
+        return Placement(self._pick_devices(chosen[used].tolist(), takes.tolist(), k), level)
+
     def _pick_devices(self, nodes, takes, k) -> np.ndarray:
         """Returns the first `take` free devices of type k on each node, ascending."""
         picked = []
@@ -354,13 +396,18 @@ class WorkingState:
 
     # --- devices held back: still being released, or kept for Premium arrivals -------------
     def _pick_reserve(self, snapshot, topology) -> np.ndarray:
-        """Returns up to premium_reserve_devices free devices per (region, type), ascending:
-        those on the nodes with the fewest free devices (the holes a 1-device job would fill;
-        whole free nodes stay whole for gangs), lowest index first."""
+        """Returns up to max(premium_reserve_devices, premium_reserve_fraction x usable devices)
+        free devices per (region, type), ascending: those on the nodes with the fewest free
+        devices (the holes a 1-device job would fill; whole free nodes stay whole for gangs),
+        lowest index first."""
         free_idx = np.flatnonzero(self.free)
         if free_idx.size == 0:
             return free_idx
         k = self.k
+        settings = snapshot.settings
+        usable = self.capacity[LEVEL_REGION].ravel()  # per region * k + type
+        limit = np.maximum(settings.premium_reserve_devices,
+                           np.floor(usable * settings.premium_reserve_fraction).astype(np.int64))
         key = self.node[free_idx] * k + self.type_id[free_idx]
         node_free = np.bincount(key, minlength=topology.n_nodes * k)[key]
         group = topology.node_region[self.node[free_idx]] * k + self.type_id[free_idx]
@@ -369,7 +416,7 @@ class WorkingState:
         first = np.r_[True, group[1:] != group[:-1]]
         start = np.maximum.accumulate(np.where(first, np.arange(group.size), 0))
         rank = np.arange(group.size) - start
-        return np.sort(free_idx[order][rank < snapshot.settings.premium_reserve_devices])
+        return np.sort(free_idx[order][rank < limit[group]])
 
     def open_pool(self, name: str) -> bool:
         """Counts the held-back devices of pool `name` (POOL_RELEASING, POOL_RESERVE) that are

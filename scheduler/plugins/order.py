@@ -1,4 +1,9 @@
-"""Queue order: who is considered first. Tier, then team fair share, then age.
+"""Queue order: who is considered first. Tier, then attained service, then team fair share, then age.
+
+Within a tier, jobs are grouped into attained-service queues (Tiresias' discretized 2D-LAS:
+`PolicySettings.las_thresholds_device_seconds` on Jobs.attained_device_seconds); a less served
+queue goes first, so a short new job is not starved behind a long large one that already ran
+for hours, and a job that keeps running sinks only past a threshold (no per-second reordering).
 
 Fair share is dominant resource fairness (DRF) with memory: a team's share of a type is a
 blend of what it holds now and its exponentially decayed past usage, divided by the fleet's
@@ -15,6 +20,8 @@ import heapq
 import math
 
 import numpy as np
+
+from scheduler.snapshot import las_queue
 
 NAME = "order.tier_fair_share"
 REASON_TIER = "tier"  # behind jobs of a higher SLA tier
@@ -50,7 +57,8 @@ def dominant_shares(tick) -> np.ndarray:
 
 
 class TierFairShareOrder:
-    """Orders pending jobs by (tier, team dominant share with progressive filling, age)."""
+    """Orders pending jobs by (tier, attained-service queue, team dominant share with
+    progressive filling, age)."""
 
     NAME = NAME
 
@@ -64,15 +72,17 @@ class TierFairShareOrder:
         capacity = np.maximum(tick.type_capacity, 1).astype(np.float64)
         w = snap.settings.past_usage_weight
         charge = (1.0 - w) * j.min_devices[jobs] / capacity[j.type_id[jobs]] / snap.teams.weight[j.team[jobs]]
-        keys = np.lexsort((j.ids[jobs], j.submit_time[jobs], j.team[jobs], j.tier[jobs]))
+        queue = las_queue(j.attained_device_seconds[jobs], snap.settings)
+        group = j.tier[jobs].astype(np.int64) * (len(snap.settings.las_thresholds_device_seconds) + 1) + queue
+        keys = np.lexsort((j.ids[jobs], j.submit_time[jobs], j.team[jobs], group))
         jobs, charge = jobs[keys], charge[keys]
-        tiers, teams = j.tier[jobs].tolist(), j.team[jobs].tolist()
+        tiers, teams = group[keys].tolist(), j.team[jobs].tolist()
         charge = charge.tolist()
         out: list[int] = []
         i, n = 0, len(tiers)
         while i < n:
             tier = tiers[i]
-            # the run of this tier, grouped by team (already sorted by age within team)
+            # the run of this (tier, queue), grouped by team (already sorted by age within team)
             queues: dict[int, list[int]] = {}
             while i < n and tiers[i] == tier:
                 queues.setdefault(teams[i], []).append(i)

@@ -4,10 +4,14 @@ For each allowed count d, largest first (more devices = faster), look for d free
 the job's type on one node, else one rack / NVLink domain, else one cluster, else one region,
 never across regions and never looser than the job's `max_spread` (or, for a tier in
 PolicySettings.packed_tiers, than the tightest level where W fits: `Tick.spread`). Every region is searched
-(global scheduling). The first d that fits wins; the job gets all d devices or none.
+(global scheduling). The first d that fits wins; the job gets all d devices or none. For that
+d, the fewest nodes win (scheduler.placement_cost: a gang over more nodes than its size needs
+runs at 0.9), and a packed-tier (Premium) job is placed spread out only when no packed
+place can be had even by preemption or defragmentation.
 """
 from __future__ import annotations
 
+from scheduler.placement_cost import SPREAD_EFFICIENCY, is_spread, min_nodes
 from scheduler.snapshot import SPREAD_NAMES
 
 NAME = "place.gang_topology"
@@ -26,13 +30,28 @@ class GangPlacement:
     NAME = NAME
 
     def place(self, tick, j: int, counts, region=None, blocked_nodes=None):
-        """Returns a Placement for job j with len in `counts`, or None. Changes nothing."""
+        """Returns a Placement for job j with len in `counts`, or None. Changes nothing.
+
+        A placement over more nodes than d needs (scheduler.placement_cost) is replaced by one
+        on the fewest nodes if one exists; a Premium (packed-tier) job takes no spread
+        placement (it would miss its 95% from the first second) until preempting and
+        defragmenting could not make a packed one either (`Tick.spread_ok`): then it runs
+        spread out rather than wait."""
         jobs = tick.snapshot.jobs
         k, spread = int(jobs.type_id[j]), tick.spread(j)
         state = tick.state
+        packed = int(jobs.tier[j]) in tick.snapshot.settings.packed_tiers and j not in tick.spread_ok
+        largest = state.max_node_free[k]
         for d in counts:
             placement = state.find(k, d, spread, region=region, blocked_nodes=blocked_nodes)
-            if placement is not None:
+            if placement is None:
+                continue
+            if placement.level == 0 or not is_spread(d, state.n_nodes_of(placement.devices), largest):
+                return placement
+            fewer = state.find_fewest_nodes(k, d, spread, region=region, blocked_nodes=blocked_nodes)
+            if fewer is not None:
+                return fewer
+            if not packed:
                 return placement
         return None
 
@@ -50,4 +69,9 @@ class GangPlacement:
             return f"no usable {type_name} in the fleet"
         d = min(counts)
         most = tick.state.max_free(spread, k)
+        if most >= d:  # room, but only spread out: a packed-tier job takes the fewest nodes or waits
+            fewest = min_nodes(d, tick.state.max_node_free[k])
+            return (f"needs {d} {type_name} on {fewest} node{'s' if fewest > 1 else ''} in "
+                    f"{describe_level(spread)}; {most} are free there, but only spread over more nodes "
+                    f"(which would run at {SPREAD_EFFICIENCY:.0%} speed)")
         return f"needs {d} {type_name} in {describe_level(spread)}; at most {most} free together"

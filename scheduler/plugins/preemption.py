@@ -4,7 +4,10 @@ Called for the job at the head of the line when it does not fit in idle devices.
 must hold its accelerator type, be in one region (a gang never spans regions), and be:
   - borrowing over their team's quota while the preemptor's team is within its own: those
     devices are reclaimed first, whatever the victim's tier (except Premium, see below); or
-  - of a lower tier than the preemptor.
+  - of a lower tier than the preemptor; or
+  - Basic, like a Basic preemptor, but in a higher attained-service queue (Tiresias' 2D-LAS,
+    PolicySettings.las_thresholds_device_seconds): a job that already ran for hours yields
+    to a new short one (shrunk first if elastic, as for a higher tier; the no-thrash rule holds).
 Within a region, actions are taken in this order until enough devices are free:
   1. reclaim borrowed devices (preempt borrowers, least lost work first);
   2. shrink elastic victims (splicing: no work is lost), Basic before Standard, biggest
@@ -12,7 +15,9 @@ Within a region, actions are taken in this order until enough devices are free:
      starts only when the victim's cut is done), each to the largest allowed count that still
      frees enough;
   3. preempt victims, Basic before Standard, least lost work first (device-seconds since
-     the last checkpoint), then smallest checkpoint.
+     the last checkpoint), then smallest checkpoint (for a Premium preemptor: smallest
+     checkpoint first, then least lost work: it starts only when its victims' checkpoints
+     are written, and every second of that wait counts against its 95%).
 The region needing the fewest preemptions, then the least lost work, wins. A gang of two or
 more devices that needs a preemption also looks for one node, else one rack, else one
 cluster that preempting whole jobs can free (fewest preemptions, then least lost work) and
@@ -35,13 +40,14 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.plan import Preempt, Resize, Start
-from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NAMES, SPREAD_REGION, STANDARD, TIER_NAMES
+from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NAMES, SPREAD_REGION, STANDARD, TIER_NAMES, las_queue
 from scheduler.state import LEVEL_CLUSTER
 
 NAME = "preempt.sla_cost_aware"
 REASON_PLACED_BY_PREEMPTION = "placed by preemption"  # Start after making room
 REASON_SHRUNK = "shrunk for a higher tier"  # Resize of a victim
 REASON_PREEMPTED = "preempted for a higher tier"  # Preempt of a victim
+REASON_PREEMPTED_LESS_SERVED = "preempted for a less-served job"  # Basic victim of a Basic job (2D-LAS)
 REASON_RECLAIMED = "borrowed devices reclaimed"  # Preempt of a borrower
 REASON_NEEDS_APPROVAL = "needs approval"  # Preempt that would break an SLA
 REASON_WAITING_FOR_APPROVAL = "waiting for approval"  # wait reason of the preemptor
@@ -49,6 +55,19 @@ REASON_NOTHING_TO_PREEMPT = "nothing to preempt"  # no eligible victims suffice 
 REASON_BUDGET_SPENT = "preemption budget spent"  # wait reason: PolicySettings.max_preemptions_per_tick
 
 GROUP_RECLAIM, GROUP_SHRINK, GROUP_PREEMPT, GROUP_APPROVAL = 0, 1, 2, 3
+ORDER_BY_COST, ORDER_BY_RELEASE, ORDER_BY_WAIT, ORDER_BY_RELEASE_TIME = 0, 1, 2, 3  # `_candidates`' tables
+
+
+def _lower_priority(tick, j: int, facts: dict) -> np.ndarray:
+    """Returns bool per candidate in `facts`: may be preempted for job j by priority alone
+    (a lower tier, or Basic in a higher attained-service queue than Basic job j)."""
+    jobs = tick.snapshot.jobs
+    tier = int(jobs.tier[j])
+    lower = facts["tier"] > tier
+    if tier == BASIC:
+        queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], tick.snapshot.settings)[0])
+        lower |= (facts["tier"] == BASIC) & (facts["queue"] > queue)
+    return lower
 
 
 def _job_regions(tick, cand: np.ndarray) -> np.ndarray:
@@ -98,13 +117,15 @@ class SlaPreemption:
                                  f"the preemption budget of {settings.max_preemptions_per_tick} "
                                  f"victims per tick is spent; next tick")
         need = min(within)
-        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j]))
+        queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], settings)[0])
+        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j]), queue)
         known = tick.known_failure(key, need)
         if known is not None:
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, known)
         actions = self._actions(tick, j)
         if actions is None:
-            who = "borrowed devices" if jobs.tier[j] == BASIC else "lower-tier jobs or borrowed devices"
+            who = ("borrowed devices or more-served Basic jobs" if jobs.tier[j] == BASIC
+                   else "lower-tier jobs or borrowed devices")
             why = f"no {who} of its type to take"
             tick.remember_failure(key, need, why)
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, why)
@@ -159,6 +180,11 @@ class SlaPreemption:
         else:
             done = self._apply(tick, j, actions, rows, region, need, scope)
         placement = tick.policy.place.place(tick, j, within, region=region)
+        if placement is None and j not in tick.spread_ok:
+            # the room made is spread over more nodes than a packed place needs: a Premium gang
+            # runs spread out rather than wait (GangPlacement.place)
+            tick.spread_ok.add(j)
+            placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed
             tick.rollback(mark)
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
@@ -203,6 +229,7 @@ class SlaPreemption:
             region=_job_regions(tick, cand),
             lost=tick.lost_work_seconds(cand),
             ckpt=jobs.checkpoint_bytes[cand].astype(np.float64),
+            queue=las_queue(jobs.attained_device_seconds[cand], settings),
         )
         ids = jobs.ids[cand]
         # preemption order: Basic first, least lost work, smallest checkpoint, id
@@ -212,9 +239,13 @@ class SlaPreemption:
         # shrink order for a Premium preemptor: Basic first, smallest checkpoint first (it
         # starts only when the victim's cut and checkpoint are done), then biggest release
         by_wait = np.lexsort((ids, -facts["shrink"], facts["ckpt"], -tier))
+        # preemption order for a Premium preemptor: Basic first, smallest checkpoint first (it
+        # starts when its victims' checkpoints are written), then least lost work
+        by_release_time = np.lexsort((ids, facts["lost"], facts["ckpt"], -tier))
         cache[k] = ({name: col[by_cost] for name, col in facts.items()},
                     {name: col[by_release] for name, col in facts.items()},
-                    {name: col[by_wait] for name, col in facts.items()})
+                    {name: col[by_wait] for name, col in facts.items()},
+                    {name: col[by_release_time] for name, col in facts.items()})
         return cache[k]
 
     def _actions(self, tick, j: int):
@@ -222,28 +253,29 @@ class SlaPreemption:
         or None if there are none."""
         jobs = tick.snapshot.jobs
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, by_release, by_wait = self._candidates(tick, k)
+        by_cost, by_release, by_wait, by_release_time = self._candidates(tick, k)
         if tier == PREMIUM:
-            by_release = by_wait
+            by_cost, by_release = by_release_time, by_wait
         if by_cost["job"].size == 0:
             return None
         # groups 0 (reclaim borrowed), 2 (preempt), 3 (needs approval), in cost order
         live = ~tick.touched[by_cost["job"]]
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
-        lower = by_cost["tier"] > tier
+        lower = _lower_priority(tick, j, by_cost)
         base = live & (reclaim | lower) & ~by_cost["recent"]
         protected = by_cost["needs_approval"]
         group = np.where(protected, GROUP_APPROVAL, np.where(reclaim, GROUP_RECLAIM, GROUP_PREEMPT))
         pick = np.flatnonzero(base)
         # group 1 (shrink), in release order
         live_b = ~tick.touched[by_release["job"]]
-        shrinkable = (live_b & (by_release["tier"] > tier) & ~(by_release["borrower"] & (by_release["team"] != team))
+        shrinkable = (live_b & _lower_priority(tick, j, by_release)
+                      & ~(by_release["borrower"] & (by_release["team"] != team))
                       & ~by_release["needs_approval"] & (by_release["shrink"] > 0))
         pick_b = np.flatnonzero(shrinkable)
         if pick.size == 0 and pick_b.size == 0:
             return None
         # a preemption after a shrink of the same job releases only what the shrink left
-        shrunk_first = (group == GROUP_PREEMPT) & (by_cost["tier"] > tier) & (by_cost["shrink"] > 0)
+        shrunk_first = (group == GROUP_PREEMPT) & lower & (by_cost["shrink"] > 0)
         release = np.where(shrunk_first, by_cost["usable"] - by_cost["shrink"], by_cost["usable"])
         actions = {
             "job": np.concatenate((by_cost["job"][pick], by_release["job"][pick_b])),
@@ -262,13 +294,14 @@ class SlaPreemption:
         return {name: col[rows] for name, col in actions.items()}
 
     @staticmethod
-    def _devices_by_entity(tick, k: int, level: int) -> dict:
-        """Returns the devices of type-k candidates sorted by (entity of `level`, victim cost
-        rank), with a flag on each victim's first device per entity; once per tick."""
+    def _devices_by_entity(tick, k: int, level: int, order_index: int = ORDER_BY_COST) -> dict:
+        """Returns the devices of type-k candidates sorted by (entity of `level`, victim rank
+        in `_candidates`' table `order_index`), with a flag on each victim's first device per
+        entity; once per tick."""
         cache = tick.__dict__.setdefault("_preemption_devices", {})
-        if (k, level) in cache:
-            return cache[(k, level)]
-        by_cost, *_ = SlaPreemption._candidates(tick, k)
+        if (k, level, order_index) in cache:
+            return cache[(k, level, order_index)]
+        by_cost = SlaPreemption._candidates(tick, k)[order_index]
         state = tick.state
         row_of = np.full(state.n_jobs, -1, np.int64)
         row_of[by_cost["job"]] = np.arange(by_cost["job"].size)
@@ -280,8 +313,8 @@ class SlaPreemption:
         entity, rows = entity[order], rows[order]
         first = (np.r_[True, (entity[1:] != entity[:-1]) | (rows[1:] != rows[:-1])] if rows.size
                  else np.zeros(0, np.bool_))
-        cache[(k, level)] = {"entity": entity, "row": rows, "first": first}
-        return cache[(k, level)]
+        cache[(k, level, order_index)] = {"entity": entity, "row": rows, "first": first}
+        return cache[(k, level, order_index)]
 
     def _choose_in_one(self, tick, j: int, need: int, level: int):
         """Returns (region, rows, actions, (level, entity)) preempting whole jobs to free
@@ -292,12 +325,14 @@ class SlaPreemption:
         fewest preemptions, then the least lost work, wins; victims go cheapest first.
         """
         jobs, state = tick.snapshot.jobs, tick.state
-        k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, *_ = self._candidates(tick, k)
+        k, team = int(jobs.type_id[j]), int(jobs.team[j])
+        premium = int(jobs.tier[j]) == PREMIUM
+        order_index = ORDER_BY_RELEASE_TIME if premium else ORDER_BY_COST
+        by_cost = self._candidates(tick, k)[order_index]
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
-        eligible = (~tick.touched[by_cost["job"]] & (reclaim | (by_cost["tier"] > tier))
+        eligible = (~tick.touched[by_cost["job"]] & (reclaim | _lower_priority(tick, j, by_cost))
                     & ~by_cost["recent"] & ~by_cost["needs_approval"])
-        devices = self._devices_by_entity(tick, k, level)
+        devices = self._devices_by_entity(tick, k, level, order_index)
         keep = eligible[devices["row"]]
         if not keep.any():
             return None
@@ -312,7 +347,10 @@ class SlaPreemption:
         ends = hit[first_hit]
         n_victims = _cumsum_by_segment(first.astype(np.int64), start)[ends]
         lost = _cumsum_by_segment(np.where(first, by_cost["lost"][row], 0.0), start)[ends]
-        best = int(ends[np.lexsort((hit_entity, lost, n_victims))[0]])
+        # a Premium preemptor waits for its victims' checkpoints: least checkpoint bytes first
+        wait = (_cumsum_by_segment(np.where(first, by_cost["ckpt"][row], 0.0), start)[ends] if premium
+                else np.zeros(ends.size))
+        best = int(ends[np.lexsort((hit_entity, lost, wait, n_victims))[0]])
         segment = np.arange(int(start[best]), best + 1)
         victims = row[segment[first[segment]]]
         actions = {
@@ -339,7 +377,7 @@ class SlaPreemption:
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
         by_cost, *_ = self._candidates(tick, k)
-        shrinkable = (~tick.touched[by_cost["job"]] & (by_cost["tier"] > tier)
+        shrinkable = (~tick.touched[by_cost["job"]] & _lower_priority(tick, j, by_cost)
                       & ~(by_cost["borrower"] & (by_cost["team"] != team))
                       & ~by_cost["needs_approval"] & (by_cost["shrink"] > 0))
         if not shrinkable.any():
@@ -468,6 +506,9 @@ class SlaPreemption:
                 why = (f"borrowed devices reclaimed for {tick.job_label(j)} of team "
                        f"{tick.snapshot.teams.names[int(jobs.team[j])]}, which is within its quota"
                        if group == GROUP_RECLAIM else f"preempted for {tick.job_label(j)}")
+                if group != GROUP_RECLAIM and jobs.tier[v] == jobs.tier[j]:
+                    code = REASON_PREEMPTED_LESS_SERVED
+                    why += ", which has had less service (attained-service queues)"
                 step = int(jobs.last_checkpoint_step[v])
                 tick.decisions.append(Preempt(
                     job=v, job_id=int(jobs.ids[v]), code=code,

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from scheduler import placement_cost
+
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
@@ -37,9 +39,9 @@ class CostModel:
     restore_gb_per_s: float = 0.79
     restore_fixed_s: float = 1.31
     transfer_gb_per_s: float = 1.25
-    splice_efficiency: float = 0.95
+    splice_efficiency: float = placement_cost.SPLICE_EFFICIENCY
     time_slice_efficiency: float = 0.97
-    spread_efficiency: float = 0.9
+    spread_efficiency: float = placement_cost.SPREAD_EFFICIENCY
     periodic_checkpoint_s: float = 1800.0
     # Node failures: mean time between failures per node (None = no failures) and repair time.
     node_mtbf_s: float | None = None
@@ -70,12 +72,19 @@ class CostModel:
 
     def rate(self, devices, ranks, share=1):
         """Returns the job's speed as a fraction of running alone on W devices:
-        d/W x splice efficiency (when d < W), divided among `share` time-sliced jobs."""
-        speed = devices / ranks
-        if devices < ranks:
-            speed *= self.splice_efficiency
+        d/W x splice efficiency (when d < W), divided among `share` time-sliced jobs.
+        The spread cost is `placement_speed`'s (the engine applies it per placement)."""
+        speed = placement_cost.speed(devices, ranks, 1, 1, self.splice_efficiency, self.spread_efficiency)
         if share > 1:
             speed *= self.time_slice_efficiency / share
+        return speed
+
+
+    def placement_speed(self, devices, ranks, n_nodes, largest_node, share=1):
+        """Returns `rate` with the spread cost of `n_nodes` nodes (scheduler.placement_cost)."""
+        speed = self.rate(devices, ranks, share)
+        if placement_cost.is_spread(devices, n_nodes, largest_node):
+            speed *= self.spread_efficiency
         return speed
 
 

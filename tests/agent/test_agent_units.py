@@ -135,7 +135,7 @@ def test_the_client_refuses_an_answer_it_cannot_decode():
     with pytest.raises(ControlPlaneError, match="protocol version 2"):
         client.heartbeat(telemetry={"utilization": 0.5}, jobs=())
     assert session.sent == {"v": 1, "telemetry": {"utilization": 0.5, "memory_used_gb": None, "devices": []},
-                            "jobs": []}
+                            "jobs": [], "desired_version": None}
     session.body = {"desired": {"node_id": 1, "jobs": [{"job_id": 4, "action": "run", "devices": 1,
                                                          "device_indices": [2]}]}, "accepted": [3]}
     answer = client.heartbeat(telemetry=None, jobs=())

@@ -92,6 +92,20 @@ def running(alice, team_a, job_spec):
     return start
 
 
+def live_migration(running):
+    """Returns (job, n1, n2): a job running on n1 (generation 1) that the tick's defragmenter has
+    decided to move live to n2 (job migrating, generation 2)."""
+    n1 = make_node("n1")
+    job, _ = running("m")
+    n2 = make_node("n2")
+    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
+    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
+    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"],
+             now=timezone.now())
+    job.refresh_from_db()
+    return job, n1, n2
+
+
 def preempted_victim(running, alice, team_a, job_spec):
     n1 = make_node("n1")
     victim, node = running("victim")
@@ -153,14 +167,7 @@ def test_running_a_step_twice_is_a_no_op(running, alice, team_a, job_spec):
 
 @pytest.mark.django_db
 def test_a_live_migration_waits_for_the_restore_step_before_the_new_node_runs_it(running):
-    n1 = make_node("n1")
-    job, _ = running("m")
-    n2 = make_node("n2")
-    now = timezone.now()
-    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
-    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
-    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"], now=now)
-    job.refresh_from_db()
+    job, n1, n2 = live_migration(running)
     move = Move.objects.get(job=job, state=Move.State.ACTIVE)
     assert job.state == S.MIGRATING and job.generation == 2
     assert (move.from_node, move.to_node, move.from_generation, move.to_generation) == (n1, n2, 1, 2)
@@ -340,13 +347,7 @@ def test_reports_and_checkpoints_of_a_stale_generation_are_rejected_and_change_n
 
 @pytest.mark.django_db
 def test_a_job_that_finishes_on_its_new_node_mid_migration_is_deferred_until_the_move_is_released(running):
-    n1 = make_node("n1")
-    job, _ = running("m")
-    n2 = make_node("n2")
-    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
-    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
-    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"],
-             now=timezone.now())
+    job, n1, n2 = live_migration(running)
     report(n1, job.pk, "stopped", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
     worker()
 
@@ -392,3 +393,15 @@ def test_a_move_records_the_typed_report_as_wire_words_and_reads_a_garbled_recor
     assert move_step_run(move_id=move.pk, step="barrier") == WAITING  # not seen: no crash, no step done
     report(n1, victim.pk, "running", generation=1, step=42, cut={"action": "stop", "step": 42})
     assert move_step_run(move_id=move.pk, step="barrier") == DONE
+
+
+@pytest.mark.django_db
+def test_the_barrier_event_names_the_kind_of_cut_the_node_took(running, alice, team_a, job_spec):
+    victim, n1, _ = preempted_victim(running, alice, team_a, job_spec)
+    move = Move.objects.get(job=victim, state=Move.State.ACTIVE)
+    report(n1, victim.pk, "running", generation=1, step=41,
+           cut={"action": "stop", "step": 42, "kind": "collective-boundary"})
+    assert move_step_run(move_id=move.pk, step="barrier") == DONE
+    barrier = JobEvent.objects.filter(job=victim, type=JobEvent.Type.MOVE_STEP,
+                                      extra_data__step="barrier").get()
+    assert barrier.extra_data["cut_kind"] == "collective-boundary"

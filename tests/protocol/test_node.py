@@ -145,3 +145,12 @@ def test_the_json_schema_names_every_field_with_its_bounds():
     assert report["properties"]["error"]["maxLength"] == 4096
     assert report["properties"]["cut"]["properties"]["action"]["enum"] == ["stop", "checkpoint", "resize"]
     assert DesiredJob.json_schema()["properties"]["env"]["maxProperties"] == 500
+
+
+def test_a_cut_report_names_its_kind_from_a_fixed_set_only():
+    from protocol import ProtocolError
+    report = CutReport(action=CutAction.STOP, step=3, kind="collective-boundary")
+    assert CutReport.from_dict(report.to_dict()) == report
+    assert CutReport.from_dict({"action": "stop", "step": 3}).kind is None  # an older agent
+    with pytest.raises(ProtocolError):
+        CutReport.from_dict({"action": "stop", "step": 3, "kind": "x" * 10000})

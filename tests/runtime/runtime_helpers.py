@@ -31,7 +31,8 @@ class Job:
     """One meridian-run launcher process (one "node")."""
 
     def __init__(self, job_dir, *, ranks, script, out, script_args=(), engine="auto",
-                 devices=None, device_indices=None, store=None, job_id=None, resume=False, keep=2):
+                 devices=None, device_indices=None, store=None, job_id=None, resume=False, keep=2,
+                 launcher_args=()):
         self.job_dir = pathlib.Path(job_dir)
         command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks),
                    "--engine", engine, "--job-dir", str(job_dir), "--keep", str(keep)]
@@ -45,6 +46,7 @@ class Job:
             command += ["--job-id", job_id]
         if resume:
             command.append("--resume")
+        command += list(launcher_args)
         command += [str(script), str(out)] + list(script_args)
         self.stderr_path = self.job_dir.parent / f"{self.job_dir.name}-launcher.err"
         self.job_dir.parent.mkdir(parents=True, exist_ok=True)

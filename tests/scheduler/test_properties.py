@@ -127,6 +127,7 @@ def snapshots(draw):
                                      max_preemptions_per_tick=int(rng.choice([1, 4, 256])),
                                      max_defrag_migrations_per_tick=int(rng.choice([0, 2, 16])),
                                      premium_reserve_devices=int(rng.choice([0, 0, 1, 2])),
+                                     premium_reserve_fraction=float(rng.choice([0.0, 0.01, 0.1])),
                                      full_size_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))],
                                      packed_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))])
     return Snapshot(accelerators=acc, jobs=jobs, teams=teams, now=now,
@@ -201,8 +202,12 @@ def check_tick(snap, plan):
         if jobs.tier[j] in s.full_size_tiers:
             need = int(jobs.world_size[j])  # its tier starts only at W
         per_region = np.bincount(acc.region[free & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
-        kept = 0 if jobs.tier[j] == PREMIUM else s.premium_reserve_devices  # idle for Premium only
-        assert per_region.max(initial=0) < need + kept, f"job {j} waits ({w.reason}) with {per_region} free"
+        usable_region = np.bincount(acc.region[usable & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
+        kept = np.maximum(s.premium_reserve_devices,  # idle for Premium only
+                          np.floor(usable_region * s.premium_reserve_fraction).astype(np.int64))
+        if jobs.tier[j] == PREMIUM:
+            kept = 0
+        assert (per_region < need + kept).all(), f"job {j} waits ({w.reason}) with {per_region} free"
     return after
 
 

@@ -60,6 +60,8 @@ MATRIX = [
     # the user API
     ("GET", "/api/jobs/", None, users(200)),
     ("POST", "/api/jobs/", SUBMIT_A, users(201, other_team=400)),  # charlie is not on team A: 400 naming team
+    ("POST", "/api/jobs/bulk/", {"team": "{team_a_slug}", "jobs": [{k: v for k, v in SUBMIT_A.items() if k != "team"}]},
+     users(201, other_team=400)),
     ("GET", "/api/jobs/{job_a}/", None, users(200, other_team=404)),
     ("POST", "/api/jobs/{job_a}/cancel/", None, users(200, other_team=404)),
     ("GET", "/api/jobs/{job_a}/events/", None, users(200, other_team=404)),
@@ -88,6 +90,8 @@ MATRIX = [
     ("POST", "/api/agent/logs/", {"chunks": []}, AGENT),
     # job_a (which uses bundle_a) has a replica on n1 only: another node may not fetch its code
     ("GET", "/api/agent/bundles/{bundle_a}/", None, {**AGENT, "other_node": 404}),
+    # Prometheus metrics: an operator token only (tests/portal/test_metrics.py); no user, session or node opens it
+    ("GET", "/metrics", None, {caller: 401 for caller in CALLERS}),
     # the pages
     ("GET", "/", None, users(200, anonymous=PAGE_LOGIN, nodes=PAGE_LOGIN)),
     ("GET", "/jobs/", None, users(200, anonymous=PAGE_LOGIN, nodes=PAGE_LOGIN)),

@@ -4,7 +4,9 @@ for tests that do not need the launcher. Environment:
   MERIDIAN_RESUME             framework checkpoint folder to resume from
   TEST_CUT_STEP, TEST_SAVE_DIR   save at this step into that folder, then die like a
                                preempted process (os._exit, no cleanup)
-  TEST_STEP_FILE              where to write tracker.step when the script ends
+  TEST_CUT_CONTINUE           with TEST_CUT_STEP: save, then go on to the end (no preemption)
+  TEST_STEP_FILE              where to write tracker.step (and no_cut_reason()) when the
+                              script ends
 Usage: python harness.py script.py args...
 Exit 0 after a cut; 3 with 'UNRESUMABLE: reason' on stderr when the engine refuses."""
 import atexit
@@ -37,6 +39,8 @@ def preempt_at_cut(step):
         sys.stderr.write(f"UNRESUMABLE: {exc.reason}\n")
         sys.stderr.flush()
         os._exit(3)
+    if os.environ.get("TEST_CUT_CONTINUE"):
+        return  # a checkpoint the run goes on from (its end is the reference of an unseeded script)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -53,7 +57,7 @@ except framework.UnresumableScript as exc:
     os._exit(3)
 if os.environ.get("TEST_STEP_FILE"):
     with open(os.environ["TEST_STEP_FILE"], "w") as f:
-        json.dump({"step": tracker.step}, f)
+        json.dump({"step": tracker.step, "no_cut_reason": tracker.no_cut_reason()}, f)
 # The script's work is done and written. Leave without interpreter teardown: a two-rank gloo DDP
 # script (ddp_train.py, plain torch.distributed, no virtual group) sometimes aborts in torch's C++
 # destructors after destroy_process_group ("terminate called without an active exception", rank 0,
