@@ -253,9 +253,13 @@ class LogShipper:
                     if source.job_id == job_id and source.attempt == attempt:
                         source.cursors[key].dropped += count
             raise
-        fenced = {r.job_id for r in answer.rejected if r.fence}
+        # A fence ends the copy it names (job, generation), not every copy of the job in the batch:
+        # the tail of an older copy refused next to the current one must not silence the current one.
+        fenced = {(r.job_id, r.generation) for r in answer.rejected if r.fence}
+        sent_as = {(c.job_id, c.attempt): c.generation for c in chunks}  # the generation each copy said
         for rejection in answer.rejected:
-            log.warning("control plane refused the logs of job %s: %s", rejection.job_id, rejection.error)
+            log.warning("control plane refused the logs of job %s (generation %s): %s", rejection.job_id,
+                        rejection.generation, rejection.error)
         touched = set()
         for (job_dir, key), offset in advance.items():
             source = self.sources[job_dir]
@@ -264,7 +268,10 @@ class LogShipper:
             else:
                 source.cursors[key].sent = offset
             touched.add(job_dir)
-            if source.job_id in fenced:
+            generation = sent_as.get((source.job_id, source.attempt))
+            # (job, None): a control plane that does not say which copy; a copy that did not say its
+            # generation (agent.json unreadable for a moment) is not ended by a guess: it says it next time.
+            if (source.job_id, None) in fenced or (generation is not None and (source.job_id, generation) in fenced):
                 source.done = True
         for job_dir in touched:
             self._save(self.sources[job_dir])

@@ -60,6 +60,7 @@ from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, Jo
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState
 from runtime import multihost
 from runtime.control import JobControl, JobControlError
+from runtime.spool import write_json_atomic
 
 log = logging.getLogger("agent.node")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -608,10 +609,12 @@ class NodeReconciler:
         threading.Thread(target=run, daemon=True, name=f"job{job.job_id}-{action}").start()
 
     def _write_meta(self, job):
-        (job.job_dir / "agent.json").write_text(json.dumps({
+        # Atomic: the log shipper reads the pid (launcher_pid) and the generation here while it is
+        # rewritten (a resize); a torn file would read as "launcher gone".
+        write_json_atomic(job.job_dir / "agent.json", {
             "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid,
             "generation": job.generation, "store": str(job.store) if job.store else None,
-            "device_indices": list(job.device_indices)}))
+            "device_indices": list(job.device_indices)})
 
     def launch_command(self, entry: DesiredJob, *, job_dir: pathlib.Path, attempt: int, store: pathlib.Path,
                        resume: bool, workspace: pathlib.Path | None = None) -> list[str]:

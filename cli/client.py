@@ -23,10 +23,11 @@ DEFAULT_TIMEOUT = (10.0, 60.0)  # (connect, read) seconds
 class CliError(Exception):
     """A failure to tell the user in one line; main() prints it and exits with `exit_code`."""
 
-    def __init__(self, message: str, *, exit_code: int = 1):
+    def __init__(self, message: str, *, exit_code: int = 1, status: int | None = None):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+        self.status = status  # the HTTP status that caused it; None: no answer (unreachable, timed out)
 
 
 def config_path() -> Path:
@@ -140,8 +141,9 @@ class Client:
             # DRF answers a bad token with 401, or 403 when session auth comes first in its list.
             if response.status_code == 401 or (response.status_code == 403 and any(
                     word in message.lower() for word in ("invalid token", "credentials were not provided"))):
-                raise CliError(f"{self.url} refused the token ({message}): run `meridian login {self.url}`")
-            raise CliError(f"{method} {path}: HTTP {response.status_code}: {message}")
+                raise CliError(f"{self.url} refused the token ({message}): run `meridian login {self.url}`",
+                               status=response.status_code)
+            raise CliError(f"{method} {path}: HTTP {response.status_code}: {message}", status=response.status_code)
         return response
 
     @staticmethod

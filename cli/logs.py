@@ -20,10 +20,23 @@ from collections.abc import Iterator
 
 FINAL_STATES = {"succeeded", "failed", "cancelled"}
 PAGE = 500
+FOLLOW_RETRY_S = 300.0  # how long `-f` keeps trying a control plane that does not answer
 
 
 class LogsCliError(RuntimeError):
-    """A request failed in a way the user can act on (the message says how)."""
+    """A request failed in a way the user can act on (the message says how). `status`: the HTTP
+    status that caused it; None: no answer (unreachable, timed out)."""
+
+    def __init__(self, message, *, status=None):
+        super().__init__(message)
+        self.status = status
+
+
+def transient(exc: Exception) -> bool:
+    """True for a failed request worth trying again while following: no answer (the control plane
+    is restarting, or too busy to answer in time), a 5xx, 408 or 429. A 4xx is the answer."""
+    status = getattr(exc, "status", 0)
+    return status is None or status >= 500 or status in (408, 429)
 
 
 class StandaloneClient:
@@ -47,21 +60,24 @@ class StandaloneClient:
         try:
             response = self.session.get(f"{self.url}{path}", params=params, timeout=self.timeout_s)
         except requests.RequestException as exc:
-            raise LogsCliError(f"cannot reach {self.url}: {exc}") from None
+            raise LogsCliError(f"cannot reach {self.url}: {exc}", status=None) from None
         if response.status_code >= 400:
             try:
                 detail = response.json()
             except ValueError:
                 detail = response.text[:300]
-            raise LogsCliError(f"GET {path}: {response.status_code} {detail}")
+            raise LogsCliError(f"GET {path}: {response.status_code} {detail}", status=response.status_code)
         return response.json()
 
 
 def follow_logs(client, job_id, *, rank=None, after=0, follow=False, tail=None, poll_s=1.0,
-                deadline=None) -> Iterator[dict]:
+                deadline=None, retry_for_s=FOLLOW_RETRY_S) -> Iterator[dict]:
     """Yields the chunks of job `job_id`'s log after cursor `after` (oldest first); with `follow`,
     keeps polling until the job is in a final state and a last fetch found nothing new (or
-    `deadline`, a time.monotonic() value, passed)."""
+    `deadline`, a time.monotonic() value, passed). While following, a poll that fails for a
+    passing reason (transient(): no answer in time, a 5xx) is tried again from the same cursor, for
+    up to `retry_for_s` seconds in a row (said once on stderr), rather than ending the follower
+    while the job prints on."""
     params: dict = {"limit": PAGE}
     if rank is not None:
         params["rank"] = rank
@@ -69,8 +85,22 @@ def follow_logs(client, job_id, *, rank=None, after=0, follow=False, tail=None, 
         answer = client.get(f"/api/jobs/{job_id}/logs/", params={**params, "limit": tail, "tail": 1})
         yield from answer["chunks"]
         after = answer["next"]
+    failing_since = None
     while True:
-        answer = client.get(f"/api/jobs/{job_id}/logs/", params={**params, "after": after})
+        try:
+            answer = client.get(f"/api/jobs/{job_id}/logs/", params={**params, "after": after})
+        except Exception as exc:  # noqa: BLE001 - CliError or LogsCliError, by the client in use
+            if not follow or not transient(exc):
+                raise
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                print(f"meridian logs: {exc}; trying again", file=sys.stderr, flush=True)
+            if now - failing_since > retry_for_s or (deadline is not None and now > deadline):
+                raise
+            time.sleep(poll_s)
+            continue
+        failing_since = None
         yield from answer["chunks"]
         after = answer["next"]
         if len(answer["chunks"]) == PAGE:

@@ -1,6 +1,7 @@
 """Live logs: storing what agents ship, the markers the control plane writes, and reading them back.
 
-One log per job across every attempt (LogChunk rows in `id` order, which is the API's cursor):
+One log per job across every attempt (LogChunk rows in `id` order, which is the API's cursor;
+every writer of a job's chunks takes the job's row first, so they commit in id order):
 rank output (kind "output", per rank), notes that output was dropped ("dropped", per rank), and
 markers ("marker", every rank) written where the job is preempted, moved, resized, restarted
 after a lost node, failed or cancelled: `log_marker_for_transition` is called by
@@ -13,7 +14,9 @@ agent announces every copy with an empty chunk as soon as its launcher has named
 so the tail of a copy that just stopped, finished or failed is taken after the control plane
 released its devices); or when an active move takes that copy (the move's
 from_generation) off this node. Anything else is refused with "fence": the agent stops shipping
-that copy. A chunk sent twice (same copy, rank, stream and offset) is stored once.
+that copy. Each copy (job, generation) of a batch is judged on its own: the refused tail of an
+older copy does not take the current copy's chunks with it. A chunk sent twice (same copy, rank,
+stream and offset) is stored once.
 
 Retention: chunks older than MERIDIAN_LOG_RETENTION_DAYS are pruned on write (at most once a
 minute per process); a job keeps its newest MERIDIAN_LOG_MAX_CHUNKS_PER_JOB chunks.
@@ -56,9 +59,13 @@ def _marker_text(text: str) -> str:
 
 
 def log_marker_add(*, job, text, now=None) -> LogChunk:
-    """Returns a new marker chunk in `job`'s log (every rank sees it); pushed on commit."""
-    chunk = LogChunk.objects.create(job_id=job.pk, kind=LogChunk.Kind.MARKER, generation=job.generation,
-                                    text=_marker_text(text)[:2000], created_at=now or timezone.now())
+    """Returns a new marker chunk in `job`'s log (every rank sees it); pushed on commit. Takes the
+    job's row first, as log_batch_record does (the caller, job_transition, already holds it): a
+    job's chunks commit in id order."""
+    with transaction.atomic():
+        list(Job.objects.select_for_update().filter(pk=job.pk).values_list("pk", flat=True))
+        chunk = LogChunk.objects.create(job_id=job.pk, kind=LogChunk.Kind.MARKER, generation=job.generation,
+                                        text=_marker_text(text)[:2000], created_at=now or timezone.now())
     _publish(job_id=job.pk, team_id=job.team_id, seq=chunk.pk)
     return chunk
 
@@ -89,46 +96,65 @@ def _publish(*, job_id, team_id, seq):
 # --- what agents ship ------------------------------------------------------------------------
 
 
-def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[int, LogRejection]:
-    """Returns, by job id, why this node may not ship the batch's chunks of that job."""
+def _copy_of(chunk, jobs: dict) -> tuple[int, int | None]:
+    """(job id, placement generation) of the copy `chunk` comes from (the job's generation when the
+    chunk says none; None for a job that does not exist)."""
+    job = jobs.get(chunk.job_id)
+    if chunk.generation is not None or job is None:
+        return chunk.job_id, chunk.generation
+    return chunk.job_id, job.generation
+
+
+def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | None], LogRejection]:
+    """Returns, by copy ((job id, generation): a batch may hold the tail of an older copy of a job
+    next to its current one, and each is judged on its own), why this node may not ship that
+    copy's chunks."""
     ids = list(jobs)
     placed = set(Replica.objects.filter(device__node_id=node.pk, job_id__in=ids).values_list("job_id", flat=True))
     leaving = {m.job_id: m.from_generation for m in Move.objects.filter(
         job_id__in=ids, state=Move.State.ACTIVE, from_node_id=node.pk)}
     held = set(LogSource.objects.filter(job_id__in=ids, node_id=node.pk).values_list("job_id", "generation"))
-    refused: dict[int, LogRejection] = {}
+    refused: dict[tuple[int, int | None], LogRejection] = {}
     for chunk in batch.chunks:
+        copy = _copy_of(chunk, jobs)
         job = jobs.get(chunk.job_id)
-        if chunk.job_id in refused:
+        if copy in refused:
             continue
+        generation = copy[1]
         if job is None:
-            refused[chunk.job_id] = LogRejection(job_id=chunk.job_id, fence=True, error="no such job")
+            refused[copy] = LogRejection(job_id=chunk.job_id, fence=True, error="no such job", generation=generation)
             continue
-        generation = job.generation if chunk.generation is None else chunk.generation
         if leaving.get(job.pk) == generation:
             continue  # the copy a move takes off this node
         if generation != job.generation:
-            refused[job.pk] = LogRejection(job_id=job.pk, fence=True, error=(
+            refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation, error=(
                 f"stale copy: generation {generation}, the job now runs as generation {job.generation}"))
         elif job.pk not in placed and (job.pk, generation) not in held:
-            refused[job.pk] = LogRejection(job_id=job.pk, fence=True, error="this job is not placed on your node")
+            refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation,
+                                         error="this job is not placed on your node")
         elif chunk.rank >= job.world_size:
-            refused[job.pk] = LogRejection(job_id=job.pk, error=(
+            refused[copy] = LogRejection(job_id=job.pk, generation=generation, error=(
                 f"rank {chunk.rank} is out of range: the job has {job.world_size} rank(s)"))
     return refused
 
 
 def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
     """Stores the chunks of `batch` that `node` may ship (see the module docstring); returns how
-    many were stored, how many were already there, and the refusals by job."""
+    many were stored, how many were already there, and the refusals by copy.
+
+    The rows of the batch's jobs are locked first (in id order): every writer of a job's log
+    (this, and a marker written by job_transition, which updates the job's row first) takes the
+    job's row before its chunks get their ids, so a job's chunks commit in id order and a reader
+    following the cursor (id > after) never passes a chunk that commits later with a smaller id
+    (PostgreSQL hands out ids at insert time, not at commit; SQLite has one writer at a time)."""
     now = now or timezone.now()
     if not batch.chunks:
         return LogBatchAnswer(stored=0)
     with transaction.atomic():
-        jobs = Job.objects.only("id", "team_id", "generation", "world_size").in_bulk(
-            {c.job_id for c in batch.chunks})
+        jobs = {job.pk: job for job in Job.objects.select_for_update().filter(
+            pk__in={c.job_id for c in batch.chunks}).order_by("pk").only("id", "team_id", "generation", "world_size")}
         refused = _refusals(node=node, batch=batch, jobs=jobs)
-        wanted = [c for c in batch.chunks if c.job_id not in refused]
+        wanted = [c for c in batch.chunks if _copy_of(c, jobs) not in refused]
         have = set(LogChunk.objects.filter(
             job_id__in={c.job_id for c in wanted}, node_id=node.pk, kind=LogChunk.Kind.OUTPUT,
             offset__in={c.offset for c in wanted}).values_list("job_id", "generation", "attempt", "rank", "stream",
@@ -136,7 +162,7 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
         rows, duplicates, announced = [], 0, 0
         sources = set()
         for chunk in wanted:
-            generation = jobs[chunk.job_id].generation if chunk.generation is None else chunk.generation
+            generation = _copy_of(chunk, jobs)[1]
             sources.add((chunk.job_id, generation))
             if chunk.length == 0 and not chunk.text and not chunk.dropped:
                 announced += 1  # a copy saying it runs here: recorded as a source, nothing to store

@@ -58,12 +58,17 @@ class LogBatch(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class LogRejection(Message):
-    """The chunks of one job the control plane refused, and why. `fence`: the copy they come from
-    is not (or no longer) the job's copy on this node; the agent stops shipping it."""
+    """The chunks of one copy of a job the control plane refused, and why. `fence`: the copy they
+    come from is not (or no longer) the job's copy on this node; the agent stops shipping it.
+    `generation`: that copy's placement generation (as the control plane took it: the job's own
+    when the chunk said none). Another copy of the same job in the same batch (the current one
+    next to the tail of an older one) is judged on its own. None (an older control plane): every
+    copy of the job in the batch."""
 
     job_id: int = bounded(minimum=1, maximum=MAX_ID)
     error: str = bounded(max_length=MAX_ERROR)
     fence: bool = False
+    generation: int | None = bounded(default=None, minimum=0, maximum=MAX_GENERATION)
 
 
 @dataclass(frozen=True, kw_only=True)
