@@ -96,13 +96,15 @@ def test_a_user_submits_a_folder_follows_its_log_sees_it_preempted_and_resumed_e
     jobs, followers = {}, {}
     for name in ("basic-a", "basic-b"):
         answer = meridian(plane, "submit", "--json", "--name", name, "--tier", "basic", "--", "python", "train.py",
-                          "--epochs", "24", "--step-sleep", "0.05", config=config, cwd=project)
+                          "--epochs", "48", "--step-sleep", "0.05", config=config, cwd=project)
         job_id = jobs[name] = json.loads(answer.stdout)["id"]
         with open(tmp_path / f"follow-{job_id}.jsonl", "w") as out:  # `meridian logs -f`, as a user runs it
             followers[job_id] = subprocess.Popen(
                 [sys.executable, "-m", "cli.main", "logs", "-f", "--json", "--rank", "0", str(job_id)], cwd=project,
                 env=cli_env(config), stdout=out, stderr=subprocess.PIPE, text=True)
     assert json.loads(answer.stdout)["uploaded"] is False  # the same folder: stored once, not sent again
+    # 48 epochs (~30 s once a rank runs): a loaded machine's polls below must not outlast the
+    # victim, or it finishes before the Premium job needs its devices and nothing is preempted.
     for job_id in jobs.values():
         poll(f"job {job_id} to run 8 steps", lambda j=job_id: plane.job(j)["progress_step"] >= 8,
              timeout=180, on_timeout=lambda: plane.diagnose(*jobs.values()))
