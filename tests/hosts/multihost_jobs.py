@@ -53,3 +53,15 @@ def rank_log(host, job_id, rank):
     """Returns a rank's output from its host's job directory (copied there at the launcher's exit)."""
     result = host.run(["cat", f"{host.node_dir}/jobs/{job_id}/logs/rank{rank}.log"], check=False)
     return result.stdout
+
+
+def assert_equal_states(expected, actual):
+    """Parameters and optimizer state (a {"params", "optimizer"} dict as the test scripts save
+    them) are torch.equal, element for element."""
+    import torch
+
+    for name, tensor in expected["params"].items():
+        assert torch.equal(tensor, actual["params"][name]), name
+    for index, per_param in expected["optimizer"]["state"].items():
+        for key, value in per_param.items():
+            assert torch.equal(value, actual["optimizer"]["state"][index][key]), (index, key)

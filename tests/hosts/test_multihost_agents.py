@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from multihost_jobs import REPO, host_env, start_job, wait_job
+from multihost_jobs import REPO, assert_equal_states, host_env, start_job, wait_job
 from polling import poll
 
 sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
@@ -80,14 +80,6 @@ def submit(cp, name, tier, out, args=ARGS):
     response = cp.api("POST", "jobs/", json=spec)
     assert response.status_code == 201, response.text
     return response.json()["id"]
-
-
-def assert_equal_states(expected, actual):
-    for name, tensor in expected["params"].items():
-        assert torch.equal(tensor, actual["params"][name]), name
-    for index, per_param in expected["optimizer"]["state"].items():
-        for key, value in per_param.items():
-            assert torch.equal(value, actual["optimizer"]["state"][index][key]), (index, key)
 
 
 def say(what):

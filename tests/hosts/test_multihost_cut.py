@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from multihost_jobs import REPO, start_job, wait_job
+from multihost_jobs import REPO, assert_equal_states, start_job, wait_job
 from polling import poll
 
 from runtime.store import CheckpointStore
@@ -44,14 +44,6 @@ def progress_step(host, job_id):
 
 def load(cluster, name):
     return torch.load(os.path.join(cluster.store_dir, name), weights_only=True)
-
-
-def assert_equal_states(expected, actual):
-    for name, tensor in expected["params"].items():
-        assert torch.equal(tensor, actual["params"][name]), name
-    for index, per_param in expected["optimizer"]["state"].items():
-        for key, value in per_param.items():
-            assert torch.equal(value, actual["optimizer"]["state"][index][key]), (index, key)
 
 
 def check_all(results):

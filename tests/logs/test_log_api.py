@@ -1,26 +1,12 @@
 """The log APIs: agents ship rank output (fenced like reports), members read it with a cursor."""
 import pytest
+from log_nodes import enrollment, register  # noqa: F401 (enrollment: an autouse fixture)
 from rest_framework.test import APIClient
 
 from jobs.logs import log_chunks_prune, log_failing_rank, log_tail_text
 from jobs.models import Job, LogChunk
 from jobs.services import job_submit, job_transition
 from jobs.tick import tick_run
-
-ENROLL = "enroll-secret"
-
-
-@pytest.fixture(autouse=True)
-def enrollment(settings):
-    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ENROLL
-    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
-
-
-def register(hostname):
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Enroll {ENROLL}")
-    return client.post("/api/agent/register/", {"hostname": hostname, "region": "eu", "cluster": "c1",
-                                                "devices": [{"type": "CPU"}, {"type": "CPU"}]}, format="json").json()
 
 
 def as_node(token):

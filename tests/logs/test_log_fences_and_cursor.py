@@ -11,6 +11,7 @@ import threading
 
 import pytest
 from django.db import connection, transaction
+from log_nodes import enrollment, register  # noqa: F401 (enrollment: an autouse fixture)
 from rest_framework.test import APIClient
 
 from agent.logs import LogShipper, ship_until_idle
@@ -24,21 +25,6 @@ from protocol.logs import LogBatch, LogBatchAnswer, RankLog, RankLogs
 from protocol.logs import LogChunk as WireChunk
 from runtime.rank_logs import MANIFEST, job_log_path
 from runtime.spool import write_json_atomic
-
-ENROLL = "enroll-secret"
-
-
-@pytest.fixture(autouse=True)
-def enrollment(settings):
-    settings.MERIDIAN_AGENT_ENROLLMENT_TOKEN = ENROLL
-    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
-
-
-def register(hostname):
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Enroll {ENROLL}")
-    return client.post("/api/agent/register/", {"hostname": hostname, "region": "eu", "cluster": "c1",
-                                                "devices": [{"type": "CPU"}]}, format="json").json()
 
 
 class NodeApi:
@@ -57,7 +43,7 @@ class NodeApi:
 
 def placed_job(team, user, job_spec):
     """A 1-rank job the tick placed on the only node: (job, that node's registration)."""
-    node = register("n1")
+    node = register("n1", devices=1)
     job = job_submit(team=team, submitted_by=user, spec=job_spec(world_size=1, min_devices=1, tier="basic"))
     tick_run()
     job.refresh_from_db()
