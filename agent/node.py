@@ -133,7 +133,7 @@ def seed_store(store, checkpoint_uri, manifest_sha256):
     """
     import uuid
 
-    from runtime.store import CHECKPOINT_DIR_PATTERN, MANIFEST_NAME, CheckpointError, path_from_uri
+    from runtime.store import CHECKPOINT_DIR_PATTERN, MANIFEST_NAME, CheckpointError, path_from_uri, read_manifest
     from runtime.store import manifest_sha256 as digest_of
 
     if not manifest_sha256:
@@ -153,6 +153,19 @@ def seed_store(store, checkpoint_uri, manifest_sha256):
                                  f"{manifest_sha256[:16]}…; refusing to restore it")
 
     check(source)
+    # A CRIU checkpoint whose pages are stored against a base (runtime/criu_pages.py) needs that
+    # base beside it: each base its manifest pins (by manifest digest, so the control plane's one
+    # digest vouches for it) is seeded first, the same way.
+    try:
+        bases = read_manifest(source).get("bases") or []
+    except CheckpointError as exc:
+        raise RestoreRefused(str(exc)) from None
+    for base in bases:
+        name = base.get("name") if isinstance(base, dict) else None
+        digest = base.get("manifest_sha256") if isinstance(base, dict) else None
+        if not isinstance(name, str) or not CHECKPOINT_DIR_PATTERN.match(name) or not isinstance(digest, str):
+            raise RestoreRefused(f"{checkpoint_uri} names a bad base checkpoint {base!r}; refusing to restore it")
+        seed_store(store, str(source.parent / name), digest)
     target = pathlib.Path(store) / source.name
     if target.exists():
         check(target)

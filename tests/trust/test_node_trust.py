@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -565,3 +566,47 @@ def test_stored_unphysical_readings_are_forgotten_by_the_migration():
     assert device.memory_used_gb is None and device.utilization is None
     assert not NodeTelemetryBucket.objects.exists()
     assert token
+
+
+def test_a_checkpoint_stored_against_a_base_is_seeded_with_its_base_and_verifies_there(tmp_path):
+    # CRIU checkpoints after the first store only the pages that differ from a base checkpoint
+    # (runtime/criu_pages.py); the next generation's store must get the base too, pinned by the
+    # checkpoint's manifest (an e2e preemption under CRIU failed on the missing base).
+    from runtime.store import write_bases
+
+    old = CheckpointStore(tmp_path / "job-1" / "g1")
+    base = committed(old.root, 1)
+    staging = old.staging_dir()
+    (staging / "rank-0").mkdir()
+    (staging / "rank-0" / "state.pt").write_bytes(b"delta" * 100)
+    write_bases(staging, [{"name": base.path.name, "manifest_sha256": manifest_sha256(base.path)}])
+    later = old.commit(staging, 51, "criu")
+
+    seeded = seed_store(tmp_path / "job-1" / "g2", later.uri, manifest_sha256(later.path))
+    new = CheckpointStore(tmp_path / "job-1" / "g2")
+    assert (new.root / base.path.name).is_dir()
+    new.verify(new.pinned(manifest_sha256(later.path)))  # the base verifies beside it
+    assert seeded.name == later.path.name
+
+
+def test_a_checkpoint_whose_base_is_gone_or_altered_is_not_seeded(tmp_path):
+    from runtime.store import write_bases
+
+    old = CheckpointStore(tmp_path / "job-1" / "g1")
+    base = committed(old.root, 1)
+    staging = old.staging_dir()
+    (staging / "rank-0").mkdir()
+    (staging / "rank-0" / "state.pt").write_bytes(b"delta" * 100)
+    write_bases(staging, [{"name": base.path.name, "manifest_sha256": manifest_sha256(base.path)}])
+    later = old.commit(staging, 51, "criu")
+    digest = manifest_sha256(later.path)
+
+    manifest = base.path / "MANIFEST.json"
+    manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
+    with pytest.raises(RestoreRefused, match="control plane recorded|sha256"):
+        seed_store(tmp_path / "job-1" / "g2", later.uri, digest)
+    shutil.rmtree(base.path)
+    with pytest.raises(RestoreRefused, match="not a committed checkpoint"):
+        seed_store(tmp_path / "job-1" / "g3", later.uri, digest)
+    for refused in ("g2", "g3"):
+        assert not (tmp_path / "job-1" / refused / later.path.name).exists()
