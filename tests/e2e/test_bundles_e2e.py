@@ -137,7 +137,7 @@ def test_a_user_submits_a_folder_follows_its_log_sees_it_preempted_and_resumed_e
     meridian(plane, "download", str(uninterrupted), str(reference), config=config, cwd=tmp_path)
     assert json.loads((dest / "outputs" / "metrics.json").read_text()) == \
         json.loads((reference / "outputs" / "metrics.json").read_text())
-    assert json.loads((dest / "outputs" / "metrics.json").read_text())["epochs"] == 24
+    assert json.loads((dest / "outputs" / "metrics.json").read_text())["epochs"] == 48
     for name in ("model.pt", "checkpoints/latest.pt"):
         got, want = (torch.load(d / "outputs" / name, weights_only=True) for d in (dest, reference))
         assert_same(got, want, name)
