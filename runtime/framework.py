@@ -389,8 +389,13 @@ class FrameworkTracker:
     def no_cut_reason(self) -> str | None:
         """Why this script can never reach a framework cut, or None (it may: wait for a step).
         The cut fires only right after a torch.optim optimizer's step(); a script that builds
-        none (manual updates: ``p.data.add_(p.grad, alpha=-lr)``) never gets there."""
-        if self.step == 0 and not self._live(self._optimizers):
+        none (manual updates: ``p.data.add_(p.grad, alpha=-lr)``) never gets there. Said only
+        once the script is seen training (it iterated a DataLoader) without one: a script still
+        starting (importing, building its model, or a resumed copy before its first epoch) has
+        simply not built its optimizer yet, and its cut comes with its first step. A script that
+        trains without a DataLoader and without torch.optim is not recognised: its stop waits."""
+        training = any(record.epochs for record in self._loaders)
+        if self.step == 0 and training and not self._live(self._optimizers):
             return ("the script builds no torch.optim optimizer (manual parameter updates such as "
                     "p.data.add_(p.grad, alpha=-lr)?): the framework engine cuts only right after "
                     "optimizer.step(), so it can never stop or checkpoint this job; run it with "

@@ -129,3 +129,21 @@ def test_listeners_run_after_each_step_in_order(tracker):
     model, optimizer, data = _setup()
     _two_steps(model, optimizer, DataLoader(data, batch_size=2))
     assert calls == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+
+
+def test_a_script_still_starting_is_not_named_uncuttable_before_it_trains():
+    """A stop that arrives while a script is still starting (importing, building its model: a
+    resumed follower host's ranks at a periodic checkpoint, in the multi-host e2e) must wait for
+    the first step, not be refused as 'no torch.optim optimizer': that is said only once the
+    script is seen training (a DataLoader iterated) without one."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from runtime.framework import FrameworkTracker, _LoaderRecord
+
+    tracker = FrameworkTracker(rank=0, world_size=1)
+    record = _LoaderRecord(0, DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2))
+    tracker._loaders.append(record)
+    assert tracker.no_cut_reason() is None  # built, not yet iterated: still starting
+    record.epochs.append([1, False])  # its first epoch began, and no optimizer exists
+    assert "no torch.optim optimizer" in tracker.no_cut_reason()
