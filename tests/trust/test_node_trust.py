@@ -568,19 +568,25 @@ def test_stored_unphysical_readings_are_forgotten_by_the_migration():
     assert token
 
 
+def committed_against_a_base(store_folder):
+    """Returns (base, later): two committed checkpoints of `store_folder`, the later one's
+    manifest pinning the first as its base (as CRIU's page-deduplicated checkpoints do)."""
+    from runtime.store import write_bases
+
+    store = CheckpointStore(store_folder)
+    base = committed(store.root, 1)
+    staging = store.staging_dir()
+    (staging / "rank-0").mkdir()
+    (staging / "rank-0" / "state.pt").write_bytes(b"delta" * 100)
+    write_bases(staging, [{"name": base.path.name, "manifest_sha256": manifest_sha256(base.path)}])
+    return base, store.commit(staging, 51, "criu")
+
+
 def test_a_checkpoint_stored_against_a_base_is_seeded_with_its_base_and_verifies_there(tmp_path):
     # CRIU checkpoints after the first store only the pages that differ from a base checkpoint
     # (runtime/criu_pages.py); the next generation's store must get the base too, pinned by the
     # checkpoint's manifest (an e2e preemption under CRIU failed on the missing base).
-    from runtime.store import write_bases
-
-    old = CheckpointStore(tmp_path / "job-1" / "g1")
-    base = committed(old.root, 1)
-    staging = old.staging_dir()
-    (staging / "rank-0").mkdir()
-    (staging / "rank-0" / "state.pt").write_bytes(b"delta" * 100)
-    write_bases(staging, [{"name": base.path.name, "manifest_sha256": manifest_sha256(base.path)}])
-    later = old.commit(staging, 51, "criu")
+    base, later = committed_against_a_base(tmp_path / "job-1" / "g1")
 
     seeded = seed_store(tmp_path / "job-1" / "g2", later.uri, manifest_sha256(later.path))
     new = CheckpointStore(tmp_path / "job-1" / "g2")
@@ -590,15 +596,7 @@ def test_a_checkpoint_stored_against_a_base_is_seeded_with_its_base_and_verifies
 
 
 def test_a_checkpoint_whose_base_is_gone_or_altered_is_not_seeded(tmp_path):
-    from runtime.store import write_bases
-
-    old = CheckpointStore(tmp_path / "job-1" / "g1")
-    base = committed(old.root, 1)
-    staging = old.staging_dir()
-    (staging / "rank-0").mkdir()
-    (staging / "rank-0" / "state.pt").write_bytes(b"delta" * 100)
-    write_bases(staging, [{"name": base.path.name, "manifest_sha256": manifest_sha256(base.path)}])
-    later = old.commit(staging, 51, "criu")
+    base, later = committed_against_a_base(tmp_path / "job-1" / "g1")
     digest = manifest_sha256(later.path)
 
     manifest = base.path / "MANIFEST.json"
