@@ -33,19 +33,10 @@ def django_setup(prefix):
 def logged_in_page(playwright, server, username="alice", **context_options):
     """Launches Chromium, logs `username` (a demo user) into the portal at `server`; returns
     (browser, page)."""
-    from browser_harness import chromium_launch
-
-    from jobs.demo_cast import DEMO_PASSWORDS
+    from browser_harness import chromium_launch, log_in
 
     browser = chromium_launch(playwright)
-    context = browser.new_context(base_url=server.url, **context_options)
-    context.set_default_timeout(15_000)
-    page = context.new_page()
-    page.goto("/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", DEMO_PASSWORDS[username])
-    page.click("button[type=submit]")
-    page.wait_for_url(lambda url: "/accounts/login/" not in url)
+    page = log_in(browser.new_context(base_url=server.url, **context_options), username)
     return browser, page
 
 

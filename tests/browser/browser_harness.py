@@ -280,6 +280,21 @@ def chromium_launch(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
 
 
+def log_in(context, username):
+    """Opens a page in `context` (a Playwright browser context on the portal) and logs the demo
+    user `username` in through the login form; returns the page."""
+    from jobs.demo_cast import DEMO_PASSWORDS
+
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    page.goto("/accounts/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", DEMO_PASSWORDS[username])
+    page.click("button[type=submit]")
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
+    return page
+
+
 def artifacts_dir():
     """Returns the directory tests write screenshots and measurements to (created)."""
     path = Path(os.environ.get("MERIDIAN_ARTIFACTS_DIR") or REPO / "artifacts") / "browser"

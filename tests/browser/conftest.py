@@ -1,7 +1,7 @@
 """Fixtures of the browser tests: one real portal (daphne + Redis + a private database)
 and one headless Chromium for the session; a fresh browser context per test."""
 import pytest
-from browser_harness import PortalServer, chromium_launch, chromium_missing_reason
+from browser_harness import PortalServer, chromium_launch, chromium_missing_reason, log_in
 
 
 @pytest.fixture(scope="session")
@@ -35,21 +35,12 @@ def on_server(portal):
 @pytest.fixture
 def login(portal, chromium):
     """login("alice") → a Playwright page logged in as that demo user (own context)."""
-    from jobs.demo_cast import DEMO_PASSWORDS
-
     contexts = []
 
     def make(username):
         context = chromium.new_context(base_url=portal.url, viewport={"width": 1400, "height": 1000})
-        context.set_default_timeout(15_000)
         contexts.append(context)
-        page = context.new_page()
-        page.goto("/accounts/login/")
-        page.fill("#id_username", username)
-        page.fill("#id_password", DEMO_PASSWORDS[username])
-        page.click("button[type=submit]")
-        page.wait_for_url(lambda url: "/accounts/login/" not in url)
-        return page
+        return log_in(context, username)
 
     yield make
     for context in contexts:
