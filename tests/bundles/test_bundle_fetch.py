@@ -96,15 +96,19 @@ def test_a_slow_bundle_server_does_not_hold_up_the_heartbeats_and_the_job_says_i
     def beating():  # the heartbeat loop, counting the beats it completes while the download hangs
         while not server.release.is_set():
             beats.append(beat(node, entries))
+            server.release.wait(0.01)  # a (fast) heartbeat interval: the fetch thread gets its turn too
 
     loop = threading.Thread(target=beating, daemon=True)
     loop.start()
     try:
-        # Released only after 20 beats went by, or after 60 s: the old code, which downloaded
-        # under the reconcile lock, completes none meanwhile.
-        poll("20 heartbeats during the download", lambda: len(beats) >= 20 or server.release.wait(0) or None,
-             timeout=60, on_timeout=lambda: f"{len(beats)} beats")
-        assert len(beats) >= 20 and server.requests == 1  # one download, however many reconciles asked
+        # The download starts (its first half served, the rest held back), then 20 more beats go
+        # by: the old code, which downloaded under the reconcile lock, completes none meanwhile.
+        poll("the download to start", lambda: server.requests >= 1, timeout=60,
+             on_timeout=lambda: f"{len(beats)} beats, no request")
+        started_at = len(beats)
+        poll("20 heartbeats during the download", lambda: len(beats) >= started_at + 20, timeout=60,
+             on_timeout=lambda: f"{len(beats) - started_at} beats since the download started")
+        assert server.requests == 1  # one download, however many reconciles asked
         report = beats[-1][7]
         assert report.state == "starting" and report.generation == 1
         assert report.waiting.startswith(f"fetching code (bundle {SHA[:12]}") and 7 not in node.jobs

@@ -107,7 +107,8 @@ def test_a_job_on_two_hosts_is_preempted_resumes_on_two_others_and_survives_a_ki
     # Preempted: the leader's cut stops every host's ranks after one step, one checkpoint of all.
     premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "8"])
     cp.wait_state(victim, "preempted", timeout=600)
-    assert cp.moves(victim)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"])
+    assert cp.moves(victim)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"]), \
+        cp.diagnose(victim)
     preempted_at = cp.job(victim)["last_checkpoint_step"]
     say(f"victim preempted at step {preempted_at}")
 
