@@ -57,7 +57,7 @@ from protocol.launch import (
     parse_events,
 )
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
-from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState
+from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState, ResumeRefused
 from runtime import multihost
 from runtime.control import JobControl, JobControlError
 from runtime.spool import write_json_atomic
@@ -363,6 +363,18 @@ class LocalJob:
                 return event.step
         return None
 
+    def restarted(self, events: list[LaunchEvent] | None = None) -> str | None:
+        """Returns why the launcher started the script again from scratch after its resume was
+        refused (a started event after the restored one: runtime.launcher's resume_refused, under
+        --if-resume-refused restart), or None."""
+        restored = False
+        for event in self._events(events):
+            if isinstance(event, Restored):
+                restored = True
+            elif isinstance(event, Started) and restored:
+                return event.reason
+        return None
+
     def observed(self) -> JobReport:
         """Returns the report on this copy: its state, progress, newest checkpoint and cut."""
         progress = read_progress(self.job_dir)
@@ -377,7 +389,7 @@ class LocalJob:
             devices=(progress.devices if progress else None) or self.devices,
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
-            restored_step=self.restored_step(events), sandbox=self.sandbox(events),
+            restored_step=self.restored_step(events), sandbox=self.sandbox(events), restarted=self.restarted(events),
             note=next((e.note for e in events if isinstance(e, Finished) and e.note), None)
             if state == CopyState.FINISHED else None,
             engine_reason=((progress.engine_reason or "")[:MAX_ERROR] or None) if progress else None,
@@ -667,6 +679,10 @@ class NodeReconciler:
             command.append("--resume")
             if entry.restore_sha256:
                 command += ["--restore-manifest-sha256", entry.restore_sha256]
+        if entry.if_resume_refused == ResumeRefused.RESTART:
+            # Also for a job spanning hosts: its launcher refuses to restart one host alone and fails
+            # the job saying so, rather than the policy vanishing here unsaid.
+            command += ["--if-resume-refused", str(ResumeRefused.RESTART)]
         if workspace is not None:
             command += bundles.launch_arguments(entry, workspace)
         command += ["--sandbox", str(job_dir / job_sandbox.SANDBOX_FILE)]

@@ -81,6 +81,10 @@ def _submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-devices", type=int, default=None, help="fewest devices (divides W; default 1)")
     parser.add_argument("--total-steps", type=int, default=None, help="steps the script will take (for progress)")
     parser.add_argument("--env", type=_env_pair, action="append", default=[], metavar="K=V")
+    parser.add_argument("--if-resume-refused", choices=["fail", "restart"], default=None,
+                        help="when the framework checkpoint engine refuses a resume because the re-run is not the "
+                             "run that was cut (an unseeded script, the script's own snapshot logic): fail the job "
+                             "(the server's default) or start the script again from scratch (said in its events)")
     parser.add_argument("--array", type=int, default=None, metavar="N",
                         help="submit N copies at once (Slurm's --array), all or none; copy i is named NAME[i] and "
                              "gets MERIDIAN_ARRAY_TASK_ID=i in its environment")
@@ -148,6 +152,8 @@ def submit(args: argparse.Namespace, client: Client) -> int:
         spec["min_devices"] = args.min_devices
     if args.total_steps is not None:
         spec["total_steps"] = args.total_steps
+    if args.if_resume_refused is not None:  # left out, an older control plane still takes the spec
+        spec["if_resume_refused"] = args.if_resume_refused
     if args.array is not None:
         return _submit_array(args, client, spec, sha256=sha256, size=size, files=len(files), sent=sent)
     job = client.post("/api/jobs/", spec)

@@ -41,6 +41,8 @@ from jobs.services import (
 TIER_MESSAGE = 'unknown tier "{input}"; choose one of ' + ", ".join(Tier.values)
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
 STATE_MESSAGE = 'unknown state "{input}"; known states: ' + ", ".join(Job.State.values)
+RESUME_REFUSED_MESSAGE = ('if_resume_refused must be one of ' + ", ".join(Job.ResumeRefused.values)
+                          + ' (what to do when a resume is refused), got "{input}"')
 
 
 def _redacted(request, response):
@@ -78,7 +80,7 @@ class JobOutputSerializer(serializers.ModelSerializer):
             "attained_device_seconds", "ideal_device_seconds", "attained_sla_fraction", "sla_target",
             "progress_step", "steps_per_second", "last_checkpoint_step", "last_checkpoint_at",
             "checkpoint_bytes", "preemption_count", "migration_count", "resize_count", "wait_reason",
-            "queue_position", "exit_code", "failure_reason", "bundle",
+            "queue_position", "exit_code", "failure_reason", "bundle", "if_resume_refused",
         ]
 
     def get_fields(self):
@@ -138,6 +140,13 @@ class JobSubmitApi(APIView):
             required=False, allow_null=True, max_length=64,
             help_text="sha256 of a code bundle you uploaded (PUT /api/bundles/<sha256>/); the entrypoint is then "
                       "a path inside it. Left out: the entrypoint is on the node itself.")
+        if_resume_refused = serializers.ChoiceField(
+            choices=Job.ResumeRefused.choices, default=Job.ResumeRefused.FAIL,
+            help_text="When the framework checkpoint engine refuses a resume because the re-run is not the run "
+                      "that was cut (an unseeded script, the script's own snapshot logic): fail (the job fails, "
+                      "naming what differed) or restart (the script starts again from scratch, and the job's "
+                      "events say so). A job spanning hosts always fails.",
+            error_messages={"invalid_choice": RESUME_REFUSED_MESSAGE})
 
 
     @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer},

@@ -94,6 +94,13 @@ class Job(models.Model):
         FAILED = "failed", "Failed"
         CANCELLED = "cancelled", "Cancelled"
 
+    class ResumeRefused(models.TextChoices):
+        """What the job's launcher does when the framework engine refuses a resume because the
+        re-run is not the run that was cut (protocol.states.ResumeRefused: the same words)."""
+
+        FAIL = "fail", "Fail, naming what differed"
+        RESTART = "restart", "Start again from scratch"
+
     TERMINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
     # States in which the job waits for devices (the scheduler's queue).
     WAITING_STATES = frozenset({State.PENDING, State.PREEMPTED})
@@ -114,6 +121,10 @@ class Job(models.Model):
     args = models.JSONField(default=list, blank=True)
     env = models.JSONField(default=dict, blank=True)
     total_steps = models.PositiveBigIntegerField(null=True, blank=True)
+    if_resume_refused = models.CharField(
+        max_length=8, choices=ResumeRefused.choices, default=ResumeRefused.FAIL,
+        help_text="When the framework engine refuses a resume (the re-run is not the run that was cut): fail, "
+                  "or start the script again from scratch (a job spanning hosts always fails).")
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     state_changed_at = models.DateTimeField(default=timezone.now)
 
@@ -257,6 +268,7 @@ class JobEvent(models.Model):
         CANCEL_REQUESTED = "cancel_requested", "Cancel requested"
         MOVE_STEP = "move_step", "Move step done"
         MOVE_ENDED = "move_ended", "Move ended early"
+        RESTARTED_FROM_SCRATCH = "restarted_from_scratch", "Restarted from scratch (resume refused)"
         MESSAGE = "message", "Message"
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")

@@ -168,7 +168,7 @@ def move_active(*, job_id):
     return Move.objects.filter(job_id=job_id, state=Move.State.ACTIVE).first()
 
 
-OBSERVED_FIELDS = ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error")
+OBSERVED_FIELDS = ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error", "restarted")
 
 
 FROM_NODES = "from_nodes"  # Move.observed key: the old copy's follower hosts (move_create)
@@ -248,6 +248,11 @@ class _Seen:
     @property
     def error(self) -> str:
         return (self.report.error or "") if self.report else ""
+
+    @property
+    def restarted(self) -> str | None:
+        """Why the copy started again from scratch after its resume was refused, or None."""
+        return self.report.restarted if self.report else None
 
 
 def _seen(move, generation) -> _Seen:
@@ -335,6 +340,13 @@ def _check_store(move, job):
 
 def _check_restore(move, job):
     seen = _new(move)
+    if seen.state in (CopyState.RUNNING, CopyState.FINISHED) and seen.restarted:
+        # The framework engine refused the resume and the job asked to start again from scratch
+        # (if_resume_refused "restart"): its step starts at 0 and would not reach the cut's before
+        # the step's deadline, yet the move is done all the same.
+        return _Outcome(DONE, f"running on {seen.hostname}, restarted from scratch at step {seen.step}: the resume "
+                              f"of checkpoint step {move.cut_step} was refused",
+                        {"checkpoint_step": move.cut_step, "running_step": seen.step, "restarted": seen.restarted})
     if seen.state in (CopyState.RUNNING, CopyState.FINISHED) and (seen.step or 0) >= (move.cut_step or 0):
         return _Outcome(DONE, f"running on {seen.hostname} at step {seen.step} "
                               f"(restored checkpoint step {move.cut_step})",
@@ -420,8 +432,10 @@ def _release_job(*, move, job, now):
     target = S.PREEMPTED if move.kind == K.PREEMPTION else S.RUNNING
     if job.state != MOVING_STATE[K(move.kind)]:
         return
+    restored = ("restarted from scratch (its resume was refused)" if _new(move).restarted
+                else f"restored from checkpoint step {move.cut_step}")
     reason = {K.PREEMPTION: f"checkpointed at step {move.cut_step} and released; back in line",
-              K.MIGRATION: f"restored from checkpoint step {move.cut_step} on {_node_name(move.to_node_id)}",
+              K.MIGRATION: f"{restored} on {_node_name(move.to_node_id)}",
               K.RESIZE: f"resized to {move.to_devices} device(s)"}[K(move.kind)]
     try:
         job_transition(job=job, to=target, reason=reason, now=now, extra={"move": move.pk})

@@ -369,7 +369,7 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
 
 SPEC_FIELDS = {
     "name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps",
-    "bundle",
+    "bundle", "if_resume_refused",
 }
 
 
@@ -390,7 +390,8 @@ def job_spec_clean(spec: object) -> dict:
     Fields: name, tier (premium|standard|basic), accelerator_type (fleet registry),
     world_size W >= 1, min_devices (default 1: every job is elastic unless asked
     otherwise; must divide W), entrypoint, args (list of strings), env (str → str),
-    total_steps (optional). The team quota is checked by job_submit.
+    total_steps (optional), if_resume_refused (fail|restart, default fail: what the launcher does
+    when the framework engine refuses a resume). The team quota is checked by job_submit.
     """
     if not isinstance(spec, dict):
         raise ValidationError({"spec": "a job spec must be a JSON object"})
@@ -452,6 +453,10 @@ def job_spec_clean(spec: object) -> dict:
             errors["total_steps"] = "total_steps must be at least 1 when given"
         elif total_steps is not None and total_steps > MAX_TOTAL_STEPS:
             errors["total_steps"] = f"total_steps must be at most {MAX_TOTAL_STEPS} (2**63 - 1), got {total_steps}"
+    if_resume_refused = spec.get("if_resume_refused", Job.ResumeRefused.FAIL)
+    if if_resume_refused not in Job.ResumeRefused.values:
+        errors["if_resume_refused"] = (f"if_resume_refused must be one of {', '.join(Job.ResumeRefused.values)} "
+                                       f"(what to do when a resume is refused), got {if_resume_refused!r}")
     if spec.get("bundle") is not None and type(spec["bundle"]).__name__ != "Bundle":
         errors["bundle"] = "bundle must be an uploaded bundle (bundle_resolve_for_submit resolves a digest)"
     if errors:
@@ -467,6 +472,7 @@ def job_spec_clean(spec: object) -> dict:
         "env": env,
         "total_steps": total_steps,
         "bundle": spec.get("bundle"),  # a Bundle row or None (jobs.bundles.bundle_resolve_for_submit)
+        "if_resume_refused": if_resume_refused,
     }
 
 

@@ -44,7 +44,7 @@ from protocol.node import (
     Telemetry,
     checkpoint_uri_problem,
 )
-from protocol.states import LIVE_COPY_STATES, CopyState, DesiredAction, JobState
+from protocol.states import LIVE_COPY_STATES, CopyState, DesiredAction, JobState, ResumeRefused
 
 logger = logging.getLogger(__name__)
 S = Job.State
@@ -99,7 +99,8 @@ def node_desired_state_build(*, node) -> DesiredState:
     recorded when it was reported (None for a checkpoint recorded without one: the agent refuses
     to restore it), plus one entry with action "stop" per job whose active
     move takes its old copy off this node. Every entry has the placement `generation` the agent
-    must run (or stop). A job the agent runs that is not listed must be stopped with a
+    must run (or stop), a run entry the job's `if_resume_refused` (meridian-run's
+    --if-resume-refused). A job the agent runs that is not listed must be stopped with a
     checkpoint. Three queries.
     """
     rows = (
@@ -115,7 +116,7 @@ def node_desired_state_build(*, node) -> DesiredState:
     newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk")).order_by("-step", "-id")
     jobs = Job.objects.filter(pk__in=list(devices)).select_related("bundle").only(
         "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
-        "total_steps", "last_checkpoint_step", "generation", "bundle__sha256",
+        "total_steps", "last_checkpoint_step", "generation", "bundle__sha256", "if_resume_refused",
     ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
                restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
     spans = _job_spans(list(devices))
@@ -134,6 +135,7 @@ def node_desired_state_build(*, node) -> DesiredState:
             last_checkpoint_step=job.last_checkpoint_step,
             span=_span_for(spans.get(job.pk), node_id=node.pk, job_id=job.pk, generation=job.generation,
                            world_size=job.world_size),
+            if_resume_refused=ResumeRefused(job.if_resume_refused),
             **job_workspace_fields(job),
         ))
     listed = {e.job_id for e in entries}
@@ -360,6 +362,7 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
     if not current:
         return None
     _waiting_apply(job=job, entry=entry, node=node)
+    _restarted_apply(job=job, entry=entry, node=node)
     try:
         if state == CopyState.RUNNING and job.state == S.SCHEDULED:
             # An unconfined copy (a node that cannot sandbox it) says so in the job's events.
@@ -400,6 +403,25 @@ def _waiting_apply(*, job, entry: JobReport, node):
     if waiting:
         job_event_add(job=job, type=JobEvent.Type.MESSAGE, reason=waiting, extra={"node": node.hostname,
                                                                                  "waiting": entry.waiting})
+
+
+def _restarted_apply(*, job, entry: JobReport, node):
+    """Records, once per placement generation, that the current copy's launcher started the script
+    again from scratch because the framework engine refused its resume (the job asked for that:
+    if_resume_refused "restart"): a RESTARTED_FROM_SCRATCH event with the launcher's reason. The
+    job's progress starts again from step 0, so its owner must hear of it. The agent says so on
+    every report of the copy (level-triggered), hence the look for the event already written: one
+    query, made only for such reports."""
+    if not entry.restarted:
+        return
+    if JobEvent.objects.filter(job=job, type=JobEvent.Type.RESTARTED_FROM_SCRATCH,
+                               extra_data__generation=job.generation).exists():
+        return
+    # The launcher's words begin "restarted from scratch ...": the host goes first, the rest as said.
+    job_event_add(job=job, type=JobEvent.Type.RESTARTED_FROM_SCRATCH,
+                  reason=f"on {node.hostname}: {entry.restarted}"[:500],
+                  extra={"node": node.hostname, "generation": job.generation, "restarted": entry.restarted,
+                         "step": entry.step})
 
 
 # --- timeouts ------------------------------------------------------------------------------------

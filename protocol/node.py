@@ -23,7 +23,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from protocol.message import Message, bounded
-from protocol.states import CopyState, CutAction, DesiredAction, JobState
+from protocol.states import CopyState, CutAction, DesiredAction, JobState, ResumeRefused
 
 MAX_DEVICES_PER_NODE = 64  # devices one node may register (and report telemetry for)
 MAX_DEVICE_INDEX = 2**15 - 1
@@ -160,6 +160,10 @@ class JobReport(Message):
     waiting: str | None = bounded(default=None, max_length=MAX_ERROR)
     # What the launcher said about a finished copy (its finished event's note), e.g. no steps taken
     note: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # Why the copy's launcher started the script again from scratch after the framework engine
+    # refused its resume (the job's if_resume_refused is "restart"); None: it did not. Said on every
+    # report of the copy (level-triggered): the control plane writes the job's event once.
+    restarted: str | None = bounded(default=None, max_length=MAX_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +237,10 @@ class DesiredJob(Message):
     # Added in the multi-host control loop (issue 14): present only when the job spans hosts; an
     # agent that does not know it would run all W ranks here, so such jobs need upgraded agents.
     span: JobSpan | None = None
+    # What the launcher does when the framework engine refuses the resume (issue 19): passed as
+    # --if-resume-refused. An entry without it (an older control plane) is "fail", what every agent
+    # always did; an older agent ignores it and fails such a job, saying why.
+    if_resume_refused: ResumeRefused = ResumeRefused.FAIL
 
 
 @dataclass(frozen=True, kw_only=True)

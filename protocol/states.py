@@ -10,6 +10,9 @@ other word by name.
   CutAction      why the launcher took a consistent cut (its checkpoint and resize events)
   JobState       the job's own state as the desired state names it: the values of the
                  database's `jobs.models.Job.State` (a test asserts they are the same words)
+  ResumeRefused  what a job's launcher does when the framework engine refuses its resume: the
+                 values of `jobs.models.Job.ResumeRefused` (a test asserts the same words) and of
+                 meridian-run's --if-resume-refused
 """
 from __future__ import annotations
 
@@ -75,3 +78,12 @@ class JobState(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class ResumeRefused(StrEnum):
+    """What a job's launcher does when the framework engine refuses its resume because the re-run
+    is not the run that was cut (an unseeded script, the script's own snapshot logic...): the
+    job's `if_resume_refused`, passed to meridian-run as --if-resume-refused."""
+
+    FAIL = "fail"  # the job fails, naming what differed (nothing is silently lost)
+    RESTART = "restart"  # the script starts again from scratch, and the job's events say so

@@ -319,6 +319,12 @@ class Launcher:
             reason = str(json.loads(raw).get("reason"))[:4000]
         except (OSError, ValueError, AttributeError):
             reason = "(no reason recorded)"
+        if self.options.if_resume_refused == "restart" and self.peers is not None and not self.restarted:
+            # Said first, so that it survives the control plane's cut of a long reason: the job asked
+            # for a restart, and the owner must learn why it failed instead.
+            raise LaunchError(f"resume refused by the framework engine (rank {rank}); --if-resume-refused restart "
+                              f"is not applied to a job spanning hosts (its hosts would have to start again "
+                              f"together), so the job fails: {reason}")
         if self.options.if_resume_refused != "restart" or self.restarted or self.peers is not None:
             raise LaunchError(f"resume refused by the framework engine (rank {rank}): {reason}")
         self.kill_all()

@@ -6,7 +6,7 @@ import shlex
 from django import forms
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
-from jobs.models import Tier
+from jobs.models import Job, Tier
 from jobs.services import MAX_TOTAL_STEPS, MAX_WORLD_SIZE
 
 
@@ -27,6 +27,13 @@ class JobSubmitForm(forms.Form):
                                      help_text="Optional; lets the page show progress as a fraction.")
     env = forms.CharField(
         required=False, widget=forms.Textarea(attrs={"rows": 3}), help_text="One KEY=VALUE per line."
+    )
+    if_resume_refused = forms.ChoiceField(
+        label="If a resume is refused", choices=Job.ResumeRefused.choices, initial=Job.ResumeRefused.FAIL,
+        required=False,
+        help_text="When the framework checkpoint engine finds the re-run is not the run that was cut (an unseeded "
+                  "script, the script's own snapshots): fail the job, or start it again from scratch (said in its "
+                  "events; a job spanning hosts always fails).",
     )
     bundle = forms.FileField(
         required=False, label="Code bundle (.tar.gz)",
@@ -69,6 +76,8 @@ class JobSubmitForm(forms.Form):
         spec = {field: data[field] for field in fields}
         if data.get("total_steps") is not None:
             spec["total_steps"] = data["total_steps"]
+        if data.get("if_resume_refused"):  # left empty (a form posted without it): the service's default
+            spec["if_resume_refused"] = data["if_resume_refused"]
         return spec
 
     def bundle_upload(self, *, user):

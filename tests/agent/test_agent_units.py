@@ -99,6 +99,48 @@ def test_the_launch_command_gives_the_launcher_the_device_count_and_the_node_loc
     assert "--device-indices" not in mismatched
 
 
+def test_the_launch_command_asks_the_launcher_to_restart_a_refused_resume_only_for_a_job_that_chose_it(tmp_path):
+    from agent import node as agent_node
+
+    reconciler = agent_node.NodeReconciler(tmp_path / "w", workload_root=tmp_path)
+
+    def launched(**fields):
+        return reconciler.launch_command(desired_job(**fields), job_dir=tmp_path / "j", attempt=1,
+                                         store=tmp_path / "s", resume=True)
+
+    chose = launched(if_resume_refused="restart")
+    assert chose[chose.index("--if-resume-refused") + 1] == "restart"
+    assert chose.index("--if-resume-refused") < chose.index(str(tmp_path / "train.py"))  # a launcher flag
+    assert "--if-resume-refused" not in launched(if_resume_refused="fail")
+    assert "--if-resume-refused" not in launched()  # an older control plane's entry
+
+
+def write_launch_events(job_dir, *events):
+    from protocol.launch import event_line
+
+    job_dir.mkdir(parents=True)
+    (job_dir / "events.jsonl").write_text("".join(event_line(event) for event in events))
+
+
+def test_a_copy_started_again_after_its_refused_resume_says_why_in_every_report(tmp_path):
+    from agent.node import LocalJob
+    from protocol.launch import Restored, Started
+
+    restored = Restored(time_unix=2.0, engine="framework", step=40, checkpoint="file:///s/ckpt-40", spool="/sp",
+                        seconds=0.5)
+    again = Started(time_unix=3.0, engine="framework", world_size=2, devices=1,
+                    reason="restarted from scratch (--if-resume-refused restart): the resume was refused: seeds differ")
+    write_launch_events(tmp_path / "restarted", restored, again)
+    write_launch_events(tmp_path / "resumed", restored)
+    first = Started(time_unix=1.0, engine="framework", world_size=2, devices=1, reason="auto: no CRIU here")
+    write_launch_events(tmp_path / "fresh", first)
+
+    report = LocalJob(7, tmp_path / "restarted").observed()
+    assert report.restarted == again.reason and report.restored_step == 40
+    assert LocalJob(7, tmp_path / "resumed").observed().restarted is None
+    assert LocalJob(7, tmp_path / "fresh").observed().restarted is None  # a first start is no restart
+
+
 def test_a_report_the_control_plane_would_refuse_goes_with_its_state_only(caplog):
     from agent.node import _checked
     from protocol.node import JobReport

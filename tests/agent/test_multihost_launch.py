@@ -34,6 +34,18 @@ def test_the_launch_command_of_a_hosts_share_runs_the_multi_node_launcher(tmp_pa
     assert "--nodes" not in single and single[single.index("--device-indices") + 1] == "0,1,2,3"
 
 
+def test_a_hosts_share_passes_the_restart_policy_on_for_its_launcher_to_refuse_by_name(tmp_path):
+    from agent import node as agent_node
+
+    reconciler = agent_node.NodeReconciler(tmp_path / "w", workload_root=tmp_path, node_addr="10.213.5.11")
+    command = reconciler.launch_command(desired_job(if_resume_refused="restart"), job_dir=tmp_path / "j", attempt=2,
+                                        store=tmp_path / "s", resume=True)
+
+    # The launcher of a job spanning hosts fails a refused resume, saying the restart is not applied
+    # (tests/runtime/test_launcher_resume_refused.py); dropped here, the job's events would not say so.
+    assert command[command.index("--if-resume-refused") + 1] == "restart" and "--nodes" in command
+
+
 def test_a_share_that_is_not_the_launchers_block_is_refused_by_name(tmp_path):
     from agent.node import multihost_span_problem
 

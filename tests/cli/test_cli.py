@@ -92,6 +92,20 @@ def test_submit_status_events_cancel_wait_from_a_folder(logged_in, project, monk
     assert code == 1 and "no saved outputs yet" in err
 
 
+def test_submit_lets_a_job_start_again_from_scratch_when_its_resume_is_refused(logged_in, project, monkeypatch,
+                                                                             capsys):
+    monkeypatch.chdir(project)
+    code, out, err = run(capsys, "submit", "--json", "--if-resume-refused", "restart", "--", "python", "train.py")
+    assert code == 0, err
+    assert Client.from_config().get(f"/api/jobs/{json.loads(out)['id']}/")["if_resume_refused"] == "restart"
+    code, out, err = run(capsys, "submit", "--json", "--", "python", "train.py")
+    assert Client.from_config().get(f"/api/jobs/{json.loads(out)['id']}/")["if_resume_refused"] == "fail"
+    with pytest.raises(SystemExit) as refused:
+        run(capsys, "submit", "--if-resume-refused", "retry", "--", "python", "train.py")
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--if-resume-refused: invalid choice" in err and "restart" in err
+
+
 def test_wait_gives_up_after_its_timeout_with_124(logged_in, project, monkeypatch, capsys):
     monkeypatch.chdir(project)
     _, out, _ = run(capsys, "submit", "--json", "--", "python", "train.py")

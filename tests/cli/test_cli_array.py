@@ -24,6 +24,15 @@ def test_array_submits_n_copies_each_with_its_task_id(logged_in, project, monkey
     assert {job["state"] for job in jobs} == {"pending"}
 
 
+def test_every_copy_of_an_array_gets_the_resume_policy(logged_in, project, monkeypatch, capsys):  # noqa: F811
+    monkeypatch.chdir(project)
+    code, out, err = run(capsys, "submit", "--json", "--array", "2", "--if-resume-refused", "restart", "--", "python",
+                         "train.py")
+    assert code == 0, err
+    assert set(Job.objects.filter(pk__in=json.loads(out)["ids"]).values_list("if_resume_refused", flat=True)) == {
+        "restart"}
+
+
 def test_an_array_over_the_quota_submits_nothing_and_says_why(logged_in, project, monkeypatch, capsys):  # noqa: F811
     monkeypatch.chdir(project)
     Team.objects.filter(slug="team-a").update(quotas={"CPU": 3})

@@ -32,6 +32,18 @@ def test_it_submits_a_job_with_w_unplaced_replicas(client_for, alice, team_a, jo
     assert JobEvent.objects.filter(job=job, type=JobEvent.Type.SUBMITTED, actor=alice).exists()
 
 
+def test_a_job_may_ask_to_start_again_from_scratch_when_its_resume_is_refused(client_for, alice, job_spec):
+    response = client_for(alice).post(URL, job_spec(if_resume_refused="restart"), format="json")
+
+    assert response.status_code == 201, response.content
+    assert response.json()["if_resume_refused"] == "restart"
+    assert Job.objects.get(pk=response.json()["id"]).if_resume_refused == Job.ResumeRefused.RESTART
+    # Left out, a refused resume fails the job (what every job did before it could choose).
+    default = client_for(alice).post(URL, job_spec(), format="json").json()
+    assert default["if_resume_refused"] == "fail"
+    assert client_for(alice).get(f"/api/jobs/{default['id']}/").json()["if_resume_refused"] == "fail"
+
+
 def test_a_user_on_two_teams_names_the_team(client_for, carol, job_spec):
     response = client_for(carol).post(URL, job_spec(), format="json")
 
@@ -54,10 +66,12 @@ def test_a_user_on_two_teams_names_the_team(client_for, carol, job_spec):
         ({"env": {"1BAD": "x"}}, "env", "invalid environment variable name"),
         ({"entrypoint": ""}, "entrypoint", "may not be blank"),
         ({"team": "team-b"}, "team", 'you are not on a team "team-b"; your teams: team-a'),
+        ({"if_resume_refused": "retry"}, "if_resume_refused", 'if_resume_refused must be one of fail, restart'),
+        ({"if_resume_refused": None}, "if_resume_refused", "may not be null"),
     ],
     ids=["unknown-tier", "unknown-type", "zero-ranks", "negative-ranks", "ranks-not-a-number",
          "min-devices-not-dividing-w", "min-devices-above-w", "args-not-a-list", "bad-env-name",
-         "empty-entrypoint", "someone-elses-team"],
+         "empty-entrypoint", "someone-elses-team", "unknown-resume-policy", "null-resume-policy"],
 )
 def test_it_rejects_bad_input_with_an_actionable_message(client_for, alice, job_spec, overrides, field, message):
     response = client_for(alice).post(URL, job_spec(**overrides), format="json")

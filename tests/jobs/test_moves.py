@@ -49,8 +49,11 @@ def make_node(hostname, devices=1):
     return node
 
 
-def report(node, job_id, state, *, generation=None, step=10, devices=1, cut=None, checkpoint_step=None, now=None):
+def report(node, job_id, state, *, generation=None, step=10, devices=1, cut=None, checkpoint_step=None, now=None,
+           restarted=None):
     entry = {"job_id": job_id, "state": state, "step": step, "devices": devices}
+    if restarted is not None:
+        entry["restarted"] = restarted
     if generation is not None:
         entry["generation"] = generation
     if cut is not None:
@@ -192,6 +195,28 @@ def test_a_live_migration_waits_for_the_restore_step_before_the_new_node_runs_it
     assert step_events(job) == [("started", None, None), ("barrier", "n1", 30), ("checkpoint", "n1", 30),
                                 ("store", "n1", 30), ("restore", "n2", 30), ("release", "n1", 30)]
     assert actions() == ({}, {job.pk: ("run", 2)})
+
+
+@pytest.mark.django_db
+def test_a_migration_whose_new_copy_started_again_from_scratch_is_done_and_says_so(running):
+    job, n1, n2 = live_migration(running)
+    move = Move.objects.get(job=job, state=Move.State.ACTIVE)
+    report(n1, job.pk, "stopped", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
+    worker()
+    assert Move.objects.get(pk=move.pk).step == Move.Step.RESTORE
+
+    # The framework engine refused the resume and the job chose to start again: its step restarts at
+    # 0 and would never pass the cut's before the restore step's deadline.
+    report(n2, job.pk, "running", generation=2, step=3, restarted="restarted from scratch: the resume was refused")
+    worker()
+
+    job.refresh_from_db()
+    assert job.state == S.RUNNING and Move.objects.get(pk=move.pk).state == Move.State.DONE
+    restore = JobEvent.objects.get(job=job, type=JobEvent.Type.MOVE_STEP, extra_data__step="restore")
+    assert "restarted from scratch at step 3: the resume of checkpoint step 30 was refused" in restore.reason
+    released = JobEvent.objects.filter(job=job, type=JobEvent.Type.STATE_CHANGED, to_state=S.RUNNING).last()
+    assert released.reason == "restarted from scratch (its resume was refused) on n2"
+    assert JobEvent.objects.filter(job=job, type=JobEvent.Type.RESTARTED_FROM_SCRATCH).count() == 1
 
 
 @pytest.mark.django_db

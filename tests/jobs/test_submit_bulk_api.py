@@ -45,6 +45,20 @@ def test_one_bad_spec_submits_nothing_and_is_named_by_index(api_client_for, alic
     assert Job.objects.count() == 0 and TeamQuotaClaim.objects.filter(claimed__gt=0).count() == 0
 
 
+def test_each_job_of_a_bulk_submission_has_its_own_resume_policy_and_a_bad_one_is_named(api_client_for, alice,
+                                                                                         job_spec):
+    specs = [_spec(job_spec, name="a", if_resume_refused="restart"), _spec(job_spec, name="b")]
+    refused = api_client_for(alice).post(URL, {"jobs": [*specs, _spec(job_spec, if_resume_refused="again")]},
+                                         format="json")
+
+    assert refused.status_code == 400
+    assert "if_resume_refused must be one of fail, restart" in refused.json()["jobs"]["2"]["if_resume_refused"][0]
+    assert Job.objects.count() == 0
+    response = api_client_for(alice).post(URL, {"jobs": specs}, format="json")
+    assert response.status_code == 201, response.content
+    assert dict(Job.objects.values_list("name", "if_resume_refused")) == {"a": "restart", "b": "fail"}
+
+
 def test_the_quota_is_checked_for_all_the_jobs_together(api_client_for, alice, team_a, job_spec):
     team_a.quotas = {"CPU": 10}
     team_a.save()

@@ -130,6 +130,21 @@ def test_submit_creates_the_job_through_the_service(client_for, alice, team_a):
     assert job.events.filter(type=JobEvent.Type.SUBMITTED).exists()
 
 
+def test_submit_lets_a_job_start_again_from_scratch_and_its_page_says_so(client_for, alice, team_a):
+    fields = {"team": team_a.pk, "entrypoint": "train.py", "world_size": 2, "min_devices": 1, "tier": "basic",
+              "accelerator_type": "CPU"}
+    client = client_for(alice)
+    client.post(reverse("pages:job-submit"), {**fields, "name": "own-snapshots", "if_resume_refused": "restart"})
+    client.post(reverse("pages:job-submit"), {**fields, "name": "seeded"})
+    refused = client.post(reverse("pages:job-submit"), {**fields, "name": "odd", "if_resume_refused": "retry"})
+
+    restart, seeded = Job.objects.get(name="own-snapshots"), Job.objects.get(name="seeded")
+    assert (restart.if_resume_refused, seeded.if_resume_refused) == ("restart", "fail")
+    assert refused.status_code == 200 and "retry" in " ".join(refused.context["form"].errors["if_resume_refused"])
+    page = client.get(reverse("pages:job-detail", args=[restart.pk])).content.decode()
+    assert '<td data-testid="job-if-resume-refused">Start again from scratch</td>' in page
+
+
 def test_submit_shows_the_services_errors_at_their_fields(client_for, alice, team_a):
     response = client_for(alice).post(
         reverse("pages:job-submit"),

@@ -154,3 +154,43 @@ def test_a_cut_report_names_its_kind_from_a_fixed_set_only():
     assert CutReport.from_dict({"action": "stop", "step": 3}).kind is None  # an older agent
     with pytest.raises(ProtocolError):
         CutReport.from_dict({"action": "stop", "step": 3, "kind": "x" * 10000})
+
+
+def test_the_desired_state_carries_the_jobs_resume_policy_as_its_word():
+    from protocol.states import ResumeRefused
+
+    entry = DesiredJob(job_id=7, action=DesiredAction.RUN, generation=2, world_size=2, devices=1,
+                       entrypoint="train.py", if_resume_refused=ResumeRefused.RESTART)
+    wire = DesiredState(node_id=3, jobs=(entry,)).to_dict()
+    assert wire["jobs"][0]["if_resume_refused"] == "restart"
+    assert DesiredState.from_dict(wire).jobs[0].if_resume_refused is ResumeRefused.RESTART
+
+
+def test_an_older_control_planes_entry_without_a_resume_policy_fails_a_refused_resume():
+    from protocol.states import ResumeRefused
+
+    wire = DESIRED.to_dict()
+    for entry in wire["jobs"]:
+        entry.pop("if_resume_refused", None)
+    assert [job.if_resume_refused for job in DesiredState.from_dict(wire).jobs] == [ResumeRefused.FAIL] * 2
+
+
+def test_a_resume_policy_that_is_not_a_known_word_is_refused_by_the_fields_path():
+    wire = DESIRED.to_dict()
+    wire["jobs"][0]["if_resume_refused"] = "retry"
+    with pytest.raises(ProtocolError) as caught:
+        DesiredState.from_dict(wire)
+    assert caught.value.field == "jobs.0.if_resume_refused" and "'restart'" in caught.value.problem
+
+
+def test_resume_policies_on_the_wire_are_the_databases_words():
+    from jobs.models import Job
+    from protocol.states import ResumeRefused
+
+    assert {policy.value for policy in ResumeRefused} == set(Job.ResumeRefused.values)
+
+
+def test_a_report_says_why_its_copy_was_restarted_from_scratch_and_an_old_one_says_nothing():
+    report = JobReport(job_id=4, state=CopyState.RUNNING, restarted="the resume was refused: weights differ")
+    assert JobReport.from_dict(report.to_dict()).restarted == "the resume was refused: weights differ"
+    assert JobReport.from_dict({"job_id": 4, "state": "running"}).restarted is None

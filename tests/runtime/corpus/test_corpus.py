@@ -249,6 +249,9 @@ def test_a_refused_resume_fails_with_its_reason_or_restarts_as_the_job_allows(tm
     restarted.finish(0)
     events = _events(node)
     assert "restarted from scratch" in [e for e in events if e["event"] == "started"][-1]["reason"]
+    # The node agent reads the restart from these events and says so in its reports (JobReport.restarted).
+    from agent.node import LocalJob
+    assert LocalJob(1, node).restarted().startswith("restarted from scratch (--if-resume-refused restart)")
     assert events[-1]["event"] == "finished" and out.exists()
     assert "resuming from my own snapshot at epoch 1" in (node / "logs" / "rank0.log").read_text()
     assert (node / "logs" / "attempt-1" / "rank0.log").exists()  # the earlier attempts' logs are kept
