@@ -37,7 +37,11 @@ def plane(tmp_path_factory, template_db, emulated_hosts):  # noqa: F811 - the im
     base = tmp_path_factory.mktemp("mh-cp", numbered=True)
     cp = ControlPlane(base, bind=cluster.control_plane_addr, env={
         "MERIDIAN_CHECKPOINT_STORE": f"{cluster[0].store}/ckpt",  # the hosts' shared mount
-        "MERIDIAN_NODE_LOST_AFTER_SECONDS": "8",
+        # Four hosts' agents, two W = 8 jobs and a reference run share two cores: an agent's beat can
+        # stall for seconds under that load, which must not pass for a lost node (or a move's step
+        # for a timed-out one) before the test kills a host on purpose.
+        "MERIDIAN_NODE_LOST_AFTER_SECONDS": "20",
+        "MERIDIAN_WORKFLOW_TIMEOUT_SECONDS": "300",
         "ALLOWED_HOSTS": f"{cluster.control_plane_addr},127.0.0.1,localhost",
     })
     agents = []
