@@ -822,6 +822,7 @@ class NodeReconciler:
                 pass
         if job.popen is not None:
             job.popen.wait(timeout=10)
+        job_sandbox.remove_private_dirs(job.job_dir)  # a killed launcher could not
         _remove_cgroup_soon(job.job_dir)
 
     def kill_all(self):

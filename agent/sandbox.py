@@ -13,8 +13,10 @@ Modes (`meridian-agent --sandbox`, MERIDIAN_SANDBOX):
 Whatever the mode, a job gets only its own environment (the agent's never reaches it).
 
 Layout (root's unless said): <work dir> 0711 (reachable, not listable), node-token 0600, j/ 0700
-(launcher logs, events, control sockets, sandbox.json 0600), spool/ 0711 with each job's spool
-root:<job gid> 1770, workspaces/ 0711 with each job's workspace <job uid>:<job gid> 0700. A job's
+(launcher logs, events, control sockets, sandbox.json 0600; <job dir>/tmp root:<job gid> 1770 is the
+ranks' private /tmp, and /dev/shm/meridian-job-<id>-<nonce> their private /dev/shm, both made by the
+launcher: runtime/private_dirs.py), spool/ 0711 with each job's spool root:<job gid> 1770, workspaces/
+0711 with each job's workspace <job uid>:<job gid> 0700. A job's
 checkpoint store folders (<store>/job-<id>/g<n>) are root:<job gid> 0750: the job reads its own
 checkpoints (the framework engine's restore) and writes only into the staging folder of a
 checkpoint being taken, which the launcher seals before committing it.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import shutil
 import stat
 import subprocess
 import sys
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.launch import SandboxSpec
+from runtime import private_dirs
 from runtime import sandbox as mechanisms
 from runtime.sandbox import Identity, JobCgroup, SandboxError
 
@@ -120,8 +124,12 @@ class NodeSandbox:
             else:
                 log.warning("sandbox UNAVAILABLE, jobs run UNCONFINED as %s: %s", _user(), exc)
             return
-        log.info("sandbox: jobs run as uids %d..%d, cgroup %s under %s", self.policy.uid_base,
-                 self.policy.uid_base + self.policy.uid_count - 1, self.cgroups.version, self.cgroups.parents[0])
+        log.info("sandbox: jobs run as uids %d..%d, cgroup %s under %s, each with a private /tmp and /dev/shm",
+                 self.policy.uid_base, self.policy.uid_base + self.policy.uid_count - 1, self.cgroups.version,
+                 self.cgroups.parents[0])
+        swept = private_dirs.sweep()  # what launchers killed with the last agent left in /dev/shm
+        if swept:
+            log.info("sandbox: removed %d private /dev/shm folder(s) of launchers that are gone", len(swept))
 
     def _probe(self) -> None:
         """Starts the runtime as a job uid once, the way a rank starts: the interpreter, the
@@ -283,6 +291,22 @@ def kill_job(job_dir: os.PathLike | str) -> set[int]:
     except OSError as exc:
         log.warning("could not kill the cgroup of %s: %s", job_dir, exc)
         return set()
+
+
+def remove_private_dirs(job_dir: os.PathLike | str) -> list[str]:
+    """After the agent killed the job launched in `job_dir`: removes what its launcher could not, its
+    ranks' private /tmp (<job dir>/tmp) and, node-wide, the private /dev/shm folders of launchers
+    that are gone (runtime/private_dirs.py sweep); returns what was removed. A no-op for a job
+    that was not sandboxed (it had none)."""
+    spec = spec_of(job_dir)
+    if spec is None or spec.uid is None:
+        return []
+    removed = []
+    tmp = pathlib.Path(job_dir) / "tmp"
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(str(tmp))
+    return removed + private_dirs.sweep()
 
 
 def remove_cgroup(job_dir: os.PathLike | str) -> bool:

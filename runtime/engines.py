@@ -183,7 +183,8 @@ class CriuEngine(Engine):
 
     def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
         # A sandboxed rank (started through setpriv as the job's uid) needs a /proc of its own.
-        unprivileged = bool(command) and os.path.basename(command[0]) == "setpriv"
+        # (Sandboxed jobs are refused CRIU today: runtime/criu.py says why.)
+        unprivileged = any(os.path.basename(part) == "setpriv" for part in command)
         popen = subprocess.Popen(criu.namespace_command(command, own_proc=unprivileged), env=env,
                                  stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

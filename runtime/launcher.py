@@ -217,7 +217,7 @@ class Launcher:
         self.master_port = self.rendezvous.port
 
     def rank_env(self, rank, resume_dir=None):
-        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        root = self.runtime_root
         runtime_env = {
             "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(rank - self.local_ranks.start), "LOCAL_WORLD_SIZE": str(len(self.local_ranks)),
@@ -285,6 +285,7 @@ class Launcher:
     def spawn_ranks(self, resume_dir=None):
         self.give_workspace()
         rank_logs.link(self)
+        self.make_private_dirs()
         for rank in self.local_ranks:
             command = [sys.executable, "-m", "runtime.rank", "--spool", str(self.spool),
                        self.script] + list(self.options.args)
@@ -294,6 +295,34 @@ class Launcher:
                 pid, popen = self.checkpoints.spawn(command, env=self.rank_env(rank, resume_dir),
                                                     log=launch_log)
             self.ranks.append(RankProcess(rank, pid, popen))
+
+    def make_private_dirs(self):
+        """Gives a sandboxed job's ranks their own /tmp and /dev/shm on this host (once per
+        launcher: every rank it starts shares them; runtime/private_dirs.py). The paths the ranks
+        need are named, so that those under the node's /tmp or /dev/shm stay reachable."""
+        if self.sandbox is None:
+            return
+        keep = [self.spool, self.store.root, os.path.dirname(self.script), self.runtime_root,
+                os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.base_prefix]
+        if self.workspace is not None:
+            keep.append(self.workspace.path)
+        if self.options.rendezvous:
+            keep.append(self.options.rendezvous)
+        try:
+            self.sandbox.make_private_dirs(job_dir=self.job_dir, job_id=self.job_id, keep=keep)
+        except job_sandbox.SandboxError as exc:
+            raise LaunchError(f"--sandbox: {exc}") from None
+
+    @property
+    def runtime_root(self):
+        """The folder that holds runtime/ (the ranks' PYTHONPATH starts with it)."""
+        return str(pathlib.Path(__file__).resolve().parent.parent)
+
+    def remove_private_dirs(self):
+        """Removes the ranks' private /tmp and /dev/shm: their ranks are gone on this host (what
+        they held there is in no checkpoint: the workspace is what follows a job)."""
+        if self.sandbox is not None:
+            self.sandbox.remove_private_dirs()
 
     # -- rank health ----------------------------------------------------------------------------
     def check_ranks(self):
@@ -499,9 +528,10 @@ class Launcher:
 
     def choose_engine(self) -> tuple[str, str]:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
-        (runtime/sandbox.py criu_refusal_for_other_uids) gets the framework engine under auto, and
-        --engine criu is refused with the reason."""
-        refusal = job_sandbox.criu_refusal_for_other_uids() if self.sandbox and self.sandbox.identity else None
+        (runtime/sandbox.py criu_refusal_for_sandbox: its private /tmp and /dev/shm, and here a root
+        without CAP_SYS_RESOURCE) gets the framework engine under auto, and --engine criu is refused
+        with the reason."""
+        refusal = job_sandbox.criu_refusal_for_sandbox() if self.sandbox and self.sandbox.identity else None
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
         if refusal and self.options.engine == engines.AUTO:
@@ -553,7 +583,7 @@ class Launcher:
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
         if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
-            refusal = job_sandbox.criu_refusal_for_other_uids()
+            refusal = job_sandbox.criu_refusal_for_sandbox()
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()
@@ -621,7 +651,7 @@ class Launcher:
             "job_id": self.job_id, "pid": os.getpid(), "engine": self.engine,
             "engine_reason": self.engine_reason, "world_size": self.world_size,
             "spool": str(self.spool), "store": self.store.uri, "script": self.script,
-            "args": list(self.options.args)})
+            "args": list(self.options.args), **self.private_dirs_paths()})
         server, serve_loop = control.serve(self.job_dir, self.handle, on_sent=self._answer_sent)
         threading.Thread(target=serve_loop, daemon=True, name="meridian-control").start()
         self.state = LaunchState.RUNNING
@@ -630,6 +660,11 @@ class Launcher:
         finally:
             server.close()
             self.finish()
+
+    def private_dirs_paths(self):
+        """Returns {"private_tmp": ..., "private_shm": ...} (node paths) once made, else {}."""
+        dirs = self.sandbox.private_dirs if self.sandbox is not None else None
+        return {"private_tmp": str(dirs.tmp), "private_shm": str(dirs.shm)} if dirs is not None else {}
 
     def loop(self):
         progress_at = 0.0
@@ -683,6 +718,7 @@ class Launcher:
     def finish(self):
         if any(r.poll() is None for r in self.ranks):
             self.kill_all()
+        self.remove_private_dirs()
         job_workspace.persist_at_end(self.workspace, self.state)
         rank_logs.keep(self)
         self.write_progress()
@@ -772,6 +808,7 @@ def main(argv=None):
         if launcher is not None and launcher.peers is not None:
             launcher.peers.report_failed(str(exc))
         if launcher is not None:
+            launcher.remove_private_dirs()  # also after a failure before the main loop (its finish)
             launcher.state = "failed"
             try:
                 launcher.event(Failed, error=str(exc))

@@ -37,6 +37,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from runtime import private_dirs
+from runtime.private_dirs import PrivateDirs, PrivateDirsError
+
 DEFAULT_UID_BASE = 1_000_000  # job uids: base + job id % count (no /etc/passwd entry needed)
 DEFAULT_UID_COUNT = 65_536
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -410,6 +413,7 @@ class LaunchSandbox:
             raise SandboxError(f"running the ranks as uid {spec.uid} needs a root launcher")
         self.cgroup = JobCgroup(spec.cgroup_version, spec.cgroup_dirs) if spec.cgroup_version else None
         self._prefix = self.identity.setpriv_prefix() if self.identity is not None else []
+        self.private_dirs: PrivateDirs | None = None  # the ranks' own /tmp and /dev/shm, once made
 
     @classmethod
     def from_file(cls, path: os.PathLike | str) -> LaunchSandbox:
@@ -434,9 +438,30 @@ class LaunchSandbox:
         if self.cgroup is not None:
             self.cgroup.set_cores(sorted(set(cores)))
 
+    def make_private_dirs(self, *, job_dir: os.PathLike | str, job_id: str, keep: Iterable[os.PathLike | str]) -> None:
+        """Makes the ranks' private /tmp and /dev/shm (runtime/private_dirs.py), once, before the
+        first rank starts; `keep`: the node paths the ranks need (bound back where the private
+        folders would hide them). First sweeps what killed launchers left in /dev/shm. A no-op when
+        unconfined: such ranks share the node's, as the job's events say (UNCONFINED)."""
+        if self.identity is None or self.private_dirs is not None:
+            return
+        private_dirs.sweep()
+        try:
+            self.private_dirs = PrivateDirs.create(job_dir=job_dir, job_id=job_id, gid=self.identity.gid,
+                                                   keep=list(keep))
+        except (OSError, PrivateDirsError) as exc:
+            raise SandboxError(f"the ranks' private /tmp and /dev/shm cannot be made: {exc}") from None
+
+    def remove_private_dirs(self) -> None:
+        """Removes the private /tmp and /dev/shm: called once the ranks are gone on this host."""
+        if self.private_dirs is not None:
+            self.private_dirs.remove()
+
     def command(self, command: list[str]) -> list[str]:
-        """Returns `command` run as the job's uid (unchanged when unconfined)."""
-        return self._prefix + list(command)
+        """Returns `command` run as the job's uid (unchanged when unconfined), in a mount namespace
+        with the job's private /tmp and /dev/shm once they are made."""
+        mounts = self.private_dirs.command() if self.private_dirs is not None else []
+        return mounts + self._prefix + list(command)
 
     def environment(self, runtime: Mapping[str, str], *, home: str, device_indices: Sequence[int] | None,
                     pythonpath: str) -> dict[str, str]:
@@ -444,8 +469,11 @@ class LaunchSandbox:
         if self.spec.device_kind == "gpu" and device_indices is not None:
             runtime["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(device_indices)
         user = f"meridian-{self.identity.uid}" if self.identity else os.environ.get("USER", "meridian")
-        return rank_environment(self.spec.env, home=self.spec.home or home, user=user, runtime=runtime,
-                                pythonpath=pythonpath)
+        env = rank_environment(self.spec.env, home=self.spec.home or home, user=user, runtime=runtime,
+                               pythonpath=pythonpath)
+        if self.private_dirs is not None:
+            env.setdefault("TMPDIR", "/tmp")  # the private one; a job may name another place of its own
+        return env
 
     def give_spool(self, spool: pathlib.Path, rank_dirs: Iterable[pathlib.Path]) -> None:
         """Lets the job's ranks write their spool: the folder, each rank's folder and the device
@@ -477,7 +505,7 @@ class LaunchSandbox:
             seal_tree(staging, gid=self.identity.gid)
 
     def describe(self) -> str:
-        return self.spec.describe()
+        return self.spec.describe() + (", private /tmp and /dev/shm" if self.private_dirs is not None else "")
 
 
 CAP_SYS_RESOURCE = 24
@@ -498,3 +526,18 @@ def criu_refusal_for_other_uids() -> str | None:
         return ("CRIU cannot dump ranks that run as the job's uid here: this root lacks CAP_SYS_RESOURCE, which "
                 "the kernel requires to read another uid's rlimits (prlimit)")
     return None
+
+
+PRIVATE_DIRS_NOT_FOR_CRIU = (
+    "CRIU is not built for sandboxed ranks: each runs in a mount namespace of its own with the job's private "
+    "/tmp and /dev/shm bind-mounted over the node's (runtime/private_dirs.py), which a dump would have to "
+    "name as external mounts (--external mnt[...]) and a restore map onto the new node's folders "
+    "(--ext-mount-map); neither is built nor proven")
+
+
+def criu_refusal_for_sandbox() -> str:
+    """Returns why CRIU cannot checkpoint a sandboxed job's ranks here: always, today (the private
+    /tmp and /dev/shm), and, on machines whose root lacks CAP_SYS_RESOURCE, that first
+    (criu_refusal_for_other_uids). A sandboxed job uses the framework engine."""
+    other_uids = criu_refusal_for_other_uids()
+    return f"{other_uids}; and {PRIVATE_DIRS_NOT_FOR_CRIU}" if other_uids else PRIVATE_DIRS_NOT_FOR_CRIU

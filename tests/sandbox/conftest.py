@@ -17,7 +17,18 @@ def _interpreter_reachable():
 
 @pytest.fixture
 def node_root():
-    """A folder job uids can pass through (tempfile's are 0700), removed afterwards."""
+    """A folder job uids can pass through (tempfile's are 0700), removed afterwards. Under the node's
+    /tmp, which a sandboxed job's own /tmp hides: the paths its ranks need are bound back
+    (runtime/private_dirs.py), and these tests show that they are."""
     with tempfile.TemporaryDirectory(prefix="sbx-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o711)
+        yield pathlib.Path(tmp)
+
+
+@pytest.fixture
+def node_root_outside_tmp():
+    """node_root, but outside /tmp (in /var/tmp): what a job sees there is guarded by modes alone,
+    not hidden by its private /tmp."""
+    with tempfile.TemporaryDirectory(prefix="sbx-", dir="/var/tmp") as tmp:
         os.chmod(tmp, 0o711)
         yield pathlib.Path(tmp)

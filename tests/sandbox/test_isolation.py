@@ -72,7 +72,9 @@ def test_a_job_reads_neither_the_nodes_credentials_nor_the_agents_environment(no
     assert oct(os.stat(job_dir / agent_sandbox.SANDBOX_FILE).st_mode & 0o777) == "0o600"
 
 
-def test_a_job_cannot_read_another_jobs_workspace(node_root):
+def test_a_job_cannot_read_another_jobs_workspace(node_root_outside_tmp):
+    """By the workspace's mode: outside /tmp, where the job's private /tmp hides nothing."""
+    node_root = node_root_outside_tmp
     work, store = node_root / "w", node_root / "store"
     node = make_node(work)
     mine, other = work / "workspaces" / "job-41", work / "workspaces" / "job-42"

@@ -2,6 +2,7 @@
 cgroup and restores them on another node, into that node's cgroup for the job, on its devices'
 cores; the framework engine's ranks write their checkpoint into a staging folder they are given,
 which the launcher seals before the commit. Both bit-exact against an uninterrupted run."""
+import json
 import os
 
 import pytest
@@ -14,7 +15,8 @@ from runtime import sandbox as mechanisms
 from runtime.criu import check_available
 
 CRIU_OK, CRIU_DETAIL = check_available()
-CRIU_SANDBOX_REFUSAL = mechanisms.criu_refusal_for_other_uids()
+CRIU_OTHER_UIDS_REFUSAL = mechanisms.criu_refusal_for_other_uids()
+CRIU_SANDBOX_REFUSAL = mechanisms.criu_refusal_for_sandbox()  # always, since the private /tmp and /dev/shm
 TRAIN = ROOT / "examples" / "train_mlp.py"
 pytestmark = [pytest.mark.runtime, needs_sandbox]
 
@@ -64,6 +66,9 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id):
         node_a.reconcile([{"job_id": job_id, "action": "stop", "generation": 1}])
         stopped = outcome(node_a, job_id)
         assert stopped["state"] == "stopped", stopped.get("error")
+        # a stop for a move: the ranks' private /tmp and /dev/shm on a are gone with them
+        launched = json.loads((node_a.jobs[job_id].job_dir / "launcher.json").read_text())
+        assert not os.path.exists(launched["private_tmp"]) and not os.path.exists(launched["private_shm"])
         assert stopped["checkpoint"]["engine"] == engine
 
         # The workspace (outputs) follows the job: here, by hand (the workspace code does it).
@@ -100,7 +105,7 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id):
 
 @pytest.mark.criu
 @pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")
-@pytest.mark.skipif(CRIU_SANDBOX_REFUSAL is not None, reason=f"NOT RUN HERE: {CRIU_SANDBOX_REFUSAL}")
+@pytest.mark.skipif(CRIU_SANDBOX_REFUSAL is not None, reason=f"REFUSED, NOT RUN: {CRIU_SANDBOX_REFUSAL}")
 def test_criu_dumps_a_sandboxed_job_and_restores_it_on_another_node_bit_exactly(node_root):
     _stop_on_a_and_finish_on_b(node_root, "criu", 71)
 
@@ -114,11 +119,10 @@ def test_the_framework_engine_checkpoints_a_sandboxed_job_and_resumes_it_bit_exa
         assert info.st_uid == 0 and not info.st_mode & 0o022, path
 
 
-@pytest.mark.skipif(CRIU_SANDBOX_REFUSAL is None, reason="CRIU can dump sandboxed ranks here")
 def test_where_criu_cannot_dump_a_sandboxed_rank_auto_takes_the_framework_engine_and_says_why(node_root):
-    """This machine's root lacks CAP_SYS_RESOURCE: a sandboxed job under --engine auto runs with the
-    framework engine, and its Started event says why; --engine criu is refused with the reason."""
-    import json
+    """CRIU is not built for the sandbox's private /tmp and /dev/shm (and this machine's root lacks
+    CAP_SYS_RESOURCE): a sandboxed job under --engine auto runs with the framework engine, and its
+    Started event says why; --engine criu is refused with the reason."""
     work, store = node_root / "w", node_root / "store"
     auto, criu_node = make_node(work, engine="auto"), make_node(node_root / "c", engine="criu")
     try:
@@ -131,9 +135,11 @@ def test_where_criu_cannot_dump_a_sandboxed_rank_auto_takes_the_framework_engine
         auto.kill_all()
         criu_node.kill_all()
     started = [json.loads(line) for line in (auto.jobs[91].job_dir / "events.jsonl").read_text().splitlines()][0]
-    assert started["engine"] == "framework" and "CAP_SYS_RESOURCE" in started["reason"]
+    why = "CAP_SYS_RESOURCE" if CRIU_OTHER_UIDS_REFUSAL else "CRIU is not built for sandboxed ranks"
+    assert started["engine"] == "framework" and why in started["reason"]
+    assert "external mounts" in started["reason"]
     assert started["sandbox"].startswith("uid ")
-    assert refused["state"] == "failed" and "CAP_SYS_RESOURCE" in refused["error"]
+    assert refused["state"] == "failed" and why in refused["error"]
 
 
 def test_seal_refuses_a_link_a_rank_left_in_its_checkpoint(tmp_path):

@@ -1,0 +1,270 @@
+"""A sandboxed job's private /tmp and /dev/shm on one node, and (run as a script) the root helper
+that puts them in place in each rank's own mount namespace.
+
+Why: a rank that runs as the job's uid (runtime/sandbox.py) otherwise shares the node's /tmp and
+/dev/shm with every other job and with the agent: it could list and read what they left there when
+the modes allow, fill them, or squat their names.
+
+Where (made by the launcher, as root, before any rank starts; `PrivateDirs.create`):
+    /tmp      <job dir>/tmp: the job dir is the agent's per-attempt folder under <work dir>/j
+              (0700, root's), so no other uid reaches it by its node path; on disk, not in RAM.
+    /dev/shm  /dev/shm/meridian-job-<job id>-<nonce>: on the node's /dev/shm tmpfs, so shared memory
+              stays memory (runtime/localreduce.py's area lives there; its pages are charged to the
+              job's memory cgroup as before).
+Both are root:<job gid> mode 1770 (as the node's own are 1777): the ranks create files, no other
+uid enters, and the folders the launcher made inside (below) cannot be renamed by the job.
+
+How each rank starts (`PrivateDirs.command` + the setpriv prefix + the rank):
+    python -I runtime/private_dirs.py --bind SRC=TARGET ... --cover /tmp=DIR --cover /dev/shm=DIR
+        -- setpriv --reuid=<job uid> ... python -m runtime.rank ...
+The helper (root, this file, standard library only, `-I` so nothing of the job's environment such
+as PYTHONPATH can load code into it) unshares a mount namespace, makes every mount in it private
+(nothing it mounts reaches the node, nothing the node mounts later reaches it), bind-mounts the two
+folders over /tmp and /dev/shm and execs the rest. Each rank has a namespace of its own, but all of
+them bind the same two folders: the ranks of one job on one host share one /tmp and one /dev/shm.
+
+Paths the ranks need that lie under the node's /tmp or /dev/shm (the spool, the workspace, the
+checkpoint store, the script's folder, the interpreter: a test node's work dir is often in /tmp)
+would be hidden by the cover: each is bound back at its own path inside the private folder first
+(`--bind`), on a skeleton of root-owned folders the launcher makes before any rank runs. Only those
+paths: the rest of the node's /tmp stays out of sight.
+
+Removal: the launcher removes both folders when its ranks are gone on this host (the end, a stop
+for a move, a failure). A launcher that was killed leaves them: the /dev/shm folder is swept
+(`sweep`) by the next sandboxed launcher on the node, by the agent at start and after it kills a
+job, whoever finds its lock free (the launcher holds a flock on it for its whole life); the /tmp
+folder goes with its job dir (the agent removes it after a kill, and old job dirs are collected).
+
+CRIU IS NOT BUILT FOR THIS, and sandboxed jobs are refused CRIU (runtime/sandbox.py
+criu_refusal_for_sandbox). What a dump and restore would need, untried: the rank's mount namespace
+dumped with its bind mounts declared external, `criu dump --external mnt[/tmp]:tmp --external
+mnt[/dev/shm]:shm` plus one `mnt[<path>]:<key>` per path bound back; and at restore each key mapped
+onto the restoring launcher's own new folders and paths, `criu restore --external mnt[tmp]:<new
+<job dir>/tmp> --external mnt[shm]:<new /dev/shm folder>` (older spelling: `--ext-mount-map`),
+those folders made first. What a rank left in /tmp or /dev/shm would not travel (no checkpoint has
+it), and a restored rank that had files open there would fail to restore.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import pathlib
+import shutil
+import stat
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+NODE_TMP = "/tmp"
+NODE_SHM = "/dev/shm"
+SHM_PREFIX = "meridian-job-"
+CREATING_PREFIX = ".meridian-job-"  # made and locked under this name, then renamed (see create)
+DIR_MODE = 0o1770  # root:<job gid>, sticky: like the node's 1777, for the job's group only
+SKELETON_MODE = 0o755  # root's folders on the way to a bound path: passable, not writable
+STALE_CREATING_S = 60.0  # a half-made folder this old, with its lock free, is a killed launcher's
+
+CLONE_NEWNS = 0x00020000
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+
+
+class PrivateDirsError(RuntimeError):
+    """The private /tmp or /dev/shm cannot be made; the message says why."""
+
+
+def _under(path: pathlib.PurePath, root: pathlib.PurePath) -> bool:
+    return path != root and path.is_relative_to(root)
+
+
+@dataclass
+class PrivateDirs:
+    """One launcher's private /tmp and /dev/shm for its job's ranks on this host."""
+
+    tmp: pathlib.Path
+    shm: pathlib.Path
+    binds: tuple[tuple[str, str], ...]  # (node path, mount point in a private folder), outer first
+    _lock_fd: int | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, *, job_dir: os.PathLike | str, job_id: str, gid: int, keep: list[os.PathLike | str]) -> PrivateDirs:
+        """Makes the two folders (a leftover <job dir>/tmp of an earlier launcher there is emptied
+        first) and the skeleton for each path of `keep` under /tmp or /dev/shm; returns them, with
+        the /dev/shm folder's lock held. Raises PrivateDirsError when it cannot."""
+        if not os.path.isdir(NODE_SHM):
+            raise PrivateDirsError(f"{NODE_SHM} does not exist: the ranks' private /dev/shm is made there")
+        tmp = pathlib.Path(job_dir).absolute() / "tmp"
+        if os.path.lexists(tmp):
+            _remove(tmp)
+        os.mkdir(tmp)
+        _give(tmp, gid)
+        # Made and locked under a name `sweep` ignores, then renamed: a sweep never sees the final
+        # name unlocked while its launcher lives.
+        nonce = uuid.uuid4().hex[:12]
+        creating = pathlib.Path(NODE_SHM) / f"{CREATING_PREFIX}{job_id}-{nonce}"
+        os.mkdir(creating, 0o700)
+        lock_fd = os.open(creating, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shm = pathlib.Path(NODE_SHM) / f"{SHM_PREFIX}{job_id}-{nonce}"
+        os.rename(creating, shm)
+        _give(shm, gid)
+        dirs = cls(tmp=tmp, shm=shm, binds=(), _lock_fd=lock_fd)
+        try:
+            dirs.binds = tuple(dirs._skeleton(keep))
+        except BaseException:
+            dirs.remove()
+            raise
+        return dirs
+
+    def covers(self) -> tuple[tuple[str, pathlib.Path], ...]:
+        return ((NODE_TMP, self.tmp), (NODE_SHM, self.shm))
+
+    def _skeleton(self, keep: list[os.PathLike | str]) -> list[tuple[str, str]]:
+        """Returns the binds (node source, mount point) for the paths of `keep` that the covers
+        would hide, after making their mount points: root's folders (an empty file for a file)
+        inside the private folders. A path is looked at both as given (what the ranks are told)
+        and resolved (where a link leads); one inside another comes with the outer one."""
+        wanted: dict[pathlib.Path, pathlib.Path] = {}  # where a rank looks -> the node's source
+        for path in keep:
+            given, real = pathlib.Path(os.path.abspath(path)), pathlib.Path(os.path.realpath(path))
+            if not os.path.exists(real):
+                continue
+            for node_dir, _ in self.covers():
+                for root in {pathlib.Path(node_dir), pathlib.Path(os.path.realpath(node_dir))}:
+                    for seen in {given, real}:
+                        if seen == root:
+                            raise PrivateDirsError(f"{path} is the node's {node_dir} itself, which the job's private "
+                                                   f"{node_dir} hides; give the job a folder of its own")
+                        if _under(seen, root):
+                            wanted.setdefault(pathlib.Path(node_dir) / seen.relative_to(root), real)
+        binds: list[tuple[str, str]] = []
+        taken: list[pathlib.Path] = []
+        for target in sorted(wanted, key=lambda p: len(p.parts)):
+            if any(target.is_relative_to(outer) for outer in taken):
+                continue
+            taken.append(target)
+            source = wanted[target]
+            private = next(p for d, p in self.covers() if _under(target, pathlib.Path(d)))
+            node_dir = next(d for d, p in self.covers() if p == private)
+            point = private
+            parts = target.relative_to(node_dir).parts
+            for index, part in enumerate(parts):
+                point = point / part
+                if not os.path.lexists(point):
+                    if index == len(parts) - 1 and not source.is_dir():
+                        os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+                    else:
+                        os.mkdir(point)
+                        os.chmod(point, SKELETON_MODE)
+                info = os.lstat(point)
+                if info.st_uid != 0 or stat.S_ISLNK(info.st_mode):
+                    raise PrivateDirsError(f"{point} is not a folder of the launcher's own")
+            binds.append((str(source), str(point)))
+        return binds
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        """Returns the prefix that runs what follows (setpriv ... rank) with the private folders
+        over /tmp and /dev/shm, in a mount namespace of its own."""
+        args = [python, "-I", os.path.abspath(__file__)]
+        for source, point in self.binds:
+            args += ["--bind", f"{source}={point}"]
+        for node_dir, private in self.covers():
+            args += ["--cover", f"{node_dir}={private}"]
+        return args + ["--"]
+
+    def remove(self) -> None:
+        """Removes both folders and lets the lock go (idempotent)."""
+        for folder in (self.tmp, self.shm):
+            _remove(folder)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _give(folder: pathlib.Path, gid: int) -> None:
+    os.lchown(folder, 0, gid)
+    os.chmod(folder, DIR_MODE)
+
+
+def _remove(folder: os.PathLike | str) -> None:
+    """Removes a folder the job wrote into, never following a link it left there."""
+    if os.path.islink(folder):
+        os.unlink(folder)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def sweep(shm_root: str = NODE_SHM, *, now: float | None = None) -> list[str]:
+    """Removes the private /dev/shm folders of launchers that are gone (their lock is free) and
+    half-made ones older than STALE_CREATING_S; returns their paths. Never blocks: a live
+    launcher's folder is skipped."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(shm_root))
+    except OSError:
+        return removed
+    for entry in entries:
+        creating = entry.name.startswith(CREATING_PREFIX)
+        if not (entry.name.startswith(SHM_PREFIX) or creating):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # its launcher lives
+                raise
+            if creating and now - os.fstat(fd).st_mtime < STALE_CREATING_S:
+                continue  # maybe a launcher between mkdir and flock
+            if os.path.samestat(os.fstat(fd), os.lstat(entry.path)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+# -- the helper: runs as root, in the rank's new mount namespace -------------------------------------
+def _mount(libc, source: str | None, target: str, flags: int) -> None:
+    if libc.mount(source.encode() if source else None, target.encode(), None, ctypes.c_ulong(flags), None) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount {source or '(none)'} on {target}: {os.strerror(code)}")
+
+
+def main(argv: list[str]) -> None:
+    """--bind SRC=POINT ... --cover NODE_DIR=PRIVATE ... -- COMMAND...: see the module docstring."""
+    split = argv.index("--")
+    options, command = argv[:split], argv[split + 1:]
+    binds: list[tuple[str, str]] = []
+    covers: list[tuple[str, str]] = []
+    for flag, value in zip(options[::2], options[1::2]):
+        left, _, right = value.partition("=")
+        (binds if flag == "--bind" else covers).append((left, right))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"unshare(CLONE_NEWNS): {os.strerror(code)}")
+    _mount(libc, None, "/", MS_REC | MS_PRIVATE)
+    for source, point in binds:  # into the private folders first: the covers carry them along
+        _mount(libc, source, point, MS_BIND | MS_REC)
+    for node_dir, private in covers:
+        _mount(libc, private, node_dir, MS_BIND | MS_REC)
+    # The working directory still points into the node's tree (under a covered /tmp it would let
+    # relative paths reach the node's /tmp): enter it again by name, in the new tree.
+    try:
+        os.chdir(os.getcwd())
+    except OSError:
+        os.chdir("/")
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,144 @@
+"""A sandboxed job's /tmp and /dev/shm are its own on each node: shared by its ranks on that host,
+out of every other job's sight and out of the node's, and gone when its ranks are.
+
+Measured on the landed code before this: every sandboxed job's ranks used the node's /tmp and
+/dev/shm; a second job read what the first had written into both (its files are 0644), and both
+saw the files the agent (root) had left there."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+from polling import poll
+from sandbox_helpers import ROOT, SCRIPTS, UID_BASE, entry, make_node, needs_sandbox, outcome, probe_report, workspace
+
+from runtime import private_dirs
+from runtime import sandbox as mechanisms
+
+pytestmark = [pytest.mark.runtime, needs_sandbox]
+PROBE = SCRIPTS / "private_dirs_probe.py"
+
+
+@pytest.fixture
+def node_files():
+    """Files the agent (root) left in the node's /tmp and /dev/shm, readable by anyone who sees them."""
+    paths = [os.path.join(folder, f"meridian-test-agent-{uuid.uuid4().hex[:8]}") for folder in ("/tmp", "/dev/shm")]
+    for path in paths:
+        with open(path, "w") as handle:
+            handle.write("the agent's")
+        os.chmod(path, 0o644)
+    yield paths
+    for path in paths:
+        os.unlink(path)
+
+
+def _private_paths(job_dir):
+    """Returns the node paths of a launcher's private /tmp and /dev/shm (its launcher.json; None
+    where it names none)."""
+    info = poll(f"{job_dir}/launcher.json", lambda: json.loads((job_dir / "launcher.json").read_text())
+                if (job_dir / "launcher.json").exists() else None)
+    return info.get("private_tmp"), info.get("private_shm")
+
+
+def _exists(*paths):
+    return [path is not None and os.path.exists(path) for path in paths]
+
+
+def test_a_jobs_tmp_and_dev_shm_are_its_own_and_gone_when_it_ends(node_root, node_files):
+    """Job 121 writes a secret into its /tmp and /dev/shm; job 122, on the same node at the same time,
+    finds neither, nor the agent's files; 122's directories are gone when it finishes, 121's when the
+    agent kills it (its launcher could not remove them: the agent does)."""
+    work, store = node_root / "w", node_root / "store"
+    node = make_node(work)
+    space_a, space_b = workspace(work, 121), workspace(work, 122)
+    secrets = ["/tmp/secret-a-rank0", "/dev/shm/secret-a-rank0"]
+    try:
+        node.reconcile([first := entry(121, store, script=PROBE, args=["a", "--sleep", "120", *node_files])])
+        seen_a = probe_report(space_a / "a-rank0.json")
+        tmp_a, shm_a = _private_paths(node.jobs[121].job_dir)
+        # on the node, where job 121's secrets are while it runs: in its own folders
+        owners_a = [os.stat(os.path.join(folder, "secret-a-rank0")).st_uid if folder else None
+                    for folder in (tmp_a, shm_a)]
+        mode_a = os.stat(shm_a).st_mode & 0o7777 if shm_a else None
+        node.reconcile([first, entry(122, store, script=PROBE, args=["b", *secrets, *node_files], indices=(1,))])
+        finished = outcome(node, 122)
+        assert finished["state"] == "finished", finished.get("error")
+        tmp_b, shm_b = _private_paths(node.jobs[122].job_dir)
+        left_b = _exists(tmp_b, shm_b)  # the launcher removed them
+        assert node.fence([121], why="the test is over") == [121]
+        left_a = _exists(tmp_a, shm_a)  # the agent did, after the kill (the launcher could not)
+    finally:
+        node.kill_all()
+    seen_b = probe_report(space_b / "b-rank0.json")
+    assert {path: seen_b["reads"][path][:9] for path in secrets + node_files} == dict.fromkeys(
+        secrets + node_files, "refused:2")  # ENOENT: not there at all
+    assert seen_b["shm"] == ["secret-b-rank0"]
+    # what the node's /tmp shows: only the way to the job's spool, workspace and store (the test's
+    # node lives in /tmp), bound back at their own paths
+    assert set(seen_b["tmp"]) == {"secret-b-rank0", node_root.name}
+    assert seen_a["reads"] == {path: "refused:2" for path in node_files}
+    assert seen_a["shm"] == ["secret-a-rank0"] and set(seen_a["tmp"]) == {"secret-a-rank0", node_root.name}
+    assert seen_a["tmpdir"] == seen_a["gettempdir"] == "/tmp"
+    assert "private /tmp and /dev/shm" in finished["sandbox"]
+    assert owners_a == [mechanisms.identity_for_job(121, base=UID_BASE).uid] * 2
+    assert mode_a == private_dirs.DIR_MODE
+    assert left_a == left_b == [False, False]
+
+
+def test_the_ranks_of_one_job_share_one_dev_shm_and_reduce_through_it(node_root, node_files):
+    """A 2-rank job: each rank finds the other's /dev/shm file and the all-reduce goes through the
+    shared-memory area (runtime/localreduce.py), as it does unsandboxed; the node's files are not there."""
+    work, store = node_root / "w", node_root / "store"
+    node = make_node(work)
+    space = workspace(work, 131)
+    try:
+        node.reconcile([entry(131, store, script=PROBE, args=["pair"], world_size=2, indices=(0, 1))])
+        report = outcome(node, 131)
+        assert report["state"] == "finished", report.get("error")
+        tmp, shm = _private_paths(node.jobs[131].job_dir)
+    finally:
+        node.kill_all()
+    ranks = [probe_report(space / f"pair-rank{rank}.json") for rank in (0, 1)]
+    for seen in ranks:
+        assert seen["allreduce"] == 3.0 and seen["local_area"] is True
+        assert {"secret-pair-rank0", "secret-pair-rank1"} <= set(seen["shm"])
+        assert not {os.path.basename(path) for path in node_files} & set(seen["shm"] + seen["tmp"])
+    assert ranks[0]["shm_ids"] == ranks[1]["shm_ids"] and ranks[0]["tmp_ids"] == ranks[1]["tmp_ids"]
+    assert tmp is not None and shm is not None and _exists(tmp, shm) == [False, False]
+
+
+HOLDER = """
+import sys, time
+from runtime.private_dirs import PrivateDirs
+dirs = PrivateDirs.create(job_dir=sys.argv[1], job_id=sys.argv[2], gid=int(sys.argv[3]), keep=[])
+print(dirs.shm, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_launchers_private_dev_shm_is_swept_and_a_live_ones_is_not(tmp_path):
+    """What a launcher killed with SIGKILL left in /dev/shm goes at the next sweep (the next sandboxed
+    launcher's start, the agent's start, the agent's kill of a job); a live launcher's stays."""
+    holders, shm = [], []
+    try:
+        for name in ("killed", "alive"):
+            (tmp_path / name).mkdir()
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name), f"sweep-{name}", "4242"],
+                                      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                      text=True)
+            holders.append(holder)
+            shm.append(holder.stdout.readline().strip())
+        assert all(os.path.isdir(path) for path in shm)
+        holders[0].send_signal(signal.SIGKILL)
+        holders[0].wait()
+        swept = private_dirs.sweep()
+        assert shm[0] in swept and not os.path.exists(shm[0])
+        assert shm[1] not in swept and os.path.isdir(shm[1])
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert shm[1] in private_dirs.sweep()
