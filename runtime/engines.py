@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 from protocol.cut import CutRequest, ResumeFile
 from runtime import criu, rank_logs
 from runtime import spool as spool_files
-from runtime.exits import EXIT_USAGE, LaunchError
+from runtime.exits import EXIT_USAGE, LaunchError, end_children
 
 if TYPE_CHECKING:  # the launcher imports this module; the engines only call back into it
     from runtime.launcher import Launcher
@@ -351,6 +351,7 @@ class FrameworkEngine(Engine):
             group = vpg.current_group()
             if group is not None:
                 group.close_inner()
+            end_children()
             os._exit(EXIT_CUT_STOP)
 
 

@@ -20,6 +20,7 @@ import time
 
 from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress
 from runtime import engines
+from runtime.exits import end_children
 from runtime.polling import PollingThread
 
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"  # node-local indices of this job's devices, when known
@@ -173,6 +174,7 @@ def _launcher_gone(spool):
                          f"{launcher_lock_path(spool)} is gone; this rank ends\n")
         sys.stderr.flush()
     finally:
+        end_children()
         os._exit(EXIT_LAUNCHER_GONE)
 
 
@@ -207,6 +209,7 @@ def _refuse_resume(rank_dir, exc):
     sys.stderr.write(f"meridian rank: resume refused: {exc.reason}\n")
     sys.stderr.flush()
     spool_files.write_json_atomic(os.path.join(rank_dir, exits.REFUSED_FILE), {"reason": exc.reason})
+    exits.end_children()
     os._exit(exits.EXIT_RESUME_REFUSED)
 
 

@@ -16,7 +16,7 @@ import runpy
 import sys
 
 sys.path.insert(0, os.environ["TEST_REPO_ROOT"])
-from runtime import framework  # noqa: E402
+from runtime import exits, framework  # noqa: E402
 
 try:
     tracker = framework.install(rank=int(os.environ.get("RANK", "0")),
@@ -43,6 +43,7 @@ def preempt_at_cut(step):
         return  # a checkpoint the run goes on from (its end is the reference of an unseeded script)
     sys.stdout.flush()
     sys.stderr.flush()
+    exits.end_children()  # as the engine's stop does: DataLoader workers end with the rank
     os._exit(0)
 
 
