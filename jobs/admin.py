@@ -88,7 +88,7 @@ class ReplicaAdmin(admin.ModelAdmin):
 
 @admin.register(Checkpoint)
 class CheckpointAdmin(admin.ModelAdmin):
-    list_display = ["job", "step", "engine", "bytes", "created_at"]
+    list_display = ["job", "step", "engine", "bytes", "created_at", "retired_at"]
     list_filter = ["engine"]
     raw_id_fields = ["job"]
     list_select_related = ["job"]

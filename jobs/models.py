@@ -237,6 +237,11 @@ class Checkpoint(models.Model):
     bytes = models.PositiveBigIntegerField(default=0)
     sha256 = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    # Set when the run that wrote it was given up: its resume was refused and the job started again
+    # from scratch (if_resume_refused "restart"). A retired checkpoint is never restored from and no
+    # longer counts as the job's latest; the row stays so that a late report of it is not recorded
+    # again (reports are matched by uri), until retention prunes it.
+    retired_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job_id", "-step", "-id"]

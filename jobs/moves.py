@@ -320,7 +320,7 @@ def _check_barrier(move, job):
 
 
 def _check_checkpoint(move, job):
-    row = Checkpoint.objects.filter(job_id=job.pk, step=move.cut_step).order_by("-id").first()
+    row = Checkpoint.objects.filter(job_id=job.pk, step=move.cut_step, retired_at__isnull=True).order_by("-id").first()
     if row is None:
         return None
     return _Outcome(DONE, f"checkpoint at step {row.step} ({row.engine}, {row.bytes} bytes)",

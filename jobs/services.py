@@ -42,6 +42,7 @@ from jobs.models import (
 )
 from jobs.selectors import approver_team_ids
 from protocol.layout import device_counts_allowed, layout_fits
+from protocol.node import checkpoint_uri_problem
 
 logger = logging.getLogger(__name__)
 S = Job.State
@@ -765,6 +766,39 @@ def checkpoint_record(*, job, step, engine, uri, size_bytes, sha256="", now=None
         job.refresh_from_db()
         job_publish_updated(job=job)
     return checkpoint
+
+
+def checkpoints_of_refused_run_retire(*, job, store, now=None) -> int:
+    """Returns how many of `job`'s checkpoints it retired: every live one outside `store`, the
+    folder of the copy whose launcher started the script again from scratch (its resume was
+    refused; if_resume_refused "restart"). Those belong to the refused run: restoring one would be
+    refused again and throw away the new run's progress. job.last_checkpoint_* then follow the new
+    run: its newest live checkpoint (one may already be recorded, from the same report), else
+    None. Writes one MESSAGE event saying what was retired, and none when nothing was (a repeated
+    call is a no-op). Call it inside the transaction that records the restart."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        live = list(Checkpoint.objects.select_for_update().filter(job=job, retired_at__isnull=True)
+                    .order_by("-step", "-id"))
+        refused = [c for c in live if checkpoint_uri_problem(c.uri, store=store) is not None]
+        if not refused:
+            return 0
+        Checkpoint.objects.filter(pk__in=[c.pk for c in refused], retired_at__isnull=True).update(retired_at=now)
+        newest = next((c for c in live if c not in refused), None)
+        Job.objects.filter(pk=job.pk).update(
+            last_checkpoint_step=newest.step if newest else None,
+            last_checkpoint_at=newest.created_at if newest else None,
+            checkpoint_bytes=newest.bytes if newest else 0, updated_at=now)
+        steps = sorted(c.step for c in refused)
+        job_event_add(
+            job=job, type=JobEvent.Type.MESSAGE,
+            reason=(f"restarted from scratch: {len(refused)} checkpoint(s) of the refused run retired "
+                    f"(newest step {steps[-1]}); it resumes from the new run's checkpoints"),
+            extra={"retired_checkpoints": len(refused), "retired_steps": steps,
+                   "last_checkpoint_step": newest.step if newest else None, "generation": job.generation})
+        job.refresh_from_db()
+        job_publish_updated(job=job)
+    return len(refused)
 
 
 # --- preemption approvals ----------------------------------------------------------------

@@ -31,7 +31,13 @@ from django.utils import timezone
 from fleet.services import node_heartbeat_record
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_follower_nodes, move_observe
-from jobs.services import IllegalTransition, checkpoint_record, job_event_add, job_transition
+from jobs.services import (
+    IllegalTransition,
+    checkpoint_record,
+    checkpoints_of_refused_run_retire,
+    job_event_add,
+    job_transition,
+)
 from protocol.node import (
     SHA256_HEX,
     DesiredJob,
@@ -113,7 +119,8 @@ def node_desired_state_build(*, node) -> DesiredState:
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
         "job_id", "kind", "step", "from_node_id", "from_generation")}
-    newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk")).order_by("-step", "-id")
+    newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk"), retired_at__isnull=True).order_by(
+        "-step", "-id")
     jobs = Job.objects.filter(pk__in=list(devices)).select_related("bundle").only(
         "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
         "total_steps", "last_checkpoint_step", "generation", "bundle__sha256", "if_resume_refused",
@@ -411,7 +418,12 @@ def _restarted_apply(*, job, entry: JobReport, node):
     if_resume_refused "restart"): a RESTARTED_FROM_SCRATCH event with the launcher's reason. The
     job's progress starts again from step 0, so its owner must hear of it. The agent says so on
     every report of the copy (level-triggered), hence the look for the event already written: one
-    query, made only for such reports."""
+    query, made only for such reports.
+
+    In the same transaction the refused run's checkpoints (those outside this copy's own store
+    folder) are retired and job.last_checkpoint_step follows the new run: otherwise the next resume
+    would be pointed at the refused run's newest checkpoint again (refused again, restarted again,
+    the new run's progress lost)."""
     if not entry.restarted:
         return
     if JobEvent.objects.filter(job=job, type=JobEvent.Type.RESTARTED_FROM_SCRATCH,
@@ -422,6 +434,7 @@ def _restarted_apply(*, job, entry: JobReport, node):
                   reason=f"on {node.hostname}: {entry.restarted}"[:500],
                   extra={"node": node.hostname, "generation": job.generation, "restarted": entry.restarted,
                          "step": entry.step})
+    checkpoints_of_refused_run_retire(job=job, store=job_store_uri(job.pk, generation=job.generation))
 
 
 # --- timeouts ------------------------------------------------------------------------------------
@@ -456,7 +469,8 @@ CHECKPOINT_ROWS_KEPT = 3  # per job, as the runtime's store keeps 3 checkpoints 
 
 
 def checkpoint_rows_prune(*, keep=CHECKPOINT_ROWS_KEPT, batch=5000):
-    """Deletes Checkpoint rows beyond the newest `keep` per job; returns how many it deleted.
+    """Deletes Checkpoint rows beyond the newest `keep` live ones per job (retired rows go first);
+    returns how many it deleted.
 
     Agents report a checkpoint every interval for every running job; the store itself keeps only
     the newest few, so older rows point at nothing. (Telemetry needs no pruning: it is stored as
@@ -465,8 +479,11 @@ def checkpoint_rows_prune(*, keep=CHECKPOINT_ROWS_KEPT, batch=5000):
     from django.db.models import F, Window
     from django.db.models.functions import RowNumber
 
+    # Retired rows (a refused run's, see checkpoints_of_refused_run_retire) rank after every live
+    # one: by step alone they would crowd out the new run's lower-step checkpoints it resumes from.
     ranked = Checkpoint.objects.annotate(
-        newest=Window(RowNumber(), partition_by=[F("job_id")], order_by=[F("step").desc(), F("id").desc()]))
+        newest=Window(RowNumber(), partition_by=[F("job_id")],
+                      order_by=[F("retired_at").asc(nulls_first=True), F("step").desc(), F("id").desc()]))
     deleted = 0
     while True:
         ids = list(ranked.filter(newest__gt=keep).values_list("id", flat=True)[:batch])
