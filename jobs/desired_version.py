@@ -40,8 +40,8 @@ _NODE = "fleet_node"
 _JOBS_HERE = f"SELECT r2.job_id FROM {_R} r2 JOIN {_A} a2 ON a2.id = r2.device_id WHERE a2.node_id = %s"
 _JOB_COLUMNS = ("j.id", "j.state", "j.generation", "j.name", "j.tier", "j.world_size", "j.min_devices",
                 "j.entrypoint", "j.args", "j.env", "j.total_steps", "j.last_checkpoint_step", "j.bundle_id",
-                f"(SELECT MAX(c.id) FROM {_C} c WHERE c.job_id = j.id)",
-                f"(SELECT COUNT(*) FROM {_C} c WHERE c.job_id = j.id)")
+                f"(SELECT MAX(c.id) FROM {_C} c WHERE c.job_id = j.id AND c.retired_at IS NULL)",
+                f"(SELECT COUNT(*) FROM {_C} c WHERE c.job_id = j.id AND c.retired_at IS NULL)")
 _REPLICA_COLUMNS = ("r.job_id", "r.rank", "r.device_id", "a.node_id", f"a.{connection.ops.quote_name('index')}",
                     "n.hostname")
 _MOVE_COLUMNS = ("m.id", "m.job_id", "m.kind", "m.step", "m.from_node_id", "m.from_generation", "m.to_node_id",

@@ -69,6 +69,10 @@ def change(rng, jobs, devices, nodes, now):
         replica = rng.choice(list(Replica.objects.filter(job=job)))
         replica.device = rng.choice(devices + [None])
         replica.save()
+    elif kind == 3 and rng.random() < 0.4 and Checkpoint.objects.filter(job=job, retired_at__isnull=True).exists():
+        # A restart from scratch retires the refused run's checkpoints (one row here is enough).
+        Checkpoint.objects.filter(pk=Checkpoint.objects.filter(job=job, retired_at__isnull=True)
+                                  .order_by("-step", "-id")[0].pk).update(retired_at=now)
     elif kind == 3:
         step = rng.randrange(1000)
         Checkpoint.objects.create(job=job, step=step, uri=f"/store/job-{job.pk}/ckpt-{step}", engine="framework",
