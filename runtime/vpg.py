@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, not in stubs
 from torch.distributed import distributed_c10d
 
-from runtime import localreduce
+from runtime import localreduce, rankorder
+from runtime.hostchain import HostChain
 from runtime.localreduce import LocalArea
 
 BACKEND_NAME = "meridian"
@@ -80,14 +81,28 @@ class InnerGroup:
         self.pg = dist.ProcessGroupGloo(self._prefix_store, rank, world_size, options)
         # The options keep the gloo Device, and the Device keeps a listening socket.
         del options
-        # Ranks all on one host reduce through shared memory instead of loopback TCP.
+        # Ranks all on one host reduce through shared memory instead of loopback TCP; ranks on
+        # several hosts through each host's shared memory and a chain between the hosts.
         self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
                                     world_size=world_size, timeout_s=timeout.total_seconds())
+        self.host_chain = None
+        if self.local is None:
+            self.host_chain = HostChain.open(self.pg, self._prefix_store, rank=rank,
+                                             world_size=world_size, timeout_s=timeout.total_seconds())
+
+    @property
+    def shared_reduction(self):
+        """The synchronous rank-order all-reduce through shared memory this group has (the one-host
+        area, or the chain across hosts), or None: the rank-order reduction runs over gloo."""
+        return self.local or self.host_chain
 
     def close(self):
         if self.local is not None:
             self.local.close()
             self.local = None
+        if self.host_chain is not None:
+            self.host_chain.close()
+            self.host_chain = None
         pg, self.pg = self.pg, None
         self._prefix_store = None
         self._store = None
@@ -123,31 +138,9 @@ def open_socket_fds():
     return found
 
 
-_COMMUTATIVE_IN_GLOO = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN,
-                        dist.ReduceOp.MAX)
-_RANK_ORDER_OPS = _COMMUTATIVE_IN_GLOO + (dist.ReduceOp.AVG,)
-
-
-def _reduce_in_rank_order(rows, op):
-    """Returns rows[0] op rows[1] op ... op rows[-1], combined left to right (AVG divides the sum)."""
-    result = rows[0].clone()
-    for other in rows[1:]:
-        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            result.add_(other)
-        elif op == dist.ReduceOp.PRODUCT:
-            result.mul_(other)
-        elif op == dist.ReduceOp.MAX:
-            torch.maximum(result, other, out=result)
-        elif op == dist.ReduceOp.MIN:
-            torch.minimum(result, other, out=result)
-        else:
-            raise NotImplementedError(f"meridian virtual group: reduce op {op} is not supported")
-    if op == dist.ReduceOp.AVG:
-        if result.is_floating_point():
-            result.div_(len(rows))
-        else:
-            result.div_(len(rows), rounding_mode="floor")
-    return result
+_COMMUTATIVE_IN_GLOO = rankorder.COMMUTATIVE_IN_GLOO
+_RANK_ORDER_OPS = rankorder.RANK_ORDER_OPS
+_reduce_in_rank_order = rankorder.reduce_in_rank_order
 
 
 def _flat(tensor):
@@ -318,15 +311,17 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
         return _create_work_from_future(result)
 
-    def _reduce_locally(self, tensors, op, flags=None):
-        """All-reduces the tensors through the shared area (ranks all on one host), here and now;
-        returns a completed Work. Same bits as the gloo path. `flags` ride with the first tensor
-        (see localreduce); returns their sums too when given."""
-        local = self.ensure_inner().local
+    def _reduce_through_shared_memory(self, tensors, op, flags=None):
+        """All-reduces the tensors through the group's shared reduction (one host's area, or the
+        chain across hosts' areas), here and now; returns a completed Work. Same bits as the gloo
+        path. `flags` ride with the first tensor (see localreduce, hostchain); their sums are
+        then what take_carried_flags returns."""
+        self._await_enqueued()
+        reduction = self.ensure_inner().shared_reduction
         summed = None
         for tensor in tensors or [torch.empty(0)]:
             flat = _flat(tensor)
-            carried = local.allreduce(flat, op, _reduce_in_rank_order, self._hooks, flags)
+            carried = reduction.allreduce(flat, op, self._hooks, flags)
             if flags is not None:
                 summed, flags = carried, None
             _copy_back(tensor, flat)
@@ -384,10 +379,11 @@ class VirtualProcessGroup(dist.ProcessGroup):
             hook()
         flags = _state["outgoing_flags"]
         _state["outgoing_flags"] = None
-        if self.ensure_inner().local is not None and (flags is None
-                                                      or len(flags) <= localreduce.MAX_FLAGS):
-            # On one host the cut's flags ride in the shared area with the data, at no cost.
-            return self._reduce_locally(tensors, op, flags)
+        if self.ensure_inner().shared_reduction is not None and (flags is None
+                                                                 or len(flags) <= localreduce.MAX_FLAGS):
+            # The cut's flags ride with the data (in the area; across hosts, in the chain's
+            # messages), at no cost.
+            return self._reduce_through_shared_memory(tensors, op, flags)
         if flags is not None:
             # The cut's flags go with this all-reduce (decided at issue time: the same point on
             # every rank) as one more small collective that gloo runs while the script computes.
@@ -451,8 +447,8 @@ def meta_allreduce(values):
     tensor = torch.tensor(values, dtype=torch.int64)
     if group is None or group._world_size == 1:
         return tensor.tolist()
-    if group.ensure_inner().local is not None:
-        group._reduce_locally([tensor], dist.ReduceOp.SUM)
+    if group.ensure_inner().shared_reduction is not None:
+        group._reduce_through_shared_memory([tensor], dist.ReduceOp.SUM)
     else:
         group.wait(group._issue(lambda pg: pg.allreduce([tensor])).get_future())
     return tensor.tolist()
