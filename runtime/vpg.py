@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, not in stubs
 from torch.distributed import distributed_c10d
 
-from runtime import localreduce, rankorder
+from runtime import hostchain, localreduce, rankorder
 from runtime.hostchain import HostChain
 from runtime.localreduce import LocalArea
 
@@ -138,6 +138,7 @@ def open_socket_fds():
     return found
 
 
+FLAG_LINE_BYTES = hostchain.FLAG_BYTES  # the cut's flags in a collective's payload (int64 sums)
 _COMMUTATIVE_IN_GLOO = rankorder.COMMUTATIVE_IN_GLOO
 _RANK_ORDER_OPS = rankorder.RANK_ORDER_OPS
 _reduce_in_rank_order = rankorder.reduce_in_rank_order
@@ -162,24 +163,51 @@ class _RankOrderAllreduce:
     receives 2(W-1)/W of the tensor, as in a ring all-reduce. Used when the ranks are not all on
     one host (else localreduce's shared area does the same with no TCP). Three steps, so the
     caller decides when each is started: scatter(pg), then, once its Work is done, gather(pg),
-    then, once that is done, finish()."""
+    then, once that is done, finish().
 
-    def __init__(self, flat, op, world_size, rank):
+    `flags` (at most MAX_FLAGS int64, or None): the cut's flags ride in the all-to-all, a 64-byte
+    line after every chunk (bytes, never arithmetic on them as floats), so every rank receives
+    every rank's flags and sums them itself (flag_sums, once gather has run): no collective of
+    their own. The send buffer is then a copy of the tensor with the lines in between."""
+
+    def __init__(self, flat, op, world_size, rank, flags=None):
         self.flat, self.op, self.world_size = flat, op, world_size
         self.base, self.extra = divmod(flat.numel(), world_size)
         self.sizes = [self.base + (1 if i < self.extra else 0) for i in range(world_size)]
         self.mine_size = self.sizes[rank]
-        self.received = torch.empty(world_size * self.mine_size, dtype=flat.dtype)
         self.gathered = None
+        self.flags, self.flag_sums = flags, None
+        self.tail = 0 if flags is None else FLAG_LINE_BYTES // flat.element_size()
+        self.received = torch.empty(world_size * (self.mine_size + self.tail), dtype=flat.dtype)
+        self.send = flat if flags is None else self._with_flag_lines(flat, flags)
+
+    def _with_flag_lines(self, flat, flags):
+        """Returns a copy of flat with the flags' line after each destination's chunk."""
+        line = torch.zeros(FLAG_LINE_BYTES // 8, dtype=torch.int64)
+        line[:len(flags)] = torch.tensor(flags, dtype=torch.int64)
+        send = torch.empty(flat.numel() + self.world_size * self.tail, dtype=flat.dtype)
+        send_bytes, size = send.view(torch.uint8), flat.element_size()
+        offset = 0
+        for i, chunk in enumerate(self.sizes):
+            start = offset + i * self.tail
+            send[start:start + chunk].copy_(flat[offset:offset + chunk])
+            send_bytes[(start + chunk) * size:(start + chunk + self.tail) * size].copy_(line.view(torch.uint8))
+            offset += chunk
+        return send
 
     def scatter(self, pg):
         # Chunk i of every rank goes to rank i (uneven chunks: no padded copy of the input).
-        return pg.alltoall_base(self.received, self.flat, [self.mine_size] * self.world_size,
-                                self.sizes, dist.AllToAllOptions())
+        return pg.alltoall_base(self.received, self.send, [self.mine_size + self.tail] * self.world_size,
+                                [size + self.tail for size in self.sizes], dist.AllToAllOptions())
 
     def gather(self, pg):
-        mine = _reduce_in_rank_order(list(self.received.view(self.world_size, self.mine_size)),
-                                     self.op)
+        rows = self.received.view(self.world_size, self.mine_size + self.tail)
+        if self.flags is not None:
+            line_start = self.mine_size * self.flat.element_size()
+            lines = self.received.view(torch.uint8).view(self.world_size, -1)[:, line_start:]
+            self.flag_sums = lines.contiguous().view(torch.int64).sum(0)[:len(self.flags)].tolist()
+            self.send = None
+        mine = _reduce_in_rank_order(list(rows[:, :self.mine_size]), self.op)
         if self.extra == 0:
             return pg._allgather_base(self.flat, mine)  # straight into the tensor
         widest = self.base + 1
@@ -296,12 +324,15 @@ class VirtualProcessGroup(dist.ProcessGroup):
         reduction.scatter(pg).get_future().then(scattered)
         return result
 
-    def _issue_rank_order(self, tensor, op):
+    def _issue_rank_order(self, tensor, op, flags=None):
         """Starts a rank-order all-reduce of one tensor over gloo and returns a future of it at
-        once (it overlaps the script's computation as gloo's own all-reduce would)."""
+        once (it overlaps the script's computation as gloo's own all-reduce would). `flags` ride
+        in its all-to-all; their sums are then what take_carried_flags returns."""
         flat = _flat(tensor)
-        reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank)
+        reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank, flags)
         future = self._start_reduction(self.ensure_inner().pg, reduction)
+        if flags is not None:
+            _state["carried_flags"] = future.then(lambda _: reduction.flag_sums)
 
         def done(finished):
             finished.value()  # raises its failure
@@ -384,19 +415,23 @@ class VirtualProcessGroup(dist.ProcessGroup):
             # The cut's flags ride with the data (in the area; across hosts, in the chain's
             # messages), at no cost.
             return self._reduce_through_shared_memory(tensors, op, flags)
-        if flags is not None:
+        ordered = self._ordered(op)
+        if flags is not None and not (ordered and tensors and len(flags) <= localreduce.MAX_FLAGS):
             # The cut's flags go with this all-reduce (decided at issue time: the same point on
             # every rank) as one more small collective that gloo runs while the script computes.
             summed = torch.tensor(flags, dtype=torch.int64)
             carried = self._issue(lambda pg: pg.allreduce([summed]))
             _state["carried_flags"] = carried.get_future().then(lambda _: summed.tolist())
-        if not self._ordered(op):
+            flags = None
+        if not ordered:
             options = dist.AllreduceOptions()
             options.reduceOp = op
             return self._issue(lambda pg: pg.allreduce(tensors, options))
+        # Otherwise the flags ride in the first tensor's all-to-all (_RankOrderAllreduce).
         if len(tensors) == 1 and not self._hooks.shares_device():
-            return self._issue_rank_order(tensors[0], op)
-        works = [self._issue_rank_order(tensor, op) for tensor in tensors]
+            return self._issue_rank_order(tensors[0], op, flags)
+        works = [self._issue_rank_order(tensor, op, flags if index == 0 else None)
+                 for index, tensor in enumerate(tensors)]
         for work in works:
             self.wait(work.get_future())
         return _create_work_from_future(torch.futures.collect_all(
