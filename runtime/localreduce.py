@@ -21,12 +21,14 @@ order, so the data a rank wrote is visible before its arrival word (aarch64 woul
 first; this runtime is only built for x86-64 and falls back to gloo elsewhere).
 
 The area holds one piece at a time (W + 1 rows of SEGMENT_BYTES); a longer tensor goes through in
-pieces. Rank 0 creates the file and reserves its memory (posix_fallocate: a full /dev/shm refuses
-here rather than crashing a rank later with SIGBUS); the others map it only if it exists and
-carries rank 0's token (so a rank on another host, or in another /dev/shm, never creates its own);
-every rank reports over gloo and the area is used only if all of them could map it. The file is
-unlinked as soon as everyone has mapped it, and `close()` unmaps it (CRIU then has no shared
-mapping to dump, and the restored job may be on other hosts).
+pieces. A job spanning hosts opens one area per host, its members the host's block of ranks
+(runtime/hostchain.py drives them with put / inputs / result / take); below, "rank 0" is then the
+block's first rank and W its size. Rank 0 creates the file and reserves its memory
+(posix_fallocate: a full /dev/shm refuses here rather than crashing a rank later with SIGBUS); the
+others map it only if it exists and carries rank 0's token (so a rank on another host, or in
+another /dev/shm, never creates its own); every rank reports over gloo and the area is used only
+if all of them could map it. The file is unlinked as soon as everyone has mapped it, and `close()`
+unmaps it (CRIU then has no shared mapping to dump, and the restored job may be on other hosts).
 """
 import ctypes
 import os

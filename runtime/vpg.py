@@ -10,17 +10,20 @@ no io_uring fd left in the process: CRIU can then dump it) and rebuild on new ad
 Reductions are deterministic: each element is combined in rank order 0, 1, ..., W-1, wherever
 it sits in the tensor, so results are bitwise the same for every rank -> device -> host layout
 and for DDP's bucket layout, which changes when a script is re-run from a framework checkpoint.
-Two transports give the same bits, so a job may switch between them at any cut:
+Three transports give the same bits, so a job may switch between them at any cut:
 - ranks all on one host (`localreduce`): through a shared memory area, each chunk combined by its
   owner, with a futex barrier; synchronous, and the cut's flags ride in the same area for free.
   Cheaper than gloo's own ring over loopback TCP, which is what made the overhead goal reachable.
-- ranks on several hosts: a reduce-scatter over gloo (all-to-all of W chunks, each combined in
-  rank order by its owner) then an all-gather, asynchronous like gloo's own all-reduce: the
-  all-gather is handed to gloo from a callback when the all-to-all is done, and the next
-  collective waits until that has happened, so every rank hands gloo its collectives in the same
-  order. With W = 2 there is only one way to add two numbers (IEEE addition is commutative), so
-  gloo's own all-reduce runs there.
-tests/runtime/test_vpg.py checks both transports with order-sensitive values, skewed timing,
+- ranks on several hosts, a contiguous block of P >= 2 on each (`hostchain`): each host's ranks
+  through their own host's area, the hosts chaining their partial sums in host order (which is
+  rank order) with point-to-point gloo messages that also carry the cut's flags; synchronous.
+- otherwise (one rank per host, no usable /dev/shm): a reduce-scatter over gloo (all-to-all of W
+  chunks, each combined in rank order by its owner, the flags riding in it) then an all-gather,
+  asynchronous like gloo's own all-reduce: the all-gather is handed to gloo from a callback when
+  the all-to-all is done, and the next collective waits until that has happened, so every rank
+  hands gloo its collectives in the same order. With W = 2 there is only one way to add two
+  numbers (IEEE addition is commutative), so gloo's own all-reduce runs there.
+tests/runtime/test_vpg.py checks every transport with order-sensitive values, skewed timing,
 pinnings, pieces and shifted positions.
 
 Other collectives are gloo's own, started asynchronously as under plain gloo, except on a shared
