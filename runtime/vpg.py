@@ -32,6 +32,7 @@ device (splicing), where a rank waits for each one with its device token given a
 import datetime
 import gc
 import os
+import queue
 import sys
 import threading
 import time
@@ -88,10 +89,12 @@ class InnerGroup:
         # several hosts through each host's shared memory and a chain between the hosts.
         self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
                                     world_size=world_size, timeout_s=timeout.total_seconds())
-        self.host_chain = None
+        self.host_chain = self.chain_thread = None
         if self.local is None:
             self.host_chain = HostChain.open(self.pg, self._prefix_store, rank=rank,
                                              world_size=world_size, timeout_s=timeout.total_seconds())
+        if self.host_chain is not None:
+            self.chain_thread = _OrderedThread(f"meridian-chain-{rank}")
 
     @property
     def shared_reduction(self):
@@ -103,6 +106,9 @@ class InnerGroup:
         if self.local is not None:
             self.local.close()
             self.local = None
+        if self.chain_thread is not None:
+            self.chain_thread.stop()  # idle: the virtual group waited for everything it ran
+            self.chain_thread = None
         if self.host_chain is not None:
             self.host_chain.close()
             self.host_chain = None
@@ -113,6 +119,40 @@ class InnerGroup:
             _await_sole_reference(pg)
         del pg  # destroyed here, on this thread
         gc.collect()
+
+
+class _OrderedThread:
+    """A thread that runs submitted functions one after another, in the order submitted; each
+    submit returns a torch Future of the function's result (or its exception)."""
+
+    def __init__(self, name):
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn):
+        future = torch.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            del job
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - a peer died, a timeout: the waiter gets it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del fn, future
+
+    def stop(self):
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def _await_sole_reference(pg, timeout_s=10.0):
@@ -347,24 +387,40 @@ class VirtualProcessGroup(dist.ProcessGroup):
 
     def _reduce_through_shared_memory(self, tensors, op, flags=None):
         """All-reduces the tensors through the group's shared reduction (one host's area, or the
-        chain across hosts' areas), here and now; returns a completed Work. Same bits as the gloo
-        path. `flags` ride with the first tensor (see localreduce, hostchain); their sums are
-        then what take_carried_flags returns."""
+        chain across hosts' areas) and returns a Work. Same bits as the gloo path. `flags` ride
+        with the first tensor (see localreduce, hostchain); their sums are then what
+        take_carried_flags returns.
+
+        One host: here and now (the copies are short), a completed Work. Across hosts the chain
+        waits for other hosts, so it runs on the group's chain thread, in the order the
+        all-reduces were issued (the same on every rank), and the Work completes when it is done:
+        DDP's backward pass goes on meanwhile, as under gloo's own all-reduce. A rank sharing its
+        device waits for it here with its token given away (the thread must not hand it over)."""
         self._await_enqueued()
-        reduction = self.ensure_inner().shared_reduction
-        summed = None
-        for tensor in tensors or [torch.empty(0)]:
-            flat = _flat(tensor)
-            carried = reduction.allreduce(flat, op, self._hooks, flags)
-            if flags is not None:
-                summed, flags = carried, None
-            _copy_back(tensor, flat)
-        if summed is not None:
-            _state["carried_flags"] = torch.futures.Future()
-            _state["carried_flags"].set_result(summed)
-        future = torch.futures.Future()
-        future.set_result(tensors)
-        return _create_work_from_future(future)
+        inner = self.ensure_inner()
+        reduction = inner.shared_reduction
+
+        def reduce_all(hooks):
+            summed, carrying = None, flags
+            for tensor in tensors or [torch.empty(0)]:
+                flat = _flat(tensor)
+                carried = reduction.allreduce(flat, op, hooks, carrying)
+                if carrying is not None:
+                    summed, carrying = carried, None
+                _copy_back(tensor, flat)
+            return summed
+
+        if inner.host_chain is None:
+            done = torch.futures.Future()
+            done.set_result(reduce_all(self._hooks))
+        else:
+            done = inner.chain_thread.submit(lambda: reduce_all(CollectiveHooks()))
+            self._in_flight = [f for f in self._in_flight if not f.done()] + [done]
+            if self._hooks.shares_device():
+                self.wait(done)
+        if flags is not None:
+            _state["carried_flags"] = done
+        return _create_work_from_future(done.then(lambda _: tensors))
 
     def _issue(self, start):
         """Starts a collective on the inner gloo group (start(pg) returns its gloo Work) and
@@ -486,7 +542,7 @@ def meta_allreduce(values):
     if group is None or group._world_size == 1:
         return tensor.tolist()
     if group.ensure_inner().shared_reduction is not None:
-        group._reduce_through_shared_memory([tensor], dist.ReduceOp.SUM)
+        group.wait(group._reduce_through_shared_memory([tensor], dist.ReduceOp.SUM).get_future())
     else:
         group.wait(group._issue(lambda pg: pg.allreduce([tensor])).get_future())
     return tensor.tolist()
