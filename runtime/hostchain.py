@@ -22,8 +22,8 @@ The cut's flags (runtime/cut.py) travel in the same messages: each message start
 step that carries flags issues no collective of its own. TCP carries 2(H-1) copies of the tensor
 in all (the flat reduce-scatter + all-gather: 2(W-1)), in 2(H-1)P messages of N/P, all
 point-to-point on the job's gloo group (its full mesh of pairs; tags of their own, so no gloo
-collective is disturbed). The chain is synchronous like the one-host area: the calling thread
-waits for it, giving the device token away while it waits (a rank sharing its device).
+collective is disturbed). HostChain.allreduce returns when the piece is done; the virtual group
+runs it on a thread of its own, in issue order (runtime/vpg.py), so DDP's backward pass goes on.
 
 Used only when every host holds the same number P >= 2 of ranks in one contiguous block, H >= 2,
 and every host's area can be mapped (hosts are told apart by host_key); otherwise the group takes

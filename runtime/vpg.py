@@ -16,7 +16,8 @@ Three transports give the same bits, so a job may switch between them at any cut
   Cheaper than gloo's own ring over loopback TCP, which is what made the overhead goal reachable.
 - ranks on several hosts, a contiguous block of P >= 2 on each (`hostchain`): each host's ranks
   through their own host's area, the hosts chaining their partial sums in host order (which is
-  rank order) with point-to-point gloo messages that also carry the cut's flags; synchronous.
+  rank order) with point-to-point gloo messages that also carry the cut's flags; on a thread of
+  the group, in issue order, so it overlaps the script's computation as gloo's all-reduce would.
 - otherwise (one rank per host, no usable /dev/shm): a reduce-scatter over gloo (all-to-all of W
   chunks, each combined in rank order by its owner, the flags riding in it) then an all-gather,
   asynchronous like gloo's own all-reduce: the all-gather is handed to gloo from a callback when
@@ -98,8 +99,8 @@ class InnerGroup:
 
     @property
     def shared_reduction(self):
-        """The synchronous rank-order all-reduce through shared memory this group has (the one-host
-        area, or the chain across hosts), or None: the rank-order reduction runs over gloo."""
+        """The rank-order all-reduce through shared memory this group has (the one-host area, or
+        the chain across hosts), or None: the rank-order reduction runs over gloo."""
         return self.local or self.host_chain
 
     def close(self):
@@ -375,7 +376,10 @@ class VirtualProcessGroup(dist.ProcessGroup):
         reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank, flags)
         future = self._start_reduction(self.ensure_inner().pg, reduction)
         if flags is not None:
-            _state["carried_flags"] = future.then(lambda _: reduction.flag_sums)
+            def flag_sums(finished):
+                finished.value()  # raises its failure
+                return reduction.flag_sums
+            _state["carried_flags"] = future.then(flag_sums)
 
         def done(finished):
             finished.value()  # raises its failure
