@@ -21,12 +21,14 @@ order, so the data a rank wrote is visible before its arrival word (aarch64 woul
 first; this runtime is only built for x86-64 and falls back to gloo elsewhere).
 
 The area holds one piece at a time (W + 1 rows of SEGMENT_BYTES); a longer tensor goes through in
-pieces. Rank 0 creates the file and reserves its memory (posix_fallocate: a full /dev/shm refuses
-here rather than crashing a rank later with SIGBUS); the others map it only if it exists and
-carries rank 0's token (so a rank on another host, or in another /dev/shm, never creates its own);
-every rank reports over gloo and the area is used only if all of them could map it. The file is
-unlinked as soon as everyone has mapped it, and `close()` unmaps it (CRIU then has no shared
-mapping to dump, and the restored job may be on other hosts).
+pieces. A job spanning hosts opens one area per host, its members the host's block of ranks
+(runtime/hostchain.py drives them with put / inputs / result / take); below, "rank 0" is then the
+block's first rank and W its size. Rank 0 creates the file and reserves its memory
+(posix_fallocate: a full /dev/shm refuses here rather than crashing a rank later with SIGBUS); the
+others map it only if it exists and carries rank 0's token (so a rank on another host, or in
+another /dev/shm, never creates its own); every rank reports over gloo and the area is used only
+if all of them could map it. The file is unlinked as soon as everyone has mapped it, and `close()`
+unmaps it (CRIU then has no shared mapping to dump, and the restored job may be on other hosts).
 """
 import ctypes
 import os
@@ -36,8 +38,11 @@ import time
 
 import torch
 
+from runtime import rankorder
+
 SEGMENT_BYTES = int(os.environ.get("MERIDIAN_VPG_SEGMENT_BYTES", 4 << 20))
 SHM_DIR = "/dev/shm"
+SHM_DIR_VARIABLE = "MERIDIAN_VPG_SHM_DIR"  # another directory for the areas (tests: one per "host")
 ENABLE_VARIABLE = "MERIDIAN_VPG_LOCAL"  # "0": always reduce over gloo (an escape hatch; tests)
 STORE_KEY = "meridian-local-area"
 _TOKEN_BYTES = 32
@@ -65,6 +70,11 @@ def _futex(address, operation, value, timeout=None):
                          ctypes.c_void_p(None), ctypes.c_int(0))
 
 
+def shm_directory():
+    """The directory the areas live in: this host's /dev/shm (or $MERIDIAN_VPG_SHM_DIR)."""
+    return os.environ.get(SHM_DIR_VARIABLE) or SHM_DIR
+
+
 def _header_bytes(world_size):
     needed = _TOKEN_BYTES + _WORD_STRIDE * (world_size + 1)
     return -(-needed // _PAGE) * _PAGE
@@ -86,21 +96,28 @@ class LocalArea:
         self._passed = 0  # barriers this rank has arrived at
 
     @classmethod
-    def open(cls, pg, store, *, rank, world_size, timeout_s, segment_bytes=None):
-        """Maps the job's shared area if every rank can; returns it, or None (use gloo).
+    def open(cls, pg, store, *, rank, world_size, timeout_s, segment_bytes=None, members=None):
+        """Maps the shared area of `members` (a contiguous range of ranks, default all of them:
+        the job is on one host) if every rank of the job can map its own; returns it (indexed by
+        the rank's position in members), or None (use gloo).
 
-        Collective: every rank of the inner group calls it right after building the group."""
-        if (os.environ.get(ENABLE_VARIABLE, "1") == "0" or world_size < 2
+        Collective: every rank of the inner group calls it right after building the group, each
+        with its own members (runtime/hostchain.py: one area per host)."""
+        members = members if members is not None else range(world_size)
+        if (os.environ.get(ENABLE_VARIABLE, "1") == "0" or len(members) < 2
                 or _SYS_FUTEX is None):
             return None
         segment_bytes = segment_bytes or SEGMENT_BYTES
         segment_bytes -= segment_bytes % _WORD_STRIDE
-        size = _header_bytes(world_size) + (world_size + 1) * segment_bytes
+        size = _header_bytes(len(members)) + (len(members) + 1) * segment_bytes
+        # One host: the key every earlier version used; one of several hosts: its first rank's.
+        store_key = STORE_KEY if len(members) == world_size else f"{STORE_KEY}/{members.start}"
+        shm_dir = shm_directory()
         buffer, path = None, None
         try:
-            if rank == 0:
+            if rank == members.start:
                 token = secrets.token_hex(_TOKEN_BYTES // 2)
-                path = os.path.join(SHM_DIR, f"meridian-vpg-{token}")
+                path = os.path.join(shm_dir, f"meridian-vpg-{token}")
                 try:
                     descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                     try:
@@ -109,14 +126,14 @@ class LocalArea:
                     finally:
                         os.close(descriptor)
                 except OSError:
-                    store.set(STORE_KEY, "none")  # the others must not wait for a token
+                    store.set(store_key, "none")  # the others must not wait for a token
                     raise
-                store.set(STORE_KEY, token)
+                store.set(store_key, token)
             else:
-                token = store.get(STORE_KEY).decode()
+                token = store.get(store_key).decode()
                 if token == "none":
-                    raise OSError("rank 0 could not create the shared area")
-                path = os.path.join(SHM_DIR, f"meridian-vpg-{token}")
+                    raise OSError(f"rank {members.start} could not create the shared area")
+                path = os.path.join(shm_dir, f"meridian-vpg-{token}")
                 descriptor = os.open(path, os.O_RDONLY)  # never creates: another host has none
                 try:
                     if os.pread(descriptor, _TOKEN_BYTES, 0).decode() != token:
@@ -129,16 +146,16 @@ class LocalArea:
         except (OSError, RuntimeError, UnicodeDecodeError):
             buffer = None
         mapped = torch.tensor([0 if buffer is None else 1], dtype=torch.int32)
-        pg.allreduce([mapped]).wait()  # everyone has tried before rank 0 unlinks the file
-        if rank == 0 and path is not None:
+        pg.allreduce([mapped]).wait()  # everyone has tried before the creator unlinks the file
+        if rank == members.start and path is not None:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
         if int(mapped) != world_size:
             return None
-        return cls(buffer, rank=rank, world_size=world_size, segment_bytes=segment_bytes,
-                   timeout_s=timeout_s)
+        return cls(buffer, rank=rank - members.start, world_size=len(members),
+                   segment_bytes=segment_bytes, timeout_s=timeout_s)
 
     # -- the barrier ------------------------------------------------------------------------
     def barrier(self, hooks):
@@ -176,36 +193,62 @@ class LocalArea:
         start = self._header + index * self.segment_bytes
         return self._buffer[start:start + self.segment_bytes].view(dtype)[:count]
 
-    def allreduce(self, flat, op, reduce_in_rank_order, hooks, flags=None):
-        """All-reduces a contiguous 1-D tensor in place, piece by piece. Every rank calls it
-        with the same sizes in the same order. `flags` (at most MAX_FLAGS ints, or None) ride
-        along with the first piece, at no extra wait: returns their sums over all ranks."""
-        step = self.segment_bytes // flat.element_size()
+    def piece_elements(self, flat):
+        """How many elements of `flat` go through the area at a time (one piece)."""
+        return self.segment_bytes // flat.element_size()
+
+    def chunk(self, count):
+        """Returns (begin, end): the part of a piece of `count` elements this rank combines (the
+        gloo path's chunks, over this area's ranks)."""
+        base, extra = divmod(count, self.world_size)
+        begin = self.rank * base + min(self.rank, extra)
+        return begin, begin + base + (1 if self.rank < extra else 0)
+
+    def put(self, piece, flags, hooks):
+        """Writes this rank's piece (and flags) into its row, then waits until every rank of the
+        area has; returns the flags' sums over the area's ranks (None without flags)."""
+        # Rows are reused by the next piece: every rank has copied this piece's result out
+        # before it writes its next input (it does so in order), and every owner has read the
+        # inputs before anyone passes the second barrier. The same holds for the flags.
+        self._row(self.rank, piece.dtype, piece.numel()).copy_(piece)
+        if flags is not None:
+            self._flags[self.rank][:len(flags)] = [int(v) for v in flags]
+        self.barrier(hooks)
+        if flags is None:
+            return None
+        return [sum(self._flags[r][i] for r in range(self.world_size)) for i in range(len(flags))]
+
+    def inputs(self, dtype, count, begin, end):
+        """Every rank's [begin, end) of the piece in the area, in rank order (views)."""
+        return [self._row(r, dtype, count)[begin:end] for r in range(self.world_size)]
+
+    def result(self, dtype, count):
+        """The result row of a piece of `count` elements (a view: owners write their chunks)."""
+        return self._row(self.world_size, dtype, count)
+
+    def take(self, piece, hooks):
+        """Waits until every chunk of the piece's result is written, then copies it into piece."""
+        self.barrier(hooks)
+        piece.copy_(self.result(piece.dtype, piece.numel()))
+
+    def allreduce(self, flat, op, hooks, flags=None):
+        """All-reduces a contiguous 1-D tensor in place, piece by piece, each element combined in
+        rank order by its chunk's owner. Every rank calls it with the same sizes in the same
+        order. `flags` (at most MAX_FLAGS ints, or None) ride along with the first piece, at no
+        extra wait: returns their sums over all ranks."""
+        step = self.piece_elements(flat)
         summed = None
         for start in range(0, max(flat.numel(), 1), step):
             piece = flat[start:start + step]
             count = piece.numel()
-            # Rows are reused by the next piece: every rank has copied this piece's result out
-            # before it writes its next input (it does so in order), and every owner has read the
-            # inputs before anyone passes the second barrier. The same holds for the flags.
-            self._row(self.rank, piece.dtype, count).copy_(piece)
+            carried = self.put(piece, flags, hooks)
             if flags is not None:
-                self._flags[self.rank][:len(flags)] = [int(v) for v in flags]
-            self.barrier(hooks)
-            if flags is not None:
-                summed = [sum(self._flags[r][i] for r in range(self.world_size))
-                          for i in range(len(flags))]
-                flags = None
-            base, extra = divmod(count, self.world_size)  # the gloo path's chunks
-            mine = self.rank * base + min(self.rank, extra)
-            end = mine + base + (1 if self.rank < extra else 0)
-            if end > mine:
-                rows = [self._row(r, piece.dtype, count)[mine:end]
-                        for r in range(self.world_size)]
-                combined = reduce_in_rank_order(rows, op)
-                self._row(self.world_size, piece.dtype, count)[mine:end].copy_(combined)
-            self.barrier(hooks)
-            piece.copy_(self._row(self.world_size, piece.dtype, count))
+                summed, flags = carried, None
+            begin, end = self.chunk(count)
+            if end > begin:
+                combined = rankorder.reduce_in_rank_order(self.inputs(piece.dtype, count, begin, end), op)
+                self.result(piece.dtype, count)[begin:end].copy_(combined)
+            self.take(piece, hooks)
         return summed
 
     def close(self):

@@ -9,11 +9,11 @@ TCP store (runtime/rendezvous.py) that every rank's inner gloo group rendezvouse
 The virtual group is the same on one host and on many: every element of an all-reduce is
 combined in logical rank order 0, 1, ..., W-1 (runtime/vpg.py), so the bits do not depend on
 how ranks map to hosts. Ranks all on one host reduce through shared memory; when the job spans
-hosts, the shared area cannot be mapped by every rank (each host has its own /dev/shm) and the
-group takes the gloo path, a rank-order reduce-scatter and all-gather over TCP between the
-hosts' addresses. (A hierarchical variant, ranks of a host combining through shared memory
-before hosts exchange, can keep the same bits only as a chain in host order, since
-floating-point addition is not associative; it is not built: see docs/design/runtime.md.)
+hosts, each host's block of ranks reduces through its own host's shared area and the hosts chain
+their partial sums in host order (runtime/hostchain.py): since a host's ranks are a contiguous
+block, host order is rank order, and the chain keeps the one-host bits although floating-point
+addition is not associative. One rank per host (or no usable /dev/shm) takes the flat gloo path,
+a rank-order reduce-scatter and all-gather over TCP between the hosts' addresses.
 
 A consistent cut across hosts (framework engine): the leader hands the CutRequest out through
 its store in two phases before any rank can see it: every follower must say it received the

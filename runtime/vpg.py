@@ -10,17 +10,21 @@ no io_uring fd left in the process: CRIU can then dump it) and rebuild on new ad
 Reductions are deterministic: each element is combined in rank order 0, 1, ..., W-1, wherever
 it sits in the tensor, so results are bitwise the same for every rank -> device -> host layout
 and for DDP's bucket layout, which changes when a script is re-run from a framework checkpoint.
-Two transports give the same bits, so a job may switch between them at any cut:
+Three transports give the same bits, so a job may switch between them at any cut:
 - ranks all on one host (`localreduce`): through a shared memory area, each chunk combined by its
   owner, with a futex barrier; synchronous, and the cut's flags ride in the same area for free.
   Cheaper than gloo's own ring over loopback TCP, which is what made the overhead goal reachable.
-- ranks on several hosts: a reduce-scatter over gloo (all-to-all of W chunks, each combined in
-  rank order by its owner) then an all-gather, asynchronous like gloo's own all-reduce: the
-  all-gather is handed to gloo from a callback when the all-to-all is done, and the next
-  collective waits until that has happened, so every rank hands gloo its collectives in the same
-  order. With W = 2 there is only one way to add two numbers (IEEE addition is commutative), so
-  gloo's own all-reduce runs there.
-tests/runtime/test_vpg.py checks both transports with order-sensitive values, skewed timing,
+- ranks on several hosts, a contiguous block of P >= 2 on each (`hostchain`): each host's ranks
+  through their own host's area, the hosts chaining their partial sums in host order (which is
+  rank order) with point-to-point gloo messages that also carry the cut's flags; on a thread of
+  the group, in issue order, so it overlaps the script's computation as gloo's all-reduce would.
+- otherwise (one rank per host, no usable /dev/shm): a reduce-scatter over gloo (all-to-all of W
+  chunks, each combined in rank order by its owner, the flags riding in it) then an all-gather,
+  asynchronous like gloo's own all-reduce: the all-gather is handed to gloo from a callback when
+  the all-to-all is done, and the next collective waits until that has happened, so every rank
+  hands gloo its collectives in the same order. With W = 2 there is only one way to add two
+  numbers (IEEE addition is commutative), so gloo's own all-reduce runs there.
+tests/runtime/test_vpg.py checks every transport with order-sensitive values, skewed timing,
 pinnings, pieces and shifted positions.
 
 Other collectives are gloo's own, started asynchronously as under plain gloo, except on a shared
@@ -29,6 +33,7 @@ device (splicing), where a rank waits for each one with its device token given a
 import datetime
 import gc
 import os
+import queue
 import sys
 import threading
 import time
@@ -38,7 +43,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, not in stubs
 from torch.distributed import distributed_c10d
 
-from runtime import localreduce
+from runtime import hostchain, localreduce, rankorder
+from runtime.hostchain import HostChain
 from runtime.localreduce import LocalArea
 
 BACKEND_NAME = "meridian"
@@ -80,14 +86,33 @@ class InnerGroup:
         self.pg = dist.ProcessGroupGloo(self._prefix_store, rank, world_size, options)
         # The options keep the gloo Device, and the Device keeps a listening socket.
         del options
-        # Ranks all on one host reduce through shared memory instead of loopback TCP.
+        # Ranks all on one host reduce through shared memory instead of loopback TCP; ranks on
+        # several hosts through each host's shared memory and a chain between the hosts.
         self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
                                     world_size=world_size, timeout_s=timeout.total_seconds())
+        self.host_chain = self.chain_thread = None
+        if self.local is None:
+            self.host_chain = HostChain.open(self.pg, self._prefix_store, rank=rank,
+                                             world_size=world_size, timeout_s=timeout.total_seconds())
+        if self.host_chain is not None:
+            self.chain_thread = _OrderedThread(f"meridian-chain-{rank}")
+
+    @property
+    def shared_reduction(self):
+        """The rank-order all-reduce through shared memory this group has (the one-host area, or
+        the chain across hosts), or None: the rank-order reduction runs over gloo."""
+        return self.local or self.host_chain
 
     def close(self):
         if self.local is not None:
             self.local.close()
             self.local = None
+        if self.chain_thread is not None:
+            self.chain_thread.stop()  # idle: the virtual group waited for everything it ran
+            self.chain_thread = None
+        if self.host_chain is not None:
+            self.host_chain.close()
+            self.host_chain = None
         pg, self.pg = self.pg, None
         self._prefix_store = None
         self._store = None
@@ -95,6 +120,40 @@ class InnerGroup:
             _await_sole_reference(pg)
         del pg  # destroyed here, on this thread
         gc.collect()
+
+
+class _OrderedThread:
+    """A thread that runs submitted functions one after another, in the order submitted; each
+    submit returns a torch Future of the function's result (or its exception)."""
+
+    def __init__(self, name):
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn):
+        future = torch.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            del job
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - a peer died, a timeout: the waiter gets it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del fn, future
+
+    def stop(self):
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def _await_sole_reference(pg, timeout_s=10.0):
@@ -123,31 +182,10 @@ def open_socket_fds():
     return found
 
 
-_COMMUTATIVE_IN_GLOO = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN,
-                        dist.ReduceOp.MAX)
-_RANK_ORDER_OPS = _COMMUTATIVE_IN_GLOO + (dist.ReduceOp.AVG,)
-
-
-def _reduce_in_rank_order(rows, op):
-    """Returns rows[0] op rows[1] op ... op rows[-1], combined left to right (AVG divides the sum)."""
-    result = rows[0].clone()
-    for other in rows[1:]:
-        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            result.add_(other)
-        elif op == dist.ReduceOp.PRODUCT:
-            result.mul_(other)
-        elif op == dist.ReduceOp.MAX:
-            torch.maximum(result, other, out=result)
-        elif op == dist.ReduceOp.MIN:
-            torch.minimum(result, other, out=result)
-        else:
-            raise NotImplementedError(f"meridian virtual group: reduce op {op} is not supported")
-    if op == dist.ReduceOp.AVG:
-        if result.is_floating_point():
-            result.div_(len(rows))
-        else:
-            result.div_(len(rows), rounding_mode="floor")
-    return result
+FLAG_LINE_BYTES = hostchain.FLAG_BYTES  # the cut's flags in a collective's payload (int64 sums)
+_COMMUTATIVE_IN_GLOO = rankorder.COMMUTATIVE_IN_GLOO
+_RANK_ORDER_OPS = rankorder.RANK_ORDER_OPS
+_reduce_in_rank_order = rankorder.reduce_in_rank_order
 
 
 def _flat(tensor):
@@ -169,24 +207,51 @@ class _RankOrderAllreduce:
     receives 2(W-1)/W of the tensor, as in a ring all-reduce. Used when the ranks are not all on
     one host (else localreduce's shared area does the same with no TCP). Three steps, so the
     caller decides when each is started: scatter(pg), then, once its Work is done, gather(pg),
-    then, once that is done, finish()."""
+    then, once that is done, finish().
 
-    def __init__(self, flat, op, world_size, rank):
+    `flags` (at most MAX_FLAGS int64, or None): the cut's flags ride in the all-to-all, a 64-byte
+    line after every chunk (bytes, never arithmetic on them as floats), so every rank receives
+    every rank's flags and sums them itself (flag_sums, once gather has run): no collective of
+    their own. The send buffer is then a copy of the tensor with the lines in between."""
+
+    def __init__(self, flat, op, world_size, rank, flags=None):
         self.flat, self.op, self.world_size = flat, op, world_size
         self.base, self.extra = divmod(flat.numel(), world_size)
         self.sizes = [self.base + (1 if i < self.extra else 0) for i in range(world_size)]
         self.mine_size = self.sizes[rank]
-        self.received = torch.empty(world_size * self.mine_size, dtype=flat.dtype)
         self.gathered = None
+        self.flags, self.flag_sums = flags, None
+        self.tail = 0 if flags is None else FLAG_LINE_BYTES // flat.element_size()
+        self.received = torch.empty(world_size * (self.mine_size + self.tail), dtype=flat.dtype)
+        self.send = flat if flags is None else self._with_flag_lines(flat, flags)
+
+    def _with_flag_lines(self, flat, flags):
+        """Returns a copy of flat with the flags' line after each destination's chunk."""
+        line = torch.zeros(FLAG_LINE_BYTES // 8, dtype=torch.int64)
+        line[:len(flags)] = torch.tensor(flags, dtype=torch.int64)
+        send = torch.empty(flat.numel() + self.world_size * self.tail, dtype=flat.dtype)
+        send_bytes, size = send.view(torch.uint8), flat.element_size()
+        offset = 0
+        for i, chunk in enumerate(self.sizes):
+            start = offset + i * self.tail
+            send[start:start + chunk].copy_(flat[offset:offset + chunk])
+            send_bytes[(start + chunk) * size:(start + chunk + self.tail) * size].copy_(line.view(torch.uint8))
+            offset += chunk
+        return send
 
     def scatter(self, pg):
         # Chunk i of every rank goes to rank i (uneven chunks: no padded copy of the input).
-        return pg.alltoall_base(self.received, self.flat, [self.mine_size] * self.world_size,
-                                self.sizes, dist.AllToAllOptions())
+        return pg.alltoall_base(self.received, self.send, [self.mine_size + self.tail] * self.world_size,
+                                [size + self.tail for size in self.sizes], dist.AllToAllOptions())
 
     def gather(self, pg):
-        mine = _reduce_in_rank_order(list(self.received.view(self.world_size, self.mine_size)),
-                                     self.op)
+        rows = self.received.view(self.world_size, self.mine_size + self.tail)
+        if self.flags is not None:
+            line_start = self.mine_size * self.flat.element_size()
+            lines = self.received.view(torch.uint8).view(self.world_size, -1)[:, line_start:]
+            self.flag_sums = lines.contiguous().view(torch.int64).sum(0)[:len(self.flags)].tolist()
+            self.send = None
+        mine = _reduce_in_rank_order(list(rows[:, :self.mine_size]), self.op)
         if self.extra == 0:
             return pg._allgather_base(self.flat, mine)  # straight into the tensor
         widest = self.base + 1
@@ -303,12 +368,18 @@ class VirtualProcessGroup(dist.ProcessGroup):
         reduction.scatter(pg).get_future().then(scattered)
         return result
 
-    def _issue_rank_order(self, tensor, op):
+    def _issue_rank_order(self, tensor, op, flags=None):
         """Starts a rank-order all-reduce of one tensor over gloo and returns a future of it at
-        once (it overlaps the script's computation as gloo's own all-reduce would)."""
+        once (it overlaps the script's computation as gloo's own all-reduce would). `flags` ride
+        in its all-to-all; their sums are then what take_carried_flags returns."""
         flat = _flat(tensor)
-        reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank)
+        reduction = _RankOrderAllreduce(flat, op, self._world_size, self._rank, flags)
         future = self._start_reduction(self.ensure_inner().pg, reduction)
+        if flags is not None:
+            def flag_sums(finished):
+                finished.value()  # raises its failure
+                return reduction.flag_sums
+            _state["carried_flags"] = future.then(flag_sums)
 
         def done(finished):
             finished.value()  # raises its failure
@@ -318,24 +389,42 @@ class VirtualProcessGroup(dist.ProcessGroup):
         self._in_flight = [f for f in self._in_flight if not f.done()] + [result]
         return _create_work_from_future(result)
 
-    def _reduce_locally(self, tensors, op, flags=None):
-        """All-reduces the tensors through the shared area (ranks all on one host), here and now;
-        returns a completed Work. Same bits as the gloo path. `flags` ride with the first tensor
-        (see localreduce); returns their sums too when given."""
-        local = self.ensure_inner().local
-        summed = None
-        for tensor in tensors or [torch.empty(0)]:
-            flat = _flat(tensor)
-            carried = local.allreduce(flat, op, _reduce_in_rank_order, self._hooks, flags)
-            if flags is not None:
-                summed, flags = carried, None
-            _copy_back(tensor, flat)
-        if summed is not None:
-            _state["carried_flags"] = torch.futures.Future()
-            _state["carried_flags"].set_result(summed)
-        future = torch.futures.Future()
-        future.set_result(tensors)
-        return _create_work_from_future(future)
+    def _reduce_through_shared_memory(self, tensors, op, flags=None):
+        """All-reduces the tensors through the group's shared reduction (one host's area, or the
+        chain across hosts' areas) and returns a Work. Same bits as the gloo path. `flags` ride
+        with the first tensor (see localreduce, hostchain); their sums are then what
+        take_carried_flags returns.
+
+        One host: here and now (the copies are short), a completed Work. Across hosts the chain
+        waits for other hosts, so it runs on the group's chain thread, in the order the
+        all-reduces were issued (the same on every rank), and the Work completes when it is done:
+        DDP's backward pass goes on meanwhile, as under gloo's own all-reduce. A rank sharing its
+        device waits for it here with its token given away (the thread must not hand it over)."""
+        self._await_enqueued()
+        inner = self.ensure_inner()
+        reduction = inner.shared_reduction
+
+        def reduce_all(hooks):
+            summed, carrying = None, flags
+            for tensor in tensors or [torch.empty(0)]:
+                flat = _flat(tensor)
+                carried = reduction.allreduce(flat, op, hooks, carrying)
+                if carrying is not None:
+                    summed, carrying = carried, None
+                _copy_back(tensor, flat)
+            return summed
+
+        if inner.host_chain is None:
+            done = torch.futures.Future()
+            done.set_result(reduce_all(self._hooks))
+        else:
+            done = inner.chain_thread.submit(lambda: reduce_all(CollectiveHooks()))
+            self._in_flight = [f for f in self._in_flight if not f.done()] + [done]
+            if self._hooks.shares_device():
+                self.wait(done)
+        if flags is not None:
+            _state["carried_flags"] = done
+        return _create_work_from_future(done.then(lambda _: tensors))
 
     def _issue(self, start):
         """Starts a collective on the inner gloo group (start(pg) returns its gloo Work) and
@@ -384,23 +473,28 @@ class VirtualProcessGroup(dist.ProcessGroup):
             hook()
         flags = _state["outgoing_flags"]
         _state["outgoing_flags"] = None
-        if self.ensure_inner().local is not None and (flags is None
-                                                      or len(flags) <= localreduce.MAX_FLAGS):
-            # On one host the cut's flags ride in the shared area with the data, at no cost.
-            return self._reduce_locally(tensors, op, flags)
-        if flags is not None:
+        if self.ensure_inner().shared_reduction is not None and (flags is None
+                                                                 or len(flags) <= localreduce.MAX_FLAGS):
+            # The cut's flags ride with the data (in the area; across hosts, in the chain's
+            # messages), at no cost.
+            return self._reduce_through_shared_memory(tensors, op, flags)
+        ordered = self._ordered(op)
+        if flags is not None and not (ordered and tensors and len(flags) <= localreduce.MAX_FLAGS):
             # The cut's flags go with this all-reduce (decided at issue time: the same point on
             # every rank) as one more small collective that gloo runs while the script computes.
             summed = torch.tensor(flags, dtype=torch.int64)
             carried = self._issue(lambda pg: pg.allreduce([summed]))
             _state["carried_flags"] = carried.get_future().then(lambda _: summed.tolist())
-        if not self._ordered(op):
+            flags = None
+        if not ordered:
             options = dist.AllreduceOptions()
             options.reduceOp = op
             return self._issue(lambda pg: pg.allreduce(tensors, options))
+        # Otherwise the flags ride in the first tensor's all-to-all (_RankOrderAllreduce).
         if len(tensors) == 1 and not self._hooks.shares_device():
-            return self._issue_rank_order(tensors[0], op)
-        works = [self._issue_rank_order(tensor, op) for tensor in tensors]
+            return self._issue_rank_order(tensors[0], op, flags)
+        works = [self._issue_rank_order(tensor, op, flags if index == 0 else None)
+                 for index, tensor in enumerate(tensors)]
         for work in works:
             self.wait(work.get_future())
         return _create_work_from_future(torch.futures.collect_all(
@@ -451,8 +545,8 @@ def meta_allreduce(values):
     tensor = torch.tensor(values, dtype=torch.int64)
     if group is None or group._world_size == 1:
         return tensor.tolist()
-    if group.ensure_inner().local is not None:
-        group._reduce_locally([tensor], dist.ReduceOp.SUM)
+    if group.ensure_inner().shared_reduction is not None:
+        group.wait(group._reduce_through_shared_memory([tensor], dist.ReduceOp.SUM).get_future())
     else:
         group.wait(group._issue(lambda pg: pg.allreduce([tensor])).get_future())
     return tensor.tolist()

@@ -17,9 +17,9 @@ def host_env(extra=None):
 
 
 def start_job(hosts, *, ranks, script, args, engine="framework", job_id=None, launcher_args=(),
-              only_nodes=None):
-    """Starts meridian-run on each of `hosts` (node rank = position; `only_nodes`: just those);
-    returns (job id, Popens)."""
+              only_nodes=None, env=None):
+    """Starts meridian-run on each of `hosts` (node rank = position; `only_nodes`: just those;
+    `env`: more environment for the launchers and their ranks); returns (job id, Popens)."""
     job_id = job_id or f"mh-{uuid.uuid4().hex[:8]}"
     rendezvous = os.path.join(hosts[0].store, "rendezvous")
     processes = []
@@ -30,7 +30,7 @@ def start_job(hosts, *, ranks, script, args, engine="framework", job_id=None, la
                    "--nodes", str(len(hosts)), "--node-rank", str(node_rank), "--node-addr", host.address,
                    "--rendezvous", rendezvous, "--job-id", job_id,
                    "--job-dir", f"{host.node_dir}/jobs/{job_id}", *launcher_args, script, *args]
-        processes.append(host.popen(command, env=host_env(), cwd=REPO, stdout=subprocess.PIPE,
+        processes.append(host.popen(command, env=host_env(env), cwd=REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True))
     return job_id, processes
 

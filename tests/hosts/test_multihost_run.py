@@ -60,6 +60,8 @@ def test_every_rank_gets_the_torchrun_environment_of_its_host(emulated_hosts):
         assert env["MERIDIAN_NODE_ADDR"] == cluster[node].address
         assert int(env["MASTER_PORT"]) > 0
         assert env["allreduce"] == "6.0"  # 0 + 1 + 2 + 3 across both hosts
+        # each host's two ranks combine in its own /dev/shm, the hosts chain (runtime/hostchain.py)
+        assert env["transport"] == "hosts"
 
 
 def test_a_follower_without_a_live_leader_fails_naming_the_stale_one(emulated_hosts):

@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -39,28 +40,40 @@ def test_closing_the_inner_group_leaves_no_socket_open():
 
 
 def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed, transport="local",
-                 segment_bytes=None):
+                 segment_bytes=None, hosts=1, reports=None):
     """Runs one all-reduce of order-sensitive values over `world` rank processes; returns each
     rank's result bytes (3 repeats each). transport "local": through the shared area (the ranks
-    are on one host), "gloo": forced over gloo's TCP."""
+    are on one host), "gloo": forced over gloo's TCP, "hosts": `hosts` emulated hosts of
+    world/hosts ranks each (a shared-memory directory of their own), chained. `reports`: a list
+    that receives each rank's report."""
     server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                            use_libuv=False)
-    env = dict(os.environ, MERIDIAN_VPG_LOCAL="1" if transport == "local" else "0")
+    env = dict(os.environ, MERIDIAN_VPG_LOCAL="0" if transport == "gloo" else "1")
     if segment_bytes:
         env["MERIDIAN_VPG_SEGMENT_BYTES"] = str(segment_bytes)
-    areas_before = set(pathlib.Path("/dev/shm").glob("meridian-vpg-*"))
+    shm_dirs = [pathlib.Path("/dev/shm")] * world
+    if transport == "hosts":  # rank r on host r // (world / hosts): its own /dev/shm stand-in
+        roots = [pathlib.Path(tempfile.mkdtemp(prefix=f"host{h}-", dir="/dev/shm")) for h in range(hosts)]
+        shm_dirs = [roots[r // (world // hosts)] for r in range(world)]
+    areas_before = {d: set(d.glob("meridian-vpg-*")) for d in set(shm_dirs)}
     outs = [tmp_path / f"{tag}-rank{r}.json" for r in range(world)]
     processes = [subprocess.Popen([sys.executable, str(PROBE), str(r), str(world), str(server.port),
-                                   core_of_rank(r), str(delay_seed), str(outs[r])], env=env)
+                                   core_of_rank(r), str(delay_seed), str(outs[r])],
+                                  env=dict(env, MERIDIAN_VPG_SHM_DIR=str(shm_dirs[r])))
                  for r in range(world)]
     assert [p.wait(timeout=120) for p in processes] == [0] * world
-    reports = [json.loads(out.read_text()) for out in outs]
-    assert all(report["local"] == (transport == "local") for report in reports)
-    assert all(report["sockets"] == 0 and report["mappings"] == 0 for report in reports)
-    assert set(pathlib.Path("/dev/shm").glob("meridian-vpg-*")) == areas_before
-    assert all(report["rank_order"] for report in reports), f"{tag}: not the left-to-right rank-order sum"
-    assert all(report["flags"] == [world * (world - 1) // 2, world] for report in reports)
-    return [report["results"] for report in reports]
+    found = [json.loads(out.read_text()) for out in outs]
+    assert all(report["transport"] == transport for report in found), [r["transport"] for r in found]
+    assert all(report["sockets"] == 0 and report["mappings"] == 0 for report in found)
+    assert {d: set(d.glob("meridian-vpg-*")) for d in set(shm_dirs)} == areas_before
+    assert all(report["rank_order"] for report in found), f"{tag}: not the left-to-right rank-order sum"
+    assert all(report["flags"] == [world * (world - 1) // 2, world] for report in found)
+    if transport == "hosts":
+        for root in set(shm_dirs):
+            root.rmdir()
+    if reports is not None:
+        reports.extend(found)
+    return [report["results"] for report in found]
 
 
 @pytest.mark.parametrize("world", [4, 2])
@@ -79,6 +92,37 @@ def test_reductions_are_bitwise_the_same_whatever_the_transport_pinning_timing_a
     for layout in (spread, one_core, pieces, over_gloo):
         for per_rank in layout:
             assert per_rank == [reference] * 4, "every rank, repeat, layout and position: same bytes"
+
+
+@pytest.mark.parametrize("world,hosts", [(4, 2), (6, 3)])
+def test_ranks_on_several_hosts_chain_through_each_hosts_area_with_the_same_bits(tmp_path, world, hosts):
+    cores = sorted(os.sched_getaffinity(0))
+    reports = []
+    chained = _reduce_once(tmp_path, "hosts", world, lambda r: str(cores[r % len(cores)]),
+                           delay_seed=5, transport="hosts", hosts=hosts, reports=reports)
+    pieces = _reduce_once(tmp_path, "hosts-pieces", world, lambda r: str(cores[0]), delay_seed=6,
+                          transport="hosts", hosts=hosts, segment_bytes=64 << 10)
+    one_host = _reduce_once(tmp_path, "one-host", world, lambda r: str(cores[r % len(cores)]),
+                            delay_seed=7)
+    reference = one_host[0][0]
+    for layout in (chained, pieces, one_host):
+        for per_rank in layout:
+            assert per_rank == [reference] * 4, "every rank, repeat and position: the one-host bytes"
+    # The cut's flags travel in the chain's own messages: the all-reduce that carried them issued
+    # point-to-point sends and receives only, no gloo collective (the flat path issues three).
+    for report in reports:
+        assert set(report["issued"]) <= {"send", "recv"} and report["issued"], report["issued"]
+
+
+@pytest.mark.parametrize("world", [4, 3])
+def test_on_the_flat_gloo_path_the_flags_ride_in_the_all_to_all(tmp_path, world):
+    # An all-to-all and an all-gather, and no all-reduce of the flags' own (W = 3: uneven chunks).
+    cores = sorted(os.sched_getaffinity(0))
+    reports = []
+    _reduce_once(tmp_path, "flat", world, lambda r: str(cores[r % len(cores)]), delay_seed=8,
+                 transport="gloo", reports=reports)
+    for report in reports:
+        assert report["issued"] == {"alltoall_base": 1, "_allgather_base": 1}
 
 
 def test_the_probe_values_are_order_sensitive():

@@ -3,8 +3,11 @@ values through the virtual group after a skewed, seeded delay, pinned to the cor
 
 Usage: vpg_reduce_probe.py RANK WORLD PORT CORES(comma list) DELAY_SEED OUT
 Writes the reduced tensor's bytes (hex; 3 repeats, then the same values shifted by 37,000 positions),
-whether the shared area (local reduction) or gloo carried them, and the sockets and shared mappings
-left after closing the virtual group. MERIDIAN_VPG_LOCAL=0 forces gloo."""
+which transport carried them ("local": one shared area, "hosts": the chain across hosts' areas,
+"gloo"), the gloo operations the all-reduce that carried the cut's flags issued, and the sockets
+and shared mappings left after closing the virtual group. MERIDIAN_VPG_LOCAL=0 forces gloo;
+MERIDIAN_VPG_SHM_DIR set per rank makes ranks with different directories different "hosts"."""
+import collections
 import datetime
 import json
 import os
@@ -17,6 +20,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))))
 from runtime import localreduce, vpg  # noqa: E402
+
+
+class CountingGroup:
+    """Forwards to a gloo group, counting the operations issued on it by name."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.counts = collections.Counter()
+
+    def __getattr__(self, name):
+        attribute = getattr(self.pg, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return attribute(*args, **kwargs)
+        return counted
 
 
 def main():
@@ -45,10 +66,20 @@ def main():
         time.sleep(delays.uniform(0, 0.05))
         tensor = values.clone()
         if repeat == 1:  # the cut's flags ride along with an all-reduce
+            inner = group.ensure_inner()
+            counting = CountingGroup(inner.pg)
+            inner.pg = counting
+            if inner.host_chain is not None:
+                inner.host_chain.pg = counting
             vpg.send_flags_with_next_allreduce([rank, 1])
         group.allreduce([tensor]).wait()
         if repeat == 1:
             flags = vpg.take_carried_flags()
+            inner.pg = counting.pg
+            if inner.host_chain is not None:
+                inner.host_chain.pg = counting.pg
+            issued = dict(counting.counts)
+            del counting
         results.append(tensor.numpy().tobytes().hex())
     # The same values at other positions (as when DDP lays its buckets out anew): each element
     # must come out the same wherever it sits.
@@ -60,10 +91,12 @@ def main():
     even = values[:100_000].clone()
     group.allreduce([even]).wait()
     rank_order = bool(torch.equal(tensor, expected) and torch.equal(even, expected[:100_000]))
-    local = group.inner.local is not None
+    transport = ("local" if group.inner.local is not None
+                 else "hosts" if group.inner.host_chain is not None else "gloo")
     group.close_inner()
     with open(sys.argv[6], "w") as handle:
-        json.dump({"results": results, "rank_order": rank_order, "local": local, "flags": flags,
+        json.dump({"results": results, "rank_order": rank_order, "transport": transport,
+                   "flags": flags, "issued": issued,
                    "sockets": len(vpg.open_socket_fds()),
                    "mappings": len(localreduce.shared_mappings())}, handle)
 
