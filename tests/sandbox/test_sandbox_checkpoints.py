@@ -82,8 +82,20 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id):
             return report if report["state"] != "starting" and _rank_pids(node_b, job_id) else None
         report = poll("the copy on b to run", resumed)
         assert report["state"] in ("running", "finished"), report.get("error")
-        if report["state"] == "running":
-            after = _uids_and_cgroups(_rank_pids(node_b, job_id))
+        def dropped():
+            """The ranks' (uid, cpuset, cores) once none is root any more, "finished" once the job is
+            done. A rank starts as root in the private-dirs helper (its mounts), which then execs
+            setpriv: read too early, the same pid is still uid 0."""
+            if {r.job_id: r.to_dict() for r in node_b.observed()}[job_id]["state"] != "running":
+                return "finished"
+            try:
+                seen = _uids_and_cgroups(_rank_pids(node_b, job_id))
+            except (FileNotFoundError, ProcessLookupError):
+                return None
+            return seen if seen and all(u != 0 for u, _, _ in seen) else None
+        after = poll("the ranks on b to run as the job's uid", dropped, timeout=60) \
+            if report["state"] == "running" else "finished"
+        if after != "finished":
             cgroup_b = agent_sandbox.cgroup_of(node_b.jobs[job_id].job_dir)
             assert [u for u, _, _ in after] == [uid, uid]
             assert all(cores == (1,) for _, _, cores in after)  # b's device 1
