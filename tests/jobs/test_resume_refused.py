@@ -71,22 +71,29 @@ def restore_from(node, job):
     return {e["job_id"]: e for e in node_desired_state(node=node)["jobs"]}[job.pk].get("restore_from")
 
 
-@pytest.fixture
-def restarted_after_a_migration(alice, team_a, job_spec):
-    """Returns (job, n1, n2): a job (if_resume_refused "restart") that ran on n1 (generation 1) with
-    checkpoints at steps 20 and 30, migrated to n2 (generation 2) whose launcher refused the resume
-    of step 30 and started the script again from scratch."""
+def _migrated_to_n2_after_a_stop_at_30(alice, team_a, job_spec, *, running_checkpoint_step):
+    """Returns (job, n1, n2): a job (if_resume_refused "restart") that ran on n1 with a checkpoint at
+    `running_checkpoint_step`, was migrated to n2 and whose old copy stopped at a cut at step 30."""
     n1 = make_node("n1", devices=1)
     job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1, tier="basic",
                                                                      if_resume_refused="restart"))
     tick_run()
     job.refresh_from_db()
-    report(n1, job, "running", step=20, checkpoint_step=20)
+    report(n1, job, "running", step=running_checkpoint_step, checkpoint_step=running_checkpoint_step)
     n2 = make_node("n2", devices=1)
     migrate(job, n2)
-    assert job.generation == 2
     report(n1, job, "stopped", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
     worker()
+    return job, n1, n2
+
+
+@pytest.fixture
+def restarted_after_a_migration(alice, team_a, job_spec):
+    """Returns (job, n1, n2): a job (if_resume_refused "restart") that ran on n1 (generation 1) with
+    checkpoints at steps 20 and 30, migrated to n2 (generation 2) whose launcher refused the resume
+    of step 30 and started the script again from scratch."""
+    job, n1, n2 = _migrated_to_n2_after_a_stop_at_30(alice, team_a, job_spec, running_checkpoint_step=20)
+    assert job.generation == 2
     job.refresh_from_db()
     assert job.last_checkpoint_step == 30
     assert restore_from(n2, job) == copy_checkpoint_uri(n1, job.pk, 30, generation=1)  # what n2 resumes from
@@ -173,16 +180,7 @@ def test_the_next_placement_restores_from_the_new_runs_checkpoint_though_its_ste
 
 @pytest.mark.django_db
 def test_a_checkpoint_in_the_restart_report_itself_is_the_new_runs_latest(alice, team_a, job_spec):
-    n1 = make_node("n1", devices=1)
-    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1, tier="basic",
-                                                                     if_resume_refused="restart"))
-    tick_run()
-    job.refresh_from_db()
-    report(n1, job, "running", step=30, checkpoint_step=30)
-    n2 = make_node("n2", devices=1)
-    migrate(job, n2)
-    report(n1, job, "stopped", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
-    worker()
+    job, n1, n2 = _migrated_to_n2_after_a_stop_at_30(alice, team_a, job_spec, running_checkpoint_step=30)
 
     # The first report the control plane hears of the restarted copy already carries its checkpoint.
     report(n2, job, "running", step=6, restarted=RESTARTED, checkpoint_step=5)
