@@ -24,6 +24,8 @@ from protocol.node import (
     Heartbeat,
     HeartbeatAnswer,
     JobReport,
+    Lease,
+    LeaseAnswer,
     Registration,
     RegistrationAnswer,
     Telemetry,
@@ -61,6 +63,7 @@ class ControlPlaneClient:
         # (version, desired state) of the last desired state the control plane sent: heartbeats name
         # the version, and the control plane omits an unchanged desired state from its answer.
         self.desired_held: tuple[str, DesiredState] | None = None
+        self.node_id: int | None = None  # from the registration answer; a lease names it
 
     def _request(self, method, path, *, json=None, auth=None, retries=None, timeout_s=None):
         url = f"{self.url}/api/agent/{path}"
@@ -94,6 +97,7 @@ class ControlPlaneClient:
         answer = _decoded(RegistrationAnswer, self._request("POST", "register/", auth=f"Enroll {enrollment_token}",
                                                             json=registration.to_dict()), "register/")
         self.token = answer.token
+        self.node_id = answer.node_id
         self.desired_held = None
         return answer
 
@@ -104,8 +108,19 @@ class ControlPlaneClient:
         answer = _decoded(RegistrationAnswer, self._request("POST", "register/", auth=f"Node {token}",
                                                             json=registration.to_dict()), "register/")
         self.token = answer.token
+        self.node_id = answer.node_id
         self.desired_held = None
         return answer
+
+    def lease(self, *, timeout_s: float = 10.0) -> LeaseAnswer:
+        """Sends one liveness lease (POST lease/), once: a failed lease is not retried here, the
+        caller sends a full heartbeat instead (agent/liveness.py). Raises TokenRejected on a 401,
+        ControlPlaneError on anything else that is not a LeaseAnswer (404: a control plane without
+        leases; 503: its lease store is down)."""
+        if self.node_id is None:
+            raise ControlPlaneError("lease/: this client has not registered (no node id)")
+        return _decoded(LeaseAnswer, self._request("POST", "lease/", json=Lease(node_id=self.node_id).to_dict(),
+                                                   retries=0, timeout_s=timeout_s), "lease/")
 
     def heartbeat(self, *, telemetry: Telemetry | dict | None, jobs: Sequence[JobReport],
                   retries: int | None = None) -> HeartbeatAnswer:

@@ -1,11 +1,11 @@
 """Hollow nodes (like Kubemark): N simulated nodes in one process, for scale tests.
 
-Each hollow node registers like a real one (its own token), heartbeats with telemetry, fetches
-its desired state and "runs" its jobs by a model instead of processes: a job on d devices
-advances `steps_per_device_second * d` steps per second, checkpoints every
-`checkpoint_every_s`, stops with a checkpoint when it is no longer desired, and finishes at the
-job's total_steps (from its args `--steps N` when given). Everything it sends goes through the
-same agent API as a real agent.
+Each hollow node registers like a real one (its own token), leases or heartbeats with telemetry
+as a real agent decides (agent/liveness.py), fetches its desired state and "runs" its jobs by a
+model instead of processes: a job on d devices advances `steps_per_device_second * d` steps per
+second, checkpoints every `checkpoint_every_s`, stops with a checkpoint when it is no longer
+desired, and finishes at the job's total_steps (from its args `--steps N` when given). Everything
+it sends goes through the same agent API as a real agent.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected
+from agent.liveness import BeatPlanner, beat_once
 from protocol.node import CheckpointReport, DesiredJob, DeviceDescription, JobReport, Registration, Telemetry
 from protocol.states import CopyState, DesiredAction
 
@@ -60,6 +61,7 @@ class HollowNode:
         self.checkpoint_every_s = checkpoint_every_s
         self.jobs: dict[int, HollowJob] = {}
         self.last_beat = None
+        self.planner = BeatPlanner()
 
     def register(self, enrollment_token, region, cluster):
         self.client.register(enrollment_token=enrollment_token, registration=Registration(
@@ -99,11 +101,17 @@ class HollowNode:
         return Telemetry(utilization=min(1.0, busy / max(1, self.devices)))
 
     def beat(self, now=None):
-        """One heartbeat: advance the model, report, reconcile. Returns the number of jobs reported."""
+        """One beat: advance the model; a lease when it suffices, else a full heartbeat (report,
+        reconcile) as a real agent decides (agent/liveness.py). Returns the number of jobs
+        reported (0 for a lease)."""
         now = time.monotonic() if now is None else now
         self._advance(now)
         observed = self.observed()
-        answer = self.client.heartbeat(telemetry=self.telemetry(), jobs=observed, retries=2)
+        answer = beat_once(client=self.client, planner=self.planner, reports=observed, now=now, alive=lambda sent: None,
+                           full_heartbeat=lambda: self.client.heartbeat(telemetry=self.telemetry(), jobs=observed,
+                                                                        retries=2))
+        if answer is None:
+            return 0
         accepted = set(answer.accepted)
         for job_id in list(self.jobs):
             if self.jobs[job_id].state in (CopyState.FINISHED, CopyState.STOPPED) and job_id in accepted:

@@ -169,7 +169,11 @@ class LogShipper:
             manifest = read_manifest(job_dir)
             alive = self._launcher_alive(job_dir)
             if manifest is None:
-                if not alive and (job_dir / "launcher.err").exists():
+                # agent.json names the launcher's pid: the agent creates launcher.err for the launcher's
+                # output a moment before it writes agent.json, and in that moment no pid reads as a
+                # launcher that has ended (found by the chaos soak: a new copy marked done before it
+                # ran, none of its output ever shipped).
+                if not alive and (job_dir / "launcher.err").exists() and (job_dir / "agent.json").exists():
                     source.done = True  # the launcher ended before it started a rank
                     self._save(source)
                 continue

@@ -17,8 +17,12 @@ control plane answers 401 (its token was revoked), an admin gives it a new one
 (`manage.py fleet_node_token HOST`, then --token-file) or allows it to enrol again
 (`manage.py fleet_node_token --allow-enrollment HOST`).
 
+Beats: every liveness period the agent leases (POST lease/, liveness only) or, when a report
+changed, its desired state may have changed, or telemetry is due, sends a full heartbeat
+(agent/liveness.py).
+
 Fencing: every heartbeat reply says the control plane's lost-node threshold. A thread kills
-every local job (no checkpoint) once no heartbeat sent in the last threshold seconds was
+every local job (no checkpoint) once no heartbeat or lease sent in the last threshold seconds was
 answered: by then the control plane counts the node lost and restarts its jobs elsewhere from
 their last checkpoints. A report rejected with "fence" (a stale generation) kills that copy; one
 rejected with "cancel" (the job was cancelled) kills it too and removes its checkpoint store.
@@ -39,8 +43,10 @@ import time
 
 from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected, backoff_delay
 from agent.devices import DeviceError, Devices, hostname_default
+from agent.liveness import BeatPlanner, beat_once
 from protocol import ProtocolError
 from protocol.node import DesiredJob, DeviceDescription, Registration, Telemetry
+from runtime import fence
 from runtime.sandbox import SandboxError
 
 log = logging.getLogger("agent")
@@ -64,6 +70,9 @@ def parse_args(argv):
                         "$MERIDIAN_AGENT_TOKEN), instead of enrolling")
     for refused in ("--enroll-token", "--token"):
         p.add_argument(refused, dest=f"refused_{refused[2:].replace('-', '_')}", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--register-wait", type=float, default=600.0,
+                   help="at start, keep trying to register this long while the control plane cannot be "
+                        "reached (seconds; then exit 2)")
     p.add_argument("--devices", default="auto", help="auto (NVML) or cpu:N")
     p.add_argument("--hostname", default=None)
     p.add_argument("--region", default="local")
@@ -164,6 +173,7 @@ class Agent:
         self.lost_after_s = None
         self.last_heartbeat_ok = time.monotonic()
         self.self_fenced = False
+        self.planner = BeatPlanner()
 
     def fetch_bundle(self, sha256):
         from agent.bundles import fetch_bundle
@@ -198,7 +208,7 @@ class Agent:
         saved = self.token_path.read_text().strip() if self.token_path.exists() else ""
         self.client.token = saved or self.options.token or None
         try:
-            self.register()
+            self.register_when_reachable()
         except TokenRejected:
             if not (saved and self.options.enroll_token):
                 raise
@@ -207,14 +217,54 @@ class Agent:
             log.warning("the saved node token is unknown to the control plane; enrolling")
             self.register(enrol=True)
 
+    def register_when_reachable(self, *, now=time.monotonic):
+        """Registers, trying again for up to --register-wait seconds while the control plane
+        cannot be reached or answers 5xx/429 (an agent started before the control plane, or while
+        it restarts, is normal: `./meridian run` under load saw agents give up seconds before the
+        web server listened). A refusal (4xx) is raised at once: retrying cannot change it."""
+        deadline = now() + max(0.0, self.options.register_wait)
+        while True:
+            try:
+                return self.register()
+            except ControlPlaneError as exc:
+                transient = exc.status is None or exc.status >= 500 or exc.status == 429
+                if not transient or now() >= deadline or self.stop_event.is_set():
+                    raise
+                log.warning("cannot register yet (%s); trying again for up to %.0f s more", exc, deadline - now())
+                self.stop_event.wait(min(5.0, max(0.0, deadline - now())))
+
     def beat(self):
-        telemetry = telemetry_of(self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs)))
+        """One beat: a lease when it suffices, else a full heartbeat (agent/liveness.py)."""
         observed = self.reconciler.observed()
-        # The control plane recorded this heartbeat after we sent it: counting from the send keeps
-        # our self-fencing clock ahead of its lost-node clock.
-        sent = time.monotonic()
+        # The control plane recorded this beat after we sent it: counting from the send keeps our
+        # self-fencing clock ahead of its lost-node clock.
+        answer = beat_once(client=self.client, planner=self.planner, reports=observed,
+                           full_heartbeat=lambda: self.full_heartbeat(observed), alive=self.alive)
+        if answer is not None:
+            self.heartbeat_answered(answer)
+        else:  # a lease sufficed: the desired state held is current; act on it (level-triggered)
+            self.reconciler.reconcile(self.desired_jobs)
+
+    def alive(self, sent):
+        """The control plane counted this node alive as of `sent` (a lease or a heartbeat answered)."""
+        self.last_heartbeat_ok = max(self.last_heartbeat_ok, sent)
+        self.self_fenced = False
+        self.fence_deadline_write()
+
+    def fence_deadline_write(self):
+        """Tells this node's launchers when to fence themselves should this agent fall silent
+        (frozen, it could not fence them: runtime/fence.py): when it would fence them itself."""
+        if self.lost_after_s is None:
+            return
         try:
-            answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
+            fence.deadline_write(self.reconciler.fence_file, self.last_heartbeat_ok + self.lost_after_s)
+        except OSError as exc:
+            log.warning("could not write the fence deadline %s: %s", self.reconciler.fence_file, exc)
+
+    def full_heartbeat(self, observed):
+        telemetry = telemetry_of(self.devices.sample(self.reconciler.busy_device_indices(self.desired_jobs)))
+        try:
+            return self.client.heartbeat(telemetry=telemetry, jobs=observed)
         except TokenRejected as exc:
             if not self.options.enroll_token:
                 raise ControlPlaneError(f"this node's token was rejected ({exc}): an admin re-enrols the node with "
@@ -225,13 +275,14 @@ class Agent:
             # is refused with a 403 that says so, and this beat fails (retried with backoff).
             log.warning("node token rejected (%s); trying to enrol again", exc)
             self.register(enrol=True)
-            answer = self.client.heartbeat(telemetry=telemetry, jobs=observed)
+            return self.client.heartbeat(telemetry=telemetry, jobs=observed)
+
+    def heartbeat_answered(self, answer):
         if not self.options.interval and answer.heartbeat_seconds:
             self.interval = answer.heartbeat_seconds
-        self.last_heartbeat_ok = sent
-        self.self_fenced = False
         if answer.desired.lost_after_seconds:
             self.lost_after_s = answer.desired.lost_after_seconds
+            self.fence_deadline_write()
         self.reconciler.forget_reported(set(answer.accepted))
         fenced, cancelled = set(), set()
         for rejected in answer.rejected:

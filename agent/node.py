@@ -58,7 +58,7 @@ from protocol.launch import (
 )
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState, ResumeRefused
-from runtime import multihost
+from runtime import fence, multihost
 from runtime.control import JobControl, JobControlError
 from runtime.spool import write_json_atomic
 
@@ -66,6 +66,8 @@ log = logging.getLogger("agent.node")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the launcher's final events (events.jsonl) -> the state of the copy they leave
 TERMINAL_EVENTS = {"finished": CopyState.FINISHED, "stopped": CopyState.STOPPED, "failed": CopyState.FAILED}
+# Written in a copy's job folder once the control plane accepted its outcome (forget_reported).
+REPORTED_FILE = "reported.json"
 
 
 def read_json(path, default=None):
@@ -205,6 +207,28 @@ def checkpoint_manifest_sha256(checkpoint_uri) -> str | None:
         return None
 
 
+def pin_accepted(job_dir, checkpoint_uri) -> bool:
+    """Names `checkpoint_uri`, the newest checkpoint the control plane accepted of a job, in the
+    folder `job_dir` of its local copy (runtime.store.ACCEPTED_FILE, written atomically): the
+    launcher's store never prunes it, nor what is newer (a copy cut off from this agent commits on
+    until it fences itself, and the control plane restores from the accepted one elsewhere).
+    Returns whether it was written."""
+    from runtime.store import ACCEPTED_FILE, CHECKPOINT_DIR_PATTERN, path_from_uri
+
+    name = path_from_uri(checkpoint_uri).name
+    if not CHECKPOINT_DIR_PATTERN.match(name):
+        return False
+    job_dir = pathlib.Path(job_dir)
+    staging = job_dir / f".{ACCEPTED_FILE}.tmp"
+    try:
+        staging.write_text(name + "\n", encoding="utf-8")
+        os.replace(staging, job_dir / ACCEPTED_FILE)
+    except OSError as exc:  # the job folder gone (the copy ended meanwhile): nothing to keep
+        log.warning("could not pin the accepted checkpoint %s in %s: %s", name, job_dir, exc)
+        return False
+    return True
+
+
 GENERATION_DIR = re.compile(r"g(\d+)")
 
 
@@ -306,6 +330,8 @@ class LocalJob:
         self.reported_final = False
         self.reported_state: CopyState | None = None
         self.manifest_digests: dict[str, str] = {}  # checkpoint URI -> sha256 of its MANIFEST.json
+        self.unreadable: set[str] = set()  # checkpoint URIs whose manifest could not be read (warned once)
+        self.pinned: str | None = None  # the accepted checkpoint last named in its folder (pin_accepted)
         # A follower host's share of a job that spans hosts: the leader's launcher cuts, stops and
         # checkpoints every host's ranks; this one's launcher ends with them.
         self.follower = False
@@ -315,8 +341,11 @@ class LocalJob:
         return read_launch_events(self.job_dir) if events is None else events
 
     def alive(self):
-        if self.popen is not None:
-            return self.popen.poll() is None
+        # Popen.poll() also answers None while another thread is in a wait() on the same process
+        # (it cannot take the waitpid lock): the kernel's word (pid_alive: gone, or a zombie) decides
+        # then. CI saw a launcher that had exited and fenced itself taken for a live one.
+        if self.popen is not None and self.popen.poll() is not None:
+            return False
         return pid_alive(self.pid)
 
     def outcome(self, events: list[LaunchEvent] | None = None):
@@ -329,14 +358,27 @@ class LocalJob:
         return "failed"
 
     def last_checkpoint(self, events: list[LaunchEvent] | None = None) -> CheckpointReport | None:
-        """Returns the newest checkpoint the launcher wrote (its checkpoint events), or None."""
+        """Returns the newest checkpoint the launcher wrote (its checkpoint events) whose manifest
+        this node can read, or None.
+
+        One it cannot read (its folder was removed, the store is unreachable) is left out, with a
+        warning, and the one before it is reported instead: the control plane refuses a checkpoint
+        without its manifest's sha256, and with it the whole report, at every beat (a finished
+        copy's end was never heard); a checkpoint without its manifest cannot be restored anyway."""
         for event in reversed(self._events(events)):
             if isinstance(event, CheckpointTaken) and event.checkpoint:
                 digest = self.manifest_digests.get(event.checkpoint)
                 if digest is None:
                     digest = checkpoint_manifest_sha256(event.checkpoint)
-                    if digest is not None:  # a committed manifest never changes: hashed once
-                        self.manifest_digests = {event.checkpoint: digest}
+                    if digest is None:
+                        if event.checkpoint not in self.unreadable:
+                            self.unreadable.add(event.checkpoint)
+                            log.warning("job %s: the manifest of checkpoint %s cannot be read; it is left out of "
+                                        "the reports", self.job_id, event.checkpoint)
+                        continue
+                    # A committed manifest never changes: hashed once (the newest few kept).
+                    self.manifest_digests = dict([*list(self.manifest_digests.items())[-3:],
+                                                  (event.checkpoint, digest)])
                 return CheckpointReport(step=event.step, uri=event.checkpoint, bytes=event.bytes,
                                         engine=event.engine or "framework", sha256=digest)
         return None
@@ -394,7 +436,14 @@ class LocalJob:
             if state == CopyState.FINISHED else None,
             engine_reason=((progress.engine_reason or "")[:MAX_ERROR] or None) if progress else None,
             error=(self.error or self.failure_text(events))[:MAX_ERROR] if failed else None,
-            exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None)
+            exit_code=(self.popen.returncode if self.popen is not None else None) if failed else None,
+            host_failure=failed and not self.error and self.host_failure(events))
+
+    def host_failure(self, events: list[LaunchEvent] | None = None) -> bool:
+        """True when the launcher's last word is that a host of the job failed under it (its failed
+        event's host_failure): restarted from its checkpoint, not failed (jobs.workflows)."""
+        last = next((e for e in reversed(self._events(events)) if e.event in TERMINAL_EVENTS), None)
+        return isinstance(last, Failed) and last.host_failure
 
     def failure_text(self, events: list[LaunchEvent] | None = None):
         for event in reversed(self._events(events)):
@@ -418,6 +467,9 @@ class NodeReconciler:
         self.sandbox = sandbox or job_sandbox.NodeSandbox(job_sandbox.SandboxPolicy(mode="off"),
                                                           work_dir=self.work_dir, node_devices=None, python=python)
         self.jobs_dir = self.work_dir / "j"
+        # The instant this node's jobs fence themselves if the agent is silent (runtime/fence.py):
+        # written by the agent after every answered beat, read by every launcher it starts.
+        self.fence_file = self.work_dir / fence.FENCE_FILE
         self.spool_root = self.work_dir / "spool"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.spool_root.mkdir(parents=True, exist_ok=True)
@@ -436,21 +488,57 @@ class NodeReconciler:
         self.jobs: dict[int, LocalJob] = {}
         self.lock = threading.Lock()
         self.pruned: dict[int, str] = {}  # job id -> the accepted checkpoint its store was pruned for
+        # job id -> the generation whose copy ended here (finished or failed, accepted): never launched
+        # again. A follower host of a job that spans hosts ends (and is forgotten) before the leader
+        # has reported the job's end, while its desired state still lists the job: found by the chaos
+        # soak, it relaunched the finished job's share and recreated its removed store folder.
+        self.ended: dict[int, int] = {}
         self.adopt()
 
     # --- adoption ------------------------------------------------------------------------------
     def adopt(self):
-        """Re-adopts launchers still running in job dirs (after an agent restart)."""
+        """Re-adopts launchers still running in job dirs (after an agent restart), and the newest
+        copy of a job that ended while this agent was down, unreported: its outcome (and its last
+        checkpoint) is reported as if the agent had watched it end (the chaos soak saw such a job
+        fail instead). A copy whose outcome the control plane accepted (REPORTED_FILE) is not
+        reported again; its generation is remembered as ended, so it is not launched again."""
+        newest: dict[int, tuple[int, pathlib.Path]] = {}
         for job_dir in sorted(self.jobs_dir.iterdir()):
+            job_id, _, attempt = job_dir.name.partition(".")
+            if job_id.isdigit() and attempt.isdigit() and job_dir.is_dir() and not job_dir.is_symlink() \
+                    and int(attempt) > newest.get(int(job_id), (0, job_dir))[0]:
+                newest[int(job_id)] = (int(attempt), job_dir)
             pid = launcher_pid(job_dir)
             if not pid_alive(pid):
                 continue
             meta = read_json(job_dir / "agent.json") or {}
             job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
-            self.jobs[job_id] = LocalJob(job_id, job_dir, pid=pid, devices=meta.get("devices", 0),
-                                         world_size=meta.get("world_size", 0), generation=meta.get("generation"),
-                                         store=meta.get("store"), device_indices=meta.get("device_indices") or ())
+            self.jobs[job_id] = self._local_job(job_dir, meta, pid)
             log.info("re-adopted job %s (pid %s) in %s", job_id, pid, job_dir)
+        for job_id, (_, job_dir) in newest.items():
+            meta = read_json(job_dir / "agent.json") or {}
+            if job_id in self.jobs or not meta or (job_dir / fence.FENCED_FILE).exists():
+                continue
+            reported = read_json(job_dir / REPORTED_FILE)
+            if isinstance(reported, dict):
+                if reported.get("state") in (CopyState.FINISHED, CopyState.FAILED) \
+                        and isinstance(meta.get("generation"), int):
+                    self.ended[job_id] = meta["generation"]
+                continue
+            if not any(event.event in TERMINAL_EVENTS for event in read_launch_events(job_dir)):
+                continue  # killed without an end (with its node, say): nothing it could say is known
+            self.jobs[job_id] = job = self._local_job(job_dir, meta, launcher_pid(job_dir))
+            log.info("job %s ended while this agent was down (%s, in %s): reporting it", job_id, job.outcome(),
+                     job_dir)
+
+    @staticmethod
+    def _local_job(job_dir, meta, pid):
+        job = LocalJob(int(meta.get("job_id", job_dir.name.split(".")[0])), job_dir, pid=pid,
+                       devices=meta.get("devices", 0), world_size=meta.get("world_size", 0),
+                       generation=meta.get("generation"), store=meta.get("store"),
+                       device_indices=meta.get("device_indices") or ())
+        job.follower = meta.get("follower") is True
+        return job
 
     def collect_old_job_dirs(self, *, older_than_s, now=None):
         """Removes the job directories (launcher logs and events) of attempts this agent no
@@ -482,6 +570,15 @@ class NodeReconciler:
         launcher that wrote something out of bounds) goes with its state only, so one odd value
         never blocks the node's heartbeats."""
         with self.lock:
+            for job_id, job in list(self.jobs.items()):
+                # A copy whose launcher fenced itself while this agent was silent (frozen: it could
+                # not fence it): forgotten like one the agent fenced, never reported as failed; the
+                # job is launched anew here if the control plane still wants it here.
+                if (job.job_dir / fence.FENCED_FILE).exists() and not job.alive():
+                    del self.jobs[job_id]
+                    self.pruned.pop(job_id, None)
+                    log.warning("job %s fenced itself while this agent was silent: %s", job_id,
+                                (job.job_dir / fence.FENCED_FILE).read_text(errors="replace")[:300])
             reports = [_checked(job.observed()) for job in self.jobs.values()]
             for report in reports:
                 self.jobs[report.job_id].reported_state = report.state
@@ -501,12 +598,22 @@ class NodeReconciler:
                 # was built is still "running" there, and must be reported once more.
                 if job_id in accepted_ids and job.reported_state in FINAL_COPY_STATES and job.busy is None:
                     del self.jobs[job_id]
+                    try:  # a restarted agent neither reports it again nor relaunches its generation (adopt)
+                        write_json_atomic(job.job_dir / REPORTED_FILE, {"state": str(job.reported_state)})
+                    except OSError:
+                        pass
                     _remove_cgroup_soon(job.job_dir)
                     self.pruned.pop(job_id, None)
-                    if job.reported_state == CopyState.FINISHED and not self.keep_finished_checkpoints:
+                    # A follower host's share ending is not the job's end (the leader speaks for it):
+                    # its store goes once the leader's outcome is accepted (the 30-minute soak saw a
+                    # follower remove it while the leader's report of the end was still to come).
+                    if job.reported_state == CopyState.FINISHED and not self.keep_finished_checkpoints \
+                            and not job.follower:
                         self._remove_store_soon(job)
                     if job.reported_state in (CopyState.FINISHED, CopyState.FAILED):
                         bundles.remove_workspace(self.workspace_root, job_id)  # saved as its outputs at the end
+                        if job.generation is not None:
+                            self.ended[job_id] = int(job.generation)
 
     # --- reconcile ------------------------------------------------------------------------------
     @staticmethod
@@ -524,6 +631,8 @@ class NodeReconciler:
         entries = [e if isinstance(e, DesiredJob) else DesiredJob.from_dict(e) for e in desired_jobs]
         desired = {e.job_id: e for e in entries}
         with self.lock:
+            for job_id in [j for j in self.ended if j not in desired]:
+                del self.ended[job_id]  # no longer listed: its end needs remembering no more
             for job_id in list(self.waiting):  # waits no more: launched, or not wanted here now
                 if job_id in self.jobs or job_id not in desired or desired[job_id].action != DesiredAction.RUN:
                     self.waiting.pop(job_id, None)
@@ -539,6 +648,10 @@ class NodeReconciler:
                 if entry.action != DesiredAction.RUN:
                     continue
                 self._prune_store(entry)
+                if job is not None and job.outcome() is None and not self._outdated(job, entry) \
+                        and entry.restore_from and job.pinned != entry.restore_from \
+                        and pin_accepted(job.job_dir, entry.restore_from):
+                    job.pinned = entry.restore_from
                 if job is not None and job.outcome() is None:
                     if job.stop_requested or not (job.job_dir / "control.sock").exists():
                         continue  # stopping, or its launcher is not serving commands yet
@@ -558,6 +671,8 @@ class NodeReconciler:
                     continue  # an older copy's stop is reported before the new copy starts
                 if stopping:
                     continue  # its devices may still be held by a job that is stopping
+                if job is None and entry.generation is not None and self.ended.get(job_id) == entry.generation:
+                    continue  # this generation's copy ended here; a new placement comes as a new generation
                 self.launch(entry)
 
     def _prune_store(self, entry: DesiredJob) -> None:
@@ -593,7 +708,7 @@ class NodeReconciler:
                 if remove_store:
                     self._remove_store_soon(job)
                 try:
-                    (job.job_dir / "fenced").write_text(why or "fenced")
+                    (job.job_dir / fence.FENCED_FILE).write_text(why or "fenced")
                 except OSError:
                     pass
         if killed:
@@ -639,7 +754,7 @@ class NodeReconciler:
         write_json_atomic(job.job_dir / "agent.json", {
             "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid,
             "generation": job.generation, "store": str(job.store) if job.store else None,
-            "device_indices": list(job.device_indices)})
+            "device_indices": list(job.device_indices), "follower": job.follower})
 
     def launch_command(self, entry: DesiredJob, *, job_dir: pathlib.Path, attempt: int, store: pathlib.Path,
                        resume: bool, workspace: pathlib.Path | None = None) -> list[str]:
@@ -664,12 +779,10 @@ class NodeReconciler:
             command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
                        "--devices", str(entry.devices), "--engine", self.engine, "--job-dir", str(job_dir),
                        "--job-id", f"j{entry.job_id}-{attempt}-{os.getpid()}", "--store", str(store)]
-        if span is not None and entry.device_indices:
-            # The launcher's device map is job-wide over hosts; pinning a host's ranks to its own
-            # device indices across hosts is not built (CPU devices here): said, not hidden.
-            log.warning("job %s: spans %d hosts; its ranks are not pinned to device indices %s", entry.job_id,
-                        span.nodes, ",".join(map(str, entry.device_indices)))
-        elif entry.device_indices:
+        command += ["--fence-file", str(self.fence_file)]
+        if entry.device_indices:
+            # On several hosts, this host's own indices (its share of span.job_devices): the launcher
+            # pins this host's ranks to the cores behind exactly them (CUDA_VISIBLE_DEVICES on a GPU node).
             if len(entry.device_indices) == entry.devices:
                 command += ["--device-indices", ",".join(str(i) for i in entry.device_indices)]
             else:
@@ -728,6 +841,7 @@ class NodeReconciler:
         job_dir = self.jobs_dir / f"{job_id}.{attempt}"
         job_dir.mkdir(parents=True)
         generation = entry.generation
+        pinned = entry.restore_from if entry.restore_from and pin_accepted(job_dir, entry.restore_from) else None
         if self._sandbox_uid_taken(job_id):
             return  # tried again at the next reconcile, once the other job is gone
         try:
@@ -754,6 +868,7 @@ class NodeReconciler:
         job = LocalJob(job_id, job_dir, popen=popen, devices=entry.devices, world_size=entry.world_size,
                        generation=generation, store=store, device_indices=entry.device_indices)
         job.follower = entry.span is not None and entry.span.node_rank > 0
+        job.pinned = pinned
         self._write_meta(job)
         self.jobs[job_id] = job
         span = entry.span
@@ -848,6 +963,10 @@ def multihost_span_problem(entry: DesiredJob) -> str | None:
         return (f"this host holds ranks {span.first_rank}..{span.first_rank + span.ranks - 1} of the job, but a "
                 f"job over {span.nodes} hosts runs ranks {block.start}..{block.stop - 1} on its host "
                 f"{span.node_rank} (equal contiguous blocks): uneven placements across hosts are not built")
+    if entry.devices * span.nodes != span.job_devices:
+        return (f"this host holds {entry.devices} of the job's {span.job_devices} devices over {span.nodes} hosts; "
+                "every host must hold the same number (its ranks are pinned to its own devices): uneven "
+                "placements across hosts are not built")
     return None
 
 

@@ -12,6 +12,10 @@ Per size, on a fresh database:
      the real agent API, one node token each) - heartbeats and device samples ingested per second,
      and daphne's own CPU per heartbeat (user + system, from /proc: the part of the cost that
      does not depend on how busy the shared machine is);
+  3b. the liveness lease from the same hollow nodes (POST /api/agent/lease/, answered before
+     Django: fleet/lease_api.py) - leases per second and daphne's CPU per lease, beside the full
+     heartbeat's; and daphne's per-request floor (an unauthenticated lease: a 401 before any Redis
+     or database work);
   4. steady-state ticks (all jobs running, the rest waiting) - tick latency end to end split
      into snapshot / plan / apply, and database rows written per tick (measured by
      PostgreSQL's own counters, pg_stat_database tup_inserted+updated+deleted);
@@ -99,6 +103,11 @@ def setup_django(args, data_dir):
 
 def reset_tables():
     from django.db import connection
+
+    from fleet import leases
+
+    store = leases.lease_store()  # the bench's own Redis database (--redis): its lease keys only
+    store.delete(leases.LEASE_KEY, leases.DESIRED_SERIAL_KEY, leases.DESIRED_NODES_KEY)
 
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE jobs_jobevent, jobs_checkpoint, jobs_preemptionrequest, jobs_replica, jobs_job, "
@@ -211,11 +220,85 @@ def hollow_nodes(urls, tokens, n_nodes):
 
     from agent.client import ControlPlaneClient
     from agent.hollow import HollowNode
+    from fleet.models import Node
 
-    return [HollowNode(hostname, devices=8, device_type="H100-80GB",
-                       client=ControlPlaneClient(urls[i % len(urls)], token=tokens[hostname],
-                                                 session=requests.Session(), retries=2))
-            for i, hostname in enumerate(sorted(tokens)[:n_nodes])]
+    ids = dict(Node.objects.values_list("hostname", "pk"))
+    nodes = [HollowNode(hostname, devices=8, device_type="H100-80GB",
+                        client=ControlPlaneClient(urls[i % len(urls)], token=tokens[hostname],
+                                                  session=requests.Session(), retries=2))
+             for i, hostname in enumerate(sorted(tokens)[:n_nodes])]
+    for node in nodes:
+        node.client.node_id = ids[node.hostname]  # what registration tells a real agent
+    return nodes
+
+
+def timed_round(one, nodes, threads, server_pids):
+    """Runs one(node) for every node on `threads` threads; returns (successes, wall seconds, the
+    servers' CPU ms per success: all web processes together, NaN without their pids)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    began = time.perf_counter()
+    cpu_before = sum(process_cpu_seconds(pid) for pid in server_pids)
+    with ThreadPoolExecutor(threads) as pool:
+        ok = sum(pool.map(one, nodes))
+    seconds = time.perf_counter() - began
+    cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
+    return ok, seconds, cpu / max(ok, 1) * 1000 if server_pids else float("nan")
+
+
+def lease_round(nodes, threads, server_pids=(), *, authenticated=True):
+    """Returns (leases/s, failures, server CPU ms per lease) for one lease from each hollow node
+    (POST /api/agent/lease/, answered before Django: fleet/lease_api.py). `authenticated=False`
+    sends no token: the 401 the lease handler answers without Redis or the database is daphne's
+    own per-request floor (HTTP parsing, the ASGI hop), the least any request through it costs."""
+
+    def one(node):
+        try:
+            if authenticated:
+                node.client.lease()
+                return True
+            response = node.client.session.post(f"{node.client.url}/api/agent/lease/", data=b"{}", timeout=30)
+            return response.status_code == 401
+        except Exception:  # noqa: BLE001 - counted as a failure
+            return False
+
+    ok, seconds, cpu_ms = timed_round(one, nodes, threads, server_pids)
+    return ok / seconds, len(nodes) - ok, cpu_ms
+
+
+def agent_rounds(nodes, threads, server_pids=(), *, clock, rounds=13, period=5.0):
+    """Returns (beats/s, failures, server CPU ms per beat, leases, full heartbeats) of `rounds`
+    beats of every hollow node as an agent beats (agent/liveness.py: a lease, or a full heartbeat
+    when a report changed, its desired state changed, or every full-heartbeat period), the nodes'
+    clocks advancing `period` seconds per round: 13 rounds are a minute of a fleet's life at the
+    defaults (a lease every 5 s, a full heartbeat every 30 s), run as fast as the server answers.
+    `clock`: [the nodes' current time], advanced here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    counts = {"failures": 0}
+
+    def one(node, now):
+        try:
+            node.beat(now=now)
+            return True
+        except Exception:  # noqa: BLE001 - counted as a failure
+            return False
+
+    began = time.perf_counter()
+    cpu_before = sum(process_cpu_seconds(pid) for pid in server_pids)
+    leases_before = sum(n.planner.counts["leases"] for n in nodes)
+    full_before = sum(n.planner.counts["full"] for n in nodes)
+    ok = 0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(rounds):
+            clock[0] += period
+            ok += sum(pool.map(lambda node, now=clock[0]: one(node, now), nodes))
+    seconds = time.perf_counter() - began
+    cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
+    counts["failures"] = rounds * len(nodes) - ok
+    return (ok / seconds, counts["failures"], cpu / max(ok, 1) * 1000 if server_pids else float("nan"),
+            sum(n.planner.counts["leases"] for n in nodes) - leases_before,
+            sum(n.planner.counts["full"] for n in nodes) - full_before)
 
 
 def heartbeat_round(nodes, threads, server_pids=()):
@@ -224,7 +307,6 @@ def heartbeat_round(nodes, threads, server_pids=()):
     does not depend on how busy the shared machine is, unlike heartbeats/s. A node's client names
     the desired-state version it holds: from the second round on, unchanged desired states are
     neither rebuilt nor sent."""
-    from concurrent.futures import ThreadPoolExecutor
 
     def one(node):
         telemetry = {"utilization": 0.9, "memory_used_gb": 500.0,
@@ -235,13 +317,7 @@ def heartbeat_round(nodes, threads, server_pids=()):
         except Exception:  # noqa: BLE001 - counted as a failure
             return False
 
-    began = time.perf_counter()
-    cpu_before = sum(process_cpu_seconds(pid) for pid in server_pids)
-    with ThreadPoolExecutor(threads) as pool:
-        ok = sum(pool.map(one, nodes))
-    seconds = time.perf_counter() - began
-    cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
-    cpu_ms = cpu / max(ok, 1) * 1000 if server_pids else float("nan")
+    ok, seconds, cpu_ms = timed_round(one, nodes, threads, server_pids)
     return ok / seconds, ok * 8 / seconds, len(nodes) - ok, cpu_ms
 
 
@@ -360,8 +436,18 @@ def run_size(n, args, rng, data_dir):
         telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
         nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)))
         # round 1: every desired state built and sent; rounds 2-3: the agents hold their versions
-        rates = [heartbeat_round(nodes, args.http_threads, server_pids=[p.pid for p, _ in servers])
-                 for _ in range(3)]
+        pids = [p.pid for p, _ in servers]
+        rates = [heartbeat_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
+        # the liveness lease beside it (3 rounds; the first warms each process's token map), and the
+        # daphne floor: an unauthenticated lease, refused before any Redis or database work
+        lease_rates = [lease_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
+        floor_rates = [lease_round(nodes, args.http_threads, server_pids=pids, authenticated=False)
+                       for _ in range(2)]
+        # the mix: every node beating as an agent does, over a minute of its (simulated) time
+        # warm-up: a first full heartbeat, one that reports the jobs adopted, one that learns the serial
+        clock = [time.monotonic()]
+        agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock, rounds=3)
+        mix = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
         telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
         heartbeat_history_rows = None if args.skip_history else history_rows()
     finally:
@@ -385,6 +471,7 @@ def run_size(n, args, rng, data_dir):
     history = None if args.skip_history else history_day(args.history_hours)
     return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s,
             "placement": (placement, placement_wall, placement_rows), "steady": steady, "heartbeats": rates,
+            "leases": lease_rates, "floor": floor_rates, "mix": mix,
             "telemetry_bytes": (telemetry_before, telemetry_after),
             "heartbeat_history_rows": heartbeat_history_rows, "inproc": inproc, "history": history}
 
@@ -450,6 +537,25 @@ def main():
         f"{r['n']}: " + ", ".join(f"{x[0]:.0f}/s {x[3]:.1f} ms" for x in r["heartbeats"]) for r in rows))
     print("heartbeats per second per core of web CPU (1000 / warm ms/hb): " + ", ".join(
         f"{r['n']}: {1000 / min(x[3] for x in r['heartbeats'][1:]):.0f}" for r in rows))
+    print("\nliveness lease vs full heartbeat (web CPU per request, all daphne processes; warm rounds, best):")
+    header = (f"{'accel':>8} | {'hb/s':>6} {'cpu ms/hb':>9} {'hb/s/core':>9} | {'lease/s':>7} {'cpu ms/lease':>12} "
+              f"{'leases/s/core':>13} {'fail':>4} | {'floor/s':>7} {'cpu ms/401':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        hb_cpu = min(x[3] for x in r["heartbeats"][1:])
+        lease_cpu = min(x[2] for x in r["leases"][1:])
+        floor_cpu = min(x[2] for x in r["floor"])
+        print(f"{r['n']:>8} | {max(x[0] for x in r['heartbeats'][1:]):>6.0f} {hb_cpu:>9.2f} {1000 / hb_cpu:>9.0f} | "
+              f"{max(x[0] for x in r['leases'][1:]):>7.0f} {lease_cpu:>12.2f} {1000 / lease_cpu:>13.0f} "
+              f"{sum(x[1] for x in r['leases']):>4} | {max(x[0] for x in r['floor']):>7.0f} {floor_cpu:>10.2f}")
+    for r in rows:
+        beats, fails, cpu_ms, n_leases, n_full = r["mix"]
+        print(f"agents beating for a minute of their time ({r['n']}): {n_leases} leases + {n_full} full heartbeats, "
+              f"{cpu_ms:.2f} ms web CPU per beat on average = {1000 / cpu_ms:.0f} beats/s per core "
+              f"({beats:.0f} beats/s wall, {fails} failed)")
+    print("leases per round (leases/s, web CPU ms/lease; round 1 loads each process's token map): " + "; ".join(
+        f"{r['n']}: " + ", ".join(f"{x[0]:.0f}/s {x[2]:.2f} ms" for x in r["leases"]) for r in rows))
     print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\nsteady ticks (all): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{s[1]:.2f}s/{s[2]} rows" for s in r["steady"]) for r in rows))

@@ -284,24 +284,27 @@ def main():
             web_pids = [server.pid for server in servers]
             try:
                 for clients in client_counts:
-                    pids = web_pids + database_pids(env.get("DATABASE_URL"))
-                    cpu_before = cpu_seconds(pids)
+                    db_pids = database_pids(env.get("DATABASE_URL"))
+                    web_before, db_before = cpu_seconds(web_pids), cpu_seconds(db_pids)
                     rate, p50, p99, errors, first_error = submit_round(port, token, args.jobs, clients)
                     # backends the pool opened during the round count too (from their start: an
                     # upper bound, as their CPU before the round was spent on this bench as well)
-                    pids_after = set(web_pids + database_pids(env.get("DATABASE_URL")))
-                    cpu = cpu_seconds(pids_after) - cpu_before
+                    web_cpu = cpu_seconds(web_pids) - web_before
+                    db_cpu = cpu_seconds(set(database_pids(env.get("DATABASE_URL")))) - db_before
                     table.append((backend, f"POST /api/jobs/ x{args.jobs}", clients, rate, p50, p99, errors,
-                                  os.getloadavg()[0], 1000 * cpu / args.jobs, first_error))
+                                  os.getloadavg()[0], 1000 * (web_cpu + db_cpu) / args.jobs,
+                                  1000 * db_cpu / args.jobs, first_error))
                     print(f"  {backend} {clients} clients: {rate:.0f}/s p99 {p99:.0f} ms, {errors} errors",
                           file=sys.stderr)
-                pids = web_pids + database_pids(env.get("DATABASE_URL"))
-                cpu_before = cpu_seconds(pids)
+                db_pids = database_pids(env.get("DATABASE_URL"))
+                web_before, db_before = cpu_seconds(web_pids), cpu_seconds(db_pids)
                 seconds, status, created = bulk_round(port, token, args.jobs)
-                cpu = cpu_seconds(set(web_pids + database_pids(env.get("DATABASE_URL")))) - cpu_before
+                web_cpu = cpu_seconds(web_pids) - web_before
+                db_cpu = cpu_seconds(set(database_pids(env.get("DATABASE_URL")))) - db_before
                 table.append((backend, f"POST /api/jobs/bulk/ of {args.jobs}", 1, created / seconds if created else 0,
                               1000 * seconds, 1000 * seconds, 0 if status == 201 else 1, os.getloadavg()[0],
-                              1000 * cpu / args.jobs, "" if status == 201 else f"HTTP {status}"))
+                              1000 * (web_cpu + db_cpu) / args.jobs, 1000 * db_cpu / args.jobs,
+                              "" if status == 201 else f"HTTP {status}"))
             finally:
                 for server in servers:
                     server.terminate()
@@ -310,13 +313,15 @@ def main():
     print(f"\n{args.web_processes} daphne processes per backend; {os.cpu_count()} cores; jobs held (no tick runs)")
     print(f"code: {args.code}")
     print("cpu ms/job: the web processes' and the database backends' CPU per job (user + system): what a job")
-    print("costs the servers whatever else the machine runs; 1000 / it is the jobs per second one core could take")
+    print("costs the servers whatever else the machine runs; 1000 / it is the jobs per second one core could take;")
+    print("db ms/job: the PostgreSQL backends' part of it (SQLite runs inside the web processes)")
     print(f"{'backend':<9} {'what':<28} {'clients':>7} {'jobs/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
-          f"{'load1':>6} {'cpu ms/job':>10} {'jobs/s/core':>11}")
-    for backend, what, clients, rate, p50, p99, errors, load, cpu_ms, first_error in table:
+          f"{'load1':>6} {'cpu ms/job':>10} {'db ms/job':>9} {'jobs/s/core':>11}")
+    for backend, what, clients, rate, p50, p99, errors, load, cpu_ms, db_ms, first_error in table:
         per_core = 1000 / cpu_ms if cpu_ms > 0 else 0
         print(f"{backend:<9} {what:<28} {clients:>7} {rate:>8.0f} {p50:>8.1f} {p99:>8.1f} {errors:>6} {load:>6.2f}"
-              f" {cpu_ms:>10.2f} {per_core:>11.0f}" + (f"  first error: {first_error}" if first_error else ""))
+              f" {cpu_ms:>10.2f} {db_ms:>9.2f} {per_core:>11.0f}"
+              + (f"  first error: {first_error}" if first_error else ""))
     for clients, (rate, p99, where) in slurm_rows(args.jobs, client_counts).items():
         print(f"{'slurm':<9} {'sbatch --hold (' + where + ')':<28} {clients:>7} {rate:>8.0f} {'':>8} "
               f"{(f'{p99:.1f}' if p99 else '-'):>8} {0:>6} {'':>6}")

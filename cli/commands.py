@@ -1,4 +1,5 @@
-"""The `meridian` subcommands: login, submit, status, events, cancel, download, wait.
+"""The `meridian` subcommands: login, submit, status, events, cancel, download, wait; and for
+global admins, drain and undrain (a node, by hostname or id).
 
 Exit codes: 0 success; 1 an error (the message says which); 2 bad usage (argparse). `wait`
 exits with the job's outcome: 0 succeeded, the job's exit code (or 1) when it failed,
@@ -347,4 +348,59 @@ def download(args: argparse.Namespace, client: Client) -> int:
         print(f"job {args.job}'s outputs from {source}: {dest}" + (f" ({summary.entries} entries)" if summary else ""))
     if not keep_archive and (dest / "MERIDIAN-MISSING.txt").exists():
         print(f"warning: some files' saved copies were missing; see {dest / 'MERIDIAN-MISSING.txt'}", file=sys.stderr)
+    return 0
+
+
+# --- drain, undrain (global admins) ---------------------------------------------------------------
+
+
+def node_resolve(client: Client, name: str) -> int:
+    """Returns the id of the node named `name`: its hostname, else (all digits) its id."""
+    found = client.get("/api/nodes/", params={"hostname": name})
+    results = found.get("results", []) if isinstance(found, dict) else found
+    if results:
+        return int(results[0]["id"])
+    if name.isascii() and name.isdigit():
+        return int(name)
+    raise CliError(f"no node named {name!r}; GET /api/nodes/ lists them (give a hostname or an id)")
+
+
+def _node_line(node: dict) -> str:
+    line = f"node {node['hostname']} (id {node['id']}) is {node['state']}"
+    if node.get("drain_reason"):
+        line += f": {node['drain_reason']} (by {node.get('drained_by') or '?'} at {node.get('drained_at')})"
+    return line
+
+
+def _drain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("node", metavar="NODE", help="hostname or id")
+    parser.add_argument("--reason", required=True, help="why (the next operator reads it), e.g. 'replace GPU 3'")
+
+
+@command("drain", help="drain a node (global admins): move its jobs off, place nothing new on it",
+         add_arguments=_drain_arguments)
+def drain(args: argparse.Namespace, client: Client) -> int:
+    node_id = node_resolve(client, args.node)
+    node = client.post(f"/api/nodes/{node_id}/drain/", {"reason": args.reason})
+    if args.json:
+        print_json(node)
+        return 0
+    print(_node_line(node))
+    holding = node.get("jobs_holding_devices") or 0
+    print(f"{holding} job(s) still hold devices there" + (": the scheduler moves them off" if holding else ""))
+    return 0
+
+
+def _undrain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("node", metavar="NODE", help="hostname or id")
+
+
+@command("undrain", help="undrain a node (global admins): jobs may be placed on it again",
+         add_arguments=_undrain_arguments)
+def undrain(args: argparse.Namespace, client: Client) -> int:
+    node = client.post(f"/api/nodes/{node_resolve(client, args.node)}/undrain/")
+    if args.json:
+        print_json(node)
+    else:
+        print(_node_line(node))
     return 0

@@ -9,7 +9,13 @@ from fleet.models import (
     NodeTelemetryBucket,
     Region,
 )
-from fleet.services import enrollment_token_revoke, node_enrollment_allow, node_token_issue
+from fleet.services import (
+    NodeStateConflict,
+    enrollment_token_revoke,
+    node_enrollment_allow,
+    node_token_issue,
+    node_undrain,
+)
 
 
 @admin.register(Region)
@@ -39,10 +45,13 @@ class NodeAdmin(admin.ModelAdmin):
     list_select_related = ["cluster", "cluster__region"]
     search_fields = ["hostname", "rack", "nvlink_domain"]
     raw_id_fields = ["cluster"]
-    # The token hash is a credential: show that one is set, never let it be edited here.
-    readonly_fields = ["agent_token_hash", "enrolled_at", "created_at"]
+    # The token hash is a credential: show that one is set, never let it be edited here. The state
+    # and the drain are changed by the drain service only (the node's page, the API, `meridian drain`),
+    # which records who and why and tells the node's agent.
+    readonly_fields = ["agent_token_hash", "enrolled_at", "created_at", "state", "drain_reason", "drained_by",
+                       "drained_at"]
     inlines = [AcceleratorInline]
-    actions = ["issue_agent_token", "allow_enrollment"]
+    actions = ["issue_agent_token", "allow_enrollment", "undrain"]
 
     @admin.action(description="Re-enrol: issue a new agent token (shown once; the old one stops working)")
     def issue_agent_token(self, request, queryset):
@@ -56,6 +65,15 @@ class NodeAdmin(admin.ModelAdmin):
         for node in queryset:
             node_enrollment_allow(node=node)
         self.message_user(request, f"{queryset.count()} node(s) may enrol again")
+
+    @admin.action(description="Undrain (drain a node on its page in the portal: it asks why)")
+    def undrain(self, request, queryset):
+        for node in queryset.order_by("hostname"):
+            try:
+                node_undrain(node=node, by=request.user)
+            except NodeStateConflict as error:
+                self.message_user(request, str(error), messages.WARNING)
+        self.message_user(request, f"{queryset.filter(state=Node.State.READY).count()} selected node(s) ready")
 
 
 @admin.register(EnrollmentToken)

@@ -87,8 +87,9 @@ def _registration_errors(*, hostname, region, cluster, devices):
 
 
 def _devices_record(*, node, devices, agent_version, now):
+    # a drained node stays draining when its agent restarts and registers again
     Node.objects.filter(pk=node.pk).update(agent_version=agent_version[:64], last_heartbeat=now,
-                                           state=Node.State.READY)
+                                           state=Node.alive_state())
     existing = {a.index: a for a in Accelerator.objects.filter(node=node)}
     for i, device in enumerate(devices):
         memory = int(device.get("memory_gb") or ACCELERATOR_TYPES[device["type"]].memory_gb)

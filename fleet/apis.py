@@ -1,15 +1,17 @@
-"""Read-only REST API of the fleet for signed-in users (the agent-facing API is the
-control loop's). Summaries aggregate in the database; lists are paginated."""
+"""REST API of the fleet for signed-in users (the agent-facing API is the control loop's): reads
+for everyone, summaries aggregated in the database, lists paginated; draining and undraining a
+node for global admins only (fleet.services.user_is_fleet_operator): 403 for anyone else, 404 for
+an unknown node, 409 for a lost one, 400 for a missing or over-long reason."""
 from django.db.models import Prefetch
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema, extend_schema_serializer, inline_serializer
-from rest_framework import serializers
-from rest_framework.exceptions import NotFound
+from rest_framework import serializers, status
+from rest_framework.exceptions import APIException, NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES, ACCELERATOR_TYPES
-from fleet.models import Accelerator, Cluster, Node, Region
+from fleet.models import NODE_DRAIN_REASON_MAX_LENGTH, Accelerator, Cluster, Node, Region
 from fleet.pagination import MeridianPagination, paginate
 from fleet.selectors import (
     RESOLUTION_NAMES,
@@ -20,6 +22,7 @@ from fleet.selectors import (
     telemetry_series,
     telemetry_window,
 )
+from fleet.services import NodeStateConflict, node_drain, node_operator_check, node_undrain
 
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
 MAX_ID = 2**63 - 1  # ids are 64-bit: a larger filter would overflow the database's integer
@@ -52,13 +55,15 @@ class NodeOutputSerializer(serializers.ModelSerializer):
     accelerator_count = serializers.IntegerField()
     healthy_count = serializers.IntegerField()
     has_agent_token = serializers.SerializerMethodField()
+    jobs_holding_devices = serializers.IntegerField(
+        help_text="jobs whose replicas still hold devices on the node (a drain is done when it is 0)")
 
     class Meta:
         model = Node
         fields = [
             "id", "hostname", "region", "cluster", "cluster_id", "rack", "nvlink_domain", "state",
             "last_heartbeat", "agent_version", "utilization", "telemetry_at", "accelerator_count",
-            "healthy_count", "has_agent_token",
+            "healthy_count", "has_agent_token", "drain_reason", "drained_by", "drained_at", "jobs_holding_devices",
         ]
 
     def get_has_agent_token(self, node) -> bool:
@@ -68,6 +73,7 @@ class NodeOutputSerializer(serializers.ModelSerializer):
 class NodeListApi(APIView):
     pagination_class = MeridianPagination  # the schema then documents the paginated object
     class FilterSerializer(serializers.Serializer):
+        hostname = serializers.CharField(required=False, max_length=253, help_text="exact hostname")
         region = serializers.CharField(required=False, max_length=64)
         cluster = _id_filter("cluster")
         state = serializers.ChoiceField(choices=Node.State.choices, required=False)
@@ -116,6 +122,66 @@ class NodeDetailApi(APIView):
         if node is None:
             raise NotFound(f"no node {node_id}")
         return Response(self.OutputSerializer(node).data)
+
+
+class Conflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "conflict"
+
+
+def _node_or_404(node_id):
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None:
+        raise NotFound(f"no node {node_id}; GET /api/nodes/?hostname=... finds a node's id")
+    return node
+
+
+def _node_output(node):
+    return NodeOutputSerializer(node_list().get(pk=node.pk)).data
+
+
+# DRF formats these with str.format: no braces
+DRAIN_REASON_MISSING = "say why the node is drained (the next operator reads it), e.g. reason = 'replace GPU 3'"
+
+
+class NodeDrainApi(APIView):
+    """Drains a node (kubectl drain, scontrol state=drain): the next tick moves its jobs off by live
+    migration and places nothing new there. Idempotent."""
+
+    @extend_schema_serializer(component_name="NodeDrainInput")
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(
+            max_length=NODE_DRAIN_REASON_MAX_LENGTH, help_text="why (shown on the node's page and in the API)",
+            error_messages={"required": DRAIN_REASON_MISSING, "blank": DRAIN_REASON_MISSING,
+                            "max_length": f"at most {NODE_DRAIN_REASON_MAX_LENGTH} characters"})
+
+    @extend_schema(request=InputSerializer, responses={200: NodeOutputSerializer},
+                   summary="Drain a node: move its jobs off, place nothing new on it (global admins)")
+    def post(self, request, node_id):
+        node = _node_or_404(node_id)
+        node_operator_check(request.user, "drain")  # a 403 before any word on the body
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            node_drain(node=node, by=request.user, reason=serializer.validated_data["reason"])
+        except NodeStateConflict as error:
+            raise Conflict(str(error)) from None
+        return Response(_node_output(node))
+
+
+class NodeUndrainApi(APIView):
+    """Undrains a node (kubectl uncordon, scontrol state=resume): jobs may be placed on it again.
+    Idempotent."""
+
+    @extend_schema(request=None, responses={200: NodeOutputSerializer},
+                   summary="Undrain a node: let jobs be placed on it again (global admins)")
+    def post(self, request, node_id):
+        node = _node_or_404(node_id)
+        try:
+            node_undrain(node=node, by=request.user)
+        except NodeStateConflict as error:
+            raise Conflict(str(error)) from None
+        return Response(_node_output(node))
 
 
 class AcceleratorListApi(APIView):

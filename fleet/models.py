@@ -17,6 +17,8 @@ from protocol.node import MAX_DEVICE_MEMORY_GB
 # A node whose agent has not reported for this long is stale (the control loop
 # decides when stale becomes lost).
 NODE_HEARTBEAT_STALE_AFTER = timedelta(seconds=30)
+# An operator's reason for draining a node (fleet.services.node_drain): one line for a person.
+NODE_DRAIN_REASON_MAX_LENGTH = 500
 
 
 class Region(models.Model):
@@ -78,6 +80,11 @@ class Node(models.Model):
     # Latest telemetry, aggregated on the node by its agent (means over its devices).
     utilization = models.FloatField(null=True, blank=True)
     telemetry_at = models.DateTimeField(null=True, blank=True)
+    # Set by an operator's drain (fleet.services.node_drain), cleared by undrain. They outlive a loss:
+    # a drained node that was lost and comes back is draining again, not ready (alive_state).
+    drain_reason = models.CharField(max_length=NODE_DRAIN_REASON_MAX_LENGTH, blank=True)
+    drained_by = models.CharField(max_length=150, blank=True)  # the operator's username
+    drained_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -90,6 +97,13 @@ class Node(models.Model):
     def is_stale(self, now):
         """Returns True when the agent has never reported or not within NODE_HEARTBEAT_STALE_AFTER."""
         return self.last_heartbeat is None or now - self.last_heartbeat > NODE_HEARTBEAT_STALE_AFTER
+
+    @staticmethod
+    def alive_state():
+        """Returns the state (an expression for an UPDATE) a node takes when its agent reports again
+        or registers: draining while an operator's drain stands (drained_at set), else ready."""
+        return models.Case(models.When(drained_at__isnull=False, then=models.Value(Node.State.DRAINING)),
+                           default=models.Value(Node.State.READY), output_field=models.CharField())
 
     def token_matches(self, token):
         """Returns True when `token` is this node's agent token (constant-time compare)."""

@@ -34,8 +34,8 @@ def node_get_by_token(*, token):
 
 
 def node_list(*, filters=None):
-    """Returns nodes with their cluster/region and device counts, filtered by any of
-    region (name), cluster (id), state."""
+    """Returns nodes with their cluster/region, device counts and the number of jobs holding devices
+    on them, filtered by any of hostname, region (name), cluster (id), state."""
     filters = filters or {}
     # Correlated subqueries, not Count() over a join: the page's COUNT(*) then skips them
     # (Django strips unused non-aggregate annotations), and only the page's rows pay.
@@ -43,7 +43,12 @@ def node_list(*, filters=None):
     nodes = Node.objects.select_related("cluster", "cluster__region").annotate(
         accelerator_count=Coalesce(Subquery(per_node.annotate(n=Count("id")).values("n")), 0),
         healthy_count=Coalesce(Subquery(per_node.filter(healthy=True).annotate(n=Count("id")).values("n")), 0),
+        # what a drain waits for: the jobs whose replicas still point at the node's devices
+        jobs_holding_devices=Coalesce(Subquery(per_node.filter(ALLOCATED).annotate(
+            n=Count("replicas__job_id", distinct=True)).values("n")), 0),
     )
+    if filters.get("hostname"):
+        nodes = nodes.filter(hostname=filters["hostname"])
     if filters.get("region"):
         nodes = nodes.filter(cluster__region__name=filters["region"])
     if filters.get("cluster"):

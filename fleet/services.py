@@ -1,7 +1,8 @@
 """Services that write the fleet: loading a described fleet, generating a synthetic
-planet-scale one, issuing node agent tokens, recording heartbeats and their telemetry
-history, rolling that history up and pruning it."""
+planet-scale one, issuing node agent tokens, draining and undraining nodes, recording heartbeats
+and their telemetry history, rolling that history up and pruning it."""
 import itertools
+import logging
 import math
 import secrets
 import time
@@ -9,14 +10,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from datetime import timezone as dt_timezone
 
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import connection, transaction
 from django.db.models import Max, Min, Subquery, Sum
 from django.db.models.functions import Trunc
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES, accelerator_type_error
+from fleet.leases import desired_serials_bump
+from fleet.live import GROUP_FLEET, events_publish
 from fleet.models import (
+    NODE_DRAIN_REASON_MAX_LENGTH,
     TELEMETRY_PHYSICAL,
     TELEMETRY_RETENTION,
     Accelerator,
@@ -31,6 +35,8 @@ from fleet.models import (
     telemetry_bucket_start,
 )
 from protocol.node import MAX_DEVICE_MEMORY_GB
+
+logger = logging.getLogger(__name__)
 
 BULK_BATCH_SIZE = 5000
 ENROLLMENT_TOKEN_MAX_LIFETIME = timedelta(days=30)
@@ -93,6 +99,100 @@ def node_enrollment_allow(*, node):
     node.agent_token_hash, node.enrolled_at = "", None
 
 
+# --- drain / undrain -------------------------------------------------------------------------------
+
+
+class NodeStateConflict(Exception):
+    """The node's state forbids the change asked for (draining a lost node); the API answers 409."""
+
+
+def user_is_fleet_operator(user) -> bool:
+    """True for global admins (superusers): nodes are fleet-wide, so only they drain and undrain them.
+
+    Meridian's other roles are per team (a team's capacity manager approves preemptions of its own
+    team's jobs); draining a node moves every team's jobs, so none of them is enough.
+    jobs.services.user_is_global_admin is this same rule."""
+    return bool(user is not None and user.is_authenticated and user.is_superuser)
+
+
+def node_operator_check(user, verb):
+    """Raises PermissionDenied, saying who may, unless `user` may `verb` ("drain", "undrain") nodes."""
+    if not user_is_fleet_operator(user):
+        raise PermissionDenied(f"only global admins may {verb} nodes: a node is shared by every team's jobs")
+
+
+def node_drain_reason_clean(reason) -> str:
+    """Returns `reason` stripped; raises ValidationError({"reason": ...}) when it is empty, not a
+    string or longer than NODE_DRAIN_REASON_MAX_LENGTH (the API's and the page's one check)."""
+    text = reason.strip() if isinstance(reason, str) else ""
+    if not text:
+        raise ValidationError({"reason": "say why the node is drained (e.g. 'replace GPU 3, ticket 1234'): "
+                                         "the next operator reads it"})
+    if len(text) > NODE_DRAIN_REASON_MAX_LENGTH:
+        raise ValidationError({"reason": f"at most {NODE_DRAIN_REASON_MAX_LENGTH} characters, got {len(text)}"})
+    return text
+
+
+def _node_changed(node):
+    """Tells who needs it, once the transaction commits. The node's state is part of its desired
+    state (protocol.node DesiredState.state, the desired-version fingerprint): agents that only
+    lease learn to send a full heartbeat. Fleet pages refetch (their "nodes draining or lost"). The
+    tick reads Node.state afresh each time (jobs/snapshot.py), so it needs no signal."""
+    node_id = node.pk
+    transaction.on_commit(lambda: desired_serials_bump(node_ids=[node_id]), robust=True)
+    events_publish(groups=[GROUP_FLEET], type="fleet.node_updated",
+                   payload={"node_id": node_id, "state": str(node.state)})
+
+
+def node_drain(*, node, by, reason, now=None):
+    """Drains `node`: ready -> draining, recording `reason`, who (`by`'s username) and when. Returns
+    the node, refreshed. The next tick moves the jobs holding its devices elsewhere by live
+    migration (a job spanning hosts moves only this host's share) and places nothing new on it.
+
+    Idempotent: draining a draining node changes nothing (the first reason, operator and time stay;
+    undrain first to restate them). Raises PermissionDenied unless `by` is a global admin,
+    ValidationError for an empty or over-long reason, NodeStateConflict for a lost node (its agent
+    is silent: its jobs already move, restarting from their last checkpoint)."""
+    node_operator_check(by, "drain")
+    text = node_drain_reason_clean(reason)
+    now = now or timezone.now()
+    with transaction.atomic():
+        drained = Node.objects.filter(pk=node.pk, state=Node.State.READY).update(
+            state=Node.State.DRAINING, drain_reason=text, drained_by=by.get_username()[:150], drained_at=now)
+        node.refresh_from_db()
+        if drained:
+            _node_changed(node)
+            logger.info("node %s drained by %s: %s", node.hostname, node.drained_by, text)
+        elif node.state == Node.State.LOST:
+            raise NodeStateConflict(
+                f"node {node.hostname} is lost (no heartbeat since "
+                f"{node.last_heartbeat.isoformat() if node.last_heartbeat else 'it enrolled'}): its jobs are moved "
+                f"off already; a lost node cannot be drained")
+    return node
+
+
+def node_undrain(*, node, by):
+    """Undrains `node`: draining -> ready, clearing the drain's reason, operator and time; the next
+    tick may place jobs on it again. Returns the node, refreshed.
+
+    Idempotent: undraining a ready node changes nothing. Jobs moved off stay where they went. Raises
+    PermissionDenied unless `by` is a global admin, NodeStateConflict for a lost node (it comes back
+    draining when drained, ready otherwise, at its agent's next heartbeat: undrain it then)."""
+    node_operator_check(by, "undrain")
+    with transaction.atomic():
+        undrained = Node.objects.filter(pk=node.pk, state=Node.State.DRAINING).update(
+            state=Node.State.READY, drain_reason="", drained_by="", drained_at=None)
+        node.refresh_from_db()
+        if undrained:
+            _node_changed(node)
+            logger.info("node %s undrained by %s", node.hostname, by.get_username())
+        elif node.state == Node.State.LOST:
+            raise NodeStateConflict(
+                f"node {node.hostname} is lost: it cannot be undrained until its agent reports again "
+                f"(it comes back {'draining' if node.drained_at else 'ready'})")
+    return node
+
+
 def enrollment_token_create(*, cluster, expires_in, note="", created_by=""):
     """Returns (EnrollmentToken, plaintext): a new token that enrols nodes into `cluster` for
     `expires_in` (a timedelta, at most ENROLLMENT_TOKEN_MAX_LIFETIME). Only the hash is stored."""
@@ -125,7 +225,8 @@ def node_heartbeat_record(*, node, telemetry, now):
     """
     node_changes = {"last_heartbeat": now}
     if node.state == Node.State.LOST:
-        node_changes["state"] = Node.State.READY  # back from the dead: its old jobs moved on
+        # Back from the dead (its old jobs moved on): ready, or draining while an operator's drain stands.
+        node_changes["state"] = Node.State.DRAINING if node.drained_at is not None else Node.State.READY
     if "utilization" in telemetry:
         node_changes.update(utilization=_reading(telemetry.get("utilization")), telemetry_at=now)
     Node.objects.filter(pk=node.pk).update(**node_changes)

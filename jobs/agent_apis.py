@@ -33,6 +33,7 @@ from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from fleet.agent_services import node_enrollment_check, node_register, node_reregister
+from fleet.leases import desired_serial_of
 from fleet.models import Node
 from fleet.selectors import node_get_by_token
 from jobs.desired_version import node_desired_answer
@@ -198,10 +199,14 @@ class NodeHeartbeatApi(AgentApi):
         heartbeat = _decoded(HeartbeatSerializer, request)
         # node_report_record keeps request.auth up to date (state, last heartbeat): no re-read.
         outcome = node_report_record(node=request.auth, heartbeat=heartbeat)
+        # Read before the desired state is built: every change bumps the serial after it commits, so
+        # the state built next includes every change this serial counts (the report's own included:
+        # its bump ran on commit, above). None while Redis is down: the agent keeps the lease's.
+        serial = desired_serial_of(node_id=request.auth.pk)
         desired, version = node_desired_answer(node=request.auth, held_version=heartbeat.desired_version)
         answer = HeartbeatAnswer(desired=desired, desired_version=version, accepted=outcome.accepted,
                                  rejected=outcome.rejected, deferred=outcome.deferred,
-                                 heartbeat_seconds=heartbeat_seconds())
+                                 heartbeat_seconds=heartbeat_seconds(), desired_serial=serial)
         return Response(answer.to_dict())
 
 

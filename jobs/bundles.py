@@ -11,9 +11,10 @@ bundle (protocol.bundle.check: a malicious archive is a 400 naming the member), 
 into place. The same bytes twice are stored once; each uploader is recorded, and only an
 uploader may submit a job with the bundle.
 
-Nothing is kept for ever: `artifacts_collect` (Celery beat, hourly, and `manage.py artifacts_gc`)
-deletes bundles no job references after MERIDIAN_BUNDLE_GRACE_DAYS and the saved outputs of
-jobs that ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS ago.
+Nothing is kept for ever: `artifacts_collect` (Celery beat, every MERIDIAN_ARTIFACTS_GC_SECONDS,
+and `manage.py artifacts_gc`) deletes bundles no job references after MERIDIAN_BUNDLE_GRACE_DAYS,
+the saved outputs of jobs that ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS ago, and the
+checkpoint stores (<store>/job-<id>/) no agent removed (job_stores_collect).
 """
 from __future__ import annotations
 
@@ -334,6 +335,16 @@ def bundles_collect(*, now, dry_run: bool = False) -> list[str]:
     return deleted
 
 
+def _job_folders(folder: Path) -> dict[int, Path]:
+    """Returns {job id: folder} of the `job-<id>` folders directly in `folder` (not links)."""
+    found = {}
+    for path in folder.iterdir():
+        name = path.name.removeprefix("job-")
+        if path.name.startswith("job-") and name.isdigit() and path.is_dir() and not path.is_symlink():
+            found[int(name)] = path
+    return found
+
+
 def job_outputs_expired(*, job: Job, now) -> bool:
     """True when `job` ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS before `now` (its saved
     outputs are collected); never for a live job, nor when the retention is 0 (kept for ever)."""
@@ -356,11 +367,7 @@ def job_outputs_collect(*, now, dry_run: bool = False) -> list[int]:
     if retention_days <= 0 or not folder.is_dir():
         return []
     cutoff = now - timedelta(days=retention_days)
-    on_disk = {}
-    for path in folder.iterdir():
-        name = path.name.removeprefix("job-")
-        if path.name.startswith("job-") and name.isdigit() and path.is_dir() and not path.is_symlink():
-            on_disk[int(name)] = path
+    on_disk = _job_folders(folder)
     jobs = Job.objects.filter(pk__in=list(on_disk)).only("id", "state", "finished_at").in_bulk()
     deleted = []
     for job_id, path in sorted(on_disk.items()):
@@ -374,7 +381,65 @@ def job_outputs_collect(*, now, dry_run: bool = False) -> list[int]:
     return deleted
 
 
+def ended_store_grace_seconds() -> float:
+    """How long a succeeded or cancelled job's checkpoint store is left to its agent: the setting,
+    and never less than twice the lost-node threshold (a copy cut off from its agent writes into
+    its store until it fences itself, that long after its last heartbeat)."""
+    grace = float(settings.MERIDIAN_ENDED_STORE_GRACE_SECONDS)
+    return max(grace, 2 * float(settings.MERIDIAN_NODE_LOST_AFTER_SECONDS)) if grace > 0 else 0.0
+
+
+def job_stores_collect(*, now, dry_run: bool = False) -> list[int]:
+    """Deletes the checkpoint stores (<store>/job-<id>/, every generation) that no agent removed;
+    returns the job ids whose store it deleted.
+
+    An agent removes a succeeded or cancelled job's store as soon as the job ends (agent/node.py),
+    but only an agent that still holds a copy of it: a job cancelled while it waited (preempted,
+    or queued after its node was lost), or one whose agent died before the removal ran, leaves its
+    store behind (the short chaos soak found one: a store of a few hundred megabytes to gigabytes
+    of CRIU images, left for ever). Collected here:
+    - a succeeded or cancelled job's, once it ended more than ended_store_grace_seconds() ago and
+      nothing in the folder changed for as long (a fenced copy may still be writing);
+    - a failed job's (kept so that people can look into it) after MERIDIAN_OUTPUTS_RETENTION_DAYS;
+    - a folder of a job id the database does not know, untouched that long.
+    Never a live job's (queued, running, preempted, moving: its store is what it resumes from).
+    A grace of 0 keeps succeeded and cancelled jobs' stores; a retention of 0, the others."""
+    import shutil
+
+    folder = store_root()
+    if not folder.is_dir():
+        return []
+    on_disk = _job_folders(folder)
+    if not on_disk:
+        return []
+    grace = ended_store_grace_seconds()
+    retention_days = float(settings.MERIDIAN_OUTPUTS_RETENTION_DAYS)
+    jobs = Job.objects.filter(pk__in=list(on_disk)).only("id", "state", "finished_at").in_bulk()
+    deleted = []
+    for job_id, path in sorted(on_disk.items()):
+        job = jobs.get(job_id)
+        if job is not None and job.state in (Job.State.SUCCEEDED, Job.State.CANCELLED):
+            keep_s = grace
+        elif job is None or job.state == Job.State.FAILED:
+            keep_s = retention_days * 86400.0
+        else:
+            continue  # live: its store is what it resumes from
+        if keep_s <= 0:
+            continue
+        cutoff = now - timedelta(seconds=keep_s)
+        if job is not None and (job.finished_at is None or job.finished_at >= cutoff):
+            continue
+        if not _older_than(path, cutoff.timestamp()):
+            continue
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        deleted.append(job_id)
+    return deleted
+
+
 def artifacts_collect(*, now, dry_run: bool = False) -> dict:
-    """Runs both collections (the beat task and `manage.py artifacts_gc`); returns what each deleted."""
+    """Runs the three collections (the beat task and `manage.py artifacts_gc`); returns what each
+    deleted."""
     return {"bundles": bundles_collect(now=now, dry_run=dry_run),
-            "outputs": job_outputs_collect(now=now, dry_run=dry_run)}
+            "outputs": job_outputs_collect(now=now, dry_run=dry_run),
+            "stores": job_stores_collect(now=now, dry_run=dry_run)}

@@ -3,7 +3,8 @@
     preemption  barrier -> checkpoint -> store -> release
     migration   barrier -> checkpoint -> store -> restore -> release
                 (after a lost node: restore -> release; nothing is left to cut on the dead node)
-    resize      barrier -> resize -> release
+    resize      barrier -> resize -> release                       (in place: one host, same host)
+    resize      barrier -> checkpoint -> store -> restore -> release (across hosts: a new generation)
 
 The tick decides a move and creates its Move row (move_create, with the job's state change);
 after commit a Celery chain of immutable signatures runs one task per remaining step
@@ -48,12 +49,11 @@ from urllib.parse import unquote, urlparse
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
 from fleet.models import Node
 from jobs.models import Checkpoint, Job, JobEvent, Move
-from jobs.services import IllegalTransition, job_event_add, job_transition
+from jobs.services import IllegalTransition, job_event_add, job_generation_bump, job_transition
 from observability import metrics
 from protocol import ProtocolError
 from protocol.node import CheckpointReport, CutReport, JobReport
@@ -69,6 +69,14 @@ STEPS = {
     K.MIGRATION: (St.BARRIER, St.CHECKPOINT, St.STORE, St.RESTORE, St.RELEASE),
     K.RESIZE: (St.BARRIER, St.RESIZE, St.RELEASE),
 }
+# A resize across hosts (the job spans several before or after it, or changes host): its launchers
+# cannot re-splice their ranks onto another set of hosts in place (a host's ranks are processes
+# there, and the framework engine has no way to hand one running rank's state to a process on
+# another host but a checkpoint), so it is the migration's steps on the same job: a consistent
+# cut over every host, one framework checkpoint of all ranks, and a relaunch of the W ranks
+# spliced onto the new hosts' devices as a new placement generation. It stays a resize (the job
+# is "resizing", then "running" on its new device count); plan_apply bumps the generation.
+RELAUNCH_RESIZE_STEPS = STEPS[K.MIGRATION]
 MOVING_STATE = {K.PREEMPTION: S.PREEMPTING, K.MIGRATION: S.MIGRATING, K.RESIZE: S.RESIZING}
 LOG_KEEP = 50  # entries of Move.log kept (a lost chain re-enqueued many times must not grow it forever)
 
@@ -90,6 +98,17 @@ def move_poll_seconds():
 def lost_chain_after():
     """An active move no step task looked at for this long has lost its chain (worker crash)."""
     return timedelta(seconds=max(15.0, 10 * move_poll_seconds()))
+
+
+def move_relaunches(move) -> bool:
+    """True when `move` is a resize across hosts (a new generation: cut, checkpoint, relaunch)."""
+    return move.kind == K.RESIZE and move.from_generation != move.to_generation
+
+
+def move_steps(move) -> tuple:
+    """Returns the steps of `move` in order (STEPS of its kind; RELAUNCH_RESIZE_STEPS for a resize
+    across hosts)."""
+    return RELAUNCH_RESIZE_STEPS if move_relaunches(move) else STEPS[K(move.kind)]
 
 
 def generation_key(generation):
@@ -151,7 +170,7 @@ def move_chain_enqueue(*, move, now):
     chain_id = uuid.uuid4().hex[:16]
     Move.objects.filter(pk=move.pk).update(chain_id=chain_id, polled_at=now)
     move.chain_id = chain_id
-    steps = STEPS[K(move.kind)]
+    steps = move_steps(move)
     remaining = steps[steps.index(St(move.step)):] if move.step in steps else ()
     if remaining:
         move_id = move.pk
@@ -289,7 +308,7 @@ def _checkpoint_visible(uri):
 
 
 def _check_barrier(move, job):
-    if move.kind == K.RESIZE:
+    if move.kind == K.RESIZE and not move_relaunches(move):
         seen = _new(move)
         cut = seen.cut
         if cut is not None and cut.action == CutAction.RESIZE and (cut.devices or 0) == move.to_devices \
@@ -366,7 +385,7 @@ def _check_resize(move, job):
 
 
 def _check_release(move, job):
-    if move.kind == K.RESIZE:
+    if move.kind == K.RESIZE and not move_relaunches(move):
         return _Outcome(DONE, f"devices {move.from_devices} -> {move.to_devices} confirmed")
     gone = _old(move).state in FINAL_COPY_STATES
     if move.from_node_id is None:
@@ -405,7 +424,7 @@ def _node_name(node_id):
 def _complete(*, move, job, outcome, now):
     """Completes the move's current step (conditional on it still being current); returns True
     if this caller did. The job's transition at release happens here, in the same transaction."""
-    steps = STEPS[K(move.kind)]
+    steps = move_steps(move)
     step = St(move.step)
     following = steps[steps.index(step) + 1] if steps.index(step) + 1 < len(steps) else St.DONE
     with transaction.atomic():
@@ -436,7 +455,9 @@ def _release_job(*, move, job, now):
                 else f"restored from checkpoint step {move.cut_step}")
     reason = {K.PREEMPTION: f"checkpointed at step {move.cut_step} and released; back in line",
               K.MIGRATION: f"{restored} on {_node_name(move.to_node_id)}",
-              K.RESIZE: f"resized to {move.to_devices} device(s)"}[K(move.kind)]
+              K.RESIZE: f"resized to {move.to_devices} device(s)" + (
+                  f" across hosts: {restored}, leader {_node_name(move.to_node_id)}" if move_relaunches(move) else "")
+              }[K(move.kind)]
     try:
         job_transition(job=job, to=target, reason=reason, now=now, extra={"move": move.pk})
     except IllegalTransition as exc:  # cancelled meanwhile: the move is done all the same
@@ -461,7 +482,7 @@ def move_end(*, move, job, state, reason, now, requeue=True):
                    "checkpoint_step": job.last_checkpoint_step},
         )
         if requeue and job.state == MOVING_STATE[K(move.kind)]:
-            Job.objects.filter(pk=job.pk).update(generation=F("generation") + 1)
+            job_generation_bump(job)
             try:
                 job_transition(job=job, to=S.PREEMPTED, now=now, extra={"move": move.pk, "timed_out": move.step}
                                if state == Move.State.TIMED_OUT else {"move": move.pk},
@@ -472,10 +493,12 @@ def move_end(*, move, job, state, reason, now, requeue=True):
     return True
 
 
-def _finish_job(*, move, job, note, now):
-    """The old copy finished before the cut: the move is done and so is the job."""
+def _finish_job(*, move, job, note, now, state=Move.State.DONE):
+    """A copy of the job finished during the move (the old one before the cut; or the new one,
+    restored, while the old one's exit was never confirmed: `state` TIMED_OUT): the move ends
+    with `state` and the job succeeds."""
     with transaction.atomic():
-        if not move_end(move=move, job=job, state=Move.State.DONE, reason=note, now=now, requeue=False):
+        if not move_end(move=move, job=job, state=state, reason=note, now=now, requeue=False):
             return False
         if job.state in (S.PREEMPTING, S.MIGRATING, S.RESIZING):
             job = job_transition(job=job, to=S.RUNNING, reason=note, now=now, extra={"move": move.pk})
@@ -497,7 +520,7 @@ def move_step_run(*, move_id, step, chain_id=None, now=None):
         if move.chain_id != chain_id:
             return SUPERSEDED
         Move.objects.filter(pk=move.pk).update(polled_at=now)  # the chain is alive (moves_sweep)
-    steps = STEPS[K(move.kind)]
+    steps = move_steps(move)
     step = St(step)
     if St(move.step) not in steps or steps.index(St(move.step)) > steps.index(step):
         return PASSED
@@ -513,9 +536,18 @@ def move_step_run(*, move_id, step, chain_id=None, now=None):
     outcome = CHECKS[step](move, job)
     if outcome is None:
         if now >= move.step_deadline:
-            waited = (now - move.step_started_at).total_seconds()
-            move_end(move=move, job=job, state=Move.State.TIMED_OUT, now=now,
-                     reason=f"{step} not done within {waited:.0f} s")
+            why = f"{step} not done within {(now - move.step_started_at).total_seconds():.0f} s"
+            finished = _new(move) if step == St.RELEASE and move.to_generation == job.generation else _Seen()
+            if finished.state == CopyState.FINISHED:
+                # The restored copy ran to its end; only the old copy's exit went unconfirmed. Its
+                # generation is fenced (its reports are refused, its agent kills it), so the result
+                # stands: requeued, the job would run its last steps again for nothing (found by the
+                # chaos soak, a follower host that never reported its share's exit).
+                _finish_job(move=move, job=job, state=Move.State.TIMED_OUT, now=now,
+                            note=f"finished on {finished.hostname} at step {finished.step}; {why} (the old "
+                                 "copy's exit was never confirmed: its generation is fenced)")
+            else:
+                move_end(move=move, job=job, state=Move.State.TIMED_OUT, now=now, reason=why)
             return ENDED
         return WAITING
     if outcome.kind == "finished":

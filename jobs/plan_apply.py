@@ -13,9 +13,15 @@ whose Celery chain runs its steps. One applier per decision type (APPLIERS):
   Preempt needing approval: preemption_request_create (idempotent; nothing else happens)
   Migrate      running -> migrating, replicas on the new devices, generation+1, Move(migration):
                live: barrier, checkpoint, store (old node), restore (new node), release (->
-               running). From a checkpoint (lost node): restore, release
+               running). From a checkpoint (lost node): restore, release. A partial one
+               (decision.kept: only a leaving node's devices are replaced) is the same move; the
+               hosts it keeps are both source and destination: their agent stops the old
+               generation's copy, then runs the new one on the same devices (all W ranks relaunch
+               from the cut: no rank process survives the move, not even on a staying host)
   Resize       running -> resizing, replicas re-laid on the new devices, Move(resize): barrier,
-               resize (the agent splices), release (-> running)
+               resize (the agent splices), release (-> running). A resize across hosts (the job
+               spans several before or after, or changes host) is a new generation: barrier,
+               checkpoint, store, restore, release (jobs/moves.py, RELAUNCH_RESIZE_STEPS)
   waiting      wait_reason and queue_position written to every waiting job
 """
 from __future__ import annotations
@@ -26,15 +32,15 @@ from datetime import datetime
 from datetime import timezone as dt_timezone
 
 import numpy as np
-from django.db import connection
-from django.db.models import F
 
 import scheduler
+from jobs.bulk import EventRow, rows_update
 from jobs.models import Job, JobEvent, Move, Replica
 from jobs.moves import move_create
 from jobs.services import (
     IllegalTransition,
     job_event_add,
+    job_generation_bump,
     job_transition,
     jobs_transition_bulk,
     preemption_request_create,
@@ -115,20 +121,42 @@ def _migrate_apply(*, job: Job, decision: scheduler.Migrate, index: SnapshotInde
 def _resize_apply(*, job: Job, decision: scheduler.Resize, index: SnapshotIndex, now: datetime) -> Applied:
     devices = [int(index.accelerator_ids[d]) for d in decision.devices]
     if job.state == S.SCHEDULED:
-        # not started yet: just lay it out anew
+        # Not reported running yet: just lay it out anew. Its agent may have launched it already on
+        # the old layout, though: when the hosts change (a 4-device copy on one host grown onto two),
+        # that copy must not run on as if nothing had changed (it would never meet the new host's
+        # share), so the layout is a new generation (the old copy is fenced) and a new placement.
+        hosts_change = _node_ids_held(job.pk) != _node_ids_of(index, decision.devices)
+        if hosts_change:
+            job_generation_bump(job)
         rows = _place_replicas(job=job, device_ids=devices)
         Job.objects.filter(pk=job.pk).update(device_count=len(devices))
-        return "resize", rows + 2
+        if hosts_change:
+            job_event_add(job=job, type=JobEvent.Type.PLACED, reason=decision.reason,
+                          extra={"devices": devices, "nodes": _nodes_of(index, decision.devices),
+                                 "generation": job.generation,
+                                 "code": decision.code})
+        return "resize", rows + (4 if hosts_change else 2)
     from_devices = job.device_count
     dropped = sorted(set(_device_ids_held(job.pk)) - set(devices))  # a shrink's; none on growth
+    from_node, from_nodes = _rank0_node(job.pk), _node_ids_held(job.pk)
+    to_nodes = _nodes_of(index, decision.devices)
+    # Across hosts (it spans several before or after, or lands on another host): the launchers of
+    # one placement cannot re-splice their ranks onto another set of hosts in place, so the resize
+    # is a cut + checkpoint + relaunch on the new hosts, as a new generation (jobs/moves.py).
+    across_hosts = len(from_nodes) > 1 or len(to_nodes) > 1 or from_nodes != _node_ids_of(index, decision.devices)
     job = job_transition(job=job, to=S.RESIZING, reason=decision.reason, now=now,
                          extra={"code": decision.code, "from_devices": from_devices,
-                                "to_devices": len(devices), "released_devices": dropped})
+                                "to_devices": len(devices), "released_devices": dropped, "nodes": to_nodes,
+                                "across_hosts": across_hosts})
+    from_generation = job.generation
+    if across_hosts:
+        job_generation_bump(job)  # the copy on the new hosts; the old one is fenced once the move is over
     rows = _place_replicas(job=job, device_ids=devices)
     Job.objects.filter(pk=job.pk).update(device_count=len(devices))
-    node_id = _rank0_node(job.pk)
     move_create(job=job, kind=Move.Kind.RESIZE, reason=decision.reason, now=now,
-                from_node_id=node_id, to_node_id=node_id, from_devices=from_devices, to_devices=len(devices))
+                from_node_id=from_node, to_node_id=_rank0_node(job.pk), from_devices=from_devices,
+                to_devices=len(devices), from_generation=from_generation, to_generation=job.generation,
+                from_nodes=from_nodes if across_hosts else ())
     return "resize", rows + 4
 
 
@@ -163,6 +191,12 @@ def _nodes_of(index: SnapshotIndex, devices: tuple) -> list[str]:
     return sorted({index.hostnames[int(index.accelerator_node_ids[d])] for d in devices})
 
 
+def _node_ids_of(index: SnapshotIndex, devices: tuple) -> list[int]:
+    """Returns the Node.pks of the nodes holding snapshot devices `devices`, ascending (as
+    _node_ids_held lists the nodes a job holds)."""
+    return sorted({int(index.accelerator_node_ids[d]) for d in devices})
+
+
 def _node_ids_held(job_id: int) -> list[int]:
     """Returns the Node.pks the job's replicas lie on (several: a job that spans hosts)."""
     return sorted(set(Replica.objects.filter(job_id=job_id, device__isnull=False)
@@ -174,21 +208,15 @@ def _rank0_node(job_id: int) -> int | None:
     return Replica.objects.filter(job_id=job_id, rank=0).values_list("device__node_id", flat=True).first()
 
 
-def _generation_bump(job: Job) -> int:
-    Job.objects.filter(pk=job.pk).update(generation=F("generation") + 1)
-    job.generation += 1
-    return job.generation
-
-
 def _preempt(*, job: Job, decision: scheduler.Preempt, now: datetime) -> int:
     if job.state == S.SCHEDULED:
-        _generation_bump(job)  # its copy, if launched meanwhile, is fenced off
+        job_generation_bump(job)  # its copy, if launched meanwhile, is fenced off
         job_transition(job=job, to=S.PENDING, reason=decision.reason, now=now, extra={"code": decision.code})
         return 2
     if decision.code == REASON_LOST_REQUEUED:
         # Its processes died with the node (or are cut off with it: fenced by the new generation):
         # nothing to checkpoint; it resumes from the last one.
-        _generation_bump(job)
+        job_generation_bump(job)
         job_transition(job=job, to=S.PREEMPTED, reason=decision.reason, now=now, extra={"code": decision.code})
         return 2
     from_node, from_nodes = _rank0_node(job.pk), _node_ids_held(job.pk)
@@ -215,18 +243,27 @@ def _migrate(*, job: Job, decision: scheduler.Migrate, devices: list[int], regio
         job = job_transition(job=job, to=S.MIGRATING, reason=decision.reason, now=now,
                              extra={"code": decision.code, "from_checkpoint": decision.from_checkpoint,
                                     "released_devices": sorted(old_devices - set(devices))})
+    # A partial move: the hosts it keeps (both source and destination of the move). Their devices
+    # stay the job's throughout (never free to another job); the new generation fences the old
+    # copy there too, which their agent stops before it runs the new one.
     from_devices = job.device_count
-    _generation_bump(job)  # the copy on the new devices
+    job_generation_bump(job)  # the copy on the new devices
     rows = _place_replicas(job=job, device_ids=devices)
     Job.objects.filter(pk=job.pk).update(device_count=len(devices), region_id=region)
+    kept = sorted(set(Replica.objects.filter(job_id=job.pk, device__node_id__in=from_nodes).values_list(
+        "device__node__hostname", flat=True))) if decision.kept else []
     job_event_add(job=job, type=JobEvent.Type.MIGRATED, reason=decision.reason,
                   extra={"devices": devices, "nodes": nodes, "from_checkpoint": decision.from_checkpoint,
-                         "restart_step": decision.restart_step, "generation": job.generation})
+                         "restart_step": decision.restart_step, "generation": job.generation,
+                         "partial": bool(kept), "kept_nodes": kept, "kept_devices": decision.kept})
     if job.state == S.MIGRATING:
         common = dict(job=job, kind=Move.Kind.MIGRATION, reason=decision.reason, now=now, from_node_id=from_node,
                       to_node_id=_rank0_node(job.pk), from_generation=from_generation,
                       to_generation=job.generation, from_devices=from_devices, to_devices=len(devices),
                       from_nodes=from_nodes)
+        if kept:  # said in the move's reason: a partial move relaunches every rank all the same
+            common["reason"] = (f"{decision.reason}; partial: keeps its devices on {', '.join(kept)}, every rank "
+                                f"(theirs too) relaunched as generation {job.generation}, no in-place re-splice")
         if decision.from_checkpoint:
             # Its old processes are gone, or cut off with their node: nothing to cut; the new node
             # restores the last checkpoint right away. No from_node: the old copy is not part of the
@@ -267,7 +304,7 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
     snap = index.snapshot
     by_id = {d.job_id: d for d in starts}
     # Lock the rows, then keep only jobs still waiting (a cancel may have won the race).
-    jobs = list(Job.objects.select_for_update().filter(pk__in=list(by_id), state__in=WAITING_STATES)
+    jobs = list(Job.objects.select_for_update().filter(pk__any_of=list(by_id), state__in=WAITING_STATES)
                 .only("id", "team_id", "world_size", "device_count", "region_id", "last_checkpoint_step",
                       "progress_step", "state"))
     if not jobs:
@@ -288,54 +325,20 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
             # launches this job once that stop finished
             placed["starts_at"] = datetime.fromtimestamp(decision.starts_at, tz=dt_timezone.utc).isoformat()
             placed["starts_in_seconds"] = round(decision.starts_at - snap.now, 1)
-        placed_events.append(JobEvent(job_id=job.pk, type=JobEvent.Type.PLACED, reason=decision.reason[:500],
+        placed_events.append(EventRow(job_id=job.pk, type=JobEvent.Type.PLACED, reason=decision.reason,
                                       created_at=now, extra_data=placed))
     jobs_transition_bulk(jobs=jobs, to=S.SCHEDULED, now=now, events=placed_events,
                          reasons={job_id: d.reason for job_id, d in by_id.items()},
                          extras={job_id: {"code": d.code} for job_id, d in by_id.items()},
                          publish_max=LIVE_PUSH_MAX_STARTS)
-    with connection.cursor() as cursor:
-        replica_rows = []
-        for chunk in range(0, len(ready), 5000):
-            ids = ready[chunk:chunk + 5000]
-            cursor.execute(f"SELECT id, job_id, rank FROM {Replica._meta.db_table} WHERE job_id IN "
-                           f"({', '.join(['%s'] * len(ids))})", ids)
-            replica_rows += cursor.fetchall()
+    replica_rows = list(Replica.objects.filter(job_id__any_of=ready).values_list("id", "job_id", "rank"))
     # A new placement is a new generation: reports of any older copy are fenced off.
     rows_update(Job._meta.db_table, set_sql="device_count = v.c1, region_id = v.c2, generation = generation + 1",
                 columns=[[job.device_count for job in jobs], [job.region_id for job in jobs]],
                 ids=[job.pk for job in jobs], types=("integer", "bigint"))
-    rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = v.c2",
-                columns=[[layouts[job_id][rank] for _, job_id, rank in replica_rows], [now] * len(replica_rows)],
-                ids=[replica_id for replica_id, _, _ in replica_rows], types=("bigint", "timestamptz"))
+    rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s",
+                columns=[[layouts[job_id][rank] for _, job_id, rank in replica_rows]],
+                ids=[replica_id for replica_id, _, _ in replica_rows], types=("bigint",), params=[now])
     return len(jobs), len(ready) * 2 + len(replica_rows) + len(jobs) * 2
 
 
-ROWS_UPDATE_CHUNK = 50_000
-
-
-def rows_update(table: str, *, set_sql: str, columns: list[list], ids: list[int], types: tuple[str, ...]) -> None:
-    """UPDATE `table` SET `set_sql` for the rows `ids`, row i taking columns[k][i] as v.c<k+1>.
-
-    PostgreSQL: one UPDATE ... FROM unnest(arrays) per ROWS_UPDATE_CHUNK rows (the arrays travel
-    as parameters: 100k rows in well under a second, where an executemany of one-row UPDATEs
-    took ~40 s at 100k accelerators under load). Other databases: the executemany.
-    """
-    if not ids:
-        return
-    names = [f"c{k + 1}" for k in range(len(columns))]
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            arrays = ", ".join(f"%s::{t}[]" for t in ("bigint", *types))
-            sql = (f"UPDATE {table} SET {set_sql} FROM unnest({arrays}) AS v(id, {', '.join(names)}) "
-                   f"WHERE {table}.id = v.id")
-            for start in range(0, len(ids), ROWS_UPDATE_CHUNK):
-                end = start + ROWS_UPDATE_CHUNK
-                cursor.execute(sql, [ids[start:end], *(c[start:end] for c in columns)])
-        else:
-            assignments = set_sql
-            for name in names:
-                assignments = assignments.replace(f"v.{name}", "%s")
-            order = sorted(range(len(names)), key=lambda k: set_sql.index(f"v.{names[k]}"))
-            cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s",
-                               [tuple(columns[k][i] for k in order) + (ids[i],) for i in range(len(ids))])

@@ -20,14 +20,18 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, DateTimeField, F, Q, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES
+from fleet.leases import desired_serials_bump, nodes_alive_by_lease
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from fleet.models import Node
+from fleet.services import user_is_fleet_operator
+from jobs.bulk import EventRow, cursor_prepared, events_insert
+from jobs.desired_signal import desired_changed
 from jobs.logs import log_marker_for_transition
 from jobs.models import (
     Checkpoint,
@@ -118,7 +122,8 @@ class JobSpecsInvalid(ValidationError):
 
 
 def user_is_global_admin(user):
-    return bool(user and user.is_authenticated and user.is_superuser)
+    """True for superusers: every team is theirs, and they operate the fleet (one rule, in fleet)."""
+    return user_is_fleet_operator(user)
 
 
 def user_team_role(*, user, team_id):
@@ -155,17 +160,25 @@ def _job_payload(job):
     }
 
 
+def job_updated_message(*, job) -> dict:
+    """Returns the "jobs.job_updated" channel message for `job` (what job_publish_updated sends)."""
+    return {"type": "jobs.job_updated", "job": _job_payload(job)}
+
+
 def job_publish_updated(*, job, fleet=False, new=False):
     """Pushes "jobs.job_updated" to the job's and team's groups (and "fleet" if asked) on commit.
     A `new` job's own group is left out: no page can have joined it before the job existed."""
     groups = [group_for_team(job.team_id)] if new else [group_for_job(job.pk), group_for_team(job.team_id)]
     if fleet:
         groups.append(GROUP_FLEET)
-    events_publish(groups=groups, type="jobs.job_updated", payload={"job": _job_payload(job)})
+    message = job_updated_message(job=job)
+    events_publish(groups=groups, type=message.pop("type"), payload=message)
 
 
 def job_event_add(*, job, type, reason="", actor=None, extra=None, from_state="", to_state=""):
-    """Returns a new JobEvent for `job`. Call it inside the transaction of the change."""
+    """Returns a new JobEvent for `job`. Call it inside the transaction of the change (once it
+    commits, the job's nodes are told their desired state may have changed: jobs/desired_signal.py)."""
+    desired_changed(job_ids=(job.pk,))
     return JobEvent.objects.create(
         job=job,
         type=type,
@@ -274,7 +287,7 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
 
 
 def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, str] | None = None,
-                         extras: Mapping[int, dict] | None = None, events: Iterable[JobEvent] = (),
+                         extras: Mapping[int, dict] | None = None, events: Iterable[JobEvent | EventRow] = (),
                          by=None, now: datetime | None = None, publish_max: int | None = None) -> list[Job]:
     """Moves every job in `jobs` from its (in-memory) state to `to`; returns them, updated in memory.
 
@@ -282,7 +295,8 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     (IllegalTransition, before anything is written, when any job has no such arrow), the same
     columns, a conditional UPDATE per group of from-states that write alike (usually one), a
     STATE_CHANGED JobEvent per job (reason and extra from `reasons` / `extras` by job id) written
-    with the caller's `events` in one bulk_create, all in one transaction. StaleJobState when a job
+    with the caller's `events` (JobEvents or EventRows) by jobs.bulk.events_insert (COPY on
+    PostgreSQL), all in one transaction. StaleJobState when a job
     left its state first (nothing is written then, but a caller's enclosing transaction must end:
     no savepoint is taken; lock the rows with select_for_update to avoid it). "jobs.job_updated"
     is pushed after commit, with what the objects hold at the call, unless there are more than
@@ -322,12 +336,12 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
                 changes[writes.counter] = F(writes.counter) + 1
             where = Q()
             for state in states:
-                where |= Q(pk__in=ids_by_state[state], state=state)
+                where |= Q(pk__any_of=ids_by_state[state], state=state)
             updated += Job.objects.filter(where).update(**changes)
         if updated != len(jobs):
             # This UPDATE moved the others to `to` already (rolled back with the raise); the stale
             # one is elsewhere (or was moved to `to` by someone else: then name the first).
-            current = dict(Job.objects.filter(pk__in=[job.pk for job in jobs]).values_list("id", "state"))
+            current = dict(Job.objects.filter(pk__any_of=[job.pk for job in jobs]).values_list("id", "state"))
             stale = next((job for job in jobs if current.get(job.pk) != to), jobs[0])
             raise StaleJobState(
                 job_id=stale.pk, from_state=S(stale.state), to_state=to,
@@ -338,10 +352,11 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
         releasing = [job.pk for job in jobs if writes_of[S(job.state)].releases_devices]
         released = {}
         if releasing:
-            placed = Replica.objects.filter(job_id__in=releasing, device__isnull=False)
+            placed = Replica.objects.filter(job_id__any_of=releasing, device__isnull=False)
             released = dict(placed.values("job_id").annotate(n=Count("id")).values_list("job_id", "n"))
             placed.update(device=None)
         state_events = []
+        actor_id = by.pk if (by is not None and by.is_authenticated) else None
         for job in jobs:
             from_state = S(job.state)
             writes = writes_of[from_state]
@@ -354,11 +369,11 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
                 setattr(job, writes.counter, getattr(job, writes.counter) + 1)
             extra = {**extras.get(job.pk, {}),
                      **({"released_replicas": released[job.pk]} if released.get(job.pk) else {})}
-            state_events.append(JobEvent(
+            state_events.append(EventRow(
                 job_id=job.pk, type=JobEvent.Type.STATE_CHANGED, from_state=from_state, to_state=to,
-                reason=reasons.get(job.pk, "")[:500], extra_data=extra, created_at=now,
-                actor=by if (by is not None and by.is_authenticated) else None))
-        JobEvent.objects.bulk_create([*state_events, *events], batch_size=2000)
+                reason=reasons.get(job.pk, ""), extra_data=extra, created_at=now, actor_id=actor_id))
+        events_insert([*state_events, *events], now=now)
+        desired_changed(job_ids=[job.pk for job in jobs])
         if publish_max is None or len(jobs) <= publish_max:
             releases_devices = to in Job.TERMINAL_STATES or to in Job.WAITING_STATES
             for job in jobs:
@@ -565,7 +580,7 @@ def team_quota_recount() -> int:
     return len(changed)
 
 
-def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
+def job_world_size_limits(*, accelerator_type: str, min_devices: int, fleet: bool = True) -> dict:
     """Returns the bounds a job of `accelerator_type` and `min_devices` must keep, each with why:
 
       {"max_world_size": W at most, "world_size_because": why that W,
@@ -581,7 +596,7 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
     accelerator_type_capacity: under one node, rack, cluster or region as MERIDIAN_JOB_MAX_SPREAD
     says): a job needing more could never start. So W <= capacity * ranks per device as well. A
     fleet without any device of the type yet (nodes enroll later) bounds only W: the job waits,
-    and the scheduler says why.
+    and the scheduler says why. `fleet=False` leaves the fleet out (no query; max_min_devices None).
     """
     from fleet.selectors import accelerator_type_capacity
 
@@ -593,7 +608,7 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int) -> dict:
                f"min_devices {min_devices} world_size may be at most {min_devices * per_device}; "
                f"raise min_devices (it counts against your team's quota) or lower world_size")]
     capacity = accelerator_type_capacity(accelerator_type=accelerator_type,
-                                         spread=str(settings.MERIDIAN_JOB_MAX_SPREAD).strip().lower())
+                                         spread=str(settings.MERIDIAN_JOB_MAX_SPREAD).strip().lower()) if fleet else 0
     limits = {"max_min_devices": None, "min_devices_because": ""}
     if capacity:
         where = f"one {settings.MERIDIAN_JOB_MAX_SPREAD}"
@@ -610,7 +625,11 @@ def _job_world_size_check(clean: dict, *, limits_of: dict | None = None) -> None
     installation or its fleet could ever run (job_world_size_limits). `limits_of` caches the
     limits by (type, min_devices) across the jobs of one bulk submission (each costs a query)."""
     key = (clean["accelerator_type"], clean["min_devices"])
-    limits = (limits_of or {}).get(key) or job_world_size_limits(accelerator_type=key[0], min_devices=key[1])
+    # The fleet bounds min_devices only (W's bounds are settings and min_devices), and a single
+    # device never exceeds it (no device of the type bounds nothing), so min_devices 1, the common
+    # case, skips the capacity query: a scan of the type's devices that grows with the fleet.
+    limits = (limits_of or {}).get(key) or job_world_size_limits(accelerator_type=key[0], min_devices=key[1],
+                                                                 fleet=key[1] > 1)
     if limits_of is not None:
         limits_of[key] = limits
     errors = {}
@@ -677,6 +696,97 @@ def _jobs_create(*, team, submitted_by, cleans: Sequence[dict], now) -> list[Job
     return jobs
 
 
+def _insert_select(instance, *, expressions: Mapping[str, str]) -> tuple[list[str], list[str], list]:
+    """Returns (quoted columns, select expressions, parameters) that INSERT the unsaved model
+    `instance` as Django's own INSERT would (defaults, auto_now, JSON adaptation), its auto pk left
+    out, and the columns named in `expressions` (by field name) taking that SQL instead of a value."""
+    qn = connection.ops.quote_name
+    columns, selects, params = [], [], []
+    for field in instance._meta.local_concrete_fields:
+        if field.primary_key:
+            continue
+        columns.append(qn(field.column))
+        if field.name in expressions:
+            selects.append(expressions[field.name])
+            continue
+        value = field.get_db_prep_save(field.pre_save(instance, True), connection)
+        if value is None:
+            # NULL in the text: fewer parameters (psycopg caches its parse of a statement only
+            # up to 50), and a few texts at most (which columns are NULL), each prepared once
+            selects.append("NULL")
+        else:
+            selects.append("%s")
+            params.append(value)
+    return columns, selects, params
+
+
+def job_submit_direct(*, team: Team, submitted_by, spec: dict, now: datetime | None = None) -> Job | None:
+    """Returns a new pending Job exactly as job_submit writes it (W unplaced replicas, a SUBMITTED
+    event, its min_devices claimed on the team's TeamQuotaClaim counter), or None, with nothing
+    written, when the claim would pass the team's quota or the team has no counter for the type
+    yet: the caller then calls job_submit, which says why (or creates the counter).
+
+    The fast path of POST /api/jobs/ (jobs/submit_api.py). The caller vouches that `submitted_by`
+    is a member of `team` (jobs.selectors.submitter_by_token read both in one query); the spec is
+    cleaned and size-checked here as job_submit does (ValidationError). Written without the ORM's
+    per-statement cost: ONE statement on PostgreSQL (the claim, the job, its replicas and its event
+    as data-modifying CTEs: all or nothing, one round trip), one short transaction elsewhere
+    (SQLite). The live push is the caller's, after this returns (committed): job_updated_message.
+    """
+    clean = _job_spec_validate(spec=spec, submitted_by=submitted_by)
+    now = now or timezone.now()
+    quota = team.quota_for(clean["accelerator_type"])
+    job = Job(team=team, submitted_by=submitted_by, submitted_at=now, state_changed_at=now, **clean)
+    event = JobEvent(job=job, type=JobEvent.Type.SUBMITTED, actor=submitted_by, to_state=S.PENDING, created_at=now,
+                     extra_data={"tier": job.tier, "world_size": job.world_size, "min_devices": job.min_devices})
+    qn = connection.ops.quote_name
+    claim = (f"UPDATE {qn(TeamQuotaClaim._meta.db_table)} SET {qn('claimed')} = {qn('claimed')} + %s "
+             f"WHERE {qn('team_id')} = %s AND {qn('accelerator_type')} = %s AND {qn('claimed')} <= %s")
+    claim_params = [job.min_devices, team.pk, job.accelerator_type, quota - job.min_devices]
+    replica = Replica(job=job, rank=0)
+    if connection.vendor == "postgresql":
+        job_columns, job_selects, job_params = _insert_select(job, expressions={})
+        replica_columns, replica_selects, replica_params = _insert_select(
+            replica, expressions={"job": f"new_job.{qn('id')}", "rank": "ranks.rank"})
+        event_columns, event_selects, event_params = _insert_select(event, expressions={"job": f"new_job.{qn('id')}"})
+        # Every sub-statement runs once, on one snapshot; the job is inserted only if the claim
+        # matched a row, the replicas and event only for an inserted job.
+        sql = (f"WITH claim AS ({claim} RETURNING 1), "
+               f"new_job AS (INSERT INTO {qn(Job._meta.db_table)} ({', '.join(job_columns)}) "
+               f"SELECT {', '.join(job_selects)} FROM claim RETURNING {qn('id')}), "
+               f"replicas AS (INSERT INTO {qn(Replica._meta.db_table)} ({', '.join(replica_columns)}) "
+               f"SELECT {', '.join(replica_selects)} FROM new_job, generate_series(0, %s) AS ranks(rank)), "
+               f"event AS (INSERT INTO {qn(JobEvent._meta.db_table)} ({', '.join(event_columns)}) "
+               f"SELECT {', '.join(event_selects)} FROM new_job) "
+               f"SELECT {qn('id')} FROM new_job")
+        with cursor_prepared() as cursor:
+            cursor.execute(sql, [*claim_params, *job_params, *replica_params, job.world_size - 1, *event_params])
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        job.pk = row[0]
+    else:
+        job_columns, job_selects, job_params = _insert_select(job, expressions={})
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(claim, claim_params)
+            if cursor.rowcount != 1:
+                return None
+            cursor.execute(f"INSERT INTO {qn(Job._meta.db_table)} ({', '.join(job_columns)}) "
+                           f"VALUES ({', '.join(job_selects)})", job_params)
+            job.pk = replica.job_id = event.job_id = cursor.lastrowid
+            replica_columns, replica_selects, replica_params = _insert_select(
+                replica, expressions={"rank": "ranks.rank"})
+            cursor.execute(f"WITH RECURSIVE ranks(rank) AS (SELECT 0 UNION ALL SELECT rank + 1 FROM ranks "
+                           f"WHERE rank + 1 < %s) INSERT INTO {qn(Replica._meta.db_table)} "
+                           f"({', '.join(replica_columns)}) SELECT {', '.join(replica_selects)} FROM ranks",
+                           [job.world_size, *replica_params])
+            event_columns, event_selects, event_params = _insert_select(event, expressions={})
+            cursor.execute(f"INSERT INTO {qn(JobEvent._meta.db_table)} ({', '.join(event_columns)}) "
+                           f"VALUES ({', '.join(event_selects)})", event_params)
+    job._state.adding, job._state.db = False, connection.alias
+    return job
+
+
 def job_submit(*, team, submitted_by, spec, now=None):
     """Returns a new pending Job with W unplaced replicas and a SUBMITTED event.
 
@@ -722,6 +832,16 @@ def jobs_submit_bulk(*, team, submitted_by, specs: Sequence[object], now=None) -
         raise ValidationError({"jobs": f"these jobs have {ranks} ranks in all; one bulk submission may have at most "
                                        f"{max_ranks} (MERIDIAN_MAX_BULK_RANKS: each rank is a row): split them"})
     return _jobs_create(team=team, submitted_by=submitted_by, cleans=cleans, now=now or timezone.now())
+
+
+def job_generation_bump(job) -> int:
+    """Moves `job` to its next placement generation (in the database and on `job`); returns it.
+    Every copy of an older generation is then fenced: its reports are rejected and its agent kills
+    it without a checkpoint (jobs.workflows). Call it before the transition that places the job
+    again (or sends it back in line)."""
+    Job.objects.filter(pk=job.pk).update(generation=F("generation") + 1)
+    job.generation += 1
+    return job.generation
 
 
 def job_cancel(*, job, by, reason=""):
@@ -959,12 +1079,24 @@ def node_lost_sweep(*, now: datetime) -> list[str]:
 
     Returns the hostnames marked. Nodes that never reported (last_heartbeat null) are left
     alone: they were created by a fleet description and have no agent yet.
+
+    A node is alive if its last full heartbeat (Node.last_heartbeat) or its last lease (Redis,
+    fleet/leases.py: read in one batch for the nodes the database finds stale) is newer than the
+    cutoff. When Redis cannot be reached the database decides alone: agents whose lease fails send
+    full heartbeats instead, and the leases flushed to last_heartbeat lag by at most
+    MERIDIAN_LEASE_FLUSH_SECONDS (fleet.leases.lease_settings_check). The nodes marked lost get
+    their desired serial bumped: a node that comes back learns it at its next lease.
     """
     cutoff = now - node_lost_after()
-    stale = Node.objects.filter(last_heartbeat__lt=cutoff).exclude(state=Node.State.LOST)
-    hostnames = list(stale.values_list("hostname", flat=True))
+    stale = dict(Node.objects.filter(last_heartbeat__lt=cutoff).exclude(state=Node.State.LOST)
+                 .values_list("pk", "hostname"))
+    for node_id in nodes_alive_by_lease(node_ids=stale, cutoff=cutoff):
+        del stale[node_id]
+    hostnames = sorted(stale.values())
     if hostnames:
-        Node.objects.filter(hostname__in=hostnames, last_heartbeat__lt=cutoff).update(state=Node.State.LOST)
+        Node.objects.filter(pk__in=list(stale), last_heartbeat__lt=cutoff).update(state=Node.State.LOST)
+        lost_ids = list(stale)
+        transaction.on_commit(lambda: desired_serials_bump(node_ids=lost_ids), robust=True)
         held = Replica.objects.filter(device__node__hostname__in=hostnames).exclude(
             job__state__in=Job.TERMINAL_STATES).values_list("job_id", flat=True).distinct()
         for job in Job.objects.filter(pk__in=list(held)):

@@ -217,7 +217,7 @@ def snapshot_build(*, now: datetime) -> SnapshotIndex:
         jobs=jobs,
         teams=scheduler.Teams(names=[t[1] for t in teams], quota=quota),
         now=now.timestamp(), type_names=type_names, node_status=node_status,
-        settings=policy_settings(), node_names=tuple(r[0] for r in nodes),
+        settings=policy_settings(), node_names=tuple(r[5] for r in nodes),
     )
     t2 = time.perf_counter()
     return SnapshotIndex(

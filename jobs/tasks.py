@@ -10,8 +10,8 @@
   jobs.tasks.move_step               one step of a move (jobs/moves.py), chained per move; retries
                                      with a short countdown until its step is observed or its deadline
   jobs.tasks.move_advance            completes a move's steps already observed (enqueued by reports)
-  jobs.tasks.artifacts_gc            beat, hourly: jobs.bundles.artifacts_collect (unreferenced bundles,
-                                     expired outputs; also `manage.py artifacts_gc`)
+  jobs.tasks.artifacts_gc            beat, every 10 min: jobs.bundles.artifacts_collect (unreferenced bundles,
+                                     expired outputs, stores no agent removed; also `manage.py artifacts_gc`)
 """
 import logging
 
@@ -96,7 +96,7 @@ def artifacts_gc():
     from jobs.bundles import artifacts_collect
 
     deleted = artifacts_collect(now=timezone.now())
-    if deleted["bundles"] or deleted["outputs"]:
-        logger.info("artifacts gc: %d bundle file(s), outputs of job(s) %s", len(deleted["bundles"]),
-                    deleted["outputs"])
-    return {"bundles": len(deleted["bundles"]), "outputs": len(deleted["outputs"])}
+    if deleted["bundles"] or deleted["outputs"] or deleted["stores"]:
+        logger.info("artifacts gc: %d bundle file(s), outputs of job(s) %s, checkpoint stores of job(s) %s",
+                    len(deleted["bundles"]), deleted["outputs"], deleted["stores"])
+    return {key: len(value) for key, value in deleted.items()}

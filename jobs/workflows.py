@@ -25,17 +25,19 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, Min, OuterRef, Q, Subquery
+from django.db.models import Count, F, Min, OuterRef, Q, Subquery
 from django.utils import timezone
 
+from fleet.leases import nodes_alive_by_lease
 from fleet.services import node_heartbeat_record
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
-from jobs.moves import move_follower_nodes, move_observe
+from jobs.moves import move_follower_nodes, move_observe, move_relaunches
 from jobs.services import (
     IllegalTransition,
     checkpoint_record,
     checkpoints_of_refused_run_retire,
     job_event_add,
+    job_generation_bump,
     job_transition,
 )
 from protocol.node import (
@@ -98,8 +100,8 @@ def node_desired_state_build(*, node) -> DesiredState:
     """Returns what `node`'s agent should run now.
 
     One entry per job with replicas on this node's devices: action "run" (launch, restore, or
-    resize to `devices`, on the node-local devices `device_indices`) or "wait" (a migration that
-    has not reached its restore step), with the generation's own `store` folder and
+    resize to `devices`, on the node-local devices `device_indices`) or "wait" (a migration, or a
+    resize across hosts, that has not reached its restore step), with the generation's own `store` folder and
     `restore_from`, the newest checkpoint the control plane accepted (the agent seeds the new
     store with it; None: start afresh) with `restore_sha256`, the digest of its MANIFEST.json
     recorded when it was reported (None for a checkpoint recorded without one: the agent refuses
@@ -118,7 +120,7 @@ def node_desired_state_build(*, node) -> DesiredState:
         devices[job_id].add(index)
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
-        "job_id", "kind", "step", "from_node_id", "from_generation")}
+        "job_id", "kind", "step", "from_node_id", "from_generation", "to_generation")}
     newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk"), retired_at__isnull=True).order_by(
         "-step", "-id")
     jobs = Job.objects.filter(pk__in=list(devices)).select_related("bundle").only(
@@ -130,7 +132,11 @@ def node_desired_state_build(*, node) -> DesiredState:
     entries = []
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
-        waiting = job.state == S.MIGRATING and not (move and move.step in RESTORE_STEPS)
+        # A migration's new copy, or a resize's across hosts (a relaunch), starts once the old copy's
+        # checkpoint is stored: until then it waits, and the old one is told to stop.
+        relaunching = job.state == S.MIGRATING or (job.state == S.RESIZING and move is not None
+                                                   and move_relaunches(move))
+        waiting = relaunching and not (move and move.step in RESTORE_STEPS)
         entries.append(DesiredJob(
             job_id=job.pk, name=job.name, tier=job.tier, state=JobState(job.state),
             action=DesiredAction.WAIT if waiting else DesiredAction.RUN, generation=job.generation,
@@ -147,7 +153,8 @@ def node_desired_state_build(*, node) -> DesiredState:
         ))
     listed = {e.job_id for e in entries}
     for move in moves.values():
-        if (move.from_node_id == node.pk and move.kind != Move.Kind.RESIZE and move.step in STOP_STEPS
+        if (move.from_node_id == node.pk and (move.kind != Move.Kind.RESIZE or move_relaunches(move))
+                and move.step in STOP_STEPS
                 and move.job_id not in listed):
             entries.append(DesiredJob(job_id=move.job_id, action=DesiredAction.STOP,
                                       generation=move.from_generation, move=str(move.kind),
@@ -228,14 +235,22 @@ def _not_yours(job_id) -> Rejection:
     return Rejection(job_id=job_id, fence=True, error=NOT_YOURS.format(job_id=job_id))
 
 
-def _last_placed_on(job, node) -> bool:
-    """True when the job's newest placement (its PLACED event) named `node`: the one node that
-    may hear that the job it ran was cancelled."""
-    from jobs.models import JobEvent
-
-    placed = (JobEvent.objects.filter(job_id=job.pk, type=JobEvent.Type.PLACED).order_by("-created_at", "-id")
+def _last_placed_on(job, node, *, types=(JobEvent.Type.PLACED,)) -> bool:
+    """True when the job's newest placement (its newest event of `types`: PLACED by default) named
+    `node`: the one node that may hear that the job it ran was cancelled."""
+    placed = (JobEvent.objects.filter(job_id=job.pk, type__in=types).order_by("-created_at", "-id")
               .values_list("extra_data", flat=True).first())
     return isinstance(placed, dict) and node.hostname in (placed.get("nodes") or [])
+
+
+def _final_report_repeated(*, job, node, generation, entry: JobReport) -> bool:
+    """True when `entry` repeats the final report that ended `job`: the job ended as the copy says
+    (finished -> succeeded, failed -> failed), at the generation reported, whose placement (its
+    newest PLACED or MIGRATED event) named `node`. Such a report is accepted and records nothing."""
+    ended_as = {CopyState.FINISHED: S.SUCCEEDED, CopyState.FAILED: S.FAILED}.get(entry.state)
+    if ended_as is None or job.state != ended_as or generation != job.generation:
+        return False
+    return _last_placed_on(job, node, types=(JobEvent.Type.PLACED, JobEvent.Type.MIGRATED))
 
 
 def _checkpoint_problem(*, job, generation, entry: JobReport):
@@ -264,11 +279,13 @@ def node_report_record(*, node, heartbeat: Heartbeat, now=None) -> ReportOutcome
     "fence": true and the same words whatever the reason (NOT_YOURS), and changes nothing; only
     the node of the job's newest placement hears "cancel": true for a running copy of a job that
     was cancelled (the agent kills it and removes its store), and that node's report that the copy
-ended is accepted (recording nothing). A report of the held job naming
-    another generation is rejected with "fence". A checkpoint outside the copy's own store folder
-    (<root>/job-<id>/g<generation>), or without its manifest's sha256, is rejected naming the
-    field, and nothing of that report is recorded. A finished report of a job still in the middle
-    of a migration is deferred (neither accepted nor rejected: the agent reports it again).
+ended is accepted (recording nothing). A final report repeated after the job ended on it (the
+    first answer was lost) is accepted too, recording nothing, so the agent removes the store.
+    A report of the held job naming another generation is rejected with "fence". A checkpoint
+    outside the copy's own store folder (<root>/job-<id>/g<generation>), or without its manifest's
+    sha256, is rejected naming the field, and nothing of that report is recorded. A finished
+    report of a job still in the middle of a migration is deferred (neither accepted nor
+    rejected: the agent reports it again).
     Idempotent: a repeated report is a no-op.
     """
     now = now or timezone.now()
@@ -313,6 +330,11 @@ ended is accepted (recording nothing). A report of the held job naming
                                                   error="the job was cancelled; kill it without a checkpoint"))
                     else:  # its copy here ended: nothing to kill, nothing recorded
                         accepted.append(job.pk)
+                elif _final_report_repeated(job=job, node=node, generation=generation, entry=entry):
+                    # The answer to its first final report was lost (found by the chaos soak: a
+                    # partition cut the connection after the commit). Fenced, the agent would keep
+                    # the finished job's checkpoint store for ever; accepted, it removes it.
+                    accepted.append(job.pk)
                 else:
                     rejected.append(_not_yours(job.pk))
                 continue
@@ -342,12 +364,17 @@ ended is accepted (recording nothing). A report of the held job naming
 def _a_host_is_silent(job, node, *, now) -> bool:
     """True when another node holding `job`'s replicas is lost or missed heartbeats for a third of
     the lost-node threshold: a job spanning hosts whose leader reports it failed then is most
-    likely the victim of that host, not of its own code. One query."""
+    likely the victim of that host, not of its own code. One query, and one read of the leases of
+    the hosts the database finds silent (a host that only leases is not silent: fleet/leases.py)."""
     from fleet.models import Node
 
     cutoff = now - timedelta(seconds=node_lost_after_seconds() / 3)
-    return Node.objects.filter(Q(state=Node.State.LOST) | Q(last_heartbeat__lt=cutoff),
-                               accelerators__replicas__job_id=job.pk).exclude(pk=node.pk).exists()
+    suspects = dict(Node.objects.filter(Q(state=Node.State.LOST) | Q(last_heartbeat__lt=cutoff),
+                                        accelerators__replicas__job_id=job.pk).exclude(pk=node.pk)
+                    .values_list("pk", "state").distinct())
+    if any(state == Node.State.LOST for state in suspects.values()):
+        return True
+    return bool(set(suspects) - nodes_alive_by_lease(node_ids=suspects, cutoff=cutoff))
 
 
 def _observed_apply(*, job, entry: JobReport, current, node, now):
@@ -389,13 +416,55 @@ def _observed_apply(*, job, entry: JobReport, current, node, now):
             note = f": {entry.note}" if entry.note else ""
             job_transition(job=job, to=S.SUCCEEDED, now=now, reason=f"finished on {node.hostname}{note}"[:500],
                            extra={"step": entry.step, "note": entry.note})
+        elif state == CopyState.FAILED and entry.host_failure and job.state in (S.SCHEDULED, S.RUNNING):
+            _host_failure_requeue(job=job, node=node, entry=entry, now=now)
         elif state == CopyState.FAILED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
-            error = str(entry.error or "the job's launcher failed")
-            Job.objects.filter(pk=job.pk).update(exit_code=entry.exit_code, failure_reason=error[:4000])
-            job_transition(job=job, to=S.FAILED, now=now, reason=error[:500])
+            _job_fail(job=job, exit_code=entry.exit_code, now=now,
+                      error=str(entry.error or "the job's launcher failed"))
     except IllegalTransition as exc:
-        logger.info("report from %s on job %s: %s", node.hostname, job.pk, exc)
+        # The job changed under this report (the tick moved it, a node-lost restart began): the
+        # report is heard again at the next beat and judged on the job as it is then. Accepting it
+        # here would tell the agent its outcome was taken, and for "finished" the agent removes the
+        # job's checkpoint store, which the new generation restores from (found by the chaos soak).
+        logger.info("report from %s on job %s: %s; deferred", node.hostname, job.pk, exc)
+        return "deferred"
     return None
+
+
+def _job_fail(*, job, exit_code, error, now):
+    """Fails `job` for good, keeping the exit code and the whole error; the event carries its start."""
+    Job.objects.filter(pk=job.pk).update(exit_code=exit_code, failure_reason=error[:4000])
+    job_transition(job=job, to=S.FAILED, now=now, reason=error[:500])
+
+
+HOST_FAILURE_CODE = "host failed under the job"
+# Restarts from one checkpoint after a host failed under the job before it fails for good: a job
+# whose hosts keep failing before it checkpoints again would otherwise go round for ever.
+MAX_HOST_FAILURE_RESTARTS = 3
+
+
+def _host_failure_requeue(*, job, node, entry: JobReport, now):
+    """The leader of a job that spans hosts failed because a host of the job failed under it (a
+    follower's launcher fenced itself when its agent fell silent, a follower went silent, the
+    leader's store was unreachable: JobReport.host_failure), not because of the job's code: the job
+    goes back in line (preempted) and resumes from its last checkpoint, as after a lost node; its
+    generation is bumped, so what is left of this copy on any host is fenced. After
+    MAX_HOST_FAILURE_RESTARTS such restarts from the same checkpoint it fails, saying so."""
+    error = str(entry.error or "a host of the job failed")
+    step = job.last_checkpoint_step or 0
+    resume = f"checkpoint step {step}" if job.last_checkpoint_step else "its start (no checkpoint yet)"
+    earlier = JobEvent.objects.filter(job=job, type=JobEvent.Type.STATE_CHANGED, to_state=S.PREEMPTED,
+                                      extra_data__code=HOST_FAILURE_CODE,
+                                      extra_data__checkpoint_step=step).count()
+    if earlier >= MAX_HOST_FAILURE_RESTARTS:
+        _job_fail(job=job, exit_code=entry.exit_code, now=now, error=(
+            f"restarted {earlier} times from {resume} after a host failed under it, and it failed again the "
+            f"same way: {error}"))
+        return
+    job_generation_bump(job)
+    job_transition(job=job, to=S.PREEMPTED, now=now,
+                   reason=f"a host of the job failed under it ({error}); back in line, resuming from {resume}"[:500],
+                   extra={"code": HOST_FAILURE_CODE, "checkpoint_step": step, "node": node.hostname})
 
 
 def _waiting_apply(*, job, entry: JobReport, node):
@@ -476,7 +545,7 @@ def checkpoint_rows_prune(*, keep=CHECKPOINT_ROWS_KEPT, batch=5000):
     the newest few, so older rows point at nothing. (Telemetry needs no pruning: it is stored as
     the latest value per node and device.)
     """
-    from django.db.models import F, Window
+    from django.db.models import Window
     from django.db.models.functions import RowNumber
 
     # Retired rows (a refused run's, see checkpoints_of_refused_run_retire) rank after every live

@@ -8,7 +8,8 @@ anyway ("mostrecent": the last tick's value wins whichever worker ran it), so a 
 same whatever the fleet's size.
 
 Callers (one line each): jobs.tick.tick_run -> tick_observed; jobs.moves -> move_step_observed,
-move_ended; portal.metrics.HeartbeatMetricsMiddleware -> heartbeat_observed. Names and labels
+move_ended; portal.metrics.HeartbeatMetricsMiddleware -> heartbeat_observed;
+fleet.lease_api -> lease_observed. Names and labels
 are listed in docs/operator-guide.md#metrics.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ DEVICES = Gauge("meridian_devices",
                 "Devices as the last tick's snapshot saw them, by type, region (its id) and state: allocated "
                 "(held by a job), used (held by a running job), free (healthy, unheld), unhealthy",
                 ["accelerator_type", "region", "state"], multiprocess_mode="mostrecent")
+LEASES = Counter("meridian_leases", "Liveness leases answered (POST /api/agent/lease/), by HTTP status", ["status"])
 NODES_LOST = Counter("meridian_nodes_lost", "Nodes marked lost for missed heartbeats")
 MOVES = Counter("meridian_moves", "Moves (preemption, migration, resize) that ended, by kind and outcome",
                 ["kind", "outcome"])
@@ -104,6 +106,11 @@ def heartbeat_observed(*, status: int) -> None:
     HEARTBEATS.inc()
     if status >= 400:
         HEARTBEATS_REJECTED.labels(str(status)).inc()
+
+
+def lease_observed(*, status: int) -> None:
+    """Records one lease answer (fleet.lease_api) by its HTTP status."""
+    LEASES.labels(str(status)).inc()
 
 
 def move_step_observed(*, kind: str, step: str, seconds: float, last: bool) -> None:

@@ -98,6 +98,23 @@ def _validation_error_data(error):
     return {"detail": " ".join(error.messages)}
 
 
+BUSY_DETAIL = (f"the control plane's database is busy; the request was not completed, retry in "
+               f"{RETRY_AFTER_S} s")
+INTERNAL_DETAIL = ("internal error; it is logged, and retrying will not help until it is fixed: tell the "
+                   "operator the time and the URL")
+
+
+def error_answer(exc) -> tuple[int, dict, dict[str, str]]:
+    """Returns (status, body, headers) for an exception that is not bad input: 503 with Retry-After
+    when the database is only busy, else 500 (logged with its traceback). For the answers given
+    outside DRF (jobs.submit_api's write); exception_handler gives the same."""
+    if database_busy(exc):
+        logger.warning("database busy: %s", exc)
+        return status.HTTP_503_SERVICE_UNAVAILABLE, {"detail": BUSY_DETAIL}, {"Retry-After": str(RETRY_AFTER_S)}
+    logger.exception("API error outside DRF", exc_info=exc)
+    return status.HTTP_500_INTERNAL_SERVER_ERROR, {"detail": INTERNAL_DETAIL}, {}
+
+
 def exception_handler(exc, context):
     from jobs.services import IllegalTransition  # the API layer knows the services, not the reverse
 
@@ -113,8 +130,7 @@ def exception_handler(exc, context):
     if database_busy(exc):
         logger.warning("database busy: %s", exc)
         set_rollback()
-        return Response({"detail": f"the control plane's database is busy; the request was not completed, retry in "
-                                   f"{RETRY_AFTER_S} s"}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
+        return Response({"detail": BUSY_DETAIL}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     response = drf_exception_handler(exc, context)
     if response is None:
@@ -123,7 +139,5 @@ def exception_handler(exc, context):
         view = context.get("view")
         logger.exception("API error in %s", type(view).__name__ if view else "?", exc_info=exc)
         set_rollback()
-        response = Response({"detail": "internal error; it is logged, and retrying will not help until it is "
-                                       "fixed: tell the operator the time and the URL"},
-                            status=status.HTTP_500_INTERNAL_SERVER_ERROR)
+        response = Response({"detail": INTERNAL_DETAIL}, status=status.HTTP_500_INTERNAL_SERVER_ERROR)
     return response

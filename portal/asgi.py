@@ -1,4 +1,7 @@
-"""ASGI entry point (daphne): HTTP through Django, WebSockets through Channels.
+"""ASGI entry point (daphne): HTTP through Django, WebSockets through Channels; the agents'
+liveness lease (POST /api/agent/lease/) before Django (fleet.lease_api.LeaseRouter), and
+submissions by API token (POST /api/jobs/) before Django when they certainly can be
+(jobs.submit_api.SubmitRouter).
 
 WebSocket routes are `portal.routing.websocket_urlpatterns` (the pages' consumers).
 """
@@ -16,6 +19,26 @@ if settings.MERIDIAN_SERVE_STATIC:
     # daphne serves no static files itself; at scale put a CDN or nginx in front and
     # set MERIDIAN_SERVE_STATIC=0.
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
+
+# The agents' liveness lease is answered before Django (fleet/lease_api.py): ~a Redis write.
+from fleet.lease_api import LeaseRouter  # noqa: E402
+
+django_asgi_app = LeaseRouter(django_asgi_app)
+
+# POST /api/jobs/ is answered before Django when it certainly can be (jobs/submit_api.py); the rest
+# of it, and everything else, goes through Django.
+from jobs.submit_api import SubmitRouter  # noqa: E402
+
+
+def _error_answer(exc):
+    # Imported late: DRF's settings import portal.api_errors while rest_framework.views loads, so
+    # importing it first here would import it half-made.
+    from portal.api_errors import error_answer
+
+    return error_answer(exc)
+
+
+django_asgi_app = SubmitRouter(django_asgi_app, error_answer=_error_answer)
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402

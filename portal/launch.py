@@ -208,10 +208,13 @@ def run(args):
         specs += [ProcessSpec(process.name, process.argv, env=process.env) for process in embedded_processes(
             python=context.python, url=context.url, root=context.root, data_dir=data_dir,
             enrollment_token=env["MERIDIAN_AGENT_ENROLLMENT_TOKEN"], demo_workload=args.demo_workload)]
-        for spec in specs:
-            supervisor.start(spec, env)
-        if not _wait_for_port(port, process=supervisor.children[0][1], timeout=60):
+        # The web server first: the agents register with it as they start (on a loaded machine
+        # daphne took seconds to listen, and agents started beside it gave up).
+        supervisor.start(specs[0], env)
+        if not _wait_for_port(port, process=supervisor.children[0][1], timeout=180):
             raise LaunchError("the web server did not start; see the [web] lines above")
+        for spec in specs[1:]:
+            supervisor.start(spec, env)
         _print_banner(context.url)
         while not stop_requested.is_set():
             exited = supervisor.first_exited()

@@ -279,6 +279,12 @@ MERIDIAN_MAX_WORLD_SIZE = _env_int("MERIDIAN_MAX_WORLD_SIZE", 4096, minimum=1)
 # Bulk submissions (POST /api/jobs/bulk/, meridian submit --array): at most this many jobs, and
 # this many ranks in all (each rank is a Replica row written in the request).
 MERIDIAN_MAX_BULK_JOBS = _env_int("MERIDIAN_MAX_BULK_JOBS", 1000, minimum=1)
+# POST /api/jobs/ by API token answered before Django and DRF when it certainly can be
+# (jobs/submit_api.py: same answers, ~a tenth of the CPU); 0 sends every submission through Django.
+MERIDIAN_SUBMIT_FAST_PATH = _env_int("MERIDIAN_SUBMIT_FAST_PATH", 1, minimum=0) == 1
+# The fast path's statements are prepared on the server once per connection (jobs.bulk.cursor_prepared);
+# 0 for an external pooler in transaction mode that cannot carry them (PgBouncer before 1.21).
+MERIDIAN_DB_PREPARED_STATEMENTS = _env_int("MERIDIAN_DB_PREPARED_STATEMENTS", 1, minimum=0) == 1
 MERIDIAN_MAX_BULK_RANKS = _env_int("MERIDIAN_MAX_BULK_RANKS", 100_000, minimum=1)
 # How many of a job's ranks may share one device when it is spliced onto fewer devices than W:
 # W <= min_devices * this (min_devices counts against the team's quota).
@@ -303,13 +309,29 @@ MERIDIAN_BUNDLE_MAX_BYTES = _env_int("MERIDIAN_BUNDLE_MAX_BYTES", 256 << 20, min
 MERIDIAN_BUNDLE_MAX_UNPACKED_BYTES = _env_int("MERIDIAN_BUNDLE_MAX_UNPACKED_BYTES", 1 << 30, minimum=1)
 MERIDIAN_BUNDLE_MAX_ENTRIES = _env_int("MERIDIAN_BUNDLE_MAX_ENTRIES", 20_000, minimum=1)
 MERIDIAN_WORKSPACE_QUOTA_BYTES = _env_int("MERIDIAN_WORKSPACE_QUOTA_BYTES", 10 << 30, minimum=0)
-# Garbage collection (jobs.bundles.artifacts_collect, hourly and `manage.py artifacts_gc`): bundles
+# Garbage collection (jobs.bundles.artifacts_collect, beat and `manage.py artifacts_gc`): bundles
 # no job references, this long after their upload; a job's saved outputs, this long after it ended.
 # 0 keeps them for ever.
 MERIDIAN_BUNDLE_GRACE_DAYS = _env_float("MERIDIAN_BUNDLE_GRACE_DAYS", 7.0, minimum=0.0)
 MERIDIAN_OUTPUTS_RETENTION_DAYS = _env_float("MERIDIAN_OUTPUTS_RETENTION_DAYS", 30.0, minimum=0.0)
-# Agents' heartbeat period, told to them at registration.
+# A succeeded or cancelled job's checkpoint store, which its agent removes at once, is collected
+# this long after the job ended when no agent did (at least twice MERIDIAN_NODE_LOST_AFTER_SECONDS;
+# 0 keeps them); a failed job's after MERIDIAN_OUTPUTS_RETENTION_DAYS. The collection runs this often.
+MERIDIAN_ENDED_STORE_GRACE_SECONDS = _env_float("MERIDIAN_ENDED_STORE_GRACE_SECONDS", 600.0, minimum=0.0)
+MERIDIAN_ARTIFACTS_GC_SECONDS = _env_float("MERIDIAN_ARTIFACTS_GC_SECONDS", 600.0, minimum=1.0)
+# Agents' liveness period, told to them at registration: every period an agent leases
+# (POST /api/agent/lease/, fleet/lease_api.py: ~a Redis write), or sends a full heartbeat.
 MERIDIAN_AGENT_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_HEARTBEAT_SECONDS", 5.0, minimum=0.0)
+# A full heartbeat (telemetry, progress, the desired state through Django) at least this often; sooner
+# when the agent has a report that changed or the lease says its desired state changed. 30 s: the
+# telemetry history's buckets are minutes (two readings each), progress is shown to people, and a
+# sixth of the full heartbeats is a sixth of the agent API's CPU (the lease costs a small fraction).
+MERIDIAN_AGENT_FULL_HEARTBEAT_SECONDS = _env_float("MERIDIAN_AGENT_FULL_HEARTBEAT_SECONDS", 30.0, minimum=0.0)
+# fleet.tasks.leases_flush copies the leases (Redis) to Node.last_heartbeat this often, in one batch.
+MERIDIAN_LEASE_FLUSH_SECONDS = _env_float("MERIDIAN_LEASE_FLUSH_SECONDS", 10.0, minimum=1.0)
+# Each web process reloads its map of node-token digests this often: a revoked or rotated node token
+# still leases for at most this long (full heartbeats and every other agent call refuse it at once).
+MERIDIAN_LEASE_TOKEN_CACHE_SECONDS = _env_float("MERIDIAN_LEASE_TOKEN_CACHE_SECONDS", 10.0, minimum=0.0)
 # The bootstrap token agents present to register; empty disables registration.
 MERIDIAN_AGENT_ENROLLMENT_TOKEN = os.environ.get("MERIDIAN_AGENT_ENROLLMENT_TOKEN", "")
 MERIDIAN_TICK_SECONDS = _env_float("MERIDIAN_TICK_SECONDS", 2.0, minimum=0.0)
@@ -327,10 +349,14 @@ CELERY_BEAT_SCHEDULE = {
     "accounting": {"task": "jobs.tasks.accounting", "schedule": max(1.0, MERIDIAN_ACCOUNTING_SECONDS)},
     # Checkpoint rows beyond the newest few per job (the store keeps only those).
     "records-retention": {"task": "jobs.tasks.records_retention", "schedule": 600.0},
-    # Unreferenced bundles and expired outputs in the artifact store (jobs.bundles.artifacts_collect).
-    "artifacts-gc": {"task": "jobs.tasks.artifacts_gc", "schedule": 3600.0, "options": {"expires": 3600.0}},
+    # Unreferenced bundles, expired outputs, checkpoint stores no agent removed (jobs.bundles.artifacts_collect).
+    "artifacts-gc": {"task": "jobs.tasks.artifacts_gc", "schedule": MERIDIAN_ARTIFACTS_GC_SECONDS,
+                     "options": {"expires": MERIDIAN_ARTIFACTS_GC_SECONDS}},
     # Telemetry history: node minutes → cluster minutes and hours, retention (fleet.services).
     "telemetry-rollup": {"task": "fleet.tasks.telemetry_rollup", "schedule": 60.0, "options": {"expires": 60.0}},
+    # Liveness leases (Redis) -> Node.last_heartbeat, one batched UPDATE (fleet.leases.leases_flush).
+    "leases-flush": {"task": "fleet.tasks.leases_flush", "schedule": MERIDIAN_LEASE_FLUSH_SECONDS,
+                     "options": {"expires": MERIDIAN_LEASE_FLUSH_SECONDS}},
 }
 
 CHANNEL_LAYERS = {

@@ -112,6 +112,10 @@ class Failed(LaunchEvent):
 
     event: Literal["failed"] = "failed"
     error: str = bounded(max_length=MAX_ERROR)
+    # True: the job cannot go on because a host of it failed under it (a launcher fenced itself
+    # when its agent fell silent, a host of the job went silent, the leader is unreachable), not
+    # because of its code; the control plane restarts it from its last checkpoint.
+    host_failure: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

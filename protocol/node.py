@@ -2,6 +2,8 @@
 
   POST register/   Registration            -> RegistrationAnswer
   POST heartbeat/  Heartbeat               -> HeartbeatAnswer (with the node's DesiredState)
+  POST lease/      Lease                   -> LeaseAnswer (liveness only; served outside Django:
+                                              fleet/lease_api.py)
   GET  desired/    (no body)               -> DesiredState
 
 Built and decoded on both sides: the agent (agent/main.py, agent/hollow.py, agent/client.py)
@@ -164,6 +166,9 @@ class JobReport(Message):
     # refused its resume (the job's if_resume_refused is "restart"); None: it did not. Said on every
     # report of the copy (level-triggered): the control plane writes the job's event once.
     restarted: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # A failed copy that failed because a host of the job failed under it, not its code (the
+    # launcher's failed event says so: protocol.launch.Failed.host_failure).
+    host_failure: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +297,36 @@ class HeartbeatAnswer(Message):
     rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     deferred: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     heartbeat_seconds: float | None = bounded(default=None, minimum=0, maximum=86_400)
+    # The node's desired serial (LeaseAnswer.desired_serial) read before `desired` was built: the
+    # agent holds the desired state of this serial. None: a control plane without leases.
+    desired_serial: int | None = bounded(default=None, minimum=0, maximum=MAX_ID)
+
+
+# --- the liveness lease ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lease(Message):
+    """POST lease/: "this node is alive", and nothing else (fleet/lease_api.py). It carries no
+    report and changes no desired state: it proves liveness only. `node_id` must be the token's own."""
+
+    node_id: int = bounded(minimum=1, maximum=MAX_ID)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseAnswer(Message):
+    """200 to Lease: what the agent needs to decide whether a full heartbeat is due.
+
+    `desired_serial` changes whenever the control plane may have changed this node's desired state
+    (jobs/desired_signal.py); an agent whose last full heartbeat began after it saw this serial
+    holds the current desired state. `full_heartbeat_seconds`: send a full heartbeat (telemetry,
+    progress) at least this often even when nothing changed."""
+
+    node_id: int = bounded(minimum=1, maximum=MAX_ID)
+    desired_serial: int = bounded(minimum=0, maximum=MAX_ID)
+    lease_seconds: float = bounded(minimum=0, maximum=86_400)
+    full_heartbeat_seconds: float = bounded(minimum=0, maximum=86_400)
+    lost_after_seconds: float = bounded(minimum=0, maximum=86_400 * 365)
 
 
 # --- the checkpoint store's layout ----------------------------------------------------------------

@@ -8,6 +8,8 @@ EXIT_STOPPED = 75
 # A rank's (not the launcher's): the framework engine refused to resume the re-run script (it is
 # not the run that was cut); the reason is in <spool>/rank<r>/refused.json.
 EXIT_RESUME_REFUSED = 77
+# The launcher's: it fenced itself, its node agent silent past the lost-node limit (runtime/fence.py).
+EXIT_FENCED = 78
 REFUSED_FILE = "refused.json"
 
 
@@ -40,6 +42,10 @@ def end_children() -> int:
 class LaunchError(RuntimeError):
     """A failure the launcher reports in words and an exit code, not a traceback."""
 
-    def __init__(self, message: str, code: int = EXIT_FAILED):
+    def __init__(self, message: str, code: int = EXIT_FAILED, *, host_failure: bool = False):
         super().__init__(message)
         self.code = code
+        # The job cannot go on because a host of it failed under it (this one fenced itself, a
+        # peer fell silent, the leader is unreachable), not because of its code: restarted from
+        # its last checkpoint by the control plane, not failed (protocol.launch.Failed.host_failure).
+        self.host_failure = host_failure or code == EXIT_FENCED

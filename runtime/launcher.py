@@ -66,14 +66,22 @@ from protocol.launch import (
 )
 from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
-from runtime import control, engines, multihost, rank_logs, splice
+from runtime import control, engines, fence, multihost, rank_logs, splice
 from runtime import rank as rank_liveness
 from runtime import sandbox as job_sandbox
 from runtime import spool as spool_files
 from runtime import workspace as job_workspace
 from runtime.engines import RankProcess, choose_engine
-from runtime.exits import EXIT_FINISHED, EXIT_RESUME_REFUSED, EXIT_STOPPED, EXIT_USAGE, REFUSED_FILE, LaunchError
-from runtime.store import CheckpointError
+from runtime.exits import (
+    EXIT_FENCED,
+    EXIT_FINISHED,
+    EXIT_RESUME_REFUSED,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    REFUSED_FILE,
+    LaunchError,
+)
+from runtime.store import ACCEPTED_FILE, CheckpointError
 
 ENGINES = (*engines.ENGINES, engines.AUTO)
 POLL_S = 0.01
@@ -113,12 +121,17 @@ class Launcher:
         from runtime.store import CheckpointStore
         self.options = options
         self.world_size = options.ranks
-        self.device_indices = options.device_indices  # node-local, when the agent gave them
-        if self.device_indices is not None and options.devices and options.devices != len(self.device_indices):
+        self.device_indices = options.device_indices  # node-local (this host's), when the agent gave them
+        # On several hosts --devices is the job's count in all, --device-indices this host's share.
+        host_devices = options.devices // options.nodes if options.devices and options.nodes > 1 else options.devices
+        if self.device_indices is not None and host_devices and host_devices != len(self.device_indices):
+            share = (f"this host runs {host_devices} (--devices {options.devices} over --nodes {options.nodes})"
+                     if options.nodes > 1 else f"--devices is {options.devices}")
             raise LaunchError(f"--device-indices lists {len(self.device_indices)} device(s) "
-                              f"({','.join(map(str, self.device_indices))}) but --devices is {options.devices}; "
-                              "give as many indices as devices", EXIT_USAGE)
-        self.devices = options.devices or (len(self.device_indices) if self.device_indices else options.ranks)
+                              f"({','.join(map(str, self.device_indices))}) but {share}; give as many indices "
+                              "as devices (this host's)", EXIT_USAGE)
+        self.devices = options.devices or (len(self.device_indices) * options.nodes if self.device_indices
+                                           else options.ranks)
         # First of all: join the job's cgroup (everything started from here on inherits it).
         self.sandbox = None
         if options.sandbox:
@@ -136,14 +149,15 @@ class Launcher:
             raise LaunchError(f"script {options.script} does not exist", EXIT_USAGE)
         if self.world_size < 1:
             raise LaunchError("--ranks must be at least 1", EXIT_USAGE)
+        # One node of a multi-host job runs its block of ranks only (runtime/multihost.py), on the
+        # cores behind this host's own devices (its map lists only them: splice.device_map).
+        self.nodes, self.node_rank = options.nodes, options.node_rank
         try:
             self.device_map = DeviceMap.from_dict(splice.device_map(
-                world_size=self.world_size, devices=self.devices,
+                world_size=self.world_size, devices=self.devices, nodes=self.nodes, node_rank=self.node_rank,
                 device_cores=self.sandbox.device_cores(self.device_indices) if self.sandbox else None))
         except (ValueError, job_sandbox.SandboxError) as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
-        # One node of a multi-host job runs its block of ranks only (runtime/multihost.py).
-        self.nodes, self.node_rank = options.nodes, options.node_rank
         self.node_addr = options.node_addr
         try:
             self.local_ranks = multihost.node_ranks(world_size=self.world_size, nodes=self.nodes,
@@ -160,7 +174,7 @@ class Launcher:
         self.master_addr, self.master_port = "127.0.0.1", 0
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
-                                     keep=options.keep)
+                                     keep=options.keep, accepted_file=self.job_dir / ACCEPTED_FILE)
         self.workspace = job_workspace.from_options(options, self.job_dir)  # None: no --workspace
         self._quota_checked_at = 0.0
         self.nonce = uuid.uuid4().hex[:10]
@@ -667,7 +681,7 @@ class Launcher:
         return {"private_tmp": str(dirs.tmp), "private_shm": str(dirs.shm)} if dirs is not None else {}
 
     def loop(self):
-        progress_at = 0.0
+        progress_at = fence_at = 0.0
         while True:
             try:
                 request, answer = self.commands.get(timeout=0.05)
@@ -698,7 +712,7 @@ class Launcher:
             if self.peers is not None:
                 if failure := self.peers.check():
                     raise LaunchError(f"the job failed on another host ({failure}); this node's "
-                                      "ranks are ended")
+                                      "ranks are ended", host_failure=self.peers.host_failed)
                 if self.node_rank > 0 and multihost.follow_cut(self) == "stopped":
                     self.state = LaunchState.STOPPED
                     return EXIT_STOPPED
@@ -710,10 +724,16 @@ class Launcher:
                 step = ranks_view.step if ranks_view else None
                 self.event(Finished, step=step, note=None if step else NO_STEPS_NOTE)
                 return EXIT_FINISHED
+            if self.options.fence_file and time.monotonic() - fence_at > 1.0:
+                fence_at = time.monotonic()
+                if why := fence.fence_due(self.options.fence_file):
+                    (self.job_dir / fence.FENCED_FILE).write_text(why)
+                    raise LaunchError(why, EXIT_FENCED)  # the ranks are ended by finish()
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
                 self.write_progress()
-                job_workspace.check_quota_now(self.workspace, self)
+                dirs = self.sandbox.private_dirs if self.sandbox is not None else None
+                job_workspace.check_quota_now(self.workspace, self, tmp=dirs.tmp if dirs is not None else None)
 
     def finish(self):
         if any(r.poll() is None for r in self.ranks):
@@ -745,8 +765,9 @@ def parse_args(argv):
                              "number of --device-indices)")
     parser.add_argument("--device-indices", type=parse_device_indices, default=None,
                         help="comma-separated node-local indices of the devices given to the job "
-                             "(e.g. 0,2,5; as many as --devices): recorded and passed to the ranks as "
-                             f"{DEVICE_INDICES_ENV}")
+                             "(e.g. 0,2,5; as many as --devices, or with --nodes N this host's share, "
+                             "--devices/N): its ranks are pinned to the cores behind them, and they are passed "
+                             f"to the ranks as {DEVICE_INDICES_ENV} (CUDA_VISIBLE_DEVICES on a GPU node)")
     parser.add_argument("--engine", default="auto", choices=ENGINES,
                         help="checkpoint engine (auto: CRIU when `criu check` passes, else framework)")
     parser.add_argument("--job-dir", default=None,
@@ -757,6 +778,9 @@ def parse_args(argv):
     parser.add_argument("--store", default=None,
                         help="checkpoint store URI or path (default <job-dir>/checkpoints)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to retain")
+    parser.add_argument("--fence-file", default=None, metavar="FILE",
+                        help="the node agent's fence deadline (runtime/fence.py): past it, the ranks are "
+                             "ended and the launcher exits 78 (the job runs on elsewhere)")
     parser.add_argument("--sandbox", default=None, metavar="FILE",
                         help="the job's sandbox (protocol.launch.SandboxSpec as JSON, written by the node agent): "
                              "the ranks run as its uid, in its cgroup, on the cores behind their devices, with "
@@ -806,12 +830,12 @@ def main(argv=None):
     except LaunchError as exc:
         print(f"meridian-run: {exc}", file=sys.stderr)
         if launcher is not None and launcher.peers is not None:
-            launcher.peers.report_failed(str(exc))
+            launcher.peers.report_failed(str(exc), host_failure=exc.host_failure)
         if launcher is not None:
             launcher.remove_private_dirs()  # also after a failure before the main loop (its finish)
             launcher.state = "failed"
             try:
-                launcher.event(Failed, error=str(exc))
+                launcher.event(Failed, error=str(exc), host_failure=exc.host_failure)
                 launcher.write_progress()
             except OSError:
                 pass

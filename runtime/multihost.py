@@ -72,6 +72,9 @@ class JobPeers:
         self._checked_at = 0.0
         self._beats = 0
         self._heard = {}  # leader: node -> (last heartbeat value, monotonic time it changed)
+        # Whether the failure check() returned last is a host failing under the job (fenced, silent,
+        # the leader unreachable) rather than its code: the launcher restarts it, not fails it.
+        self.host_failed = False
 
     def _key(self, what, node):
         return f"{self.prefix}/{what}/{node}"
@@ -90,8 +93,12 @@ class JobPeers:
         except (RuntimeError, OSError):
             pass
 
-    def report_failed(self, error: str) -> None:
+    def report_failed(self, error: str, *, host_failure: bool = False) -> None:
+        """Tells the other hosts this one failed; `host_failure`: because its host failed under it
+        (fenced), not because of the job's code (see failure_elsewhere)."""
         try:
+            if host_failure:
+                self.store.set(self._key("host_failure", self.node_rank), "1")
             self.store.set(self._key("failed", self.node_rank), error[:2000])
         except (RuntimeError, OSError):
             pass  # the leader is gone: nobody is left to tell
@@ -100,9 +107,11 @@ class JobPeers:
         self.store.set(self._key("finished", self.node_rank), "1")
 
     def failure_elsewhere(self) -> str | None:
-        """Returns "node k: error" for the first other node that failed, or None."""
+        """Returns "node k: error" for the first other node that failed, or None. When that node
+        said its host failed under it (report_failed(host_failure=True)), `host_failed` is set."""
         for node in range(self.nodes):
             if node != self.node_rank and self.store.check([self._key("failed", node)]):
+                self.host_failed = self.store.check([self._key("host_failure", node)])
                 return f"node {node}: {self.store.get(self._key('failed', node)).decode()}"
         return None
 
@@ -116,8 +125,13 @@ class JobPeers:
         try:
             self._beats += 1
             self.store.set(self._key("alive", self.node_rank), str(self._beats))
-            return self.failure_elsewhere() or (self.lost_node(now) if self.node_rank == 0 else None)
+            failure = self.failure_elsewhere()
+            if failure is None and self.node_rank == 0:
+                failure = self.lost_node(now)
+                self.host_failed = failure is not None
+            return failure
         except (RuntimeError, OSError) as exc:
+            self.host_failed = True
             return f"the job's leader store is unreachable ({exc})"
 
     def lost_node(self, now) -> str | None:

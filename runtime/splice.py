@@ -20,7 +20,8 @@ from runtime import spool as spool_files
 
 
 def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = None,
-               device_cores: Sequence[Sequence[int]] | None = None) -> dict[str, dict]:
+               device_cores: Sequence[Sequence[int]] | None = None, nodes: int = 1,
+               node_rank: int = 0) -> dict[str, dict]:
     """Returns the rank -> device and device -> cores map for W ranks on `devices` devices.
 
     Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). With
@@ -31,22 +32,36 @@ def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = N
     at least as many cores as devices, else devices share cores round-robin. Raises
     protocol.layout.LayoutError (a ValueError) when devices does not divide world_size, and
     ValueError when `device_cores` does not list one core set per device.
+
+    A job over `nodes` hosts (one launcher each): the map of host `node_rank` lists only that
+    host's devices and ranks, under their job-wide numbers. Host i runs the contiguous block of
+    W/N ranks (runtime/multihost.node_ranks), which lie on the contiguous block of d/N devices
+    [i*d/N, (i+1)*d/N) (d/N must be whole: every host holds the same number of devices), and
+    `device_cores` / `cores` are that host's: one core set per device of the block, in order.
+    So each host's ranks are pinned to the cores behind exactly the devices the control plane gave
+    that host, never to another host's numbering.
     """
     layout_check(world_size, devices)
+    layout_check(devices, nodes)
+    per_node = devices // nodes
+    if not 0 <= node_rank < nodes:
+        raise ValueError(f"node {node_rank} is not one of the job's {nodes} hosts")
+    first = node_rank * per_node
     if device_cores is not None:
-        if len(device_cores) != devices or not all(device_cores):
-            raise ValueError(f"{len(device_cores)} core set(s) {list(device_cores)} for {devices} device(s)")
-        device_core_map = {k: sorted(int(c) for c in device_cores[k]) for k in range(devices)}
+        if len(device_cores) != per_node or not all(device_cores):
+            raise ValueError(f"{len(device_cores)} core set(s) {list(device_cores)} for {per_node} device(s)"
+                             + (f" on this host (of {devices} in all)" if nodes > 1 else ""))
+        device_core_map = {first + k: sorted(int(c) for c in device_cores[k]) for k in range(per_node)}
     else:
         core_list = sorted(cores if cores is not None else os.sched_getaffinity(0))
-        if devices <= len(core_list):
-            per_device = len(core_list) // devices
-            device_core_map = {k: core_list[k * per_device:(k + 1) * per_device] for k in range(devices)}
+        if per_node <= len(core_list):
+            per_device = len(core_list) // per_node
+            device_core_map = {first + k: core_list[k * per_device:(k + 1) * per_device] for k in range(per_node)}
         else:
-            device_core_map = {k: [core_list[k % len(core_list)]] for k in range(devices)}
+            device_core_map = {first + k: [core_list[k % len(core_list)]] for k in range(per_node)}
     return {
         "devices": {str(k): v for k, v in device_core_map.items()},
-        "ranks": {str(r): k for r, k in enumerate(rank_devices(world_size, devices))},
+        "ranks": {str(r): k for r, k in enumerate(rank_devices(world_size, devices)) if k in device_core_map},
     }
 
 

@@ -16,7 +16,10 @@ of this store without bases of its own, and records it in the manifest as
 ``"bases": [{"name": "ckpt-...", "manifest_sha256": hex}]`` (so the one manifest digest the control
 plane records pins the bases too: a hash chain). Every verification checks the bases against
 those digests and their files; a missing or altered base refuses the checkpoint with its reason.
-Retention keeps every base a kept checkpoint needs.
+Retention keeps every base a kept checkpoint needs, and never removes the checkpoint the control
+plane accepted last, nor one newer than it (the *pin*, ``accepted_file``): a copy cut off from its
+agent keeps committing for a few seconds before it fences itself, and the checkpoint the control
+plane restores from elsewhere must still be there (the chaos soak found one pruned under it).
 
 A checkpoint exists only once its folder has its final name: files are written into a
 ``.tmp-*`` folder, each fsynced, the manifest written and fsynced, the folder renamed and the
@@ -54,6 +57,12 @@ STAGING_PREFIX = ".staging-"
 TMP_PREFIX = ".tmp-"
 HASH_CHUNK_BYTES = 8 << 20
 DEFAULT_KEEP = 3
+# The node agent writes the name of the job's newest accepted checkpoint here, in the job folder
+# (agent/node.py), and the launcher's store keeps it (CheckpointStore.accepted_file).
+ACCEPTED_FILE = "accepted-checkpoint"
+# Checkpoints newer than the accepted one are kept while the control plane has not confirmed them,
+# up to this many (a pin that lags for good, its agent gone, must not fill the disk).
+MAX_UNCONFIRMED = 16
 
 
 class CheckpointError(Exception):
@@ -401,14 +410,24 @@ def _walk_files(root: Path):
 
 # --------------------------------------------------------------------------- the store
 
+def _checkpoint_key(name: str) -> tuple[int, int] | None:
+    """Returns (step, commit ns) of a committed checkpoint's folder name, or None for another name."""
+    match = CHECKPOINT_DIR_PATTERN.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 class CheckpointStore:
     """Committed checkpoints under one root folder, newest last, at most ``keep`` of them."""
 
-    def __init__(self, uri, *, keep: int = DEFAULT_KEEP):
+    def __init__(self, uri, *, keep: int = DEFAULT_KEEP, accepted_file=None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.root = path_from_uri(uri).absolute()
         self.keep = keep
+        # A file naming the checkpoint the control plane accepted last (ACCEPTED_FILE); retention
+        # keeps it and what is newer (see the module docstring). None, or no such file yet: the
+        # newest `keep` only.
+        self.accepted_file = Path(accepted_file) if accepted_file else None
         self.root.mkdir(parents=True, exist_ok=True)
         # Checkpoints this process verified, with the (inode, size, mtime) of every file then: a
         # resume checks the newest checkpoint and then the one it restores, the same one; its
@@ -565,23 +584,43 @@ class CheckpointStore:
     def _committed_dirs(self) -> list[Path]:
         found = []
         for entry in self.root.iterdir():
-            match = CHECKPOINT_DIR_PATTERN.match(entry.name)
-            if match and entry.is_dir():
-                found.append((int(match.group(1)), int(match.group(2)), entry))
-        return [path for _, _, path in sorted(found)]
+            key = _checkpoint_key(entry.name)
+            if key is not None and entry.is_dir():
+                found.append((key, entry))
+        return [path for _, path in sorted(found)]
+
+    def accepted(self) -> tuple[int, int] | None:
+        """Returns (step, commit ns) of the checkpoint ``accepted_file`` names, or None (no pin, or
+        not a checkpoint name)."""
+        if self.accepted_file is None:
+            return None
+        try:
+            return _checkpoint_key(self.accepted_file.read_text(encoding="utf-8").strip())
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def _apply_retention(self) -> None:
         dirs = self._committed_dirs()
+        kept = set(dirs[-self.keep:])
+        pin = self.accepted()
+        if pin is not None:
+            # The accepted checkpoint, and those after it the control plane may have accepted
+            # since (its answer not yet here), stay: whichever it restores from must exist.
+            onwards = [d for d in dirs if (_checkpoint_key(d.name) or (-1, -1)) >= pin]
+            kept |= set(onwards[-MAX_UNCONFIRMED:])
+            if onwards and _checkpoint_key(onwards[0].name) == pin:
+                kept.add(onwards[0])  # the accepted one itself, however many came after it
         needed = set()
-        for kept in dirs[-self.keep:]:
+        for folder in kept:
             try:
-                needed |= {base["name"] for base in read_manifest(kept).get("bases") or []}
+                needed |= {base["name"] for base in read_manifest(folder).get("bases") or []}
             except (CheckpointError, KeyError, TypeError):
                 continue
-        for old in dirs[:-self.keep]:
-            if old.name in needed:
-                continue  # a kept checkpoint's pages live there
-            log.info("retention: removing checkpoint %s (keeping the newest %d)", old, self.keep)
+        for old in dirs:
+            if old in kept or old.name in needed:
+                continue  # kept, or a kept checkpoint's pages live there
+            log.info("retention: removing checkpoint %s (keeping the newest %d%s)", old, self.keep,
+                     " and the accepted one onwards" if pin else "")
             shutil.rmtree(old, ignore_errors=True)
         fsync_dir(self.root)
 

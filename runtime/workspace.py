@@ -79,16 +79,21 @@ def scan(workspace: Path) -> dict[str, os.stat_result]:
     return found
 
 
-def check_quota(workspace: Path, quota_bytes: int | None, files: dict[str, os.stat_result] | None = None) -> int:
-    """Returns the bytes the workspace's files hold; raises WorkspaceQuotaExceeded naming the
-    biggest files when that is above `quota_bytes` (None or 0: no quota)."""
+def check_quota(workspace: Path, quota_bytes: int | None, files: dict[str, os.stat_result] | None = None, *,
+                tmp: Path | None = None) -> int:
+    """Returns the bytes the workspace's files hold (with those of `tmp`, the job's private /tmp
+    on this node, when given); raises WorkspaceQuotaExceeded naming the biggest files when that is
+    above `quota_bytes` (None or 0: no quota)."""
     files = scan(workspace) if files is None else files
     sizes = {rel: info.st_size for rel, info in files.items() if stat.S_ISREG(info.st_mode)}
+    if tmp is not None:
+        sizes.update({f"/tmp/{rel}": info.st_size for rel, info in scan(tmp).items() if stat.S_ISREG(info.st_mode)})
     total = sum(sizes.values())
     if quota_bytes and total > quota_bytes:
         top = sorted(sizes.items(), key=lambda item: -item[1])[:5]
+        where = "workspace and /tmp hold" if tmp is not None else "workspace holds"
         raise WorkspaceQuotaExceeded(
-            f"the job's workspace holds {_human(total)}, above its quota of {_human(quota_bytes)}; "
+            f"the job's {where} {_human(total)}, above its quota of {_human(quota_bytes)}; "
             f"the biggest files: " + ", ".join(f"{rel} ({_human(size)})" for rel, size in top)
             + ". Write less (or large outputs to shared storage), or ask for a larger quota")
     return total
@@ -355,8 +360,11 @@ def restore_for_resume(workspace: Workspace | None, checkpoint_dir: Path, meta: 
         raise LaunchError(f"--resume: {exc}", EXIT_USAGE) from None
 
 
-def check_quota_now(workspace: Workspace | None, launcher) -> None:
-    """Every QUOTA_CHECK_SECONDS: fails the job (LaunchError) when its workspace is over quota."""
+def check_quota_now(workspace: Workspace | None, launcher, *, tmp: Path | None = None) -> None:
+    """Every QUOTA_CHECK_SECONDS: fails the job (LaunchError) when its workspace is over quota.
+    `tmp`, a sandboxed job's private /tmp on this node (runtime/private_dirs.py: on the node's
+    disk, not in memory), counts against the same quota: without it a job could fill the node's
+    disk through /tmp. (Its private /dev/shm is memory, bounded by the job's memory cgroup.)"""
     import time
 
     from runtime.exits import LaunchError
@@ -367,7 +375,7 @@ def check_quota_now(workspace: Workspace | None, launcher) -> None:
         return
     launcher._quota_checked_at = now
     try:
-        check_quota(workspace.path, workspace.quota_bytes)
+        check_quota(workspace.path, workspace.quota_bytes, tmp=tmp)
     except WorkspaceQuotaExceeded as exc:
         raise LaunchError(str(exc)) from None
     except OSError:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from scheduler import placement_cost
 from scheduler.plan import Plan, Preempt, Start, WaitReason
 from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
@@ -58,6 +59,11 @@ class PlacePlugin(Protocol):
     def place(self, tick: Tick, j: int, counts: Sequence[int], region: int | None = None,
               blocked_nodes: np.ndarray | None = None) -> Placement | None:
         """Returns where job j fits with one of `counts` devices (largest first), or None; changes nothing."""
+        ...
+
+    def replace(self, tick: Tick, j: int, keep: np.ndarray) -> Placement | None:
+        """Returns job j's devices `keep` plus new ones for the rest it holds (3. place: drain, a
+        partial move off a leaving node), or None when that does not fit; changes nothing."""
         ...
 
     def start_reason(self, tick: Tick, j: int, placement: Placement) -> str:
@@ -167,6 +173,7 @@ class Tick:
         # devices each job holds that are usable (what preempting it would give back)
         self.usable_alloc = np.bincount(usable_held, minlength=len(jobs)).astype(np.int64)
         self._min_count: np.ndarray | None = None
+        self._floor_count: np.ndarray | None = None
         self._packed_level: dict = {}  # (W, type, max_spread) -> level, for Tick.spread
 
     # --- bookkeeping used by every plugin ------------------------------------------------
@@ -233,13 +240,39 @@ class Tick:
             self._min_count = smallest[inverse] if unique.size else np.zeros(0, np.int64)
         return self._min_count
 
+    @property
+    def floor_count(self) -> np.ndarray:
+        """Returns int64[J]: the fewest devices each job may run on (start, restart, or be shrunk
+        to): min_count, raised for a tier in PolicySettings.floor_speed_tiers to the smallest
+        count that keeps the tier's SLA floor speed (computed once)."""
+        if self._floor_count is None:
+            jobs, settings = self.snapshot.jobs, self.snapshot.settings
+            out = self.min_count.copy()
+            for j in np.flatnonzero(np.isin(jobs.tier, settings.floor_speed_tiers)).tolist():
+                out[j] = min(self.run_counts(j))
+            self._floor_count = out
+        return self._floor_count
+
+    def run_counts(self, j: int) -> tuple[int, ...]:
+        """Returns the device counts job j may run on, largest first: its allowed counts, less
+        those too slow for its SLA floor if its tier is in PolicySettings.floor_speed_tiers
+        (unless no region holds that many devices of its type: then all its allowed counts)."""
+        jobs, settings = self.snapshot.jobs, self.snapshot.settings
+        counts = jobs.allowed_counts(j)
+        if int(jobs.tier[j]) in settings.floor_speed_tiers:
+            fast = placement_cost.counts_at_speed(int(jobs.world_size[j]), counts, settings.standard_sla_floor)
+            # a job whose floor-speed counts no region can hold runs below its floor rather than never
+            if min(fast) <= int(self.state.capacity[3][:, int(jobs.type_id[j])].max(initial=0)):
+                return fast
+        return counts
+
     def start_counts(self, j: int) -> tuple[int, ...]:
-        """Returns the device counts pending job j may start on, largest first: its allowed
-        counts, or only W if its tier is in PolicySettings.full_size_tiers."""
+        """Returns the device counts pending job j may start on, largest first: `run_counts`,
+        or only W if its tier is in PolicySettings.full_size_tiers."""
         jobs = self.snapshot.jobs
         if int(jobs.tier[j]) in self.snapshot.settings.full_size_tiers:
             return (int(jobs.world_size[j]),)
-        return jobs.allowed_counts(j)
+        return self.run_counts(j)
 
     def spread(self, j: int) -> int:
         """Returns the loosest level job j's devices may span when it is placed: its max_spread,
@@ -345,7 +378,12 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
                 before = tick.waiting.get(j)
                 if not _admit(tick, j) and before is not None:
                     tick.waiting[j] = before
-        tick.state.close_pools()  # the next job tries devices free now first again
+        # The next job tries devices free now first again. The Premium reserve stays open for a
+        # next Premium job (its _admit closes it for any other): opening it counts every reserve
+        # device in, and closing it out, which per Premium admission dominated the first
+        # placement of a large fleet; the counts a job sees are the same either way.
+        tick.state.close_pools(names=(POOL_RELEASING,))
+    tick.state.close_pools()
 
     if tick.decisions and tick.waiting:
         with clock.phase(PHASES[2]):
@@ -381,7 +419,9 @@ def _admit(tick: Tick, j: int) -> bool:
     state = tick.state
     premium = int(jobs.tier[j]) == PREMIUM
     if premium:
-        state.open_pool(POOL_RESERVE)
+        state.open_pool(POOL_RESERVE)  # already open after a Premium job: nothing to do
+    else:
+        state.close_pools(names=(POOL_RESERVE,))
     found = policy.place.place(tick, j, candidates)
     if found is None and state.open_pool(POOL_RELEASING):
         found = policy.place.place(tick, j, candidates)
@@ -421,7 +461,7 @@ def _backfill(tick: Tick) -> None:
         if tick.state.alloc[j] > 0 or j not in tick.waiting:
             continue
         k = int(jobs.type_id[j])
-        if free_by_type[k] < tick.min_count[j]:
+        if free_by_type[k] < tick.floor_count[j]:
             continue
         before = tick.waiting[j]
         admitted = _admit(tick, j)

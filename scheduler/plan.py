@@ -67,6 +67,11 @@ class Migrate:
     from_checkpoint=True: its old processes are gone (lost node) and it restarts from its last
     checkpoint (`restart_step`); False: checkpoint at a consistent cut, restore on the new
     devices, release the old ones.
+
+    kept > 0: a partial move. Only the devices on a leaving node (draining, lost) or failed are
+    replaced; `devices` still lists the complete new set, `kept` of them held before. Applying it
+    releases and re-acquires those kept devices in the same step (the job's new generation runs
+    on them once its old one stopped there).
     """
 
     job: int
@@ -76,6 +81,7 @@ class Migrate:
     reason: str
     from_checkpoint: bool = False
     restart_step: int = 0  # Jobs.last_checkpoint_step when from_checkpoint
+    kept: int = 0  # how many of `devices` it holds already (a partial move off a draining/lost node)
     kind = "migrate"
 
 

@@ -344,6 +344,17 @@ class PolicySettings:
     # W devices of their type, else one rack, one cluster (never looser than max_spread): a
     # gang spread over more nodes than it needs runs slower, which misses 95% by itself.
     packed_tiers: tuple = (PREMIUM,)
+    # Jobs of these tiers start, restart and are shrunk only to device counts whose speed
+    # (scheduler.placement_cost: d/W x splice efficiency) is at least standard_sla_floor: a
+    # Standard job started (or shrunk) to W/4 runs at 24% of its ideal and misses its 70% from
+    # that second, however briefly it waits. Other tiers may run at any allowed count.
+    floor_speed_tiers: tuple = (STANDARD,)
+    # A preemptor of these tiers takes the room whose devices are free soonest (its victims'
+    # checkpoints, scheduler.placement_cost.checkpoint_seconds, and devices still releasing),
+    # then the fewest victims, then the least lost work: its SLA clock runs from its Start,
+    # so a 5-minute Premium job that waits 16 s for a victim's checkpoint has missed its 95%.
+    # Other tiers shrink before they preempt (no work lost), whatever they wait.
+    soonest_room_tiers: tuple = (PREMIUM, STANDARD)
     premium_reserve_devices: int = 0  # free devices per region and type that only Premium jobs
     # may take (pending jobs of other tiers and growth leave them idle), so a short Premium job
     # starts at once instead of after a victim's checkpoint; 0 = fully work-conserving
@@ -374,7 +385,7 @@ class PolicySettings:
         if any(not t > 0 for t in thresholds) or list(thresholds) != sorted(thresholds):
             raise SnapshotError("las_thresholds_device_seconds must be positive and increasing")
         object.__setattr__(self, "las_thresholds_device_seconds", thresholds)
-        for name in ("full_size_tiers", "packed_tiers"):
+        for name in ("full_size_tiers", "packed_tiers", "floor_speed_tiers", "soonest_room_tiers"):
             tiers = tuple(int(t) for t in getattr(self, name))
             if any(t not in (PREMIUM, STANDARD, BASIC) for t in tiers):
                 raise SnapshotError(f"{name} holds an unknown tier: {tiers}")

@@ -431,14 +431,15 @@ class WorkingState:
         self.open_pools.add(name)
         return True
 
-    def close_pools(self) -> None:
-        """Takes the held-back devices still free out of the free counts again."""
-        for name in sorted(self.open_pools):
+    def close_pools(self, names=None) -> None:
+        """Takes the held-back devices still free out of the free counts again: those of every
+        open pool, or of the pools `names` only."""
+        for name in sorted(self.open_pools if names is None else self.open_pools & set(names)):
             pool = self.pools[name]
             hide = pool[self.free[pool]]
             self.free[hide] = False
             self._count(hide, -1)
-        self.open_pools.clear()
+            self.open_pools.discard(name)
 
     # --- changing ----------------------------------------------------------------------
     def _count(self, devs: np.ndarray, sign: int) -> None:

@@ -6,6 +6,7 @@ import shlex
 from django import forms
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+from fleet.models import NODE_DRAIN_REASON_MAX_LENGTH
 from jobs.models import Job, Tier
 from jobs.services import MAX_TOTAL_STEPS, MAX_WORLD_SIZE
 
@@ -112,3 +113,8 @@ class JobSubmitForm(forms.Form):
 class PreemptionDecisionForm(forms.Form):
     decision = forms.ChoiceField(choices=[("approve", "Approve"), ("deny", "Deny")])
     note = forms.CharField(required=False, max_length=2000, widget=forms.Textarea(attrs={"rows": 2}))
+
+
+class NodeDrainForm(forms.Form):
+    reason = forms.CharField(max_length=NODE_DRAIN_REASON_MAX_LENGTH,
+                             widget=forms.TextInput(attrs={"placeholder": "why, e.g. replace GPU 3 (ticket 1234)"}))

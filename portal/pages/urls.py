@@ -13,6 +13,8 @@ app_name = "pages"
 
 urlpatterns = [
     path("", views.fleet_page, name="fleet"),
+    path("nodes/<int:node_id>/drain/", views.node_drain_page, name="node-drain"),
+    path("nodes/<int:node_id>/undrain/", views.node_undrain_page, name="node-undrain"),
     path("jobs/", views.job_list_page, name="job-list"),
     path("jobs/submit/", views.job_submit_page, name="job-submit"),
     path("jobs/<int:job_id>/", views.job_detail_page, name="job-detail"),

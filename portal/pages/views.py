@@ -1,4 +1,4 @@
-"""The dashboard pages: fleet, jobs, submit, approvals, teams.
+"""The dashboard pages: fleet (with a node's drain / undrain), jobs, submit, approvals, teams.
 
 Server-rendered; each page's small script (static/pages/*.js) joins its live groups
 over the WebSocket (portal.pages.consumers) and, on a push, fetches the page's own
@@ -19,6 +19,9 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from fleet.accelerator_types import ACCELERATOR_TYPE_CHOICES
+from fleet.models import Node
+from fleet.selectors import node_list
+from fleet.services import NodeStateConflict, node_drain, node_operator_check, node_undrain, user_is_fleet_operator
 from jobs.models import Job, JobEvent, Membership, Tier
 from jobs.selectors import (
     approver_team_ids,
@@ -31,7 +34,7 @@ from jobs.selectors import (
     team_usage,
 )
 from jobs.services import IllegalTransition, job_cancel, job_submit, preemption_approve, preemption_deny
-from portal.pages.forms import JobSubmitForm, PreemptionDecisionForm
+from portal.pages.forms import JobSubmitForm, NodeDrainForm, PreemptionDecisionForm
 from portal.pages.logs import job_log_context
 from portal.pages.selectors import (
     fleet_page_data,
@@ -84,7 +87,53 @@ def fleet_page(request):
         raise Http404("no such cluster or node")
     if request.GET.get("format") == "json":
         return JsonResponse(data)
-    return render(request, "pages/fleet.html", {**_nav_context(request), "data": data, "page": "fleet"})
+    context = {**_nav_context(request), "data": data, "page": "fleet"}
+    if node_id is not None:
+        # the node's state and drain, and the drain / undrain form for those who may
+        context.update(node=node_list().get(pk=node_id), can_drain=user_is_fleet_operator(request.user),
+                       drain_form=NodeDrainForm())
+    return render(request, "pages/fleet.html", context)
+
+
+def _node_page_or_404(node_id):
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None:
+        raise Http404(f"no node {node_id}")
+    return node
+
+
+@login_required
+@require_POST
+def node_drain_page(request, node_id):
+    """Drains the node (fleet.services.node_drain: global admins only, else a 403) and goes back to
+    its page; a missing reason or a lost node is said there."""
+    node = _node_page_or_404(node_id)
+    form = NodeDrainForm(request.POST)
+    node_operator_check(request.user, "drain")  # PermissionDenied (a 403) before any word on the form
+    if not form.is_valid():
+        messages.error(request, f"Node {node.hostname} not drained: say why, in at most "
+                                f"{form.fields['reason'].max_length} characters.")
+    else:
+        try:
+            node_drain(node=node, by=request.user, reason=form.cleaned_data["reason"])
+        except NodeStateConflict as error:
+            messages.error(request, str(error))
+        else:
+            messages.success(request, f"Node {node.hostname} is draining: the next tick moves its jobs off.")
+    return redirect(f"{reverse('pages:fleet')}?node={node.pk}")
+
+
+@login_required
+@require_POST
+def node_undrain_page(request, node_id):
+    node = _node_page_or_404(node_id)
+    try:
+        node_undrain(node=node, by=request.user)  # PermissionDenied (a 403) unless a global admin
+    except NodeStateConflict as error:
+        messages.error(request, str(error))
+    else:
+        messages.success(request, f"Node {node.hostname} is {node.state}: jobs may be placed on it.")
+    return redirect(f"{reverse('pages:fleet')}?node={node.pk}")
 
 
 # --- jobs -------------------------------------------------------------------------------

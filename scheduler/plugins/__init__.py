@@ -5,6 +5,7 @@ Steps and their interface (called by scheduler.framework.schedule):
   order    .order(tick, jobs) -> jobs in line order
   quota    .counts_allowed(tick, j, counts) -> (within-quota counts, borrowing counts)
   place    .place(tick, j, counts) -> Placement | None
+           .replace(tick, j, keep) -> Placement | None (keep devices on healthy nodes, replace the rest)
   preempt  .run(tick, j) -> True if j was placed by shrinking/preempting others
   resize   .run(tick) -> grows elastic jobs into idle devices
   defrag   .run(tick, j) -> True if j was placed after moving small jobs away

@@ -9,9 +9,16 @@ held) devices and their users expect them to keep running.
   - Draining node or drained region: the job is live-migrated (checkpoint at a consistent
     cut, restore elsewhere). If there is no room it keeps running where it is and is tried
     again next tick (draining waits for room; it never kills).
-New devices are searched in the job's own region first, then in every other region (a move
-across clusters and regions), with the job's allowed counts up to its current size, largest
-first (a move may shrink an elastic job; it never grows one).
+A job that keeps some devices on healthy nodes (a job spanning hosts, one of which drains or
+is lost; a failed device) moves only partly: it keeps those devices and gets as many new ones
+as it loses, of its type, in the same topology entity (placement.GangPlacement.replace: its
+region, its spread level, the kept nodes first, the fewest nodes). Only when no such partial
+placement fits are new devices searched for the whole job: in its own region first, then in
+every other region (a move across clusters and regions), with the job's allowed counts up to
+its current size, largest first (a move may shrink an elastic job; it never grows one).
+Either way the decision is one Migrate with the job's complete new device set; `kept` says how
+many of them it already held (the control loop still relaunches every rank from the cut: the
+staying hosts' processes are not kept alive, see docs/operator-guide.md).
 """
 from __future__ import annotations
 
@@ -77,7 +84,11 @@ class DrainAndMove:
         # its current size or smaller: moving is not the moment to grow (the resize step grows)
         counts = tuple(c for c in jobs.allowed_counts(j) if c <= old.size) or jobs.allowed_counts(j)[-1:]
         cause = self._cause(tick, j)
-        placement = tick.policy.place.place(tick, j, counts, region=home)
+        keep = old[tick.state.usable[old]]  # on healthy nodes, healthy: stays where it is
+        placement = tick.policy.place.replace(tick, j, keep) if keep.size else None
+        kept = keep.size if placement is not None else 0
+        if placement is None:
+            placement = tick.policy.place.place(tick, j, counts, region=home)
         if placement is None:
             placement = tick.policy.place.place(tick, j, counts)
         step = int(jobs.last_checkpoint_step[j])
@@ -95,6 +106,8 @@ class DrainAndMove:
         tick.give(j, placement.devices)
         new_region = int(snap.accelerators.region[placement.devices[0]])
         where = snap.region_names[new_region] + ("" if new_region == home else f" (from {snap.region_names[home]})")
+        if kept:
+            where += f", keeping {kept} it holds on {self._nodes(tick, keep)}"
         if lost:
             code = REASON_RESTARTED_FROM_CHECKPOINT
             reason = f"{cause}; restarts from checkpoint step {step} on {len(placement)} devices in {where}"
@@ -103,4 +116,11 @@ class DrainAndMove:
             reason = f"{cause}; live-migrated to {len(placement)} devices in {where}"
         tick.decisions.append(Migrate(job=j, job_id=int(jobs.ids[j]), devices=tuple(placement.devices.tolist()),
                                       code=code, reason=f"{TIER_NAMES[int(jobs.tier[j])]}: {reason}",
-                                      from_checkpoint=lost, restart_step=step if lost else 0))
+                                      from_checkpoint=lost, restart_step=step if lost else 0, kept=kept))
+
+    @staticmethod
+    def _nodes(tick, devices) -> str:
+        """Returns "node-a, node-b": the nodes of `devices` by name (index where the snapshot has none)."""
+        snap = tick.snapshot
+        nodes = np.unique(snap.accelerators.node[devices]).tolist()
+        return ", ".join(snap.node_names[n] if snap.node_names else f"node {n}" for n in nodes)

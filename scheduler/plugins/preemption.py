@@ -18,6 +18,10 @@ Within a region, actions are taken in this order until enough devices are free:
      the last checkpoint), then smallest checkpoint (for a Premium preemptor: smallest
      checkpoint first, then least lost work: it starts only when its victims' checkpoints
      are written, and every second of that wait counts against its 95%).
+A packed-tier (Premium) gang larger than a node first tries whole nodes
+(`_start_on_whole_nodes`): preempting the jobs on the fewest nodes that hold it, so that it
+does not run spread out (scheduler.placement_cost). A tier in PolicySettings.floor_speed_tiers
+(Standard) is shrunk only to counts that keep its SLA floor speed (Tick.run_counts).
 The region needing the fewest preemptions, then the least lost work, wins. A gang of two or
 more devices that needs a preemption also looks for one node, else one rack, else one
 cluster that preempting whole jobs can free (fewest preemptions, then least lost work) and
@@ -39,9 +43,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from scheduler.placement_cost import checkpoint_seconds, is_spread, min_nodes
 from scheduler.plan import Preempt, Resize, Start
 from scheduler.snapshot import BASIC, PREMIUM, SPREAD_NAMES, SPREAD_REGION, STANDARD, TIER_NAMES, las_queue
-from scheduler.state import LEVEL_CLUSTER
+from scheduler.state import LEVEL_CLUSTER, LEVEL_REGION
 
 NAME = "preempt.sla_cost_aware"
 REASON_PLACED_BY_PREEMPTION = "placed by preemption"  # Start after making room
@@ -55,7 +60,21 @@ REASON_NOTHING_TO_PREEMPT = "nothing to preempt"  # no eligible victims suffice 
 REASON_BUDGET_SPENT = "preemption budget spent"  # wait reason: PolicySettings.max_preemptions_per_tick
 
 GROUP_RECLAIM, GROUP_SHRINK, GROUP_PREEMPT, GROUP_APPROVAL = 0, 1, 2, 3
+# A preemptor of a tier in PolicySettings.soonest_room_tiers takes the room ready soonest; waits
+# within the same step of this many seconds are a tie (then the fewest victims win), so that
+# seconds saved do not cost victims' lost work. Premium has 5% of its run time to spare (16 s for
+# a 5-minute job): steps of 1 s. Standard has 43% (51 s for a 2-minute job): steps of a tick
+# (60 s); with 10-30 s steps a Standard preemptor took ~2x the victims (preempting several small
+# jobs rather than shrinking one) in bench/scheduler_tick.py's contended fleet, and the quick
+# goals grid met no more goals (docs/devlog/2026-12-02/policy.md, round 3).
+WAIT_TIE_SECONDS = {PREMIUM: 1.0, STANDARD: 60.0, BASIC: 60.0}
 ORDER_BY_COST, ORDER_BY_RELEASE, ORDER_BY_WAIT, ORDER_BY_RELEASE_TIME = 0, 1, 2, 3  # `_candidates`' tables
+
+
+def _wait_steps(tick, j: int, wait):
+    """Returns `wait` (seconds, a number or an array) in steps of WAIT_TIE_SECONDS for job j's
+    tier: equal steps are a tie."""
+    return np.ceil(np.asarray(wait, np.float64) / WAIT_TIE_SECONDS[int(tick.snapshot.jobs.tier[j])])
 
 
 def _lower_priority(tick, j: int, facts: dict) -> np.ndarray:
@@ -86,6 +105,18 @@ def _segment_starts(keys: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(first, np.arange(keys.size), 0))
 
 
+def _max_in_ranges(values: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Returns max(values[first[i]:last[i] + 1]) for each i (values >= 0; ranges ascending and
+    disjoint, as a segment's first row and a row of it): one reduceat over the interleaved
+    bounds, whose every other result is a range's maximum."""
+    if first.size == 0:
+        return np.zeros(0)
+    padded = np.concatenate((values.astype(np.float64), np.zeros(1)))  # last + 1 may be the end
+    bounds = np.empty(2 * first.size, np.int64)
+    bounds[0::2], bounds[1::2] = first, last + 1
+    return np.maximum.reduceat(padded, bounds)[0::2]
+
+
 def _cumsum_by_segment(values: np.ndarray, start: np.ndarray) -> np.ndarray:
     """Returns running totals of `values` that restart at each segment's first row; start[i] is
     the first row of row i's segment (from _segment_starts). One cumsum for all segments: what
@@ -106,7 +137,7 @@ class SlaPreemption:
         Otherwise leaves everything as it was and adds to j's wait reason why preemption
         did not help.
         """
-        snap, jobs, settings = tick.snapshot, tick.snapshot.jobs, tick.snapshot.settings
+        jobs, settings = tick.snapshot.jobs, tick.snapshot.settings
         counts = tick.start_counts(j)
         within, _ = tick.policy.quota.counts_allowed(tick, j, counts)
         if not within:
@@ -145,7 +176,23 @@ class SlaPreemption:
         must = spread < SPREAD_REGION  # victims anywhere in the region would not do
         scope = None
         shrink_in = None  # (region, victims, level, entity): room made by shrinks alone
-        if (need >= 2 and preempts) or must:
+        if int(jobs.tier[j]) in settings.packed_tiers and j not in tick.spread_ok:
+            # a packed-tier gang larger than a node: whole nodes, not devices scattered over many
+            started = self._start_on_whole_nodes(tick, j, need, within, min(spread, LEVEL_CLUSTER))
+            if started is not None:
+                return started
+        if int(jobs.tier[j]) in settings.soonest_room_tiers:
+            # a Premium job's SLA clock runs while its devices are still being released: the
+            # room ready soonest, wherever it is, then the fewest victims, the least lost work
+            picked = self._soonest_room(tick, j, need, spread, must, actions, rows, region)
+            if picked is None:
+                return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
+                                     f"shrinking or preempting could not free {need} "
+                                     f"{tick.type_name(j)} within one {SPREAD_NAMES[spread]}")
+            shrink_in, found = picked
+            if found is not None:
+                region, rows, actions, scope = found
+        elif (need >= 2 and preempts) or must:
             levels = [level for level in range(0, min(spread, LEVEL_CLUSTER) + 1)
                       if need <= int(tick.state.capacity[level][:, k].max(initial=0))]
             # shrinking loses no work, so room made by shrinks alone within one node / rack /
@@ -161,7 +208,7 @@ class SlaPreemption:
                 for level in levels:
                     found = self._choose_in_one(tick, j, need, level)
                     if found is not None and (must or len(found[1]) <= n_region):
-                        region, rows, actions, scope = found
+                        region, rows, actions, scope = found[:4]
                         break
                 else:
                     if must:
@@ -175,7 +222,7 @@ class SlaPreemption:
                                  f"{settings.max_preemptions_per_tick} has left; next tick")
         mark = tick.mark()
         if shrink_in is not None:
-            region, victims, level, entity = shrink_in
+            region, victims, level, entity = shrink_in[:4]
             done = self._apply_shrinks_in(tick, j, victims, level, entity, need)
         else:
             done = self._apply(tick, j, actions, rows, region, need, scope)
@@ -190,16 +237,157 @@ class SlaPreemption:
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
                                  "preemption frees room in the region but not within one "
                                  + ("node", "rack", "cluster", "region")[spread])
+        self._start(tick, j, placement, region, done)
+        return True
+
+    def _soonest_room(self, tick, j: int, need: int, spread: int, must: bool, actions: dict, rows: list,
+                      region: int):
+        """Returns (shrink_in, found) for job j of a tier in PolicySettings.soonest_room_tiers:
+        the room that is ready soonest among shrinks alone and whole-job preemptions within one
+        node, else one rack, else one cluster (the tightest of these, as the job's spread
+        allows, where either can free `need`; `_shrink_in_one`, `_choose_in_one`) and, unless
+        the job `must` stay within one, the region-wide choice (`actions` rows `rows` in
+        `region`: both None); ties go to the fewest victims, then the least lost work, then a
+        shrink before a preemption. None if `must` and nothing frees `need` devices.
+
+        Every second between its Start and its devices being free counts against its 95%
+        (a 5-minute job may wait 16 s), so a shrink of a job with a 60 GB checkpoint (160 s
+        to write) loses to preempting two single-device jobs that write theirs in 4 s."""
+        jobs, state = tick.snapshot.jobs, tick.state
+        k = int(jobs.type_id[j])
+        options: list[tuple] = []  # (wait s, victims, lost work, order, shrink_in, found)
+        for level in range(0, min(spread, LEVEL_CLUSTER) + 1):
+            if need > int(state.capacity[level][:, k].max(initial=0)):
+                continue
+            shrink_in = self._shrink_in_one(tick, j, need, level)
+            if shrink_in is not None:
+                options.append((shrink_in[4], len(shrink_in[1]), 0.0, len(options), shrink_in, None))
+                if len(shrink_in[1]) == 1 and _wait_steps(tick, j, shrink_in[4]) <= 1:
+                    # one shrink in the first wait step: nothing can beat it (any room needs a
+                    # victim whose checkpoint takes a step; a shrink loses no work, and it comes
+                    # first among ties), so the preemption search is skipped
+                    return shrink_in, None
+            found = self._choose_in_one(tick, j, need, level)
+            if found is not None:
+                lost = float(found[2]["cost"].sum())
+                options.append((found[4], len(found[1]), lost, len(options), None, found[:4]))
+            if options:
+                break  # the tightest place that can be had: a looser one may run spread out
+        if not must:
+            acting = np.asarray(rows, np.int64)
+            wait = max(float(actions["wait"][acting].max(initial=0.0)),
+                       float(self._release_wait(tick, k, LEVEL_REGION)[region]))
+            preempting = actions["group"][acting] != GROUP_SHRINK
+            lost = float(actions["cost"][acting][preempting].sum())
+            options.append((wait, len(set(actions["job"][acting].tolist())), lost, len(options), None, None))
+        if not options:
+            return None
+        return min(options, key=lambda option: (float(_wait_steps(tick, j, option[0])),) + option[1:4])[4:]
+
+    def _start_on_whole_nodes(self, tick, j: int, need: int, within, level: int):
+        """Starts job j on the fewest nodes its size allows (scheduler.placement_cost.min_nodes,
+        when that is 2 or more) by preempting whole jobs on those nodes; returns True, or None
+        (nothing changed) if no such set of nodes can be freed within one entity of `level`
+        in one region, or the per-tick budget does not allow it.
+
+        A gang larger than a node placed on devices that preemption freed here and there runs
+        spread out (x scheduler.placement_cost.SPREAD_EFFICIENCY), which alone misses a 95% SLA
+        from its first second. Nodes are taken in order of (most devices that idle devices and
+        eligible victims give, soonest free for a Premium job: its slowest victim's checkpoint or
+        device still releasing, fewest victims, least lost work); the entity whose m best nodes
+        are free soonest (Premium), then need the fewest victims, then the least lost work, wins. Victims are those
+        `_choose_in_one` may take (borrowed or lower priority, no approval needed, not just
+        started), preempted whole: shrinking keeps a victim's devices on its fullest nodes.
+        """
+        jobs, state, settings = tick.snapshot.jobs, tick.state, tick.snapshot.settings
+        k, team = int(jobs.type_id[j]), int(jobs.team[j])
+        largest = state.max_node_free[k]
+        m = min_nodes(need, largest)
+        if m < 2:
+            return None
+        premium = int(jobs.tier[j]) == PREMIUM
+        soonest = int(jobs.tier[j]) in settings.soonest_room_tiers
+        order_index = ORDER_BY_RELEASE_TIME if premium else ORDER_BY_COST
+        by_cost = self._candidates(tick, k)[order_index]
+        if by_cost["job"].size == 0:
+            return None
+        reclaim = by_cost["borrower"] & (by_cost["team"] != team)
+        eligible = (~tick.touched[by_cost["job"]] & (reclaim | _lower_priority(tick, j, by_cost))
+                    & ~by_cost["recent"] & ~by_cost["needs_approval"])
+        devices = self._devices_by_entity(tick, k, 0, order_index)  # level 0: entity = node
+        keep = eligible[devices["row"]]
+        node, row, first = devices["entity"][keep], devices["row"][keep], devices["first"][keep]
+        n_nodes = state.n_nodes
+        gives = state.free_count[0][:, k] + np.bincount(node, minlength=n_nodes)
+        gives = np.minimum(gives, state.capacity[0][:, k])
+        victims = np.bincount(node[first], minlength=n_nodes)
+        wait = np.zeros(n_nodes)
+        if soonest:
+            # seconds until a node's devices are free: its slowest victim's checkpoint, or a
+            # device still releasing there (checkpoints are written in parallel)
+            np.maximum.at(wait, node[first], by_cost["ckpt_s"][row[first]])
+            wait = np.maximum(wait, self._release_wait(tick, k, 0))
+        lost = np.bincount(node[first], weights=by_cost["lost"][row[first]], minlength=n_nodes)
+        nodes = np.flatnonzero(gives > 0)
+        if nodes.size < m:
+            return None
+        entity = state.node_entity[level][nodes]
+        steps = _wait_steps(tick, j, wait[nodes])
+        order = np.lexsort((nodes, lost[nodes], victims[nodes], steps, -gives[nodes], entity))
+        nodes, entity = nodes[order], entity[order]
+        start = _segment_starts(entity)
+        top = (np.arange(entity.size) - start) < m  # each entity's m best nodes
+        n_ent = state.n_entities[level]
+        total = np.bincount(entity[top], weights=gives[nodes[top]], minlength=n_ent)
+        n_victims = np.bincount(entity[top], weights=victims[nodes[top]], minlength=n_ent)
+        wait_most = np.zeros(n_ent)
+        np.maximum.at(wait_most, entity[top], wait[nodes[top]])
+        lost_total = np.bincount(entity[top], weights=lost[nodes[top]], minlength=n_ent)
+        fits = np.flatnonzero(total >= need)
+        if fits.size == 0:
+            return None
+        # the room ready soonest (Premium; 0 for others), then the fewest victims, the least lost work
+        steps = _wait_steps(tick, j, wait_most[fits])
+        best = int(fits[np.lexsort((fits, lost_total[fits], n_victims[fits], steps))[0]])
+        chosen = nodes[top & (entity == best)]
+        if tick.victims_used + int(n_victims[best]) > settings.max_preemptions_per_tick:
+            return None
+        region = int(state.entity_region[level][best])
+        mark = tick.mark()
+        done = []
+        left = need
+        for n in chosen.tolist():
+            target = min(int(gives[n]), left)
+            left -= target
+            for r in row[(node == n) & first].tolist():
+                if int(state.free_count[0][n, k]) >= target:
+                    break
+                v = int(by_cost["job"][r])
+                if state.alloc[v] == 0:
+                    continue  # preempted already for another of the chosen nodes
+                group = GROUP_RECLAIM if reclaim[r] else GROUP_PREEMPT
+                done.append(self._preempt(tick, j, v, group))
+        blocked = np.ones(n_nodes, np.bool_)
+        blocked[chosen] = False
+        placement = tick.policy.place.place(tick, j, within, region=region, blocked_nodes=blocked)
+        if placement is None or is_spread(len(placement), state.n_nodes_of(placement.devices), largest):
+            tick.rollback(mark)
+            return None
+        self._start(tick, j, placement, region, done)
+        return True
+
+    def _start(self, tick, j: int, placement, region: int, done: list) -> None:
+        """Gives job j `placement` and records its Start after the victims in `done`."""
+        jobs = tick.snapshot.jobs
         tick.give(j, placement.devices)
         starts_at, note = tick.releasing_note(placement.devices)
         tick.decisions.append(Start(
             job=j, job_id=int(jobs.ids[j]), devices=tuple(placement.devices.tolist()),
             code=REASON_PLACED_BY_PREEMPTION,
-            reason=(f"{len(placement)} {tick.type_name(j)} in {snap.region_names[region]} after "
+            reason=(f"{len(placement)} {tick.type_name(j)} in {tick.snapshot.region_names[region]} after "
                     + ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
                     + note), starts_at=starts_at))
         tick.waiting.pop(j, None)
-        return True
 
     # --- computing (no side effects) -------------------------------------------------------
     @staticmethod
@@ -225,10 +413,12 @@ class SlaPreemption:
                 (tier == PREMIUM) | ((tier == STANDARD) & (fraction < settings.standard_sla_floor))),
             recent=(snap.now - jobs.last_start_time[cand]) < settings.min_run_seconds,
             usable=tick.usable_alloc[cand],
-            shrink=np.minimum(state.alloc[cand] - tick.min_count[cand], tick.usable_alloc[cand]),
+            shrink=np.clip(state.alloc[cand] - tick.floor_count[cand], 0, tick.usable_alloc[cand]),
             region=_job_regions(tick, cand),
             lost=tick.lost_work_seconds(cand),
             ckpt=jobs.checkpoint_bytes[cand].astype(np.float64),
+            # seconds until the devices it gives up are free (placement_cost, as the simulator)
+            ckpt_s=checkpoint_seconds(jobs.checkpoint_bytes[cand].astype(np.float64) / 1e9),
             queue=las_queue(jobs.attained_device_seconds[cand], settings),
         )
         ids = jobs.ids[cand]
@@ -283,6 +473,7 @@ class SlaPreemption:
             "release": np.concatenate((release[pick], by_release["shrink"][pick_b])),
             "cost": np.concatenate((by_cost["lost"][pick], np.zeros(pick_b.size))),
             "region": np.concatenate((by_cost["region"][pick], by_release["region"][pick_b])),
+            "wait": np.concatenate((by_cost["ckpt_s"][pick], by_release["ckpt_s"][pick_b])),
         }
         keep = actions["release"] > 0
         key = actions["region"] * 4 + actions["group"]
@@ -316,17 +507,39 @@ class SlaPreemption:
         cache[(k, level, order_index)] = {"entity": entity, "row": rows, "first": first}
         return cache[(k, level, order_index)]
 
+    @staticmethod
+    def _release_wait(tick, k: int, level: int) -> np.ndarray:
+        """Returns, per entity of `level`, the most seconds a type-k device counted free there
+        still waits for its last holder's checkpoint (Accelerators.releasing_until; 0 where
+        none): a job placed there starts no sooner. Once per tick, level and type; the devices
+        a preemption releases in this tick are not in it (their wait is the victim's
+        `ckpt_s`)."""
+        cache = tick.__dict__.setdefault("_preemption_release_wait", {})
+        if (k, level) in cache:
+            return cache[(k, level)]
+        state, snap = tick.state, tick.snapshot
+        out = np.zeros(state.n_entities[level])
+        releasing = state.releasing
+        if releasing.size:
+            releasing = releasing[state.free[releasing] & (state.type_id[releasing] == k)]
+            left = snap.accelerators.releasing_until[releasing] - snap.now
+            np.maximum.at(out, state.node_entity[level][state.node[releasing]], np.maximum(left, 0.0))
+        cache[(k, level)] = out
+        return out
+
     def _choose_in_one(self, tick, j: int, need: int, level: int):
-        """Returns (region, rows, actions, (level, entity)) preempting whole jobs to free
-        `need` devices within one node / rack / cluster, or None.
+        """Returns (region, rows, actions, (level, entity), wait) preempting whole jobs to free
+        `need` devices within one node / rack / cluster, or None; `wait` as `_shrink_in_one`'s.
 
         Among entities where the idle devices plus those of eligible victims (borrowed or
         lower tier, no approval needed, not just started) reach `need`, the one needing the
-        fewest preemptions, then the least lost work, wins; victims go cheapest first.
+        fewest preemptions, then the least lost work, wins (for a Premium preemptor the room
+        ready soonest comes first); victims go cheapest first.
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, team = int(jobs.type_id[j]), int(jobs.team[j])
         premium = int(jobs.tier[j]) == PREMIUM
+        soonest = int(jobs.tier[j]) in tick.snapshot.settings.soonest_room_tiers
         order_index = ORDER_BY_RELEASE_TIME if premium else ORDER_BY_COST
         by_cost = self._candidates(tick, k)[order_index]
         reclaim = by_cost["borrower"] & (by_cost["team"] != team)
@@ -347,10 +560,17 @@ class SlaPreemption:
         ends = hit[first_hit]
         n_victims = _cumsum_by_segment(first.astype(np.int64), start)[ends]
         lost = _cumsum_by_segment(np.where(first, by_cost["lost"][row], 0.0), start)[ends]
-        # a Premium preemptor waits for its victims' checkpoints: least checkpoint bytes first
-        wait = (_cumsum_by_segment(np.where(first, by_cost["ckpt"][row], 0.0), start)[ends] if premium
-                else np.zeros(ends.size))
-        best = int(ends[np.lexsort((hit_entity, lost, wait, n_victims))[0]])
+        if soonest:
+            # a Premium preemptor starts when the slowest of its victims' checkpoints is written
+            # (they are written in parallel) and the devices still releasing there are free:
+            # the soonest room wins, then the fewest victims, then the least lost work
+            wait = np.maximum(_max_in_ranges(np.where(first, by_cost["ckpt_s"][row], 0.0), start[ends], ends),
+                              self._release_wait(tick, k, level)[hit_entity])
+            pick = int(np.lexsort((hit_entity, lost, n_victims, _wait_steps(tick, j, wait)))[0])
+        else:
+            wait = np.zeros(ends.size)
+            pick = int(np.lexsort((hit_entity, lost, n_victims))[0])
+        best, best_wait = int(ends[pick]), float(wait[pick])
         segment = np.arange(int(start[best]), best + 1)
         victims = row[segment[first[segment]]]
         actions = {
@@ -361,16 +581,18 @@ class SlaPreemption:
             "region": by_cost["region"][victims],
         }
         chosen = int(entity[best])
-        return int(state.entity_region[level][chosen]), list(range(victims.size)), actions, (level, chosen)
+        return (int(state.entity_region[level][chosen]), list(range(victims.size)), actions, (level, chosen),
+                best_wait)
 
     def _shrink_in_one(self, tick, j: int, need: int, level: int):
-        """Returns (region, victims, level, entity) where shrinking elastic victims alone frees
-        `need` devices within one node / rack / cluster of `level`, or None.
+        """Returns (region, victims, level, entity, wait) where shrinking elastic victims alone
+        frees `need` devices within one node / rack / cluster of `level`, or None; `wait` is
+        the seconds a Premium preemptor would wait there for its devices (0 for other tiers).
 
         Victims are those `_actions` would shrink (lower tier, not reclaimed borrowers, no
         approval needed); each gives at most min(its devices there, what it can shrink by).
-        The entity needing the fewest shrinks, then (for a Premium preemptor) the smallest
-        checkpoints, then the fewest devices taken, then the lowest index wins; victims are
+        The entity needing the fewest shrinks (for a Premium preemptor: the soonest ready, then
+        the fewest shrinks), then the fewest devices taken, then the lowest index wins; victims are
         listed biggest release there first (smallest checkpoint first for Premium; `victims`
         are rows of the by-cost candidate table).
         """
@@ -390,8 +612,10 @@ class SlaPreemption:
         starts = np.flatnonzero(first)  # one group per (entity, victim)
         g_entity, g_row = entity[starts], row[starts]
         g_release = np.minimum(np.diff(np.r_[starts, entity.size]), by_cost["shrink"][g_row])
-        # a Premium preemptor waits for its victims' cut: smallest checkpoint first (as `_actions`)
-        g_wait = by_cost["ckpt"][g_row] if tier == PREMIUM else np.zeros(g_row.size)
+        # a Premium preemptor waits for its victims' cut: smallest checkpoint first (as `_actions`);
+        # a shrunk victim's devices stay busy until its checkpoint is written, as a preempted one's
+        soonest = tier in tick.snapshot.settings.soonest_room_tiers
+        g_wait = by_cost["ckpt_s"][g_row] if soonest or tier == PREMIUM else np.zeros(g_row.size)
         order = np.lexsort((g_row, -g_release, g_wait, g_entity))
         g_entity, g_row, g_release, g_wait = g_entity[order], g_row[order], g_release[order], g_wait[order]
         start = _segment_starts(g_entity)
@@ -404,11 +628,18 @@ class SlaPreemption:
         hit_entity, first_hit = np.unique(g_entity[hit], return_index=True)
         ends = hit[first_hit]
         n_shrinks = ends - start[ends] + 1
-        wait = _cumsum_by_segment(g_wait, start)[ends]
-        best = int(ends[np.lexsort((hit_entity, within[ends], wait, n_shrinks))[0]])
+        if soonest:
+            # the soonest room first (the slowest victim's checkpoint, the devices still
+            # releasing there), then the fewest shrinks
+            wait = np.maximum(_max_in_ranges(g_wait, start[ends], ends), self._release_wait(tick, k, level)[hit_entity])
+            pick = int(np.lexsort((hit_entity, within[ends], n_shrinks, _wait_steps(tick, j, wait)))[0])
+        else:
+            wait = np.zeros(ends.size)
+            pick = int(np.lexsort((hit_entity, within[ends], n_shrinks))[0])
+        best = int(ends[pick])
         chosen = int(g_entity[best])
         victims = g_row[int(start[best]):best + 1].tolist()
-        return int(state.entity_region[level][chosen]), victims, level, chosen
+        return int(state.entity_region[level][chosen]), victims, level, chosen, float(wait[pick])
 
     def _apply_shrinks_in(self, tick, j: int, victims: list, level: int, entity: int, need: int) -> list:
         """Shrinks the victims (rows of the by-cost table) in order, giving up their devices in
@@ -425,7 +656,7 @@ class SlaPreemption:
             devices = state.job_devices(v)
             inside = (state.node_entity[level][state.node[devices]] == entity) & state.usable[devices]
             have, n_inside = devices.size, int(inside.sum())
-            smaller = [c for c in jobs.allowed_counts(v) if c < have]
+            smaller = [c for c in tick.run_counts(v) if c < have]
             enough = [c for c in smaller if min(n_inside, have - c) >= missing]
             keep_count = max(enough) if enough else min(smaller)
             done.append(self._shrink(tick, j, v, keep_count, give_first=inside))
@@ -496,29 +727,36 @@ class SlaPreemption:
             devices = tick.state.job_devices(v)
             if group == GROUP_SHRINK and v not in preempted:
                 have = devices.size
-                smaller = [c for c in jobs.allowed_counts(v) if c < have]
+                smaller = [c for c in tick.run_counts(v) if c < have]
                 enough = [c for c in smaller if have - c >= missing]
                 keep_count = max(enough) if enough else min(smaller)
                 done.append(self._shrink(tick, j, v, keep_count))
             elif group != GROUP_SHRINK:
-                tick.take(v, devices)
-                code = REASON_RECLAIMED if group == GROUP_RECLAIM else REASON_PREEMPTED
-                why = (f"borrowed devices reclaimed for {tick.job_label(j)} of team "
-                       f"{tick.snapshot.teams.names[int(jobs.team[j])]}, which is within its quota"
-                       if group == GROUP_RECLAIM else f"preempted for {tick.job_label(j)}")
-                if group != GROUP_RECLAIM and jobs.tier[v] == jobs.tier[j]:
-                    code = REASON_PREEMPTED_LESS_SERVED
-                    why += ", which has had less service (attained-service queues)"
-                step = int(jobs.last_checkpoint_step[v])
-                tick.decisions.append(Preempt(
-                    job=v, job_id=int(jobs.ids[v]), code=code,
-                    reason=f"{why}; least lost work among candidates; resumes from its checkpoint",
-                    released=tuple(devices.tolist()), for_job=j, for_job_id=int(jobs.ids[j])))
-                tick.requeued[v] = (code, f"{why}; back in line, resumes from step {step} or later")
-                tick.victims_used += 1
-                verb = "reclaiming borrowed devices from" if group == GROUP_RECLAIM else "preempting"
-                done.append(f"{verb} {tick.job_label(v)}")
+                done.append(self._preempt(tick, j, v, group))
         return done
+
+    @staticmethod
+    def _preempt(tick, j: int, v: int, group: int) -> str:
+        """Preempts victim v (whole) for job j; returns the phrase for j's reason."""
+        jobs = tick.snapshot.jobs
+        devices = tick.state.job_devices(v)
+        tick.take(v, devices)
+        code = REASON_RECLAIMED if group == GROUP_RECLAIM else REASON_PREEMPTED
+        why = (f"borrowed devices reclaimed for {tick.job_label(j)} of team "
+               f"{tick.snapshot.teams.names[int(jobs.team[j])]}, which is within its quota"
+               if group == GROUP_RECLAIM else f"preempted for {tick.job_label(j)}")
+        if group != GROUP_RECLAIM and jobs.tier[v] == jobs.tier[j]:
+            code = REASON_PREEMPTED_LESS_SERVED
+            why += ", which has had less service (attained-service queues)"
+        step = int(jobs.last_checkpoint_step[v])
+        tick.decisions.append(Preempt(
+            job=v, job_id=int(jobs.ids[v]), code=code,
+            reason=f"{why}; least lost work among candidates; resumes from its checkpoint",
+            released=tuple(devices.tolist()), for_job=j, for_job_id=int(jobs.ids[j])))
+        tick.requeued[v] = (code, f"{why}; back in line, resumes from step {step} or later")
+        tick.victims_used += 1
+        verb = "reclaiming borrowed devices from" if group == GROUP_RECLAIM else "preempting"
+        return f"{verb} {tick.job_label(v)}"
 
     @staticmethod
     def _keep_after_shrink(tick, v: int, keep_count: int, give_first=None) -> np.ndarray:

@@ -10,24 +10,35 @@ in the same tick, and a job resized (grown or shrunk) less than
 PolicySettings.min_resize_interval_seconds ago is not grown again (no flapping: every resize
 pauses the job for a cut and moves rank state). A shrink for a higher tier is not held back
 by that interval: its alternative is a preemption or a higher tier waiting.
+
+Then repack (`_repack`): a running job spread over more nodes than its count needs (it grew
+into devices on other nodes, or started where only scattered devices were free) moves onto
+devices still idle on the fewest nodes (scheduler.placement_cost: spread runs at 90%).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from scheduler.plan import Resize
-from scheduler.snapshot import SPREAD_REGION
+from scheduler.placement_cost import SPREAD_EFFICIENCY, is_spread, min_nodes
+from scheduler.plan import Migrate, Resize
+from scheduler.snapshot import SPREAD_NAMES, SPREAD_REGION
 from scheduler.state import LEVEL_CLUSTER, LEVEL_NODE, LEVEL_RACK
 
 NAME = "resize.grow_into_idle"
 REASON_GREW = "grew into idle devices"
 REASON_GREW_BORROWING = "grew into idle devices, borrowing"
+REASON_REPACKED = "moved to fewer nodes"  # Migrate of a spread-out job onto idle whole nodes
 
 
 class GrowIntoIdle:
     NAME = NAME
 
     def run(self, tick) -> None:
+        self._grow(tick)
+        self._repack(tick)
+
+    @staticmethod
+    def _grow(tick) -> None:
         snap, jobs, state = tick.snapshot, tick.snapshot.jobs, tick.state
         free_by_type = state.free_count[3].sum(axis=0)
         if not free_by_type.any():
@@ -52,7 +63,7 @@ class GrowIntoIdle:
             larger = [d for d in jobs.allowed_counts(j) if have < d <= have + room
                       and (allow_borrowing or d - have <= room_quota)]
             for d in larger:
-                extra = self._find_near(tick, j, k, d - have, devices, region)
+                extra = GrowIntoIdle._find_near(tick, j, k, d - have, devices, region)
                 if extra is None:
                     continue
                 borrowed = tick.borrowed_by(j, d - have)
@@ -66,6 +77,61 @@ class GrowIntoIdle:
                     reason=f"grew from {have} to {d} devices: idle {tick.type_name(j)} no pending job "
                            f"could use{note}", borrowed=borrowed))
                 break
+
+    @staticmethod
+    def _repack(tick) -> None:
+        """Moves running jobs whose devices span more nodes than their count needs (they run at
+        scheduler.placement_cost's spread efficiency, e.g. after growing into devices on other
+        nodes) onto devices still idle on the fewest nodes, in line order.
+
+        Only devices idle after placement and growth are used (never the Premium reserve or
+        devices still being released), the new set shares no device with the old (a plain
+        live migration), and only jobs that have run PolicySettings.min_run_seconds since their
+        last (re)start and min_resize_interval_seconds since their last resize move: a job that
+        ran that long is likely to run much longer (heavy-tailed durations, as attained-service
+        ordering assumes), so a move of seconds buys back 10% of a long remaining run. A job
+        never moves to a placement that is spread too, so nothing moves back and forth. At most
+        PolicySettings.max_defrag_migrations_per_tick moves (with defragmentation) per tick.
+        """
+        snap, jobs, state = tick.snapshot, tick.snapshot.jobs, tick.state
+        settings = snap.settings
+        budget = settings.max_defrag_migrations_per_tick - tick.migrations_used
+        if budget <= 0:
+            return
+        free_by_type = state.free_count[3].sum(axis=0)
+        if not free_by_type.any():
+            return
+        settled = ((snap.now - jobs.last_resize_time >= settings.min_resize_interval_seconds)
+                   & (snap.now - jobs.last_start_time >= settings.min_run_seconds))
+        cand = np.flatnonzero((state.alloc >= 2) & ~tick.touched & settled
+                              & (free_by_type[jobs.type_id] >= state.alloc))
+        if cand.size == 0:
+            return
+        for j in tick.policy.order.order(tick, cand).tolist():
+            k = int(jobs.type_id[j])
+            devices = state.job_devices(j)
+            d, largest = int(devices.size), state.max_node_free[k]
+            n = state.n_nodes_of(devices)
+            if free_by_type[k] < d or not is_spread(d, n, largest):
+                continue
+            region = int(snap.accelerators.region[devices[0]])
+            level = min(int(jobs.max_spread[j]), SPREAD_REGION)
+            found = state.find_fewest_nodes(k, d, level, region=region)
+            if found is None or is_spread(d, state.n_nodes_of(found.devices), largest):
+                continue
+            m = min_nodes(d, largest)
+            tick.take(j, devices)
+            tick.give(j, found.devices)  # as many idle devices as before: free_by_type unchanged
+            tick.migrations_used += 1
+            tick.decisions.append(Migrate(
+                job=j, job_id=int(jobs.ids[j]), devices=tuple(np.sort(found.devices).tolist()),
+                code=REASON_REPACKED,
+                reason=(f"moved from {n} nodes to {m} {SPREAD_NAMES[0]}{'s' if m > 1 else ''} of idle "
+                        f"{tick.type_name(j)}: spread over more nodes than {d} devices need, it ran at "
+                        f"{SPREAD_EFFICIENCY:.0%} speed")))
+            budget -= 1
+            if budget <= 0:
+                return
 
     @staticmethod
     def _find_near(tick, j, k, extra, devices, region):

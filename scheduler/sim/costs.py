@@ -34,8 +34,8 @@ from scheduler import placement_cost
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    checkpoint_gb_per_s: float = 0.36
-    checkpoint_fixed_s: float = 0.05
+    checkpoint_gb_per_s: float = placement_cost.CHECKPOINT_GB_PER_S
+    checkpoint_fixed_s: float = placement_cost.CHECKPOINT_FIXED_S
     restore_gb_per_s: float = 0.79
     restore_fixed_s: float = 1.31
     transfer_gb_per_s: float = 1.25
@@ -58,7 +58,9 @@ class CostModel:
             raise ValueError("periodic_checkpoint_s must be > 0")
 
     def checkpoint_s(self, gb):
-        return self.checkpoint_fixed_s + gb / self.checkpoint_gb_per_s
+        """Returns the seconds to write a checkpoint of `gb` GB (placement_cost.checkpoint_seconds's
+        rule, which the core uses to pick the room a Premium job waits least for)."""
+        return placement_cost.checkpoint_seconds(gb, self.checkpoint_gb_per_s, self.checkpoint_fixed_s)
 
     def restore_s(self, gb):
         return self.restore_fixed_s + gb / self.restore_gb_per_s

@@ -25,7 +25,8 @@ Jobs.preemption_approved / preemption_denied): counted in `approval_requests`, n
 When to call: on the engine's batched ticks (arrivals, completions, failures), and every
 `wait_wake_s` while jobs wait (time alone changes the core's answer: age, attained
 fractions, the no-thrash window). Two passes are skipped without calling the core, because
-its plan would be empty: nothing pending and no idle device or no job below its W; or no
+its plan would be empty: nothing pending and no idle device, or no job below its W and no
+spread-out job that the idle devices could hold; or no
 idle device while the core's policy has no plugin that takes devices back (preempt,
 defragment, drain are all off).
 """
@@ -36,6 +37,7 @@ import math
 import numpy as np
 
 import scheduler
+from scheduler import placement_cost
 from scheduler.snapshot import (
     NODE_LOST,
     NODE_READY,
@@ -155,7 +157,9 @@ class Meridian(Policy):
             self._build_static(engine)
         idle = engine.healthy_devices - engine.allocated
         if not engine.pending:
-            if idle <= 0 or not self._anyone_can_grow(engine):
+            # idle devices matter only to a job that can grow or that runs spread out (the
+            # core moves it onto idle whole nodes: resize.grow_into_idle's repack)
+            if idle <= 0 or not (self._anyone_can_grow(engine) or self._anyone_spread(engine, idle)):
                 self.skipped += 1
                 return []
         elif idle <= 0 and not self._can_reclaim():
@@ -189,11 +193,38 @@ class Meridian(Policy):
                 raise ValueError(f"the core returned an unknown decision kind {d.kind!r}")
         if len(engine.pending) > sum(1 for d in out if d.kind == START) and math.isfinite(self.wait_wake_s):
             engine.wake_at(now + self.wait_wake_s)
+        self._wake_when_movable(engine, now, out)
         return out
+
+    def _wake_when_movable(self, engine, now, decisions):
+        """Asks for a pass when the first spread-out job becomes movable (the core's repack
+        moves only jobs past min_run_seconds and min_resize_interval_seconds): without an
+        arrival or a completion nothing else would call the core then. Counts the jobs this
+        pass's Starts and Resizes leave spread out (the engine applies them after this)."""
+        s = self.settings
+        settle = max(s.min_run_seconds, s.min_resize_interval_seconds)
+        for d in decisions:
+            if d.kind in (START, RESIZE) and len(d.devices) > 1:
+                nodes = len(set(engine.dev_node[d.devices].tolist()))
+                if placement_cost.is_spread(len(d.devices), nodes, int(engine.type_node_max[engine.job_type[d.job]])):
+                    engine.wake_at(now + settle)
+                    break
+        if not engine.spread_jobs:
+            return
+        spread = np.fromiter(engine.spread_jobs, np.int64, len(engine.spread_jobs))
+        movable_at = np.maximum(engine.last_start[spread] + s.min_run_seconds,
+                                engine.last_resize[spread] + s.min_resize_interval_seconds)
+        later = movable_at[movable_at > now]
+        if later.size:
+            engine.wake_at(float(later.min()))
 
     def _can_reclaim(self):
         p = self.core_policy
         return any(getattr(p, step, None) is not None for step in ("preempt", "defrag", "drain"))
+
+    @staticmethod
+    def _anyone_spread(engine, idle):
+        return any(engine.ndev[j] <= idle for j in engine.spread_jobs)
 
     @staticmethod
     def _anyone_can_grow(engine):

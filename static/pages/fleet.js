@@ -144,6 +144,13 @@
   // message by message; a visible fleet page also refetches on this slow beat.
   var TELEMETRY_REFRESH_MS = 15000;
   setInterval(function () { if (document.visibilityState === "visible") { refresh(); } }, TELEMETRY_REFRESH_MS);
+  // Draining asks first (here, not inline: the Content-Security-Policy allows no inline script).
+  var drainForm = document.getElementById("drain-form");
+  if (drainForm) {
+    drainForm.addEventListener("submit", function (event) {
+      if (!window.confirm(drainForm.dataset.confirm)) { event.preventDefault(); }
+    });
+  }
   MeridianLive.start(["fleet"], function (message) {
     if (message.type === "subscribed" || message.type === "fleet.changed" || message.type === "jobs.job_updated") { refresh(); }
   });

@@ -6,6 +6,8 @@ import pytest
 from agent.client import backoff_delay
 from agent.devices import DeviceError, Devices, parse_devices
 from agent.hollow import HollowJob, total_steps_of
+from agent.node import LocalJob
+from protocol.launch import CheckpointSeconds, CheckpointTaken
 from protocol.node import DesiredJob
 
 
@@ -141,6 +143,20 @@ def test_a_copy_started_again_after_its_refused_resume_says_why_in_every_report(
     assert LocalJob(7, tmp_path / "fresh").observed().restarted is None  # a first start is no restart
 
 
+def test_a_copy_whose_host_failed_under_it_says_so_and_one_whose_code_failed_does_not(tmp_path):
+    from agent.node import LocalJob
+    from protocol.launch import Failed, Started
+
+    first = Started(time_unix=1.0, engine="framework", world_size=8, devices=4, reason="requested")
+    write_launch_events(tmp_path / "host", first, Failed(time_unix=2.0, host_failure=True, error=(
+        "the job failed on another host (node 1: no heartbeat answered for 10 s: fenced)")))
+    write_launch_events(tmp_path / "code", first, Failed(time_unix=2.0, error="rank 3 exited with code 1"))
+
+    host = LocalJob(7, tmp_path / "host").observed()
+    assert host.state == "failed" and host.host_failure is True
+    assert LocalJob(7, tmp_path / "code").observed().host_failure is False
+
+
 def test_a_report_the_control_plane_would_refuse_goes_with_its_state_only(caplog):
     from agent.node import _checked
     from protocol.node import JobReport
@@ -213,3 +229,114 @@ def test_an_agent_acts_on_a_typed_heartbeat_answer(tmp_path):
     assert agent.interval == 2.5 and agent.lost_after_s == 12.0
     assert fenced == [({4}, False), ({5}, True), ("reconciled", ())]
     assert len(agent.client.telemetry.devices) == 2
+
+
+def test_a_checkpoint_whose_manifest_is_gone_is_left_out_of_the_report_for_the_one_before_it(tmp_path):
+    """The control plane refuses a report whose checkpoint has no manifest sha256, at every beat:
+    a finished copy whose newest checkpoint folder had been removed was never heard to end (the
+    chaos soak). The agent reports the newest checkpoint it can still read instead."""
+    def taken(step):
+        folder = tmp_path / "store" / f"ckpt-{step:012d}-1"
+        folder.mkdir(parents=True)
+        (folder / "MANIFEST.json").write_text(f'{{"step": {step}}}')
+        return CheckpointTaken(time_unix=float(step), engine="framework", step=step, checkpoint=folder.as_uri(),
+                               bytes=100, action="checkpoint",
+                               seconds=CheckpointSeconds(cut=0.0, dump=0.0, commit=0.0, total=0.0))
+
+    events = [taken(10), taken(20)]
+    job = LocalJob(7, tmp_path / "job")
+    assert job.last_checkpoint(events).step == 20
+    (tmp_path / "store" / f"ckpt-{20:012d}-1" / "MANIFEST.json").unlink()
+    job = LocalJob(7, tmp_path / "job")  # nothing hashed yet
+
+    report = job.last_checkpoint(events)
+
+    assert report.step == 10 and report.sha256 and report.uri == events[0].checkpoint
+    (tmp_path / "store" / f"ckpt-{10:012d}-1" / "MANIFEST.json").unlink()
+    assert LocalJob(7, tmp_path / "job").last_checkpoint(events) is None
+
+
+def _agent_for(url, tmp_path, register_wait):
+    import argparse
+    import threading
+
+    from agent.main import Agent
+
+    options = argparse.Namespace(hostname="n1", work_dir=str(tmp_path), devices="cpu:1", control_plane=url,
+                                 engine="framework", checkpoint_every=0.0, workload_root=str(tmp_path), interval=None,
+                                 keep_finished_checkpoints=False, enroll_token="enrol", token=None,
+                                 register_wait=register_wait, region="r", cluster="c", rack="")
+    return Agent(options, threading.Event())
+
+
+def _control_plane_on(port, status, answer):
+    """A stand-in for the control plane's registration endpoint, on `port` (HTTP, in a thread)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            server.posts += 1
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.posts = 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_an_agent_started_before_its_control_plane_registers_once_it_listens(tmp_path):
+    """`./meridian run` on a loaded machine: the agents started a few seconds before the web server
+    listened, gave up registering after their six quick retries, and the whole launch stopped."""
+    import socket
+    import threading
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = _agent_for(f"http://127.0.0.1:{port}", tmp_path, register_wait=120)
+    servers = []
+    later = threading.Timer(4.0, lambda: servers.append(_control_plane_on(
+        port, 201, {"node_id": 3, "token": "node-token", "hostname": "n1", "heartbeat_seconds": 2.0})))
+    later.start()
+    try:
+        agent.register_when_reachable()
+    finally:
+        later.cancel()
+        for server in servers:
+            server.shutdown()
+    assert servers, "registered before the control plane listened?"
+    assert (tmp_path / "node-token").read_text() == "node-token" and agent.interval == 2.0
+
+
+@pytest.mark.parametrize("status, wait", [(403, 120), (None, 0)])
+def test_an_agent_gives_up_registering_at_a_refusal_or_when_its_wait_is_over(tmp_path, status, wait):
+    import socket
+
+    from agent.client import ControlPlaneError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = _control_plane_on(port, status, {"detail": "this hostname is enrolled"}) if status else None
+    agent = _agent_for(f"http://127.0.0.1:{port}", tmp_path, register_wait=wait)
+    agent.client.retries = 0
+    try:
+        with pytest.raises(ControlPlaneError) as raised:
+            agent.register_when_reachable()
+    finally:
+        if server is not None:
+            server.shutdown()
+    assert raised.value.status == status
+    if server is not None:
+        assert server.posts == 1  # a refusal is not retried

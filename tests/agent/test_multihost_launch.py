@@ -27,7 +27,11 @@ def test_the_launch_command_of_a_hosts_share_runs_the_multi_node_launcher(tmp_pa
         "2", "1", "10.213.5.11", "/store/job-7/g3/rendezvous")
     assert value("--devices") == "8" and value("--ranks") == "8"  # the job's devices in all
     assert value("--job-id") == "j7-g3"  # the same on every host of the generation, whatever the attempt
-    assert "--device-indices" not in command  # not pinned across hosts (said in the log)
+    # pinned to this host's own devices (the launcher maps this host's ranks onto exactly them)
+    assert value("--device-indices") == "0,1,2,3"
+    other = reconciler.launch_command(desired_job(device_indices=[4, 5, 6, 7]), job_dir=tmp_path / "j", attempt=2,
+                                      store=tmp_path / "s", resume=True)
+    assert other[other.index("--device-indices") + 1] == "4,5,6,7"
     # one host: the single-node command, as before
     single = reconciler.launch_command(desired_job(span=None), job_dir=tmp_path / "j", attempt=2,
                                        store=tmp_path / "s", resume=False)
@@ -54,6 +58,9 @@ def test_a_share_that_is_not_the_launchers_block_is_refused_by_name(tmp_path):
     uneven = multihost_span_problem(desired_job(span={**SPAN, "first_rank": 5, "ranks": 3}))
     assert "holds ranks 5..7" in uneven and "runs ranks 4..7" in uneven and "not built" in uneven
     assert "cannot run so" in multihost_span_problem(desired_job(world_size=7, span={**SPAN, "ranks": 3}))
+    # the job's ranks are even over the hosts but its devices are not (2 here, 6 on the other host)
+    lopsided = multihost_span_problem(desired_job(devices=2, device_indices=[0, 1]))
+    assert "holds 2 of the job's 8 devices" in lopsided
 
 
 def test_a_followers_copy_is_never_sent_a_command(tmp_path):

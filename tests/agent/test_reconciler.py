@@ -113,6 +113,10 @@ def test_a_finished_jobs_store_is_removed_once_the_outcome_is_accepted_unless_ke
             node.forget_reported({7})
 
             assert 7 not in node.jobs
+            # Still listed (a follower host forgets its share before the leader reports the job's end):
+            # the generation that ended here is not launched again (the chaos soak saw it relaunched).
+            node.reconcile(desired)
+            assert 7 not in node.jobs and len(list((tmp / "w" / "j").iterdir())) == 1
             if keep:
                 time.sleep(0.5)
                 assert list(store.glob("ckpt-*"))
@@ -121,3 +125,108 @@ def test_a_finished_jobs_store_is_removed_once_the_outcome_is_accepted_unless_ke
                 assert (tmp / "store").exists()  # other jobs' stores are untouched
         finally:
             node.kill_all()
+
+
+def test_a_copy_that_fenced_itself_while_the_agent_was_silent_is_forgotten_not_reported_failed():
+    """A frozen agent cannot fence its jobs; their launchers do it themselves past the deadline the
+    agent last wrote (runtime/fence.py). The agent, running again, forgets such a copy as it forgets
+    one it fenced itself, and launches the job anew if it is still desired here."""
+    from runtime import fence
+
+    with tempfile.TemporaryDirectory(prefix="rec-", dir="/tmp") as tmp:
+        work, store = pathlib.Path(tmp) / "w", pathlib.Path(tmp) / "store"
+        node = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+        fence.deadline_write(node.fence_file, time.monotonic() + 3600)
+        node.reconcile([entry(store)])
+        first = node.jobs[7]
+        try:
+            poll("the job to run", lambda: (by_id(node.observed())[7]["step"] or 0) >= 3)
+
+            fence.deadline_write(node.fence_file, time.monotonic() - 60)  # what a frozen agent leaves behind
+            poll("the launcher to fence itself", lambda: not pid_alive(first.pid))
+
+            assert 7 not in by_id(node.observed())  # not "failed": forgotten
+            assert 7 not in node.jobs and "self-fenced" in (first.job_dir / fence.FENCED_FILE).read_text()
+            fence.deadline_write(node.fence_file, time.monotonic() + 3600)  # heard from the control plane again
+            node.reconcile([entry(store)])
+            assert node.jobs[7].job_dir != first.job_dir  # a new attempt
+        finally:
+            node.kill_all()
+
+
+def test_the_checkpoint_the_control_plane_accepted_outlives_the_copys_own_retention():
+    """A copy cut off from its agent commits on for seconds before it fences itself; the control
+    plane restores elsewhere from the checkpoint it accepted last. The agent names that one in the
+    copy's folder, and the launcher's store never prunes it (the chaos soak saw it pruned: "restore
+    refused: ... is not a committed checkpoint this node can see")."""
+    with tempfile.TemporaryDirectory(prefix="rec-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        store = tmp / "store" / "job-7" / "g1"
+        node = NodeReconciler(tmp / "w", engine="framework", checkpoint_every_s=0.3, workload_root=ROOT)
+        desired = {**entry(store, epochs=60), "generation": 1}
+        try:
+            def checkpoints():
+                node.reconcile([desired])
+                return sorted(p.name for p in store.glob("ckpt-*"))
+
+            first = poll("a first checkpoint", lambda: checkpoints() or None)[0]
+            desired["restore_from"] = (store / first).as_uri()  # accepted; nothing after it is
+            node.reconcile([desired])
+            assert (node.jobs[7].job_dir / "accepted-checkpoint").read_text().strip() == first
+            later = poll("six checkpoints after it (the launcher keeps 3 of its own)",
+                         lambda: (lambda names: names if len(names) >= 7 else None)(checkpoints()))
+            assert later[0] == first, later
+            # Accepted further on: what is older than the newest accepted one goes at the next commit.
+            desired["restore_from"] = (store / later[-1]).as_uri()
+            poll("the older ones to be pruned", lambda: first not in checkpoints() and len(checkpoints()) <= 4)
+        finally:
+            node.kill_all()
+
+
+def test_a_copy_that_ended_while_the_agent_was_down_is_reported_by_the_restarted_agent_once():
+    """The chaos soak restarted an agent while its copy finished: the new agent re-adopted only live
+    launchers, never reported the outcome, and the job failed."""
+    with tempfile.TemporaryDirectory(prefix="rec-", dir="/tmp") as tmp:
+        tmp = pathlib.Path(tmp)
+        work, store = tmp / "w", tmp / "store" / "job-7" / "g1"
+        desired = [{**entry(store, epochs=3), "generation": 1}]
+        first = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+        try:
+            first.reconcile(desired)
+            launched = first.jobs[7]
+            poll("the copy to end unwatched (the agent is 'down')", lambda: not pid_alive(launched.pid))
+
+            second = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+            report = by_id(second.observed())[7]
+            assert report["state"] == "finished" and report["generation"] == 1, report
+            second.reconcile(desired)  # reported, not relaunched
+            assert len(list((work / "j").iterdir())) == 1
+            second.forget_reported({7})
+            assert 7 not in second.jobs
+
+            third = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+            assert 7 not in third.jobs and 7 not in by_id(third.observed())  # accepted: not reported again
+            third.reconcile(desired)  # its generation ended here: not launched again
+            assert 7 not in third.jobs and len(list((work / "j").iterdir())) == 1
+        finally:
+            first.kill_all()
+
+
+@pytest.mark.parametrize("follower", [True, False])
+def test_only_the_leaders_accepted_end_removes_a_finished_jobs_store(follower, tmp_path):
+    """A follower host's share ending is not the job's end: the 30-minute soak saw a follower remove the
+    store while the leader's report of the end (re-adopted after its agent's restart) was still to come."""
+    from agent.node import LocalJob
+    from protocol.states import CopyState
+
+    node = NodeReconciler(tmp_path / "w", engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+    store = tmp_path / "store" / "job-7" / "g1"
+    (store / "ckpt-000000000003-1").mkdir(parents=True)
+    job = LocalJob(7, tmp_path / "w" / "j" / "7.1", generation=1, store=store)
+    job.job_dir.mkdir(parents=True)
+    job.follower, job.reported_state = follower, CopyState.FINISHED
+    node.jobs[7] = job
+    node.forget_reported({7})
+    time.sleep(0.5)
+    assert 7 not in node.jobs
+    assert store.exists() is follower

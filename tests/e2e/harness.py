@@ -39,20 +39,39 @@ def free_port():
 
 
 class Partition:
-    """A TCP forwarder between one agent and the control plane that a test can cut: a network
-    partition (the agent and its jobs run on; nothing gets through, new connections are closed)."""
+    """A TCP forwarder to the control plane that a test can cut: a network partition (the agent
+    and its jobs run on; nothing gets through, new connections are closed).
 
-    def __init__(self, target_port):
-        self.target = ("127.0.0.1", target_port)
+    Partition(port) forwards to one port; Partition(targets=callable) to the first live port of
+    what the callable returns, round robin (a balancer over web processes: a dead one is skipped
+    after `connect_timeout`)."""
+
+    def __init__(self, target_port=None, *, targets=None, connect_timeout=5.0):
+        self.targets = targets or (lambda: [target_port])
+        self.connect_timeout = connect_timeout
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
-        self.server.listen(64)
+        self.server.listen(128)
         self.port = self.server.getsockname()[1]
         self.is_cut = threading.Event()
         self.lock = threading.Lock()
         self.connections = set()
+        self.turn = 0
         threading.Thread(target=self._accept, daemon=True, name="partition").start()
+
+    def _upstream(self):
+        ports = list(self.targets())
+        for offset in range(len(ports)):
+            port = ports[(self.turn + offset) % len(ports)]
+            try:
+                connection = socket.create_connection(("127.0.0.1", port), timeout=self.connect_timeout)
+            except OSError:
+                continue
+            connection.settimeout(None)
+            self.turn += 1
+            return connection
+        return None
 
     def _accept(self):
         while True:
@@ -63,18 +82,21 @@ class Partition:
             if self.is_cut.is_set():
                 client.close()
                 continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.connections |= {client, upstream}
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source, sink):
+    def _connect(self, client):
+        upstream = self._upstream()
+        if upstream is None or self.is_cut.is_set():
+            client.close()
+            if upstream:
+                upstream.close()
+            return
+        with self.lock:
+            self.connections |= {client, upstream}
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source, sink):
         try:
             while True:
                 data = source.recv(65536)
@@ -89,6 +111,11 @@ class Partition:
                     end.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            with self.lock:
+                for end in (source, sink):
+                    if end in self.connections:
+                        self.connections.discard(end)
+                        end.close()
 
     def cut(self):
         self.is_cut.set()
@@ -130,6 +157,10 @@ class ControlPlane:
             "MERIDIAN_AGENT_ENROLLMENT_TOKEN": ENROLL,
             "MERIDIAN_TICK_SECONDS": "1",
             "MERIDIAN_AGENT_HEARTBEAT_SECONDS": "1",
+            # agents lease every second and send a full heartbeat every 3 s or on a change; the leases
+            # reach Node.last_heartbeat every 2 s (fleet/leases.py)
+            "MERIDIAN_AGENT_FULL_HEARTBEAT_SECONDS": "3",
+            "MERIDIAN_LEASE_FLUSH_SECONDS": "2",
             "MERIDIAN_MIN_RUN_SECONDS": "0",
             "MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS": "0",  # the elastic test grows back within a minute
             "MERIDIAN_ACCOUNTING_SECONDS": "0",

@@ -64,7 +64,9 @@ def test_a_premium_job_preempts_a_basic_one_which_resumes_elsewhere_with_identic
     assert len(victims) == 1, plane.diagnose(premium, *basic.values())
     victim = victims[0]
     other = next(j for j in basic.values() if j != victim)
-    assert plane.job(victim)["state"] in {"preempting", "preempted"}
+    # Preempted (its preemption_count says so), and not ended: on a loaded machine the other job may
+    # have finished by now and the victim be placed again on its device already.
+    assert plane.job(victim)["state"] in {"preempting", "preempted", "scheduled", "running"}
     for job_id in (victim, other, premium):
         plane.wait_state(job_id, "succeeded", timeout=300)
 

@@ -3,6 +3,7 @@ clock, the lost-chain sweep, one active move per job, stale-generation fencing.
 
 Agents are played by node_report_apply (what their heartbeat API calls), the Celery worker by
 the services its tasks call (move_step_run, move_advance) and by calling the task itself."""
+import pathlib
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -21,11 +22,13 @@ from jobs.moves import (
     DONE,
     ENDED,
     PASSED,
+    RELAUNCH_RESIZE_STEPS,
     SUPERSEDED,
     WAITING,
     move_advance,
     move_create,
     move_step_run,
+    move_steps,
     moves_sweep,
 )
 from jobs.plan_apply import _migrate
@@ -102,7 +105,8 @@ def live_migration(running):
     job, _ = running("m")
     n2 = make_node("n2")
     devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
-    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
+    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None,
+                               kept=0)
     _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"],
              now=timezone.now())
     job.refresh_from_db()
@@ -390,6 +394,42 @@ def test_a_job_that_finishes_on_its_new_node_mid_migration_is_deferred_until_the
 
 
 @pytest.mark.django_db
+def test_a_restored_copy_that_finished_is_the_result_when_the_old_copys_exit_is_never_confirmed(
+        running, settings, tmp_path):
+    """The chaos soak saw a job run its last steps twice: the new copy finished at 40/40, the old
+    one never reported its exit, release timed out and the job went back in line from step 30."""
+    settings.MERIDIAN_CHECKPOINT_STORE = str(tmp_path / "store")
+    job, n1, n2 = live_migration(running)
+    # The old copy cut and committed step 30 (its checkpoint is in the store), and is never heard
+    # from again.
+    committed = pathlib.Path(copy_checkpoint_uri(n1, job.pk, 30, generation=1).removeprefix("file://"))
+    committed.mkdir(parents=True)
+    (committed / "MANIFEST.json").write_text("{}")
+    report(n1, job.pk, "running", generation=1, step=30, cut={"action": "stop", "step": 30}, checkpoint_step=30)
+    worker()
+    report(n2, job.pk, "finished", generation=2, step=40)
+    worker()
+    move = Move.objects.get(job=job)
+    assert move.state == Move.State.ACTIVE and move.step == Move.Step.RELEASE  # waits for the old copy
+    job.refresh_from_db()
+    assert job.state == S.MIGRATING
+
+    assert move_step_run(move_id=move.pk, step="release", now=move.step_deadline + timedelta(seconds=1)) == ENDED
+
+    job.refresh_from_db()
+    move.refresh_from_db()
+    assert move.state == Move.State.TIMED_OUT and move.step == Move.Step.RELEASE
+    assert job.state == S.SUCCEEDED and job.generation == 2 and job.exit_code == 0
+    succeeded = JobEvent.objects.get(job=job, type=JobEvent.Type.STATE_CHANGED, to_state=S.SUCCEEDED)
+    assert "finished on n2 at step 40" in succeeded.reason and "never confirmed" in succeeded.reason
+    # The old copy, if it ever speaks, is fenced; the new one's repeated report changes nothing.
+    assert report(n1, job.pk, "running", generation=1, step=31)["rejected"][0]["fence"]
+    assert report(n2, job.pk, "finished", generation=2, step=40)["accepted"] == [job.pk]
+    job.refresh_from_db()
+    assert job.state == S.SUCCEEDED
+
+
+@pytest.mark.django_db
 def test_a_cancelled_job_ends_its_move(running, alice, team_a, job_spec):
     from jobs.services import job_cancel
 
@@ -430,3 +470,85 @@ def test_the_barrier_event_names_the_kind_of_cut_the_node_took(running, alice, t
     barrier = JobEvent.objects.filter(job=victim, type=JobEvent.Type.MOVE_STEP,
                                       extra_data__step="barrier").get()
     assert barrier.extra_data["cut_kind"] == "collective-boundary"
+
+
+@pytest.mark.django_db
+def test_growing_onto_another_host_relaunches_so_the_running_copy_stops_before_a_new_one_starts(
+        running, settings):
+    # Found by the chaos soak (bench/chaos_soak.py): an elastic job grown from its one node onto a
+    # device of a second node was applied as an in-place resize. The new node was told to run the
+    # job at once (as host 0 of 2) while the old node's copy, which agents never splice across
+    # hosts, ran on: two live copies of the job, and the old one's finished run was lost. A resize
+    # across hosts is now a cut, a checkpoint and a relaunch as a new generation (jobs/moves.py).
+    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 0.0
+    n1 = make_node("n1")
+    elastic, node = running("e", world_size=2, min_devices=1, devices=1)
+    assert node == n1
+    n2 = make_node("n2")
+
+    tick_run()  # grows into n2's idle device
+
+    elastic.refresh_from_db()
+    move = Move.objects.get(job=elastic, state=Move.State.ACTIVE)
+    assert elastic.state == S.RESIZING and move.kind == Move.Kind.RESIZE, (elastic.state, move.kind)
+    assert move_steps(move) == RELAUNCH_RESIZE_STEPS
+    assert elastic.device_count == 2 and elastic.generation == 2
+    assert (move.from_generation, move.to_generation) == (1, 2)
+    # Neither node runs the new copy before the old one stopped at a cut and checkpointed; the old
+    # node's copy is outdated (generation 1 < 2), so its agent stops it with a checkpoint.
+    for host in (n1, n2):
+        entries = {e["job_id"]: e for e in node_desired_state(node=host)["jobs"]}
+        assert entries[elastic.pk]["action"] == "wait" and entries[elastic.pk]["generation"] == 2, entries
+
+
+@pytest.mark.django_db
+def test_a_final_report_repeated_because_its_answer_was_lost_is_accepted_and_records_nothing(running):
+    # Found by the chaos soak: a partition cut the connection after the control plane had recorded
+    # the job's end. The agent reported "finished" again; it was fenced as a node holding no copy,
+    # so it never removed the finished job's checkpoint store (an orphan store folder).
+    n1 = make_node("n1")
+    job, _ = running("f")
+    first = report(n1, job.pk, "finished", generation=1, step=40)
+    job.refresh_from_db()
+    assert first["accepted"] == [job.pk] and job.state == S.SUCCEEDED
+    events = JobEvent.objects.filter(job=job).count()
+
+    again = report(n1, job.pk, "finished", generation=1, step=40)
+
+    assert again["accepted"] == [job.pk] and again["rejected"] == [], again
+    assert JobEvent.objects.filter(job=job).count() == events
+    # Only the node it ended on, and only its final generation and outcome, are heard so.
+    n2 = make_node("n2")
+    assert report(n2, job.pk, "finished", generation=1, step=40)["rejected"][0]["error"] == NOT_YOURS.format(
+        job_id=job.pk)
+    assert report(n1, job.pk, "finished", generation=2, step=40)["rejected"][0]["fence"] is True
+    assert report(n1, job.pk, "failed", generation=1, step=40)["rejected"][0]["fence"] is True
+
+
+@pytest.mark.django_db
+def test_a_final_report_that_loses_a_race_with_a_restart_is_deferred_then_fenced_not_accepted(running):
+    # Found by the chaos soak: the leader's "finished" was read against the job as running while the
+    # tick restarted it elsewhere from its checkpoint (its follower's node lost). The transition was
+    # refused, yet the report was accepted: the agent took its outcome as heard and removed the job's
+    # checkpoint store, and the new generation's restore was refused.
+    from jobs.workflows import _observed_apply
+    from protocol.node import JobReport
+
+    n1 = make_node("n1")
+    job, _ = running("r")
+    stale = Job.objects.get(pk=job.pk)  # what the report read, a moment before the tick's commit
+    n2 = make_node("n2")
+    devices = list(Accelerator.objects.filter(node=n2).values_list("id", flat=True))
+    decision = SimpleNamespace(reason="n1 is lost", code="restarted from checkpoint", from_checkpoint=True,
+                               restart_step=0, kept=0)
+    _migrate(job=job, decision=decision, devices=devices, region=n2.cluster.region_id, nodes=["n2"],
+             now=timezone.now())
+    finished = JobReport.from_dict({"job_id": job.pk, "state": "finished", "step": 40, "devices": 1,
+                                    "generation": 1})
+
+    assert _observed_apply(job=stale, entry=finished, current=True, node=n1, now=timezone.now()) == "deferred"
+    job.refresh_from_db()
+    assert job.state == S.MIGRATING and job.generation == 2
+    # Heard again at the next beat: a copy its node no longer holds, fenced (the agent keeps the store).
+    again = report(n1, job.pk, "finished", generation=1, step=40)
+    assert again["accepted"] == [] and again["rejected"][0]["fence"] is True, again

@@ -55,7 +55,8 @@ def migrate(job, to_node):
     """Moves `job` live to `to_node` as the defragmenter would (the job migrates, its generation + 1)."""
     job.refresh_from_db()
     devices = list(Accelerator.objects.filter(node=to_node).values_list("id", flat=True))
-    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None)
+    decision = SimpleNamespace(reason="defragment", code="defragment", from_checkpoint=False, restart_step=None,
+                               kept=0)
     _migrate(job=job, decision=decision, devices=devices, region=to_node.cluster.region_id,
              nodes=[to_node.hostname], now=timezone.now())
     job.refresh_from_db()

@@ -7,7 +7,9 @@ import os
 import pytest
 
 from runtime.store import (
+    ACCEPTED_FILE,
     MANIFEST_NAME,
+    MAX_UNCONFIRMED,
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMissing,
@@ -72,6 +74,40 @@ def test_it_keeps_only_the_newest_k(store, tmp_path):
     refs = [store.commit(src, step=s, engine="framework") for s in (1, 2, 3, 4, 5)]
     assert [r.step for r in store.list()] == [3, 4, 5]
     assert not refs[0].path.exists() and refs[-1].path.exists()
+
+
+def test_the_checkpoint_the_control_plane_accepted_and_all_after_it_are_never_pruned(tmp_path):
+    # A copy cut off from its agent commits on until it fences itself; the control plane restores
+    # elsewhere from the checkpoint it accepted last, which the agent names in the pin file.
+    pin = tmp_path / ACCEPTED_FILE
+    store = CheckpointStore(tmp_path / "store", keep=2, accepted_file=pin)
+    src = _make_tree(tmp_path / "s", {"f": b"1"})
+    first, second = (store.commit(src, step=s, engine="framework") for s in (1, 2))
+    pin.write_text(second.path.name + "\n")
+    for step in (3, 4, 5, 6):
+        store.commit(src, step=step, engine="framework")
+    assert [r.step for r in store.list()] == [2, 3, 4, 5, 6]  # 1 pruned; 2 (accepted) onwards kept
+    assert not first.path.exists()
+    # The pin moves on: retention drops what is older than the new accepted one, down to `keep`.
+    pin.write_text(store.list()[-1].path.name)
+    store.commit(src, step=7, engine="framework")
+    assert [r.step for r in store.list()] == [6, 7]
+
+
+def test_a_pin_that_never_moves_keeps_a_bounded_number_of_checkpoints(tmp_path):
+    pin = tmp_path / ACCEPTED_FILE
+    store = CheckpointStore(tmp_path / "store", keep=2, accepted_file=pin)
+    src = _make_tree(tmp_path / "s", {"f": b"1"})
+    accepted = store.commit(src, step=1, engine="framework")
+    pin.write_text(accepted.path.name)
+    for step in range(2, MAX_UNCONFIRMED + 6):
+        store.commit(src, step=step, engine="framework")
+    steps = [r.step for r in store.list()]
+    assert steps[0] == 1 and len(steps) == MAX_UNCONFIRMED + 1  # the accepted one and the newest 16
+    # A pin naming no checkpoint (garbage, or missing) is the plain rule: the newest `keep`.
+    pin.write_text("../../etc/passwd")
+    store.commit(src, step=100, engine="framework")
+    assert [r.step for r in store.list()] == [MAX_UNCONFIRMED + 5, 100]
 
 
 def test_latest_good_skips_a_corrupt_checkpoint_and_says_why(store, tmp_path, caplog):

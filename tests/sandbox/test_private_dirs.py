@@ -142,3 +142,19 @@ def test_a_killed_launchers_private_dev_shm_is_swept_and_a_live_ones_is_not(tmp_
             holder.kill()
             holder.wait()
     assert shm[1] in private_dirs.sweep()
+
+
+def test_what_a_job_writes_to_its_tmp_counts_against_its_workspace_quota(node_root):
+    """Its private /tmp is on the node's disk: without a bound, a job could fill the node's disk
+    through /tmp while its workspace stayed under quota."""
+    work, store = node_root / "w", node_root / "store"
+    node = make_node(work)
+    workspace(work, 131)
+    try:
+        node.reconcile([{**entry(131, store, script=SCRIPTS / "fill_tmp.py"), "workspace_quota_bytes": 100_000}])
+        ended = outcome(node, 131)
+    finally:
+        node.kill_all()
+    assert ended["state"] == "failed"
+    assert "workspace and /tmp hold" in ended["error"] and "above its quota of 97.7 KiB" in ended["error"], ended
+    assert "/tmp/huge.bin (195.3 KiB)" in ended["error"], ended

@@ -1,5 +1,6 @@
 """Gang placement: all devices at once, packed node > rack > cluster > region, never across regions."""
 import pytest
+from plans import nodes_of
 
 import scheduler
 from scheduler import NODE_DRAINING, PREMIUM, SPREAD_NODE, Start
@@ -9,10 +10,6 @@ from scheduler.builders import make_fleet, make_job, make_snapshot
 def starts(snap):
     plan = scheduler.schedule(snap)
     return {snap.jobs.name(d.job): d for d in plan.decisions if isinstance(d, Start)}, plan
-
-
-def nodes_of(snap, devices):
-    return sorted({int(snap.accelerators.node[d]) for d in devices})
 
 
 def regions_of(snap, devices):

@@ -2,18 +2,13 @@
 starts that do not wait for a victim's checkpoint. Each case fails on the policy before them."""
 import numpy as np
 import pytest
+from plans import decisions
 
 import scheduler
 from scheduler import BASIC, PREMIUM, STANDARD, Preempt, Start, placement_cost
 from scheduler.builders import make_fleet, make_job, make_snapshot
 
 NOW = 100_000.0
-
-
-def decisions(snap):
-    plan = scheduler.schedule(snap)
-    name = snap.jobs.name
-    return [(d.kind, name(d.job)) for d in plan.decisions], plan
 
 
 # --- attained-service queues (2D-LAS) within a tier ---------------------------------------

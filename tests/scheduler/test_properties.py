@@ -45,6 +45,7 @@ from scheduler import (
     Snapshot,
     Start,
     Teams,
+    placement_cost,
 )
 from scheduler.snapshot import allowed_counts
 
@@ -129,7 +130,10 @@ def snapshots(draw):
                                      premium_reserve_devices=int(rng.choice([0, 0, 1, 2])),
                                      premium_reserve_fraction=float(rng.choice([0.0, 0.01, 0.1])),
                                      full_size_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))],
-                                     packed_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))])
+                                     packed_tiers=((PREMIUM,), ())[int(rng.integers(0, 2))],
+                                     floor_speed_tiers=((STANDARD,), ())[int(rng.integers(0, 2))],
+                                     soonest_room_tiers=((PREMIUM, STANDARD), (PREMIUM,), ())[
+                                         int(rng.integers(0, 3))])
     return Snapshot(accelerators=acc, jobs=jobs, teams=teams, now=now,
                     type_names=["H100-80GB", "A100-40GB"][:n_types], node_status=node_status,
                     region_drained=drained, settings=policy_settings).validate()
@@ -201,6 +205,12 @@ def check_tick(snap, plan):
         need = min(allowed_counts(int(jobs.world_size[j]), int(jobs.min_devices[j])))
         if jobs.tier[j] in s.full_size_tiers:
             need = int(jobs.world_size[j])  # its tier starts only at W
+        elif jobs.tier[j] in s.floor_speed_tiers:  # only at counts that keep its SLA floor speed
+            fast = min(placement_cost.counts_at_speed(
+                int(jobs.world_size[j]), allowed_counts(int(jobs.world_size[j]), int(jobs.min_devices[j])),
+                s.standard_sla_floor))
+            capacity = np.bincount(acc.region[usable & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
+            need = fast if fast <= capacity.max(initial=0) else need  # else it may run below its floor
         per_region = np.bincount(acc.region[free & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
         usable_region = np.bincount(acc.region[usable & (acc.type_id == jobs.type_id[j])], minlength=n_regions)
         kept = np.maximum(s.premium_reserve_devices,  # idle for Premium only

@@ -1,6 +1,7 @@
 """Work conservation (grow), defragmentation, and drain-and-move, each on a small fleet."""
 import numpy as np
 import pytest
+from plans import nodes_of
 
 import scheduler
 from scheduler import (
@@ -187,6 +188,72 @@ def test_a_failed_device_restarts_its_job():
     move = by_name(snap, plan_of(snap), Migrate)["a"]
     assert move.from_checkpoint and "device 1 failed" in move.reason
     assert 1 not in move.devices
+
+
+# --- partial migration: a job spanning nodes keeps its healthy nodes' devices (issue 14) -------
+def four_nodes(**region):
+    """One region of 4 nodes x 4 devices (nodes 0-3: devices 0-3, 4-7, 8-11, 12-15)."""
+    return make_snapshot().fleet(make_fleet().region("eu", **{"nodes": 4, "devices": 4, **region})).now(NOW)
+
+
+@pytest.mark.parametrize("status, from_checkpoint", [
+    pytest.param(NODE_DRAINING, False, id="draining-live"),
+    pytest.param(NODE_LOST, True, id="lost-from-checkpoint"),
+])
+def test_a_job_on_two_nodes_keeps_its_first_nodes_devices_when_the_second_leaves(status, from_checkpoint):
+    # W = 8 on nodes 0 + 1; node 1 leaves; nodes 2 and 3 are free. The whole-job search took 2 + 3.
+    snap = (four_nodes().node(1, status)
+            .job(make_job("wide").ranks(8).on_devices(*range(8)).checkpoint(NOW - 30, step=40)).build())
+    move = by_name(snap, plan_of(snap), Migrate)["wide"]
+    assert move.from_checkpoint is from_checkpoint
+    assert move.devices[:4] == (0, 1, 2, 3) and len(move.devices) == 8  # node 0's devices, kept
+    assert nodes_of(snap, move.devices) == [0, 2]  # node 1's four replaced by one whole node
+    assert move.kept == 4
+    assert "keeping 4 it holds on node 0" in move.reason
+
+
+def test_a_partial_move_keeps_the_device_type_and_the_jobs_count():
+    # Node 1's 4 devices are replaced by 4 on one node; the free 2 on node 2 (held half by "small")
+    # would spread the job over three nodes, so node 3 is taken.
+    snap = (four_nodes().node(1, NODE_DRAINING)
+            .job(make_job("wide").ranks(8).on_devices(*range(8)))
+            .job(make_job("small").ranks(2).on_devices(8, 9)).build())
+    move = by_name(snap, plan_of(snap), Migrate)["wide"]
+    assert nodes_of(snap, move.devices) == [0, 3] and move.kept == 4
+
+
+def test_a_failed_device_is_replaced_on_the_same_node():
+    snap = (four_nodes().unhealthy(1).job(make_job("a").ranks(2).on_devices(0, 1)).build())
+    move = by_name(snap, plan_of(snap), Migrate)["a"]
+    assert move.devices == (0, 2) and move.kept == 1 and move.from_checkpoint
+
+
+def test_with_no_partial_place_in_its_cluster_the_whole_job_moves():
+    # max spread "cluster": cluster 0 (nodes 0, 1) has no free device besides the job's; cluster 1
+    # (nodes 2, 3) is free. A partial move would cross clusters: the whole job moves there.
+    snap = (make_snapshot().fleet(make_fleet().region("eu", clusters=2, nodes=2, devices=4)).now(NOW)
+            .node(1, NODE_DRAINING)
+            .job(make_job("wide").ranks(8).spread(scheduler.SPREAD_CLUSTER).on_devices(*range(8))).build())
+    move = by_name(snap, plan_of(snap), Migrate)["wide"]
+    assert nodes_of(snap, move.devices) == [2, 3] and move.kept == 0
+
+
+@pytest.mark.parametrize("tier, expected_nodes", [
+    pytest.param(BASIC, [0, 2, 3], id="basic-takes-a-spread-partial-place"),
+    pytest.param(PREMIUM, None, id="premium-takes-no-spread-place-and-waits"),
+])
+def test_a_partial_move_follows_the_packing_rules(tier, expected_nodes):
+    # Nodes 2 and 3 have 2 free devices each: node 1's 4 fit only over two nodes (3 in all, where
+    # 8 devices need 2): the spread cost. A Premium job does not take it, nor a whole-job place
+    # (there is none); it keeps running on the draining node and is tried again next tick.
+    snap = (four_nodes().node(1, NODE_DRAINING)
+            .job(make_job("wide").tier(tier).ranks(8).on_devices(*range(8)))
+            .job(make_job("x").ranks(2).on_devices(8, 9)).job(make_job("y").ranks(2).on_devices(12, 13)).build())
+    moves = by_name(snap, plan_of(snap), Migrate)
+    if expected_nodes is None:
+        assert "wide" not in moves
+    else:
+        assert nodes_of(snap, moves["wide"].devices) == expected_nodes and moves["wide"].kept == 4
 
 
 def test_lost_nodes_free_nothing_and_their_devices_stay_unused():

@@ -294,15 +294,18 @@ def test_a_pinned_preemptor_shrinks_elastic_victims_on_its_node_first(running, j
 
 # --- which elastic victim is shrunk: the preemptor starts only when the victim's cut is done ---
 SHRINK_ORDER_CASES = [
-    pytest.param(PREMIUM, "small-ckpt", id="premium-shrinks-the-smallest-checkpoint"),
-    pytest.param(STANDARD, "big-release", id="standard-shrinks-the-biggest-release"),
+    pytest.param(PREMIUM, {}, "small-ckpt", id="premium-shrinks-the-smallest-checkpoint"),
+    # Standard is in soonest_room_tiers by default: like Premium, it starts when the cut is done
+    pytest.param(STANDARD, {}, "small-ckpt", id="standard-shrinks-the-smallest-checkpoint"),
+    pytest.param(STANDARD, {"soonest_room_tiers": (PREMIUM,)}, "big-release",
+                 id="standard-out-of-soonest-room-tiers-shrinks-the-biggest-release"),
 ]
 
 
-@pytest.mark.parametrize("tier, shrunk", SHRINK_ORDER_CASES)
-def test_which_elastic_victim_is_shrunk(tier, shrunk):
+@pytest.mark.parametrize("tier, knobs, shrunk", SHRINK_ORDER_CASES)
+def test_which_elastic_victim_is_shrunk(tier, knobs, shrunk):
     # 8 devices: "big-release" (W=4, can give 3) and "small-ckpt" (W=4, min 2, can give 2) fill it
-    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=8)).now(NOW)
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=8)).now(NOW).settings(**knobs)
             .job(old(make_job("big-release").ranks(4).elastic(1).running(4).checkpoint(NOW - 10, size_bytes=8 * 10**9)))
             .job(old(make_job("small-ckpt").ranks(4).elastic(2).running(4).checkpoint(NOW - 10, size_bytes=10**9)))
             .job(make_job("new").tier(tier).ranks(1)).build())

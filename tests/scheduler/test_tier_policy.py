@@ -9,30 +9,35 @@ NOW = 10_000.0
 DEFAULT = object()  # PolicySettings' own default: Premium only
 
 
-def half_busy(tier, full_size_tiers):
+def half_busy(tier, full_size_tiers, floor_speed_tiers=DEFAULT):
     """One node of 4; a Premium job (never a victim) holds 2; an elastic job of W=4 (min 1) of
     `tier` arrives: 2 devices are free, W is not."""
     builder = (make_snapshot().fleet(make_fleet().region("eu", nodes=1, devices=4)).now(NOW)
                .job(make_job("holder").tier(PREMIUM).ranks(2).running(2).started(0.0))
                .job(make_job("new").tier(tier).ranks(4).elastic(1)))
-    if full_size_tiers is not DEFAULT:
-        builder.settings(full_size_tiers=full_size_tiers)
+    settings = {name: value for name, value in (("full_size_tiers", full_size_tiers),
+                                                ("floor_speed_tiers", floor_speed_tiers)) if value is not DEFAULT}
+    if settings:
+        builder.settings(**settings)
     return builder.build()
 
 
 TIER_CASES = [
     pytest.param(PREMIUM, DEFAULT, None, id="premium-waits-for-W-by-default"),
-    pytest.param(STANDARD, DEFAULT, 2, id="standard-starts-shrunk-by-default"),
+    # 2 of W=4 runs at 47.5%, under Standard's 70% floor (PolicySettings.floor_speed_tiers)
+    pytest.param(STANDARD, DEFAULT, None, id="standard-waits-for-its-floor-speed-by-default"),
+    pytest.param(STANDARD, DEFAULT, 2, (), id="standard-starts-shrunk-when-no-tier-keeps-its-floor-speed"),
     pytest.param(BASIC, DEFAULT, 2, id="basic-starts-shrunk-by-default"),
-    pytest.param(PREMIUM, (), 2, id="premium-starts-shrunk-when-no-tier-is-full-size"),
-    pytest.param(STANDARD, (PREMIUM, STANDARD), None, id="standard-waits-when-its-tier-is-full-size"),
-    pytest.param(BASIC, (PREMIUM, STANDARD), 2, id="basic-still-starts-shrunk"),
+    pytest.param(PREMIUM, (), 2, DEFAULT, id="premium-starts-shrunk-when-no-tier-is-full-size"),
+    pytest.param(STANDARD, (PREMIUM, STANDARD), None, (), id="standard-waits-when-its-tier-is-full-size"),
+    pytest.param(BASIC, (PREMIUM, STANDARD), 2, DEFAULT, id="basic-still-starts-shrunk"),
 ]
 
 
-@pytest.mark.parametrize("tier, full_size_tiers, started_on", TIER_CASES)
-def test_which_tiers_start_only_at_full_size(tier, full_size_tiers, started_on):
-    snap = half_busy(tier, full_size_tiers)
+@pytest.mark.parametrize("tier, full_size_tiers, started_on, floor_speed_tiers",
+                         [p if len(p.values) == 4 else pytest.param(*p.values, DEFAULT, id=p.id) for p in TIER_CASES])
+def test_which_tiers_start_only_at_full_size(tier, full_size_tiers, started_on, floor_speed_tiers):
+    snap = half_busy(tier, full_size_tiers, floor_speed_tiers)
     plan = scheduler.schedule(snap)
     scheduler.apply_plan(snap, plan, NOW + 1).validate()
     starts = {snap.jobs.name(d.job): len(d.devices) for d in plan.of_kind(Start)}
@@ -76,6 +81,10 @@ RESERVE_CASES = [
     pytest.param(1, [make_job("b4").ranks(4)], {"b4": (4, 5, 6, 7)}, None, id="a-gang-keeps-its-whole-node"),
     pytest.param(5, [make_job("b1").ranks(1), make_job("p1").tier(PREMIUM).ranks(1)], {"p1": (3,)},
                  "kept for Premium arrivals", id="all-idle-reserved-basic-waits-premium-starts"),
+    # Premium jobs in a row share one opening of the reserve; the Basic job after them still waits.
+    pytest.param(5, [make_job("b1").ranks(1), make_job("p1").tier(PREMIUM).ranks(1),
+                     make_job("p2").tier(PREMIUM).ranks(1)], {"p1": (3,), "p2": (4,)},
+                 "kept for Premium arrivals", id="premium-jobs-in-a-row-then-basic-waits"),
 ]
 
 

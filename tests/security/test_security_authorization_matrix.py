@@ -78,6 +78,10 @@ MATRIX = [
     ("GET", "/api/fleet/utilization/", None, users(200)),
     ("GET", "/api/nodes/", None, users(200)),
     ("GET", "/api/nodes/{node_1}/", None, users(200)),
+    # draining is fleet-wide: global admins only, a team's capacity manager included in the 403s
+    ("POST", "/api/nodes/{node_1}/drain/", {"reason": "replace GPU 3"},
+     users(403, admin=200)),
+    ("POST", "/api/nodes/{node_1}/undrain/", {}, users(403, admin=200)),
     ("GET", "/api/accelerators/", None, users(200)),
     # public: the schema and the token endpoint (which checks the password it is given)
     ("GET", "/api/schema/", None, users(200, anonymous=200, nodes=200)),

@@ -6,8 +6,9 @@ from jobs.bundles import artifacts_collect
 
 class Command(BaseCommand):
     help = ("Delete code bundles no job references, MERIDIAN_BUNDLE_GRACE_DAYS after their upload, and the saved "
-            "outputs of jobs that ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS ago (what Celery beat runs "
-            "hourly). Never a live job's, nor a recent one's.")
+            "outputs of jobs that ended more than MERIDIAN_OUTPUTS_RETENTION_DAYS ago, and the checkpoint stores no "
+            "agent removed (what Celery beat runs every MERIDIAN_ARTIFACTS_GC_SECONDS). Never a live job's, nor a "
+            "recent one's.")
 
     def add_arguments(self, parser):
         parser.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
@@ -20,5 +21,7 @@ class Command(BaseCommand):
             self.stdout.write(f"{verb} bundle {item}")
         for job_id in deleted["outputs"]:
             self.stdout.write(f"{verb} the saved outputs of job {job_id}")
-        self.stdout.write(f"{verb} {len(deleted['bundles'])} bundle(s) and the outputs of "
-                          f"{len(deleted['outputs'])} job(s)")
+        for job_id in deleted["stores"]:
+            self.stdout.write(f"{verb} the checkpoint store of job {job_id}")
+        self.stdout.write(f"{verb} {len(deleted['bundles'])} bundle(s), the outputs of "
+                          f"{len(deleted['outputs'])} job(s) and the checkpoint stores of {len(deleted['stores'])}")

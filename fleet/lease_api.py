@@ -1,0 +1,231 @@
+"""POST /api/agent/lease/: the agents' liveness beat, answered before Django and DRF (portal/asgi.py).
+
+A full heartbeat through Django/DRF costs ~10-34 ms of web-process CPU (auth, parsing, the report,
+the desired state; docs/devlog/2026-12-01/scale-tick.md). A node that has nothing to report only
+needs to say "alive" and learn whether its desired state changed; this raw ASGI handler does that:
+
+    Authorization: Node <token>     body {"v": 1, "node_id": N}  (protocol.node.Lease, <= MAX_BODY_BYTES)
+    -> 200 LeaseAnswer {node_id, desired_serial, lease_seconds, full_heartbeat_seconds, lost_after_seconds}
+
+  * The token is checked against a per-process map of token digests (SHA-256, as stored in
+    Node.agent_token_hash; node tokens are 256-bit random, so a digest lookup is safe) reloaded from
+    the database every MERIDIAN_LEASE_TOKEN_CACHE_SECONDS: a revoked or rotated token is refused
+    within that delay at most (the full heartbeat, register and logs refuse it at once). A digest not
+    in the map is looked up once (a node enrolled since the reload) and a miss is remembered until
+    the next reload, so a flood of bad tokens costs no database queries.
+  * The lease is one pipelined Redis round trip: HSET meridian:lease <node> <now>, HGET
+    meridian:desired-serial <node> (fleet/leases.py).
+  * It proves liveness only: no report, no telemetry, no change of desired state, no way back from
+    "lost" (that takes a full heartbeat). Fencing is unchanged.
+
+Answers: 401 (no, unknown or revoked token; WWW-Authenticate: Node), 403 (node_id is another
+node's), 400 (not JSON, or not a Lease: names the field), 405 (not POST), 413 (body too large),
+503 (Redis or the database unreachable: the agent sends a full heartbeat instead). Never a 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import weakref
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from fleet.leases import DESIRED_SERIAL_KEY, LEASE_KEY
+from observability import metrics
+from protocol import ProtocolError
+from protocol.node import Lease, LeaseAnswer
+
+logger = logging.getLogger(__name__)
+
+LEASE_PATH = "/api/agent/lease/"
+MAX_BODY_BYTES = 1024
+MISSES_MAX = 100_000  # remembered unknown digests per process; beyond it the memory starts over
+
+
+def _connection_fresh() -> None:
+    """Drops this thread's database connection if it is broken or past its age, as Django does
+    around each request (these queries run between requests). Not inside a transaction (a test's)."""
+    from django.db import close_old_connections, connection
+
+    if not connection.in_atomic_block:
+        close_old_connections()
+
+
+class NodeTokenDigests:
+    """The per-process map {token digest: node id}, reloaded whole every `ttl` seconds."""
+
+    def __init__(self):
+        self.digests: dict[str, int] = {}
+        self.misses: set[str] = set()
+        self.loaded_at: float | None = None
+        self.lock = asyncio.Lock()
+
+    @staticmethod
+    def _load() -> dict[str, int]:
+        from fleet.models import Node
+
+        _connection_fresh()
+        return dict(Node.objects.exclude(agent_token_hash="").values_list("agent_token_hash", "pk"))
+
+    @staticmethod
+    def _lookup(digest: str) -> int | None:
+        from fleet.models import Node
+
+        _connection_fresh()
+        return Node.objects.filter(agent_token_hash=digest).values_list("pk", flat=True).first()
+
+    async def node_of(self, digest: str, *, now: float, ttl: float) -> int | None:
+        """Returns the node whose token has `digest`, or None (unknown or revoked)."""
+        if self.loaded_at is None or now - self.loaded_at >= ttl:
+            async with self.lock:
+                if self.loaded_at is None or now - self.loaded_at >= ttl:
+                    # thread_sensitive: the ORM runs in Django's own sync thread, as its views do
+                    self.digests = await sync_to_async(self._load)()
+                    self.misses = set()
+                    self.loaded_at = now
+        node_id = self.digests.get(digest)
+        if node_id is None and digest not in self.misses:
+            node_id = await sync_to_async(self._lookup)(digest)
+            if node_id is None:
+                if len(self.misses) >= MISSES_MAX:
+                    self.misses.clear()
+                self.misses.add(digest)
+            else:
+                self.digests[digest] = node_id
+        return node_id
+
+
+_tokens = NodeTokenDigests()
+# {event loop: {Redis URL: client}}: an asyncio client belongs to the loop it was made on.
+_redis_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _redis():
+    """Returns this event loop's asyncio Redis client for settings.REDIS_URL."""
+    import redis.asyncio
+
+    clients = _redis_clients.setdefault(asyncio.get_running_loop(), {})
+    client = clients.get(settings.REDIS_URL)
+    if client is None:
+        client = clients[settings.REDIS_URL] = redis.asyncio.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=2.0, socket_connect_timeout=2.0)
+    return client
+
+
+def tokens_forget() -> None:
+    """Drops this process's token map (tests; the next lease reloads it)."""
+    global _tokens
+    _tokens = NodeTokenDigests()
+
+
+async def _answer(send, status: int, body: dict, *, headers=()) -> None:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": payload})
+    metrics.lease_observed(status=status)
+
+
+async def _body(scope, receive) -> bytes | None:
+    """Returns the request body, or None when it is (or says it will be) over MAX_BODY_BYTES."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                if int(value) > MAX_BODY_BYTES:
+                    return None
+            except ValueError:
+                return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _token(scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            parts = value.split()
+            if len(parts) == 2 and parts[0].lower() == b"node":
+                return parts[1].decode("latin-1")
+            return None
+    return None
+
+
+async def lease_app(scope, receive, send) -> None:
+    """The ASGI application of POST /api/agent/lease/ (see the module doc)."""
+    if scope["method"] != "POST":
+        await _answer(send, 405, {"detail": "use POST"}, headers=[(b"allow", b"POST")])
+        return
+    token = _token(scope)
+    body = await _body(scope, receive)
+    if body is None:
+        await _answer(send, 413, {"detail": f"a lease body is at most {MAX_BODY_BYTES} bytes"})
+        return
+    if not token:
+        await _answer(send, 401, {"detail": "send Authorization: Node <node token>"},
+                      headers=[(b"www-authenticate", b"Node")])
+        return
+    now = time.time()
+    digest = hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
+    try:
+        node_id = await _tokens.node_of(digest, now=time.monotonic(),
+                                        ttl=settings.MERIDIAN_LEASE_TOKEN_CACHE_SECONDS)
+    except Exception as exc:  # noqa: BLE001 - the database is down: the agent falls back, no 500
+        logger.warning("lease: node tokens could not be read: %s", exc)
+        await _answer(send, 503, {"detail": "node tokens unavailable; send a full heartbeat"})
+        return
+    if node_id is None:
+        await _answer(send, 401, {"detail": "unknown or revoked node token; register the agent again "
+                                            "with the enrollment token"}, headers=[(b"www-authenticate", b"Node")])
+        return
+    try:
+        lease = Lease.from_dict(json.loads(body))
+    except (ValueError, UnicodeDecodeError) as exc:
+        problem = exc.problem if isinstance(exc, ProtocolError) else "the body is not JSON"
+        field = (exc.field if isinstance(exc, ProtocolError) else "") or "non_field_errors"
+        detail = problem if field == "non_field_errors" else f"{field}: {problem}"
+        await _answer(send, 400, {"detail": detail, field: [problem]})
+        return
+    if lease.node_id != node_id:
+        await _answer(send, 403, {"detail": "a node may lease only for itself"})
+        return
+    try:
+        pipe = _redis().pipeline(transaction=False)
+        pipe.hset(LEASE_KEY, node_id, repr(now))
+        pipe.hget(DESIRED_SERIAL_KEY, node_id)
+        _, serial = await pipe.execute()
+    except Exception as exc:  # noqa: BLE001 - Redis down or restarting: the agent falls back, no 500
+        logger.warning("lease: Redis unreachable: %s", exc)
+        await _answer(send, 503, {"detail": "the lease store is unreachable; send a full heartbeat"})
+        return
+    answer = LeaseAnswer(node_id=node_id, desired_serial=int(serial or 0),
+                         lease_seconds=float(settings.MERIDIAN_AGENT_HEARTBEAT_SECONDS),
+                         full_heartbeat_seconds=float(settings.MERIDIAN_AGENT_FULL_HEARTBEAT_SECONDS),
+                         lost_after_seconds=float(settings.MERIDIAN_NODE_LOST_AFTER_SECONDS))
+    await _answer(send, 200, answer.to_dict())
+
+
+class LeaseRouter:
+    """ASGI middleware: POST /api/agent/lease/ goes to lease_app, everything else to `app` (Django)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == LEASE_PATH:
+            await lease_app(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

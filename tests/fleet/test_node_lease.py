@@ -1,0 +1,196 @@
+"""The agents' liveness lease (fleet/lease_api.py, answered before Django by portal.asgi) and what
+reads it: the lost-node sweep, the batch writer of Node.last_heartbeat, the desired serial."""
+import json
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import HttpCommunicator
+from django.utils import timezone
+
+from fleet import leases
+from fleet.lease_api import LEASE_PATH, MAX_BODY_BYTES, tokens_forget
+from fleet.models import Node
+from fleet.services import fleet_generate, node_token_issue, node_token_revoke
+from jobs.services import node_lost_after, node_lost_sweep
+from protocol.node import LeaseAnswer
+
+
+@pytest.fixture
+def lease_redis(redis_url, settings):
+    """The real Redis of the tests, with the lease keys empty; every process cache forgotten."""
+    settings.REDIS_URL = redis_url
+    settings.MERIDIAN_LEASE_TOKEN_CACHE_SECONDS = 60.0
+    leases._down_until = 0.0
+    store = leases.lease_store()
+    store.delete(leases.LEASE_KEY, leases.DESIRED_SERIAL_KEY, leases.DESIRED_NODES_KEY)
+    tokens_forget()
+    yield store
+    store.delete(leases.LEASE_KEY, leases.DESIRED_SERIAL_KEY, leases.DESIRED_NODES_KEY)
+    tokens_forget()
+
+
+@pytest.fixture
+def nodes(db):
+    """Two enrolled nodes, each with its own token: [(node, token), (node, token)]."""
+    fleet_generate(regions=1, clusters=1, nodes=2, devices=2, accelerator_type="CPU", prefix="l")
+    return [(node, node_token_issue(node=node)) for node in Node.objects.order_by("hostname")]
+
+
+def lease(body=None, *, token=None, method="POST", raw=None, headers=()):
+    """Returns (status, decoded body) of one request to the ASGI application (portal.asgi)."""
+    from portal.asgi import application
+
+    payload = raw if raw is not None else json.dumps(body).encode()
+    sent = [*([(b"authorization", f"Node {token}".encode())] if token else []), *headers]
+    communicator = HttpCommunicator(application, method, LEASE_PATH, body=payload, headers=sent)
+    response = async_to_sync(communicator.get_response)(timeout=10)
+    return response["status"], json.loads(response["body"])
+
+
+def test_a_lease_answers_the_nodes_serial_and_records_it_in_redis(lease_redis, nodes):
+    (node, token), _ = nodes
+    status, body = lease({"node_id": node.pk}, token=token)
+
+    assert status == 200, body
+    answer = LeaseAnswer.from_dict(body)
+    assert answer.node_id == node.pk and answer.desired_serial == 0
+    assert answer.full_heartbeat_seconds > answer.lease_seconds > 0
+    assert leases.leases_read(node_ids=[node.pk]).keys() == {node.pk}
+
+
+def test_a_lease_without_with_a_wrong_or_a_revoked_token_is_a_401(lease_redis, nodes, settings):
+    (node, token), _ = nodes
+    assert lease({"node_id": node.pk})[0] == 401
+    assert lease({"node_id": node.pk}, token="not-a-token")[0] == 401
+    assert lease({"node_id": node.pk}, token=token)[0] == 200
+    node_token_revoke(node=node)
+    # within the token map's reload period the revoked token still leases (the documented delay) ...
+    assert lease({"node_id": node.pk}, token=token)[0] == 200
+    # ... and not after it
+    settings.MERIDIAN_LEASE_TOKEN_CACHE_SECONDS = 0.0
+    status, body = lease({"node_id": node.pk}, token=token)
+    assert status == 401 and "revoked" in body["detail"]
+
+
+def test_a_lease_for_another_node_is_a_403(lease_redis, nodes):
+    (node, token), (other, _) = nodes
+    status, body = lease({"node_id": other.pk}, token=token)
+    assert status == 403 and "itself" in body["detail"]
+    assert leases.leases_read(node_ids=[node.pk, other.pk]) == {}
+
+
+@pytest.mark.parametrize("raw, status, says", [
+    (b"x" * (MAX_BODY_BYTES + 1), 413, "at most"),
+    (b"not json", 400, "JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"{}", 400, "node_id"),
+    (b'{"node_id": "7"}', 400, "node_id"),
+    (b'{"node_id": 0}', 400, "node_id"),
+    (b'{"node_id": 1, "v": 99}', 400, "newer"),
+], ids=["too-large", "not-json", "a-list", "no-node", "node-as-text", "node-zero", "newer-protocol"])
+def test_a_bad_lease_body_is_a_4xx_naming_the_problem(lease_redis, nodes, raw, status, says):
+    (node, token), _ = nodes
+    answered, body = lease(token=token, raw=raw)
+    assert answered == status and says in body["detail"], body
+
+
+def test_a_lease_that_says_it_is_too_large_is_refused_unread_and_a_get_is_a_405(lease_redis, nodes):
+    (node, token), _ = nodes
+    assert lease({"node_id": node.pk}, token=token, headers=[(b"content-length", b"99999")])[0] == 413
+    assert lease({"node_id": node.pk}, token=token, method="GET")[0] == 405
+
+
+def test_a_lease_while_redis_is_down_is_a_503_not_a_500(lease_redis, nodes, settings, tmp_path):
+    (node, token), _ = nodes
+    settings.REDIS_URL = f"unix://{tmp_path}/no-redis.sock?db=0"
+    status, body = lease({"node_id": node.pk}, token=token)
+    assert status == 503 and "full heartbeat" in body["detail"]
+
+
+def test_a_node_that_only_leases_stays_alive_and_one_whose_lease_stops_is_lost(lease_redis, nodes):
+    (leasing, token), (silent, _) = nodes
+    long_ago = timezone.now() - node_lost_after() - timedelta(seconds=60)
+    Node.objects.update(last_heartbeat=long_ago)  # both last sent a full heartbeat long ago
+
+    assert lease({"node_id": leasing.pk}, token=token)[0] == 200
+    assert node_lost_sweep(now=timezone.now()) == [silent.hostname]
+    assert Node.objects.get(pk=leasing.pk).state == Node.State.READY
+
+    # the lease stops: once it is older than the limit, the node is lost too
+    later = timezone.now() + node_lost_after() + timedelta(seconds=1)
+    assert node_lost_sweep(now=later) == [leasing.hostname]
+    assert Node.objects.get(pk=leasing.pk).state == Node.State.LOST
+
+
+def test_the_flush_writes_every_lease_to_last_heartbeat_in_one_batch_and_never_back(
+        lease_redis, nodes, django_assert_max_num_queries):
+    (first, token_1), (second, token_2) = nodes
+    assert lease({"node_id": first.pk}, token=token_1)[0] == 200
+    assert lease({"node_id": second.pk}, token=token_2)[0] == 200
+    future = timezone.now() + timedelta(hours=1)
+    Node.objects.filter(pk=second.pk).update(last_heartbeat=future)  # a full heartbeat newer than the lease
+
+    with django_assert_max_num_queries(1):
+        updated = leases.leases_flush(now=timezone.now())
+
+    assert updated == 1
+    leased_at = leases.leases_read(node_ids=[first.pk])[first.pk]
+    assert Node.objects.get(pk=first.pk).last_heartbeat == leased_at
+    assert Node.objects.get(pk=second.pk).last_heartbeat == future
+
+
+def test_a_lease_never_brings_a_lost_node_back(lease_redis, nodes):
+    (node, token), _ = nodes
+    Node.objects.filter(pk=node.pk).update(state=Node.State.LOST, last_heartbeat=timezone.now() - timedelta(hours=1))
+    assert lease({"node_id": node.pk}, token=token)[0] == 200
+    leases.leases_flush(now=timezone.now())
+    node.refresh_from_db()
+    assert node.state == Node.State.LOST and node.last_heartbeat > timezone.now() - timedelta(minutes=1)
+
+
+def test_marking_a_node_lost_bumps_its_desired_serial(lease_redis, nodes, django_capture_on_commit_callbacks):
+    (node, token), _ = nodes
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    with django_capture_on_commit_callbacks(execute=True):
+        node_lost_sweep(now=timezone.now())
+    assert leases.desired_serial_of(node_id=node.pk) == 1
+    status, body = lease({"node_id": node.pk}, token=token)
+    assert status == 200 and body["desired_serial"] == 1
+
+
+def test_placing_and_cancelling_a_job_bumps_the_serial_of_its_node_only(
+        lease_redis, nodes, settings, alice, team_a, submit, django_capture_on_commit_callbacks):
+    from jobs.models import Replica
+    from jobs.services import job_cancel
+    from jobs.tick import tick_run
+
+    settings.MERIDIAN_MIN_RUN_SECONDS = 0.0
+    Node.objects.update(last_heartbeat=timezone.now())
+    job = submit(team_a, alice, world_size=2, min_devices=2)
+    with django_capture_on_commit_callbacks(execute=True):
+        tick_run()
+    placed_on = set(Replica.objects.filter(job=job).values_list("device__node_id", flat=True))
+    assert len(placed_on) == 1
+    (here,) = placed_on
+    (elsewhere,) = {n.pk for n, _ in nodes} - placed_on
+    serial = leases.desired_serial_of(node_id=here)
+    assert serial >= 1 and leases.desired_serial_of(node_id=elsewhere) == 0
+
+    # cancelling releases the replicas: the node the job left is told all the same
+    with django_capture_on_commit_callbacks(execute=True):
+        job_cancel(job=job, by=alice)
+    assert not Replica.objects.filter(job=job, device__isnull=False).exists()
+    assert leases.desired_serial_of(node_id=here) > serial
+    assert leases.desired_serial_of(node_id=elsewhere) == 0
+
+
+def test_a_full_heartbeat_answers_the_serial_it_read_before_building_the_desired_state(lease_redis, nodes):
+    from rest_framework.test import APIClient
+
+    (node, token), _ = nodes
+    leases.desired_serials_bump(node_ids=[node.pk])
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    response = client.post("/api/agent/heartbeat/", {"jobs": []}, format="json")
+    assert response.status_code == 200 and response.json()["desired_serial"] == 1

@@ -1,0 +1,65 @@
+"""A job over several hosts: each host's ranks are pinned to the devices the control plane gave that
+host (issue 14 §3). Before, the launcher's device map was job-wide (8 devices over 2 hosts), so a
+host's 4 ranks were spread over its affinity by the job's numbering, and the agent launched without
+--device-indices at all ("not pinned", logged per launch)."""
+import json
+
+import pytest
+
+from protocol.launch import SandboxSpec
+from runtime import launcher
+from runtime.splice import device_map
+
+pytestmark = pytest.mark.runtime
+
+
+def test_a_hosts_map_lists_only_its_own_devices_under_their_job_wide_numbers():
+    mapping = device_map(world_size=8, devices=8, nodes=2, node_rank=1,
+                         device_cores=[(8, 9), (10, 11), (12, 13), (14, 15)])
+    assert mapping["devices"] == {"4": [8, 9], "5": [10, 11], "6": [12, 13], "7": [14, 15]}
+    assert mapping["ranks"] == {"4": 4, "5": 5, "6": 6, "7": 7}
+    # spliced: W = 8 on 4 devices over 2 hosts, 2 devices and 4 ranks per host
+    spliced = device_map(world_size=8, devices=4, nodes=2, node_rank=0, device_cores=[(0,), (1,)])
+    assert spliced == {"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 0, "2": 1, "3": 1}}
+    # one host: the whole map, as before
+    assert device_map(world_size=4, devices=2, device_cores=[(2, 3), (6,)])["ranks"] == {
+        "0": 0, "1": 0, "2": 1, "3": 1}
+    with pytest.raises(ValueError, match="on this host"):
+        device_map(world_size=8, devices=8, nodes=2, node_rank=0, device_cores=[(0,)] * 8)
+    with pytest.raises(ValueError):  # 3 hosts cannot hold 8 devices evenly
+        device_map(world_size=24, devices=8, nodes=3, node_rank=0)
+
+
+def _launcher(tmp_path, *, node_rank, indices, device_kind="cpu"):
+    spec = SandboxSpec(unconfined_reason="test", device_kind=device_kind, node_devices=8,
+                       node_cores=tuple(range(16)))
+    (tmp_path / "sandbox.json").write_text(json.dumps(spec.to_dict()))
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    options = launcher.parse_args([
+        "--ranks", "8", "--devices", "8", "--nodes", "2", "--node-rank", str(node_rank), "--node-addr", "10.0.0.2",
+        "--rendezvous", str(tmp_path / "rdv"), "--device-indices", indices, "--sandbox", str(tmp_path / "sandbox.json"),
+        "--job-dir", str(tmp_path / f"job{node_rank}"), "--job-id", "j7-g3", "--engine", "framework", str(script)])
+    return launcher.Launcher(options)
+
+
+def test_each_hosts_ranks_get_the_cores_behind_that_hosts_own_device_indices(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    # host 1 holds its node's devices 2, 3, 5, 6 (of 8, two cores each): its ranks 4..7 run there
+    follower = _launcher(tmp_path, node_rank=1, indices="2,3,5,6")
+    assert follower.device_map.plain() == {"devices": {"4": [4, 5], "5": [6, 7], "6": [10, 11], "7": [12, 13]},
+                                           "ranks": {"4": 4, "5": 5, "6": 6, "7": 7}}
+    assert follower.devices == 8 and follower.device_indices == (2, 3, 5, 6)
+    leader = _launcher(tmp_path, node_rank=0, indices="0,1,2,3")
+    assert leader.device_map.plain()["devices"] == {"0": [0, 1], "1": [2, 3], "2": [4, 5], "3": [6, 7]}
+    with pytest.raises(launcher.LaunchError, match="this host runs 4"):
+        _launcher(tmp_path, node_rank=0, indices="0,1,2,3,4,5,6,7")  # the job's count, not the host's
+
+
+def test_on_a_gpu_node_each_hosts_ranks_see_only_that_hosts_gpus(tmp_path, monkeypatch):
+    """The environment only (no GPU on the machines this is tested on)."""
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    follower = _launcher(tmp_path, node_rank=1, indices="4,5,6,7", device_kind="gpu")
+    follower.engine = "framework"
+    env = follower.rank_env(5)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["LOCAL_RANK"] == "1" and env["RANK"] == "5"
