@@ -1,15 +1,18 @@
 """Dumps the core's plan for benchmark snapshots, to prove a change to the core plans the same.
 
-    .venv/bin/python bench/plan_dump.py --out DIR [--sizes 10000,100000] [--rows mixed,contended,placement,overfull]
+    .venv/bin/python bench/plan_dump.py --out DIR [--sizes 10000,100000] [--rows mixed,placement,...]
     .venv/bin/python bench/plan_dump.py --compare DIR_BEFORE DIR_AFTER
 
 Rows:
-  mixed, contended   the snapshots of bench/scheduler_tick.py (seed 7);
+  mixed, contended   the snapshots of bench/scheduler_tick.py (seed 7; the trace of env
+                     MERIDIAN_PHILLY_TRACE or its default);
   placement          the first placement tick of bench/placement_tick.py: the fleet and jobs of
                      bench/control_plane.py (8 H100 per node, 2 regions, ~95% of the fleet in pending
                      jobs of W in {1,2,4,8}, tiers 20/30/50% Premium/Standard/Basic), built here in
                      numpy as jobs.snapshot would read them from the database (no database needed);
-  overfull           the same with jobs for 130% of the fleet (some wait: the reserve's reasons).
+  overfull           the same with jobs for 130% of the fleet (some wait: the reserve's reasons);
+  <row>-fifo         a row planned with order.fifo instead of the default order: tiers interleave
+                     in line, so the Premium reserve is opened and closed again and again.
 Per row it writes DIR/<row>-<size>.plan (one line per decision and per waiting job: every field,
 in order) and prints the plan's sha256, its length and the median wall seconds of `--repeats`
 plans. --compare prints, per file, whether the two dumps are byte-identical and the first line
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import pathlib
 import statistics
 import sys
@@ -30,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from scheduler import BASIC, PREMIUM, STANDARD, Jobs, PolicySettings, Snapshot, Teams, schedule  # noqa: E402
+from scheduler import BASIC, PREMIUM, STANDARD, Jobs, Policy, PolicySettings, Snapshot, Teams, schedule  # noqa: E402
 from scheduler.snapshot import Accelerators  # noqa: E402
 from scheduler.state import forget_topology  # noqa: E402
 
@@ -73,13 +77,15 @@ def placement_snapshot(n_acc: int, seed: int = 1, fill: float = 0.95) -> Snapsho
 
 
 def snapshot_of(row: str, n: int) -> Snapshot:
+    row = row.removesuffix("-fifo")
     if row == "placement":
         return placement_snapshot(n)
     if row == "overfull":
         return placement_snapshot(n, fill=1.3)
     import scheduler_tick
 
-    trace = scheduler_tick.load_trace(scheduler_tick.DEFAULT_TRACE)
+    path = pathlib.Path(os.environ.get("MERIDIAN_PHILLY_TRACE", scheduler_tick.DEFAULT_TRACE))
+    trace = scheduler_tick.load_trace(path)
     return scheduler_tick.build_snapshot(n, trace, seed=7, busy=None if row == "mixed" else 0.98)
 
 
@@ -91,20 +97,21 @@ def plan_text(plan) -> str:
 def dump(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{'row':>10} {'accel':>8} {'jobs':>7} {'decisions':>9} {'waiting':>7} | {'plan s (median)':>15} | sha256")
+    print(f"{'row':>13} {'accel':>8} {'jobs':>7} {'decisions':>9} {'waiting':>7} | {'plan s (median)':>15} | sha256")
     for n in [int(s) for s in args.sizes.split(",")]:
         for row in args.rows.split(","):
             snapshot = snapshot_of(row, n)
+            policy = Policy.from_names(order="order.fifo") if row.endswith("-fifo") else None
             walls, plan = [], None
             for _ in range(args.repeats):
                 forget_topology()  # each plan as a first tick on this fleet
                 began = time.perf_counter()
-                plan = schedule(snapshot)
+                plan = schedule(snapshot, policy)
                 walls.append(time.perf_counter() - began)
             text = plan_text(plan)
             (out / f"{row}-{n}.plan").write_text(text)
             digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-            print(f"{row:>10} {n:>8} {len(snapshot.jobs):>7} {len(plan.decisions):>9} {len(plan.waiting):>7} | "
+            print(f"{row:>13} {n:>8} {len(snapshot.jobs):>7} {len(plan.decisions):>9} {len(plan.waiting):>7} | "
                   f"{statistics.median(walls):>15.3f} | {digest}", flush=True)
 
 
@@ -134,7 +141,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="folder for the dumps")
     parser.add_argument("--sizes", default="10000,100000")
-    parser.add_argument("--rows", default="mixed,contended,placement,overfull")
+    parser.add_argument("--rows", default="mixed,contended,placement,overfull,overfull-fifo")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args(argv)
