@@ -14,8 +14,8 @@ Rows:
   <row>-fifo         a row planned with order.fifo instead of the default order: tiers interleave
                      in line, so the Premium reserve is opened and closed again and again.
 Per row it writes DIR/<row>-<size>.plan (one line per decision and per waiting job: every field,
-in order) and prints the plan's sha256, its length and the median wall seconds of `--repeats`
-plans. --compare prints, per file, whether the two dumps are byte-identical and the first line
+in order) and prints the plan's sha256, its length and the median wall and CPU seconds (this
+process) of `--repeats` plans. --compare prints, per file, whether the two dumps are byte-identical and the first line
 that differs. Dumps are large (100k accelerators: ~10 MB): keep them out of the repository.
 """
 from __future__ import annotations
@@ -97,22 +97,23 @@ def plan_text(plan) -> str:
 def dump(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{'row':>13} {'accel':>8} {'jobs':>7} {'decisions':>9} {'waiting':>7} | {'plan s (median)':>15} | sha256")
+    print(f"{'row':>13} {'accel':>8} {'jobs':>7} {'decisions':>9} {'waiting':>7} | {'plan s':>7} {'CPU s':>7} | sha256")
     for n in [int(s) for s in args.sizes.split(",")]:
         for row in args.rows.split(","):
             snapshot = snapshot_of(row, n)
             policy = Policy.from_names(order="order.fifo") if row.endswith("-fifo") else None
-            walls, plan = [], None
+            walls, cpus, plan = [], [], None
             for _ in range(args.repeats):
                 forget_topology()  # each plan as a first tick on this fleet
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.process_time()
                 plan = schedule(snapshot, policy)
                 walls.append(time.perf_counter() - began)
+                cpus.append(time.process_time() - cpu)
             text = plan_text(plan)
             (out / f"{row}-{n}.plan").write_text(text)
             digest = hashlib.sha256(text.encode()).hexdigest()[:16]
             print(f"{row:>13} {n:>8} {len(snapshot.jobs):>7} {len(plan.decisions):>9} {len(plan.waiting):>7} | "
-                  f"{statistics.median(walls):>15.3f} | {digest}", flush=True)
+                  f"{statistics.median(walls):>7.3f} {statistics.median(cpus):>7.3f} | {digest}", flush=True)
 
 
 def compare(before: str, after: str) -> int:
