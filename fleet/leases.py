@@ -194,13 +194,20 @@ def desired_serials_bump(*, job_nodes: Mapping[int, set[int]] | None = None, nod
             for raw in store.hmget(DESIRED_NODES_KEY, part):
                 if raw:
                     bump.update(int(n) for n in raw.decode().split(",") if n.isdigit())
-        pipe = store.pipeline(transaction=False)
+        recorded, forgotten = [], []
         for job_id, nodes in job_nodes.items():
             bump.update(nodes)
             if nodes:
-                pipe.hset(DESIRED_NODES_KEY, job_id, ",".join(str(n) for n in sorted(nodes)))
+                recorded.append((job_id, ",".join(str(n) for n in sorted(nodes))))
             else:
-                pipe.hdel(DESIRED_NODES_KEY, job_id)
+                forgotten.append(job_id)
+        # Many fields per HSET / HDEL: a placement tick records ~30k jobs, and one command each
+        # cost ~1 s of client CPU to pack.
+        pipe = store.pipeline(transaction=False)
+        for start in range(0, len(recorded), CHUNK):
+            pipe.hset(DESIRED_NODES_KEY, mapping=dict(recorded[start:start + CHUNK]))
+        for start in range(0, len(forgotten), CHUNK):
+            pipe.hdel(DESIRED_NODES_KEY, *forgotten[start:start + CHUNK])
         for node_id in bump:
             pipe.hincrby(DESIRED_SERIAL_KEY, node_id, 1)
         pipe.execute()

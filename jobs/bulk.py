@@ -1,6 +1,7 @@
 """Bulk writes for the tick's big applies: many rows in a constant number of statements.
 
     rows_update(table, set_sql=..., columns=..., ids=..., types=...)   UPDATE many rows by id
+    RowWrites(set_sql, columns, types)                                  per-row values another UPDATE takes along
     Model.objects.filter(pk__any_of=ids)                                select many rows by id (AnyOf)
     events_insert(events)                                               INSERT many JobEvents
     EventRow(...)                                                       a JobEvent's columns, cheap
@@ -75,26 +76,35 @@ class AnyOf(Lookup):
 
 
 def rows_update(table: str, *, set_sql: str, columns: list[list[int | None]], ids: list[int],
-                types: tuple[str, ...], params: Sequence[object] = ()) -> None:
-    """UPDATE `table` SET `set_sql` for the rows `ids`, row i taking columns[k][i] as v.c<k+1>.
+                types: tuple[str, ...], params: Sequence[object] = (), where_sql: str = "",
+                where_params: Sequence[object] = ()) -> int:
+    """UPDATE `table` SET `set_sql` for the rows `ids`, row i taking columns[k][i] as v.c<k+1>;
+    returns how many rows were updated.
 
     `columns` hold whole numbers or None (NULL), of the SQL `types`. `params` fill the `%s`
-    placeholders of `set_sql`: values the same for every row (e.g. the tick's now).
+    placeholders of `set_sql`: values the same for every row (e.g. the tick's now). `where_sql`
+    (with `where_params` for its `%s`) is a further condition on each row, e.g. "state = %s" for
+    a conditional update; it may not use v.cN. Column names in both are the table's own (no
+    prefix): the row's current values.
 
     PostgreSQL: one UPDATE ... FROM unnest(arrays) per ROWS_UPDATE_CHUNK rows, each array one
     literal. Other databases: an executemany of one-row UPDATEs.
     """
     if not ids:
-        return
+        return 0
     names = [f"c{k + 1}" for k in range(len(columns))]
+    condition = f" AND ({where_sql})" if where_sql else ""
+    updated = 0
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             arrays = ", ".join(f"%s::{t}[]" for t in ("bigint", *types))
             sql = (f"UPDATE {table} SET {set_sql} FROM unnest({arrays}) AS v(id, {', '.join(names)}) "
-                   f"WHERE {table}.id = v.id")
+                   f"WHERE {table}.id = v.id{condition}")
             for start in range(0, len(ids), ROWS_UPDATE_CHUNK):
                 end = start + ROWS_UPDATE_CHUNK
-                cursor.execute(sql, [*params, *(int_array_literal(c[start:end]) for c in (ids, *columns))])
+                cursor.execute(sql, [*params, *(int_array_literal(c[start:end]) for c in (ids, *columns)),
+                                     *where_params])
+                updated += cursor.rowcount
         else:
             # One %s per placeholder, in the order they appear: set_sql's own %s (params, in
             # turn) and each v.cN (the row's value).
@@ -105,8 +115,24 @@ def rows_update(table: str, *, set_sql: str, columns: list[list[int | None]], id
             rows = []
             for i in range(len(ids)):
                 own = iter(params)
-                rows.append(tuple(next(own) if k is None else columns[k][i] for k in order) + (ids[i],))
-            cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s", rows)
+                rows.append(tuple(next(own) if k is None else columns[k][i] for k in order) + (ids[i], *where_params))
+            cursor.executemany(f"UPDATE {table} SET {assignments} WHERE id = %s{condition}", rows)
+            updated = cursor.rowcount
+    return updated
+
+
+class RowWrites(NamedTuple):
+    """Per-row values a bulk UPDATE writes besides its own, in the same statement (rows_update's
+    `set_sql` / `columns` / `types`): e.g. a start's device_count and region with its state change,
+    so that each job row is written once, not twice."""
+
+    set_sql: str  # "device_count = v.c1, region_id = v.c2, generation = generation + 1"
+    columns: list[list[int | None]]  # columns[k][i]: v.c<k+1> of the i-th row (the caller's order)
+    types: tuple[str, ...]  # each column's SQL type ("integer", "bigint")
+
+    def assigned(self) -> set[str]:
+        """Returns the columns `set_sql` assigns."""
+        return set(re.findall(r"(?:^|,)\s*(\w+)\s*=", self.set_sql))
 
 
 class EventRow(NamedTuple):

@@ -34,7 +34,7 @@ from datetime import timezone as dt_timezone
 import numpy as np
 
 import scheduler
-from jobs.bulk import EventRow, rows_update
+from jobs.bulk import EventRow, RowWrites, rows_update
 from jobs.models import Job, JobEvent, Move, Replica
 from jobs.moves import move_create
 from jobs.services import (
@@ -327,18 +327,19 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
             placed["starts_in_seconds"] = round(decision.starts_at - snap.now, 1)
         placed_events.append(EventRow(job_id=job.pk, type=JobEvent.Type.PLACED, reason=decision.reason,
                                       created_at=now, extra_data=placed))
+    # The placement goes in with the state change, one UPDATE per job row. A new placement is a
+    # new generation: reports of any older copy are fenced off.
+    placement = RowWrites(set_sql="device_count = v.c1, region_id = v.c2, generation = generation + 1",
+                          columns=[[job.device_count for job in jobs], [job.region_id for job in jobs]],
+                          types=("integer", "bigint"))
     jobs_transition_bulk(jobs=jobs, to=S.SCHEDULED, now=now, events=placed_events,
                          reasons={job_id: d.reason for job_id, d in by_id.items()},
                          extras={job_id: {"code": d.code} for job_id, d in by_id.items()},
-                         publish_max=LIVE_PUSH_MAX_STARTS)
+                         publish_max=LIVE_PUSH_MAX_STARTS, row_writes=placement)
     replica_rows = list(Replica.objects.filter(job_id__any_of=ready).values_list("id", "job_id", "rank"))
-    # A new placement is a new generation: reports of any older copy are fenced off.
-    rows_update(Job._meta.db_table, set_sql="device_count = v.c1, region_id = v.c2, generation = generation + 1",
-                columns=[[job.device_count for job in jobs], [job.region_id for job in jobs]],
-                ids=[job.pk for job in jobs], types=("integer", "bigint"))
     rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s",
                 columns=[[layouts[job_id][rank] for _, job_id, rank in replica_rows]],
                 ids=[replica_id for replica_id, _, _ in replica_rows], types=("bigint",), params=[now])
-    return len(jobs), len(ready) * 2 + len(replica_rows) + len(jobs) * 2
+    return len(jobs), len(ready) * 2 + len(replica_rows) + len(jobs)
 
 

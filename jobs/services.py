@@ -30,7 +30,7 @@ from fleet.leases import desired_serials_bump, nodes_alive_by_lease
 from fleet.live import GROUP_APPROVALS, GROUP_FLEET, events_publish, group_for_job, group_for_team
 from fleet.models import Node
 from fleet.services import user_is_fleet_operator
-from jobs.bulk import EventRow, cursor_prepared, events_insert
+from jobs.bulk import EventRow, RowWrites, cursor_prepared, events_insert, rows_update
 from jobs.desired_signal import desired_changed
 from jobs.logs import log_marker_for_transition
 from jobs.models import (
@@ -230,6 +230,37 @@ def _transition_writes(*, from_state: S, to: S, now: datetime) -> _TransitionWri
                              releases_devices=releases_devices)
 
 
+def _transition_rows_update(*, writes: _TransitionWrites, states: list[S], jobs: list[Job],
+                            row_writes: RowWrites, now: datetime) -> int:
+    """Returns how many of `jobs` in `states` moved: the move's `writes` and each job's
+    `row_writes` in one conditional UPDATE per from-state (state = its from-state, as the ORM path)."""
+    fields = [Job._meta.get_field(name) for name in writes.columns]
+    assignments = [f"{field.column} = %s" for field in fields]
+    params = [field.get_db_prep_save(value, connection) for field, value in zip(fields, writes.columns.values())]
+    if writes.sets_started_at:
+        assignments.append("started_at = COALESCE(started_at, %s)")
+        params.append(Job._meta.get_field("started_at").get_db_prep_save(now, connection))
+    if writes.counter:
+        assignments.append(f"{writes.counter} = {writes.counter} + 1")
+    written = {field.column for field in fields}
+    if writes.sets_started_at:
+        written.add("started_at")
+    if writes.counter:
+        written.add(writes.counter)
+    clash = written & row_writes.assigned()
+    if clash:
+        raise ValueError(f"row_writes assign {sorted(clash)}, which the move to {writes.columns['state']} writes")
+    set_sql = ", ".join([*assignments, row_writes.set_sql])
+    updated = 0
+    for state in states:
+        rows = [i for i, job in enumerate(jobs) if S(job.state) == state]
+        updated += rows_update(Job._meta.db_table, set_sql=set_sql, ids=[jobs[i].pk for i in rows],
+                               columns=[[column[i] for i in rows] for column in row_writes.columns],
+                               types=row_writes.types, params=params, where_sql="state = %s",
+                               where_params=[str(state.value)])
+    return updated
+
+
 def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
     """Moves `job` from its current (in-memory) state to `to`; returns the refreshed job.
 
@@ -288,7 +319,8 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
 
 def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, str] | None = None,
                          extras: Mapping[int, dict] | None = None, events: Iterable[JobEvent | EventRow] = (),
-                         by=None, now: datetime | None = None, publish_max: int | None = None) -> list[Job]:
+                         by=None, now: datetime | None = None, publish_max: int | None = None,
+                         row_writes: RowWrites | None = None) -> list[Job]:
     """Moves every job in `jobs` from its (in-memory) state to `to`; returns them, updated in memory.
 
     job_transition for many jobs in a constant number of statements: the same TRANSITIONS table
@@ -302,6 +334,10 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     is pushed after commit, with what the objects hold at the call, unless there are more than
     `publish_max` jobs (None: no limit): pages catch up on their next poll.
     Deferred fields that the move changes (a counter, started_at) stay deferred and load fresh.
+    `row_writes` (columns in `jobs`' order) are written by the same conditional UPDATE, so each row
+    is written once (one UPDATE per from-state then, through jobs.bulk.rows_update); ValueError if
+    they assign a column the move writes too. The objects are not changed by them: set what the
+    caller needs on them itself.
     """
     to = S(to)
     jobs = list(jobs)
@@ -329,6 +365,10 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     with transaction.atomic(savepoint=False):
         updated = 0
         for writes, states in groups:
+            if row_writes is not None:
+                updated += _transition_rows_update(writes=writes, states=states, jobs=jobs, row_writes=row_writes,
+                                                   now=now)
+                continue
             changes = dict(writes.columns)
             if writes.sets_started_at:
                 changes["started_at"] = Coalesce("started_at", Value(now, output_field=DateTimeField()))

@@ -145,6 +145,24 @@ def forget_topology() -> None:
     _last_topology[:] = [None, None]
 
 
+class _PoolKeys:
+    """What counting a pool's devices in and out of the free counts needs, computed once per
+    tick (a pool's devices do not change within one): the pool's distinct (node, type) pairs,
+    each device's pair, and per level above the node the distinct (entity, type) pairs with
+    each node pair's index among them."""
+
+    __slots__ = ("nodes", "types", "key_of_device", "levels")
+
+    def __init__(self, devices: np.ndarray, node: np.ndarray, type_id: np.ndarray, k: int, node_entity: list):
+        keys, key_of_device = np.unique(node[devices] * k + type_id[devices], return_inverse=True)
+        self.nodes, self.types = keys // k, keys % k
+        self.key_of_device = key_of_device.reshape(-1)  # index into nodes / types, per pool device
+        self.levels: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for level in (LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION):
+            pairs, key_to_pair = np.unique(node_entity[level][self.nodes] * k + self.types, return_inverse=True)
+            self.levels[level] = (pairs // k, pairs % k, key_to_pair.reshape(-1))
+
+
 class WorkingState:
     """Holder per device plus free counts per topology level and type, updated incrementally."""
 
@@ -182,6 +200,8 @@ class WorkingState:
             self.free[self.reserve] = False
         self.pools = {POOL_RELEASING: self.releasing, POOL_RESERVE: self.reserve}
         self.open_pools: set = set()
+        self._pool_keys = {name: _PoolKeys(devs, self.node, self.type_id, self.k, topology.node_entity)
+                           for name, devs in self.pools.items()}
 
         self.n_nodes = n_nodes
         self.node_region = topology.node_region
@@ -421,13 +441,14 @@ class WorkingState:
     def open_pool(self, name: str) -> bool:
         """Counts the held-back devices of pool `name` (POOL_RELEASING, POOL_RESERVE) that are
         still unheld as free; returns False if there are none or the pool is open already.
-        Not journaled: what a rollback restores is still right (the devices are unheld)."""
+        Not journaled: what a rollback restores is still right (the devices are unheld).
+        Costs O(pool) numpy work plus one heap push per node whose count changes."""
         pool = self.pools[name]
         if name in self.open_pools or pool.size == 0:
             return False
-        back = pool[(self.holder[pool] == NO_JOB) & ~self.free[pool]]
-        self.free[back] = True
-        self._count(back, +1)
+        back = (self.holder[pool] == NO_JOB) & ~self.free[pool]
+        self.free[pool[back]] = True
+        self._count_pool(self._pool_keys[name], back, +1)
         self.open_pools.add(name)
         return True
 
@@ -436,10 +457,32 @@ class WorkingState:
         open pool, or of the pools `names` only."""
         for name in sorted(self.open_pools if names is None else self.open_pools & set(names)):
             pool = self.pools[name]
-            hide = pool[self.free[pool]]
-            self.free[hide] = False
-            self._count(hide, -1)
+            hide = self.free[pool]
+            self.free[pool[hide]] = False
+            self._count_pool(self._pool_keys[name], hide, -1)
             self.open_pools.discard(name)
+
+    def _count_pool(self, keys: "_PoolKeys", chosen: np.ndarray, sign: int) -> None:
+        """Adds sign per device of a pool (`chosen`: bool per pool device) to the free counts of
+        its node, rack, cluster and region: what `_count` does, in whole-array steps over the
+        pool's (entity, type) pairs computed once, instead of a Python step per node."""
+        per_key = np.bincount(keys.key_of_device[chosen], minlength=keys.nodes.size)
+        touched = np.flatnonzero(per_key)
+        if touched.size == 0:
+            return
+        delta = sign * per_key[touched]
+        nodes, types = keys.nodes[touched], keys.types[touched]
+        node_free = self.free_count[LEVEL_NODE]
+        node_free[nodes, types] += delta  # (node, type) pairs are distinct: no lost updates
+        for level in (LEVEL_RACK, LEVEL_CLUSTER, LEVEL_REGION):
+            entities, types_at, key_to_pair = keys.levels[level]
+            per_pair = np.bincount(key_to_pair[touched], weights=delta, minlength=entities.size).astype(np.int64)
+            self.free_count[level][entities, types_at] += per_pair
+        new = node_free[nodes, types]
+        buckets = self._buckets
+        for node, k, c in zip(nodes.tolist(), types.tolist(), new.tolist()):
+            if c > 0:
+                heapq.heappush(buckets[k][c], node)
 
     # --- changing ----------------------------------------------------------------------
     def _count(self, devs: np.ndarray, sign: int) -> None:

@@ -194,3 +194,18 @@ def test_a_full_heartbeat_answers_the_serial_it_read_before_building_the_desired
     client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
     response = client.post("/api/agent/heartbeat/", {"jobs": []}, format="json")
     assert response.status_code == 200 and response.json()["desired_serial"] == 1
+
+
+def test_a_bump_records_each_jobs_nodes_and_bumps_where_it_was_and_is(lease_redis, monkeypatch):
+    """Jobs' nodes go in (and out) many fields per command: the recorded nodes, the forgotten jobs
+    and the serials must be what one command per job gave, at more than one chunk of jobs."""
+    monkeypatch.setattr(leases, "CHUNK", 3)
+    first = {job_id: {100 + job_id % 4} for job_id in range(1, 8)}  # 7 jobs: three chunks
+    assert leases.desired_serials_bump(job_nodes=first) == {100, 101, 102, 103}
+    # jobs 1-4 move to node 200, jobs 5-7 stop (no nodes); job 8 is new on node 201
+    second = {**{job_id: {200} for job_id in range(1, 5)}, **{job_id: set() for job_id in range(5, 8)}, 8: {201}}
+    assert leases.desired_serials_bump(job_nodes=second, node_ids=[300]) == {100, 101, 102, 103, 200, 201, 300}
+    recorded = {int(k): v.decode() for k, v in lease_redis.hgetall(leases.DESIRED_NODES_KEY).items()}
+    assert recorded == {1: "200", 2: "200", 3: "200", 4: "200", 8: "201"}
+    serials = {int(k): int(v) for k, v in lease_redis.hgetall(leases.DESIRED_SERIAL_KEY).items()}
+    assert serials == {100: 2, 101: 2, 102: 2, 103: 2, 200: 1, 201: 1, 300: 1}

@@ -1,14 +1,17 @@
 """jobs.bulk: the tick's bulk writes (COPY for events, one-parameter id sets, UPDATE from arrays)
 write exactly what the ORM's statements write, on SQLite and on PostgreSQL."""
+import re
+from datetime import timedelta
+
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs import bulk
-from jobs.bulk import EventRow, events_insert, rows_update
+from jobs.bulk import EventRow, RowWrites, events_insert, rows_update
 from jobs.models import Job, JobEvent, Replica
-from jobs.services import jobs_transition_bulk
+from jobs.services import StaleJobState, jobs_transition_bulk
 
 S = Job.State
 EVENT_FIELDS = ("job_id", "type", "from_state", "to_state", "reason", "actor_id", "extra_data", "created_at")
@@ -121,3 +124,75 @@ def test_transition_of_many_jobs_writes_one_event_each(many_jobs, alice):
         assert (event.from_state, event.to_state, event.reason, event.actor_id, event.extra_data,
                 event.created_at) == (S.PENDING, S.SCHEDULED, f"why {job.pk}", alice.pk, {"code": "placed"}, now)
         assert placed[job.pk].extra_data == {"n": job.pk} and placed[job.pk].created_at == now
+
+
+JOB_COLUMNS = ("state", "state_changed_at", "updated_at", "queue_position", "wait_reason", "device_count", "region_id",
+               "generation", "started_at", "last_started_at")
+
+
+def _placement(jobs, region_ids):
+    return RowWrites(set_sql="device_count = v.c1, region_id = v.c2, generation = generation + 1",
+                     columns=[[i % 4 + 1 for i in range(len(jobs))], [region_ids[i % 2] for i in range(len(jobs))]],
+                     types=("integer", "bigint"))
+
+
+def _job_rows(jobs):
+    return list(Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk").values_list(*JOB_COLUMNS))
+
+
+@pytest.mark.parametrize("moves", [(S.PENDING, S.SCHEDULED), (S.SCHEDULED, S.RUNNING)], ids=["start", "run"])
+def test_row_writes_go_in_with_the_transition_as_a_second_update_would(many_jobs, moves):
+    """jobs_transition_bulk(row_writes=...) writes each job row once (one UPDATE per from-state) and
+    leaves the rows as the transition followed by rows_update leave them: the move's columns,
+    started_at kept where it was set, the row's own values, generation + 1."""
+    from fleet.models import Region
+    from fleet.services import fleet_generate
+
+    fleet_generate(regions=2, clusters=1, nodes=1, devices=2, accelerator_type="CPU", prefix="rw")
+    region_ids = list(Region.objects.order_by("pk").values_list("pk", flat=True))
+    from_state, to = moves
+    now = timezone.now()
+    pairs = []
+    for _ in range(2):  # the same jobs twice: two UPDATEs, and the transition taking them along
+        jobs = many_jobs(bulk.COPY_MIN_ROWS + 7, state=from_state)
+        second = jobs[1::2]
+        if from_state == S.PENDING:  # two from-states that write alike: one group, one UPDATE each
+            Job.objects.filter(pk__in=[j.pk for j in second]).update(state=S.PREEMPTED)
+        else:  # some started before: started_at stays
+            Job.objects.filter(pk__in=[j.pk for j in second]).update(started_at=now - timedelta(hours=1))
+        pairs.append(list(Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk")))
+    two_updates, one_update = pairs
+
+    jobs_transition_bulk(jobs=two_updates, to=to, now=now)
+    written = _placement(two_updates, region_ids)
+    rows_update(Job._meta.db_table, set_sql=written.set_sql, columns=written.columns,
+                ids=[j.pk for j in two_updates], types=written.types)
+    with CaptureQueriesContext(connection) as queries:
+        jobs_transition_bulk(jobs=one_update, to=to, now=now, row_writes=_placement(one_update, region_ids))
+    # SQLite's executemany is logged once, as "N times: UPDATE ..."
+    job_updates = [q["sql"] for q in queries.captured_queries
+                   if re.match(rf'(\d+ times: )?UPDATE "?{Job._meta.db_table}"? ', q["sql"])]
+    from_states = 2 if from_state == S.PENDING else 1
+    assert len(job_updates) == from_states
+    assert _job_rows(one_update) == _job_rows(two_updates)
+    got = _job_rows(one_update)
+    assert {row[0] for row in got} == {to} and {row[7] for row in got} == {1}
+    assert [row[5] for row in got] == [i % 4 + 1 for i in range(len(one_update))]
+
+
+def test_row_writes_refuse_a_column_the_move_writes(many_jobs):
+    jobs = many_jobs(2, state=S.RUNNING)
+    clashing = RowWrites(set_sql="device_count = v.c1", columns=[[0, 0]], types=("integer",))
+    with pytest.raises(ValueError, match="device_count"):
+        jobs_transition_bulk(jobs=jobs, to=S.PREEMPTED, row_writes=clashing)
+
+
+def test_row_writes_name_a_job_that_left_its_state(many_jobs):
+    """The conditional UPDATE with row writes names the loser of a race as the ORM's does."""
+    jobs = many_jobs(3)
+    Job.objects.filter(pk=jobs[1].pk).update(state=S.CANCELLED)
+    with pytest.raises(StaleJobState) as raised:
+        jobs_transition_bulk(jobs=jobs, to=S.SCHEDULED,
+                             row_writes=RowWrites(set_sql="device_count = v.c1", columns=[[1, 1, 1]],
+                                                  types=("integer",)))
+    assert raised.value.job_id == jobs[1].pk
