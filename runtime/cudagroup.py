@@ -55,6 +55,16 @@ def refusal(backend):
             "to train on CPU devices")
 
 
+def device_key():
+    """Returns a 63-bit job-wide key of this rank's physical CUDA device (from its UUID): the
+    fold's grouping key on GPUs. Not the launcher's logical device number: ranks on several
+    logical devices of one GPU must fold onto one member too (NCCL refuses one GPU twice)."""
+    import hashlib
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    identity = str(getattr(properties, "uuid", "")) or f"{os.uname().nodename}/{properties.pci_bus_id}"
+    return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:7], "little")
+
+
 def member_device():
     """The CUDA device this rank's members' communicator and messages use: its current device."""
     return torch.device("cuda", torch.cuda.current_device())

@@ -28,6 +28,19 @@ runs it on a thread of its own, in issue order (runtime/vpg.py), so DDP's backwa
 Used only when every host holds the same number P >= 2 of ranks in one contiguous block, H >= 2,
 and every host's area can be mapped (hosts are told apart by host_key); otherwise the group takes
 the flat gloo path (runtime/vpg.py). One rank per host gains nothing from an area: flat path.
+
+The same chain folds a job's ranks per *device* (runtime/fold.py; `open_per_device`): the
+stations are the devices instead of the hosts, in device order (rank order), each with its
+device's ranks' area (a device of one rank needs none: its piece is its row), and each station
+has one lane, its member (lowest rank), which takes the whole piece: steps 2-4 run on the members
+only, over a group of the members alone (gloo on CPU; NCCL on GPUs, runtime/cudagroup.py, which
+does not support one device as two ranks of a communicator). The other ranks of a device write
+their row and read the result; the member publishes the flags' sums in the area for them. The
+sequence of operations is still ((v0 op v1) op ...) op v[W-1], so a folded job has the bits of an
+unfolded one. Why one lane: ranks sharing a device share its compute (a GPU, or the cores behind a
+CPU device), so splitting the combining between them would gain nothing, and NCCL then needs one
+communicator member per device. The cost: the members' chain carries whole pieces in d - 1 hops
+and back, one piece at a time (a long chain of devices would want the pieces pipelined).
 """
 import hashlib
 import os

@@ -10,7 +10,7 @@ no io_uring fd left in the process: CRIU can then dump it) and rebuild on new ad
 Reductions are deterministic: each element is combined in rank order 0, 1, ..., W-1, wherever
 it sits in the tensor, so results are bitwise the same for every rank -> device -> host layout
 and for DDP's bucket layout, which changes when a script is re-run from a framework checkpoint.
-Three transports give the same bits, so a job may switch between them at any cut:
+Four transports give the same bits, so a job may switch between them at any cut:
 - ranks all on one host (`localreduce`): through a shared memory area, each chunk combined by its
   owner, with a futex barrier; synchronous, and the cut's flags ride in the same area for free.
   Cheaper than gloo's own ring over loopback TCP, which is what made the overhead goal reachable.
@@ -18,6 +18,10 @@ Three transports give the same bits, so a job may switch between them at any cut
   through their own host's area, the hosts chaining their partial sums in host order (which is
   rank order) with point-to-point gloo messages that also carry the cut's flags; on a thread of
   the group, in issue order, so it overlaps the script's computation as gloo's all-reduce would.
+- folded (`fold`: a GPU job always, a CPU job with meridian-run --fold / MERIDIAN_VPG_FOLD=1):
+  the chain of hostchain with one station per device, each device's ranks through their area and
+  only the device's member in the exchange between devices, over a group of one member per device
+  (runtime/fold.py; NCCL on GPUs, runtime/cudagroup.py, UNPROVEN ON GPU).
 - otherwise (one rank per host, no usable /dev/shm): a reduce-scatter over gloo (all-to-all of W
   chunks, each combined in rank order by its owner, the flags riding in it) then an all-gather,
   asynchronous like gloo's own all-reduce: the all-gather is handed to gloo from a callback when
@@ -373,6 +377,13 @@ class VirtualProcessGroup(dist.ProcessGroup):
             self.inner.close()
             self.inner = None
 
+    @property
+    def folded(self):
+        """True while the inner group reduces through a fold (runtime/fold.py), whose plan names
+        the devices: a resize must rebuild it (runtime/rank.py refold)."""
+        inner = self.inner
+        return inner is not None and inner.host_chain is not None and inner.host_chain.plan is not None
+
     def getBackendName(self):
         return BACKEND_NAME
 
@@ -686,8 +697,10 @@ def install(*, rank, world_size, connection, hooks=None):
         def connect():
             master_addr, master_port, key_prefix = _state["connection"]()
             fold = {}
-            if _state["cuda"]:  # a GPU job always folds: one NCCL member per device
+            device = getattr(_state["hooks"], "device", None)  # the launcher's logical device
+            if _state["cuda"]:  # a GPU job always folds: one NCCL member per physical GPU
                 from runtime import cudagroup
+                device = cudagroup.device_key()
                 fold = dict(fold=True, fold_required=True, message_device=cudagroup.member_device(),
                             members_group=cudagroup.nccl_members_group(DEFAULT_TIMEOUT))
             elif fold_forced():
@@ -696,7 +709,7 @@ def install(*, rank, world_size, connection, hooks=None):
             return InnerGroup(rank=rank, world_size=world_size, master_addr=master_addr,
                               master_port=master_port, key_prefix=key_prefix,
                               bind_addr=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"),
-                              device=getattr(_state["hooks"], "device", None), **fold)
+                              device=device, **fold)
         group = VirtualProcessGroup(backend_options.group_rank, backend_options.group_size,
                                     connect, _state["hooks"])
         if _state["group"] is None:
