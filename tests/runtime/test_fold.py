@@ -4,7 +4,7 @@ and across resizes (the fold is rebuilt at each cut); a job that asks for NCCL w
 device is refused with what is missing; the GPU runs are marked and skip with "no GPU"."""
 import pytest
 import torch
-from runtime_helpers import DDP_ARGS, DDP_SCRIPT, SCRIPTS, Job, assert_same_state, reference_state, unique_id
+from runtime_helpers import DDP_ARGS, DDP_SCRIPT, Job, assert_same_state, reference_state, unique_id
 
 from runtime import cudagroup, vpg
 
@@ -92,8 +92,3 @@ def test_an_nccl_ddp_job_on_one_gpu_folds_every_logical_device_onto_it_with_the_
     assert torch.cuda.is_available()
     for out in outs[1:]:
         assert_same_state(outs[0], out)
-
-
-def test_the_nccl_script_variant_exists():
-    # The GPU test above and bench/gpu_checks.py --fold run this script with --backend nccl.
-    assert "--backend" in (SCRIPTS / "ddp_mlp.py").read_text()
