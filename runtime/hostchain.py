@@ -48,7 +48,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from runtime import localreduce, rankorder
+from runtime import fold, localreduce, rankorder
 from runtime.localreduce import LocalArea
 
 ENABLE_VARIABLE = "MERIDIAN_VPG_HOST_CHAIN"  # "0": ranks on several hosts take the flat gloo path
@@ -163,7 +163,6 @@ class HostChain:
         (a job-wide key). Returns None when a device's area cannot be mapped (no usable
         /dev/shm; MERIDIAN_VPG_LOCAL=0); raises fold.FoldError for a layout the fold refuses
         (on every rank alike: they all see the same keys)."""
-        from runtime import fold
         if os.environ.get(localreduce.ENABLE_VARIABLE, "1") == "0":
             return None
         keys = torch.zeros(2 * world_size, dtype=torch.int64)
