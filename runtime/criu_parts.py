@@ -101,6 +101,9 @@ def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step:
             manifest = checkpoint_store.read_manifest(part, expect_sha256=digest)
             checkpoint_store.verify_dir(part, manifest)
             on_disk = set(_listed_names(part))
+        except checkpoint_store.ManifestMismatch:
+            raise PartError(f"node {node}'s part of the checkpoint is not the one node {node} reported "
+                            f"(its manifest's sha256 is not {digest[:16]}…)") from None
         except checkpoint_store.CheckpointError as exc:
             raise PartError(f"node {node}'s part of the checkpoint is missing or bad: {exc}") from None
         if on_disk != set(manifest["files"]):

@@ -101,3 +101,31 @@ def test_a_host_whose_part_cannot_reach_the_shared_store_commits_no_checkpoint_a
     assert os.path.exists(os.path.join(cluster.store_dir, "out.pt"))
     assert not [name for name in os.listdir(os.path.join(cluster.store_dir, "ckpt"))
                 if name.startswith((".staging-", ".tmp-"))]  # the refused cuts' staging is gone
+
+
+def test_a_criu_job_stopped_on_two_hosts_resumes_with_its_hosts_swapped_bit_exact(emulated_hosts):
+    cluster = emulated_hosts(2)
+    store = f"{cluster[0].store}/ckpt"
+    args = ["--epochs", "4", "--step-sleep", "0.1"]
+    _, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT, engine="criu",
+                             args=[f"{cluster[0].store}/reference.pt", *args])
+    check_all(wait_job(processes))
+
+    out = f"{cluster[0].store}/swapped.pt"
+    job_id, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *args],
+                                  launcher_args=("--store", store))
+    answer = control(cluster[0], job_id, "stop", at_step=5)
+    assert answer.get("answer", {}).get("step") == 5, answer
+    results = wait_job(processes, timeout=300)
+    assert [code for code, _ in results] == [75, 75], results  # both hosts stopped after the commit
+    assert [e["step"] for e in events(cluster[1], job_id) if e.get("event") == "stopped"] == [5]
+
+    # Node 0 (ranks 0-1) now runs on the host that ran node 1, and node 1 on the old leader's.
+    swapped = [cluster[1], cluster[0]]
+    _, processes = start_job(swapped, ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *args],
+                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-b")
+    check_all(wait_job(processes))
+    for host in swapped:
+        restored = [e for e in events(host, job_id + "-b") if e.get("event") == "restored"]
+        assert len(restored) == 1 and restored[0]["step"] == 5, restored
+    assert_equal_states(load(cluster, "reference.pt"), load(cluster, "swapped.pt"))
