@@ -18,10 +18,11 @@ part manifest's sha256 to the leader (protocol.rendezvous.NodeCutReport). The le
 own part, then checks every part (`verify_parts`): present, its manifest the one its host
 reported, every file of it the size and sha256 the manifest lists, no file it does not list,
 the node, ranks, request and step the cut's. Only then is the staging folder committed (one
-rename: runtime/store.py), and the leader tells the followers the outcome: their ranks go on
-(a checkpoint) or are ended (a stop). A missing or bad part commits nothing: the leader withdraws
-the cut and every host lets its parked ranks go on: the job goes on, also after a stop, whose
-ranks are only ended once the checkpoint is committed.
+rename: runtime/store.py). A checkpoint's ranks on every host go on as soon as every part is
+dumped (the leader's outcome "dumped", runtime/multihost.py: the check and the commit are no
+part of the downtime); a stop's ranks are ended only once the checkpoint is committed. A missing
+or bad part commits nothing: the leader withdraws the cut and every host lets its parked ranks
+go on: the job goes on, after a checkpoint and after a stop alike.
 
 At restore, node k of the new launch restores the ranks of part node<k> (the same block of ranks,
 on whichever host runs node k now), after the store verified the whole checkpoint. The number of

@@ -246,6 +246,11 @@ class CriuEngine(Engine):
             raise LaunchError(f"{action} failed at step {step} on node 0: {exc}; no checkpoint was "
                               "committed and the job goes on") from None
         reported.update(multihost.reported_parts(peers, request.id))
+        if action != "stop":
+            # Every image is written: the ranks go on while the parts are checked and committed
+            # (a stop's ranks wait for the commit: without one, the job must go on).
+            multihost.announce_outcome(peers, request.id, multihost.OUTCOME_DUMPED)
+            launcher.resume_ranks(request.id)
         try:
             criu_parts.verify_parts(staging, nodes=launcher.nodes, world_size=launcher.world_size,
                                     request_id=request.id, step=step, reported=reported)
@@ -268,13 +273,11 @@ class CriuEngine(Engine):
             return  # dump() already let the ranks go on, or they are gone (a stop)
         if not committed:
             launcher.abandon_cut(request.id)  # withdraws the cut: every host's ranks go on
-            return
-        if launcher.peers is not None:
-            multihost.announce_committed(launcher.peers, request.id)
-        if stop:
+        elif stop:
+            if launcher.peers is not None:
+                multihost.announce_outcome(launcher.peers, request.id, multihost.OUTCOME_COMMITTED)
             launcher.kill_all()
-        else:
-            launcher.resume_ranks(request.id)
+        # A committed checkpoint's ranks went on once every part was dumped.
 
     @staticmethod
     def pack_pages(launcher: Launcher, staging: os.PathLike | str) -> None:

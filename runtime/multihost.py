@@ -32,10 +32,12 @@ that is never committed: the store ignores uncommitted staging folders).
 The same cut with the CRIU engine (runtime/criu_parts.py): the ranks park with no socket open;
 each follower dumps its own ranks (left running, still parked) into its part of the staging
 folder and reports the part manifest's sha256 with its NodeCutReport; the leader dumps its part,
-verifies every part and commits, then sets `cut/<id>/outcome` ("committed") and each follower's
-ranks go on, or end after a stop. A part missing or bad: the leader withdraws the cut instead
-(`cut/<id>/withdrawn`, also after "go": Launcher.abandon_cut), nothing is committed and every
-host's ranks go on, after a checkpoint and after a stop alike.
+verifies every part and commits. The leader's `cut/<id>/outcome` tells the followers what their
+parked ranks do: a checkpoint's go on as soon as every part is dumped ("dumped", before the
+check and the commit: downtime is the dumps only); a stop's end once it is committed
+("committed"). A part missing or bad: the leader withdraws the cut instead (`cut/<id>/withdrawn`,
+also after "go": Launcher.abandon_cut), nothing is committed and every host's ranks go on,
+after a checkpoint and after a stop alike.
 
 `JobPeers` is how the launchers of one job learn of each other's end, through keys in the
 leader's store: a node whose job failed sets `failed/<node>`, one whose ranks all finished
@@ -56,6 +58,8 @@ LOST_AFTER_S = 30.0  # a node whose heartbeat has not moved this long is lost (k
 FINISH_WAIT_S = 120.0
 HAND_OUT_S = 10.0  # how long every follower has to take a cut request before the cut is off
 FOLLOW_CHECK_S = 0.05
+OUTCOME_DUMPED = "dumped"  # every host's part is dumped: a checkpoint's ranks go on
+OUTCOME_COMMITTED = "committed"  # the checkpoint is committed: a stop's ranks end
 
 
 def node_ranks(*, world_size: int, nodes: int, node_rank: int) -> range:
@@ -308,13 +312,13 @@ def follow_cut(launcher) -> str | None:
         report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", error=str(exc))
     peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
     if parked:
-        committed = await_outcome(launcher, request_id)
-        if committed and request.action == "stop":
+        outcome = await_outcome(launcher, request_id)
+        if outcome == OUTCOME_COMMITTED and request.action == "stop":
             launcher.kill_all()  # dumped into the committed checkpoint: the job goes on from there
             from protocol.launch import Stopped
             launcher.event(Stopped, step=report.step or 0, checkpoint="")
             return "stopped"
-        launcher.resume_ranks(request_id)  # a checkpoint taken, or none: the ranks go on
+        launcher.resume_ranks(request_id)  # a checkpoint's parts dumped, or no checkpoint: the ranks go on
         return None
     if request.action == "stop" and report.status == "ok":
         launcher.wait_all_exit(FINISH_WAIT_S)
@@ -337,12 +341,15 @@ def reported_parts(peers: JobPeers, request_id: int) -> dict[int, str | None]:
     return parts
 
 
-def announce_committed(peers: JobPeers, request_id: int, timeout_s: float = HAND_OUT_S * 3) -> None:
-    """Leader: tells the followers the checkpoint of cut `request_id` is committed and waits (at
-    most `timeout_s`) until each has read it: after a stop the leader's store, which they read it
-    from, goes away with the leader. A follower that does not answer is ended by its own peer check
-    (the leader's store unreachable): the checkpoint stands either way."""
-    peers.store.set(peers.cut_key(request_id, "outcome"), "committed")
+def announce_outcome(peers: JobPeers, request_id: int, outcome: str, timeout_s: float = HAND_OUT_S * 3) -> None:
+    """Leader: tells the followers whose ranks wait at cut `request_id` its `outcome`
+    (OUTCOME_DUMPED, OUTCOME_COMMITTED). For a commit it waits (at most `timeout_s`) until each
+    has read it: after a stop the leader's store, which they read it from, goes away with the
+    leader. A follower that does not answer is ended by its own peer check (the leader's store
+    unreachable): the checkpoint stands either way."""
+    peers.store.set(peers.cut_key(request_id, "outcome"), outcome)
+    if outcome != OUTCOME_COMMITTED:
+        return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if all(peers.has(peers.cut_key(request_id, "settled", node)) for node in range(1, peers.nodes)):
@@ -350,18 +357,20 @@ def announce_committed(peers: JobPeers, request_id: int, timeout_s: float = HAND
         time.sleep(0.01)
 
 
-def await_outcome(launcher, request_id: int) -> bool:
-    """Follower whose ranks wait at the cut `request_id`: returns True once the leader committed
-    the checkpoint, False when it withdrew the cut (no checkpoint). Raises LaunchError when the
-    job cannot go on (another node failed, the leader unreachable) or no outcome came in time."""
+def await_outcome(launcher, request_id: int) -> str | None:
+    """Follower whose ranks wait at the cut `request_id`: returns the leader's outcome
+    (OUTCOME_DUMPED, OUTCOME_COMMITTED), or None when it withdrew the cut (no checkpoint). Raises
+    LaunchError when the job cannot go on (another node failed, the leader unreachable) or no
+    outcome came in time."""
     peers = launcher.peers
     deadline = time.monotonic() + FINISH_WAIT_S * 5
     while time.monotonic() < deadline:
         if peers.has(peers.cut_key(request_id, "outcome")):
+            outcome = peers.store.get(peers.cut_key(request_id, "outcome")).decode()
             peers.store.set(peers.cut_key(request_id, "settled", peers.node_rank), "1")
-            return True
+            return outcome
         if peers.has(peers.cut_key(request_id, "withdrawn")):
-            return False
+            return None
         if failure := peers.check():
             raise LaunchError(f"the job failed on another host while this node's ranks waited at a cut "
                               f"({failure}); this node's ranks are ended", host_failure=peers.host_failed)
