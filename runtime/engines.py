@@ -131,7 +131,8 @@ class Engine(ABC):
              stop: bool, timeout_s: float) -> None:
         """Called once every rank reported ready at the cut `request` (after `step`): writes the checkpoint's
         files into `staging` (the launcher commits it). With `stop`, the ranks are gone when this
-        returns; without, they go on. Raises LaunchError when no checkpoint was written."""
+        returns (or, on a job spanning hosts, wait at the cut until settle()); without, they go on.
+        Raises LaunchError when no checkpoint was written."""
 
     def dump_part(self, launcher: Launcher, request: CutRequest, step: int) -> str:
         """Called on a follower of a job spanning hosts (dumps_per_host engines only) once its ranks
