@@ -9,8 +9,14 @@
    is swapped out; B runs, is swapped out; A is swapped in and finishes; B is swapped in and
    finishes; both hashes must equal their uninterrupted runs'.
 
+4. Folding (bench/gpu_fold_checks.py, issue 17 §2): W = 4 and W = 2 folded on the one GPU over
+   several logical devices, bit-exact against each other and against W = 4 on 4 logical devices;
+   W = 4 resized 4 -> 2 -> 1 -> 4 bit-exact; the fold's cost per step against plain DDP over NCCL.
+   UNPROVEN ON GPU until run on one (no GPU was lent when it was written).
+
 Prints a table. Usage: python3 bench/gpu_checks.py [--sizes 1,16,60] [--slice-gib 80]
-Without a GPU it stops at once with the runtime's own refusal message.
+[--checks swap,slice,fold] [--fold-timeout-s 150]
+Without a GPU it stops at once, printing "no GPU" and the runtime's own refusal message.
 
 Measured on an H200 (driver 580.159.04, 125 GiB host RAM): 1 / 16 / 60 GiB swapped out in
 1.8 / 11.4 / 42.2 s and in in 0.4 / 3.3 / 10.6 s, all bit-exact. The 2 x 80 GiB slice failed
@@ -118,12 +124,25 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,16,60")
     parser.add_argument("--slice-gib", type=float, default=80)
+    parser.add_argument("--checks", default="swap,slice,fold", help="which of swap, slice, fold to run")
+    parser.add_argument("--fold-timeout-s", type=float, default=150.0, help="limit of each folding job")
     args = parser.parse_args()
+    checks = {name.strip() for name in args.checks.split(",") if name.strip()}
     try:
         load_driver()
     except CudaCheckpointUnavailable as exc:
-        print(f"no GPU checks possible here: {exc}")
+        print(f"no GPU: no GPU checks possible here: {exc}")
         return 2
+    fold_rows = []
+    if "fold" in checks:  # first: short, and what the fold's issue needs (device time is short)
+        from bench.gpu_fold_checks import fold_checks
+        from bench.gpu_fold_checks import report as fold_report
+        fold_rows = fold_checks(args.fold_timeout_s)
+        fold_report(fold_rows)
+    if "swap" not in checks:
+        args.sizes = ""
+    if "slice" not in checks:
+        args.slice_gib = 0
     from agent.devices import Devices
 
     devices = Devices("auto")
@@ -149,7 +168,7 @@ def main():
               f"this host has {host_gib:.0f} GiB (use --slice-gib {max(1, int((host_gib - 8) // 2))})")
         g = 0
     if not g:
-        return report(rows)
+        return report(rows) or (0 if all(row[2] for row in fold_rows) else 1)
     expected_a, expected_b = reference_hash(g, seed=2), reference_hash(g, seed=3)
     a = Worker(g, seed=2)
     a_out = a.swap_out()
@@ -161,7 +180,7 @@ def main():
     hash_b = b.finish()
     rows.append((f"2 x {g:g} GiB time-sliced: A", a_out, a_in, None, None, hash_a == expected_a))
     rows.append((f"2 x {g:g} GiB time-sliced: B", b_out, b_in, None, None, hash_b == expected_b))
-    return report(rows)
+    return report(rows) or (0 if all(row[2] for row in fold_rows) else 1)
 
 
 def report(rows):

@@ -1,13 +1,16 @@
 """Per-step overhead of meridian-run (virtual group + consistent-cut barrier) vs plain torch.
 
     .venv/bin/python bench/runtime_overhead.py [--ranks 2] [--steps 300] [--repeats 5]
+                                               [--fold-devices 4,2,1]
 
 Runs the same DDP script (bench/runtime_scripts/timed_ddp.py, a 3x512 MLP, Adam) W ways:
 plain torch (W processes, gloo, torchrun-style env, one intra-op thread each; unpinned, and
 pinned one core per rank as meridian-run pins them), and under meridian-run with each engine
 (virtual group, consistent-cut flags every step, framework tracker). Prints the median wall and
 CPU time per step over the steady state (first 20% of steps dropped), the median over repeats,
-and the overhead vs plain torch pinned the same way.
+and the overhead vs plain torch pinned the same way. --fold-devices adds meridian-run rows folded
+(--fold, framework engine) onto each of those device counts (runtime/fold.py): ranks sharing a
+device then share its cores and take turns, so those rows measure splicing plus the fold.
 """
 import argparse
 import json
@@ -45,11 +48,12 @@ def run_plain(ranks, out, script_args, pinned=False, script=SCRIPT, store_port=N
         raise SystemExit(f"plain torch run failed: exit codes {codes}")
 
 
-def run_meridian(ranks, out, script_args, engine, workdir):
+def run_meridian(ranks, out, script_args, engine, workdir, fold_devices=None):
     job_id = f"bench-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, MERIDIAN_SPOOL_ROOT=os.path.join(workdir, "spool"))
+    fold = [] if fold_devices is None else ["--fold", "--devices", str(fold_devices)]
     code = subprocess.call([sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks),
-                            "--engine", engine, "--job-id", job_id,
+                            "--engine", engine, "--job-id", job_id, *fold,
                             "--job-dir", os.path.join(workdir, job_id), SCRIPT, out] + script_args,
                            cwd=ROOT, env=env)
     if code:
@@ -71,6 +75,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--engines", default="framework,criu")
+    parser.add_argument("--fold-devices", default="", help="e.g. 4,2,1: folded rows on that many devices")
     options = parser.parse_args()
     script_args = ["--steps", str(options.steps), "--width", str(options.width)]
     sys.path.insert(0, ROOT)
@@ -80,7 +85,8 @@ def main():
         print(f"(criu row skipped: {criu.check_available()[1]})")
         engines.remove("criu")
     variants = ["plain torch (gloo)", "plain torch, pinned like meridian"] + \
-        [f"meridian-run, {e} engine" for e in engines]
+        [f"meridian-run, {e} engine" for e in engines] + \
+        [f"meridian-run folded, {d} device(s)" for d in options.fold_devices.split(",") if d.strip()]
     results = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="meridian-bench-") as workdir:
         for repeat in range(options.repeats):
@@ -89,6 +95,9 @@ def main():
                 out = os.path.join(workdir, f"out-{repeat}-{len(results[variant])}-{variant[:5]}.json")
                 if variant.startswith("plain"):
                     run_plain(options.ranks, out, script_args, pinned="pinned" in variant)
+                elif variant.startswith("meridian-run folded"):
+                    run_meridian(options.ranks, out, script_args, "framework", workdir,
+                                 fold_devices=int(variant.split(", ")[1].split()[0]))
                 else:
                     run_meridian(options.ranks, out, script_args, variant.split(", ")[1].split()[0],
                                  workdir)

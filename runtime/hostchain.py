@@ -28,13 +28,27 @@ runs it on a thread of its own, in issue order (runtime/vpg.py), so DDP's backwa
 Used only when every host holds the same number P >= 2 of ranks in one contiguous block, H >= 2,
 and every host's area can be mapped (hosts are told apart by host_key); otherwise the group takes
 the flat gloo path (runtime/vpg.py). One rank per host gains nothing from an area: flat path.
+
+The same chain folds a job's ranks per *device* (runtime/fold.py; `open_per_device`): the
+stations are the devices instead of the hosts, in device order (rank order), each with its
+device's ranks' area (a device of one rank needs none: its piece is its row), and each station
+has one lane, its member (lowest rank), which takes the whole piece: steps 2-4 run on the members
+only, over a group of the members alone (gloo on CPU; NCCL on GPUs, runtime/cudagroup.py, which
+does not support one device as two ranks of a communicator). The other ranks of a device write
+their row and read the result; the member publishes the flags' sums in the area for them. The
+sequence of operations is still ((v0 op v1) op ...) op v[W-1], so a folded job has the bits of an
+unfolded one. Why one lane: ranks sharing a device share its compute (a GPU, or the cores behind a
+CPU device), so splitting the combining between them would gain nothing, and NCCL then needs one
+communicator member per device. The cost: the members' chain carries whole pieces in d - 1 hops
+and back, one piece at a time (a long chain of devices would want the pieces pipelined).
 """
 import hashlib
 import os
 
 import torch
+import torch.distributed as dist
 
-from runtime import localreduce, rankorder
+from runtime import fold, localreduce, rankorder
 from runtime.localreduce import LocalArea
 
 ENABLE_VARIABLE = "MERIDIAN_VPG_HOST_CHAIN"  # "0": ranks on several hosts take the flat gloo path
@@ -90,20 +104,31 @@ def _wait(work, hooks):
 
 
 class HostChain:
-    """One inner group's chain across hosts (see the module docstring). Made by open()."""
+    """One inner group's chain of *stations* (see the module docstring). Made by open() (the
+    stations are hosts, every rank a lane) or open_per_device() (the stations are devices, each
+    with one lane: its member; runtime/fold.py).
 
-    def __init__(self, area, pg, *, rank, blocks):
+    area: this station's shared area, or None for a station of one rank (its row is its piece).
+    pg: the group the chain's messages go over; peers: for each station, the address in pg of
+    this rank's lane there (None: this rank is not a lane, its station's member carries it).
+    message_device: where messages live and partials are combined (a CUDA device for NCCL)."""
+
+    def __init__(self, area, pg, *, station, stations, world_size, peers, message_device="cpu",
+                 lane_chunks=True):
         self.area = area
         self.pg = pg
-        self.hosts = len(blocks)
-        self.world_size = sum(len(block) for block in blocks)
-        per_host = len(blocks[0])
-        self.host = rank // per_host
-        lane = [block.start + rank % per_host for block in blocks]  # this lane's rank on each host
-        self.previous = lane[self.host - 1] if self.host > 0 else None
-        self.next = lane[self.host + 1] if self.host < self.hosts - 1 else None
-        self.last = lane[-1]
-        self.earlier = lane[:-1]  # where the last host sends the finished chunks
+        self.hosts = stations
+        self.host = station
+        self.world_size = world_size
+        self.lane = peers is not None
+        self.lane_chunks = lane_chunks  # lanes split the piece (hosts); else one lane takes it all
+        self.message_device = torch.device(message_device)
+        self.plan = None  # the fold plan, for a chain of devices
+        if peers is not None:
+            self.previous = peers[station - 1] if station > 0 else None
+            self.next = peers[station + 1] if station < stations - 1 else None
+            self.last = peers[-1]
+            self.earlier = peers[:-1]  # where the last station sends the finished chunks
 
     @classmethod
     def open(cls, pg, store, *, rank, world_size, timeout_s):
@@ -123,13 +148,50 @@ class HostChain:
                               members=members)
         if area is None:
             return None
-        return cls(area, pg, rank=rank, blocks=blocks)
+        per_host = len(blocks[0])
+        return cls(area, pg, station=rank // per_host, stations=len(blocks), world_size=world_size,
+                   peers=[block.start + rank % per_host for block in blocks])
+
+    @classmethod
+    def open_per_device(cls, pg, store, *, rank, world_size, timeout_s, device, members_group,
+                        message_device="cpu"):
+        """Returns the folded chain (runtime/fold.py): one station per device, the device's ranks
+        through their area, its member alone in the exchange between devices over a group of the
+        members only, made by members_group(store, index, size) (gloo on CPU, NCCL on GPUs).
+
+        Collective on pg: every rank calls it right after building the group, with its device
+        (a job-wide key). Returns None when a device's area cannot be mapped (no usable
+        /dev/shm; MERIDIAN_VPG_LOCAL=0); raises fold.FoldError for a layout the fold refuses
+        (on every rank alike: they all see the same keys)."""
+        if os.environ.get(localreduce.ENABLE_VARIABLE, "1") == "0":
+            return None
+        keys = torch.zeros(2 * world_size, dtype=torch.int64)
+        mine = torch.tensor([-1 if device is None else int(device), host_key()], dtype=torch.int64)
+        pg._allgather_base(keys, mine).wait()
+        pairs = keys.view(world_size, 2).tolist()
+        plan = fold.fold_plan([None if d < 0 else d for d, _ in pairs], [h for _, h in pairs])
+        station = plan.position(rank)
+        block = plan.blocks[station]
+        area = None
+        if len(block) > 1:
+            area = LocalArea.open(pg, store, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                  members=block)
+            if area is None:
+                return None
+        group = None
+        if plan.devices > 1 and rank == block.start:
+            group = members_group(dist.PrefixStore("fold-members", store), station, plan.devices)
+        chain = cls(area, group, station=station, stations=plan.devices, world_size=world_size,
+                    peers=list(range(plan.devices)) if rank == block.start else None,
+                    message_device=message_device, lane_chunks=False)
+        chain.plan = plan
+        return chain
 
     def allreduce(self, flat, op, hooks, flags=None):
         """All-reduces a contiguous 1-D tensor in place, piece by piece (every rank calls it with
         the same sizes in the same order); `flags` (at most MAX_FLAGS ints, or None) ride in the
-        chain's messages: returns their sums over all ranks of all hosts."""
-        step = self.area.piece_elements(flat)
+        chain's messages: returns their sums over all ranks of all stations."""
+        step = self.area.piece_elements(flat) if self.area is not None else max(flat.numel(), 1)
         summed = None
         for start in range(0, max(flat.numel(), 1), step):
             piece = flat[start:start + step]
@@ -141,23 +203,37 @@ class HostChain:
     def _message(self, dtype, elements):
         """A buffer for one chain message: the flags' line, then `elements` values (a view)."""
         message = torch.empty(FLAG_BYTES + elements * torch.empty(0, dtype=dtype).element_size(),
-                              dtype=torch.uint8)
+                              dtype=torch.uint8, device=self.message_device)
         return message, message[:FLAG_BYTES].view(torch.int64), message[FLAG_BYTES:].view(dtype)
 
     def _reduce_piece(self, piece, op, hooks, flags):
         area, count, dtype = self.area, piece.numel(), piece.dtype
-        begin, end = area.chunk(count)
-        # Receives are posted first, so gloo can take the bytes in while this host gathers.
-        incoming = finished = None
+        if area is None:  # a station of one rank: its piece is its only row (and it is a lane)
+            station_flags = list(flags) if flags is not None else None
+            begin, end = 0, count
+        else:
+            station_flags = None
+            begin, end = area.chunk(count) if self.lane_chunks else (0, count)
+        if not self.lane:  # a folded device's other rank: its member carries its row
+            area.put(piece, flags, hooks)
+            area.take(piece, hooks)
+            return area.totals(len(flags)) if flags is not None else None
+        # Receives are posted first, so the bytes can come in while this station gathers. The
+        # finished chunk's receive is posted only after this station's own send: an NCCL
+        # communicator runs a pair's operations in the order issued, and a receive from the last
+        # station queued before the send that feeds it would wait forever.
+        incoming = None
         if self.previous is not None:
             incoming = self._message(dtype, end - begin)
             incoming_work = self.pg.recv([incoming[0]], self.previous, TAG_PARTIAL)
-        if self.next is not None:
-            finished = self._message(dtype, end - begin)
-            finished_work = self.pg.recv([finished[0]], self.last, TAG_FINAL)
-        host_flags = area.put(piece, flags, hooks)
-        rows = area.inputs(dtype, count, begin, end)
-        if incoming is None:  # host 0: the chain starts here
+        if area is not None:
+            station_flags = area.put(piece, flags, hooks)
+            rows = area.inputs(dtype, count, begin, end)
+        else:
+            rows = [piece[begin:end]]
+        if rows[0].device != self.message_device:  # a CUDA member: the area's rows are on the host
+            rows = [row.to(self.message_device) for row in rows]
+        if incoming is None:  # station 0: the chain starts here
             message, carried, partial = self._message(dtype, end - begin)
             carried.zero_()
             rankorder.combine_into(partial.copy_(rows[0]), rows[1:], op)
@@ -165,22 +241,36 @@ class HostChain:
             _wait(incoming_work, hooks)
             message, carried, partial = incoming
             rankorder.combine_into(partial, rows, op)
-        if host_flags is not None:
-            carried[:len(host_flags)] += torch.tensor(host_flags, dtype=torch.int64)
+        if station_flags is not None:
+            carried[:len(station_flags)] += torch.tensor(station_flags, dtype=torch.int64,
+                                                         device=carried.device)
         if self.next is not None:
             sent = [self.pg.send([message], self.next, TAG_PARTIAL)]
+            finished = self._message(dtype, end - begin)
+            finished_work = self.pg.recv([finished[0]], self.last, TAG_FINAL)
             _wait(finished_work, hooks)
             message, carried, partial = finished
-        else:  # the last host: every rank's value is in
+        else:  # the last station: every rank's value is in
             rankorder.average(partial, self.world_size, op)
-            sent = [self.pg.send([message], rank, TAG_FINAL) for rank in self.earlier]
-        area.result(dtype, count)[begin:end].copy_(partial)
+            sent = [self.pg.send([message], peer, TAG_FINAL) for peer in self.earlier]
+        totals = carried[:len(flags)].tolist() if flags is not None else None
+        if area is None:
+            piece.copy_(partial)
+        else:
+            area.result(dtype, count)[begin:end].copy_(partial)
+            if totals is not None and not self.lane_chunks:
+                area.publish_totals(totals)
         for work in sent:
             _wait(work, hooks)
-        totals = carried[:len(flags)].tolist() if flags is not None else None
-        area.take(piece, hooks)
+        if area is not None:
+            area.take(piece, hooks)
         return totals
 
     def close(self):
-        self.area.close()
-        self.area = self.pg = None
+        if self.area is not None:
+            self.area.close()
+        self.area = None
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "abort_communicator"):
+            pg.abort_communicator()  # an NCCL members' group (runtime/cudagroup.py)
+        del pg

@@ -1,7 +1,7 @@
 """meridian-run: runs an unmodified PyTorch script as W rank processes, preemptible and resizable.
 
     meridian-run --ranks W [--devices d] [--device-indices i,j,...] [--engine criu|framework|auto]
-                 [--job-dir DIR] [--job-id ID] [--store URI] [--keep K]
+                 [--fold] [--job-dir DIR] [--job-id ID] [--store URI] [--keep K]
                  [--resume [--restore-manifest-sha256 HEX]] script.py args...
 
 The launcher hosts the job's rendezvous store (ranks are store clients only), starts every rank
@@ -87,6 +87,7 @@ ENGINES = (*engines.ENGINES, engines.AUTO)
 POLL_S = 0.01
 DEFAULT_TIMEOUT_S = 600.0
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"
+FOLD_ENV = "MERIDIAN_VPG_FOLD"  # runtime/vpg.FOLD_VARIABLE (the launcher never imports torch)
 
 
 def _sha256_hex(text):
@@ -239,6 +240,8 @@ class Launcher:
             "MERIDIAN_ENGINE": self.engine, "MERIDIAN_NONCE": self.nonce,
             "OMP_NUM_THREADS": "1", "MERIDIAN_LAUNCHER_PID": str(os.getpid()),
         }
+        if getattr(self.options, "fold", False):
+            runtime_env[FOLD_ENV] = "1"
         if self.device_indices is not None:
             runtime_env[DEVICE_INDICES_ENV] = ",".join(map(str, self.device_indices))
         if resume_dir is not None:
@@ -773,6 +776,10 @@ def parse_args(argv):
                              "(e.g. 0,2,5; as many as --devices, or with --nodes N this host's share, "
                              "--devices/N): its ranks are pinned to the cores behind them, and they are passed "
                              f"to the ranks as {DEVICE_INDICES_ENV} (CUDA_VISIBLE_DEVICES on a GPU node)")
+    parser.add_argument("--fold", action="store_true",
+                        help="fold the ranks that share a device into one member of the communicator "
+                             "between devices, as GPU (NCCL) jobs always do, on CPU devices too "
+                             f"(tests, CI; sets {FOLD_ENV}=1 for the ranks: runtime/fold.py)")
     parser.add_argument("--engine", default="auto", choices=ENGINES,
                         help="checkpoint engine (auto: CRIU when `criu check` passes, else framework)")
     parser.add_argument("--job-dir", default=None,

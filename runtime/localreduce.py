@@ -76,7 +76,9 @@ def shm_directory():
 
 
 def _header_bytes(world_size):
-    needed = _TOKEN_BYTES + _WORD_STRIDE * (world_size + 1)
+    # The token, one line per rank, and one line of totals (a folded device's member publishes
+    # the flags' job-wide sums there for the ranks it speaks for: runtime/hostchain.py).
+    needed = _TOKEN_BYTES + _WORD_STRIDE * (world_size + 2)
     return -(-needed // _PAGE) * _PAGE
 
 
@@ -93,6 +95,7 @@ class LocalArea:
         self._words = [base + _WORD_STRIDE * (r + 1) for r in range(world_size)]
         self._arrivals = [ctypes.c_uint32.from_address(word) for word in self._words]
         self._flags = [(ctypes.c_int64 * MAX_FLAGS).from_address(word + 8) for word in self._words]
+        self._totals = (ctypes.c_int64 * MAX_FLAGS).from_address(base + _WORD_STRIDE * (world_size + 1))
         self._passed = 0  # barriers this rank has arrived at
 
     @classmethod
@@ -226,6 +229,16 @@ class LocalArea:
         """The result row of a piece of `count` elements (a view: owners write their chunks)."""
         return self._row(self.world_size, dtype, count)
 
+    def publish_totals(self, values):
+        """Rank 0 of the area only, between put and take: writes the flags' sums over the whole
+        job for the area's other ranks to read after take (one writer; they read it after the
+        barrier in take, and the next write comes after the next put's barrier)."""
+        self._totals[:len(values)] = [int(v) for v in values]
+
+    def totals(self, count):
+        """After take: the `count` sums rank 0 of the area published for this piece."""
+        return list(self._totals[:count])
+
     def take(self, piece, hooks):
         """Waits until every chunk of the piece's result is written, then copies it into piece."""
         self.barrier(hooks)
@@ -252,7 +265,7 @@ class LocalArea:
         return summed
 
     def close(self):
-        self._arrivals = self._flags = None
+        self._arrivals = self._flags = self._totals = None
         self._buffer = None
 
 

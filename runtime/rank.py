@@ -91,12 +91,28 @@ class RankRuntime:
             self.write_progress(step)
         if request.action == "resize":
             assert request.devices is not None  # CutRequest refuses a resize without its map
+            self.refold(request)
             self.slot.release()
             self.move_to(request.devices, request.device_indices)
             self.slot.acquire()
             self.report(request, step, "resized", device=self.slot.device, cores=tuple(self.slot.cores))
             return
         self.engine.cut(self, request, step)
+
+    def refold(self, request: CutRequest) -> None:
+        """A folded group (runtime/fold.py) names its devices' members: closes it at a resize so
+        that the next collective builds it on the new devices, under a rendezvous prefix of this
+        request's own (every rank derives the same one). Unfolded groups do not depend on the
+        devices and are kept. Called with the device token held (close_inner waits with it given
+        away, and takes it back)."""
+        from runtime import vpg
+        group = vpg.current_group()
+        if group is None or not group.folded:
+            return
+        group.close_inner()
+        addr, port, _ = self.connection()
+        self.connection.update(addr=addr, port=port,
+                               prefix=f"{os.environ.get('MERIDIAN_NONCE', 'job')}/refold-{request.id}")
 
     def move_to(self, devices: DeviceMap, device_indices: tuple[int, ...] | None) -> None:
         """Moves this rank to its device in `devices` (token not held) and records the job's

@@ -10,7 +10,7 @@ no io_uring fd left in the process: CRIU can then dump it) and rebuild on new ad
 Reductions are deterministic: each element is combined in rank order 0, 1, ..., W-1, wherever
 it sits in the tensor, so results are bitwise the same for every rank -> device -> host layout
 and for DDP's bucket layout, which changes when a script is re-run from a framework checkpoint.
-Three transports give the same bits, so a job may switch between them at any cut:
+Four transports give the same bits, so a job may switch between them at any cut:
 - ranks all on one host (`localreduce`): through a shared memory area, each chunk combined by its
   owner, with a futex barrier; synchronous, and the cut's flags ride in the same area for free.
   Cheaper than gloo's own ring over loopback TCP, which is what made the overhead goal reachable.
@@ -18,6 +18,10 @@ Three transports give the same bits, so a job may switch between them at any cut
   through their own host's area, the hosts chaining their partial sums in host order (which is
   rank order) with point-to-point gloo messages that also carry the cut's flags; on a thread of
   the group, in issue order, so it overlaps the script's computation as gloo's all-reduce would.
+- folded (`fold`: a GPU job always, a CPU job with meridian-run --fold / MERIDIAN_VPG_FOLD=1):
+  the chain of hostchain with one station per device, each device's ranks through their area and
+  only the device's member in the exchange between devices, over a group of one member per device
+  (runtime/fold.py; NCCL on GPUs, runtime/cudagroup.py, UNPROVEN ON GPU).
 - otherwise (one rank per host, no usable /dev/shm): a reduce-scatter over gloo (all-to-all of W
   chunks, each combined in rank order by its owner, the flags riding in it) then an all-gather,
   asynchronous like gloo's own all-reduce: the all-gather is handed to gloo from a callback when
@@ -48,14 +52,41 @@ from runtime.hostchain import HostChain
 from runtime.localreduce import LocalArea
 
 BACKEND_NAME = "meridian"
+FOLD_VARIABLE = "MERIDIAN_VPG_FOLD"  # "1": fold co-located ranks on CPU too (meridian-run --fold)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 _state = {"group": None, "installed": False, "connection": None, "hooks": None,
-          "outgoing_flags": None, "carried_flags": None, "collective_hook": None}
+          "outgoing_flags": None, "carried_flags": None, "collective_hook": None, "cuda": False}
+_CPU_BACKENDS = ("gloo", "cpu:gloo", BACKEND_NAME)
+
+
+def _wants_cuda(backend):
+    """True when a script's init_process_group(backend) asks for the GPU path (NCCL; or None
+    where CUDA is visible, as torch itself picks NCCL then), False for gloo. Raises RuntimeError,
+    the same on every rank, for NCCL without a CUDA device (saying what is missing) and for any
+    other backend."""
+    from runtime import cudagroup
+    if backend is None:
+        return cudagroup.cuda_missing() is None
+    requested = str(backend).lower().replace(" ", "")
+    if requested in _CPU_BACKENDS:
+        return False
+    if requested in cudagroup.CUDA_BACKENDS:
+        if cudagroup.cuda_missing() is not None:
+            raise RuntimeError(cudagroup.refusal(backend))
+        return True
+    raise RuntimeError(f"meridian-run: backend {backend!r} is not available under meridian-run; use "
+                       "'gloo' (CPU devices) or 'nccl' (CUDA devices): collectives then go through "
+                       "Meridian's virtual group")
 
 
 class CollectiveHooks:
-    """Called around every wait for a collective; replica splicing releases its device token here."""
+    """Called around every wait for a collective; replica splicing releases its device token here.
+
+    `device`: this rank's job-wide device number (splice.DeviceSlot has it), or None: unknown,
+    which a folded group refuses (runtime/fold.py)."""
+
+    device = None
 
     def shares_device(self):
         """True when other ranks run on this rank's device (they need its turn to compute)."""
@@ -68,11 +99,35 @@ class CollectiveHooks:
         pass
 
 
+def _gloo_group(store, rank, world_size, *, bind_addr, timeout):
+    """A bare ProcessGroupGloo on `store` that keeps no listening socket of its own options."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_addr)]
+    pg = dist.ProcessGroupGloo(store, rank, world_size, options)
+    # The options keep the gloo Device, and the Device keeps a listening socket.
+    del options
+    return pg
+
+
+def fold_forced():
+    """True when $MERIDIAN_VPG_FOLD is "1" (meridian-run --fold): fold co-located ranks even on
+    CPU devices over gloo, as a GPU job always does (tests, CI: runtime/fold.py)."""
+    return os.environ.get(FOLD_VARIABLE, "") == "1"
+
+
 class InnerGroup:
-    """A real gloo group on the launcher's store; `close()` leaves no socket behind."""
+    """A real gloo group on the launcher's store; `close()` leaves no socket behind.
+
+    fold: reduce through the folded chain (runtime/fold.py; `device` is this rank's job-wide
+    device number), whose exchange between devices goes over a group of the devices' members
+    made by members_group(store, index, size) (default: gloo), messages on message_device.
+    Without a usable shared area the fold falls back to the unfolded transports, unless
+    fold_required (an NCCL job: there is no unfolded way), which raises instead."""
 
     def __init__(self, *, rank, world_size, master_addr, master_port, key_prefix,
-                 bind_addr="127.0.0.1", timeout=DEFAULT_TIMEOUT):
+                 bind_addr="127.0.0.1", timeout=DEFAULT_TIMEOUT, device=None, fold=False,
+                 members_group=None, message_device="cpu", fold_required=False):
         self.rank = rank
         self.world_size = world_size
         # The launcher hosts the store; ranks are clients only, so no rank ever listens on the
@@ -80,18 +135,30 @@ class InnerGroup:
         self._store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=False,
                                     timeout=timeout)
         self._prefix_store = dist.PrefixStore(key_prefix, self._store)
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_addr)]
-        self.pg = dist.ProcessGroupGloo(self._prefix_store, rank, world_size, options)
-        # The options keep the gloo Device, and the Device keeps a listening socket.
-        del options
+        self.pg = _gloo_group(self._prefix_store, rank, world_size, bind_addr=bind_addr, timeout=timeout)
+        self.local = self.host_chain = self.chain_thread = None
+        if fold:
+            def gloo_members(store, index, size):
+                return _gloo_group(store, index, size, bind_addr=bind_addr, timeout=timeout)
+            self.host_chain = HostChain.open_per_device(
+                self.pg, self._prefix_store, rank=rank, world_size=world_size,
+                timeout_s=timeout.total_seconds(), device=device,
+                members_group=members_group or gloo_members, message_device=message_device)
+            if self.host_chain is None and fold_required:
+                raise RuntimeError("meridian virtual group: a GPU job folds its co-located ranks "
+                                   "through a shared-memory area, and this host has none usable "
+                                   f"({localreduce.shm_directory()}, or {localreduce.ENABLE_VARIABLE}=0)")
+            if self.host_chain is not None and rank == 0:
+                plan = self.host_chain.plan
+                sys.stderr.write(f"meridian virtual group: folded {world_size} ranks onto {plan.devices} "
+                                 f"device(s), one communicator member each (ranks {list(plan.members)})\n")
+                sys.stderr.flush()
         # Ranks all on one host reduce through shared memory instead of loopback TCP; ranks on
         # several hosts through each host's shared memory and a chain between the hosts.
-        self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
-                                    world_size=world_size, timeout_s=timeout.total_seconds())
-        self.host_chain = self.chain_thread = None
-        if self.local is None:
+        if self.host_chain is None:
+            self.local = LocalArea.open(self.pg, self._prefix_store, rank=rank,
+                                        world_size=world_size, timeout_s=timeout.total_seconds())
+        if self.local is None and self.host_chain is None:
             self.host_chain = HostChain.open(self.pg, self._prefix_store, rank=rank,
                                              world_size=world_size, timeout_s=timeout.total_seconds())
         if self.host_chain is not None:
@@ -186,6 +253,10 @@ FLAG_LINE_BYTES = hostchain.FLAG_BYTES  # the cut's flags in a collective's payl
 _COMMUTATIVE_IN_GLOO = rankorder.COMMUTATIVE_IN_GLOO
 _RANK_ORDER_OPS = rankorder.RANK_ORDER_OPS
 _reduce_in_rank_order = rankorder.reduce_in_rank_order
+
+
+def _any_cuda(tensors):
+    return any(tensor.is_cuda for tensor in tensors)
 
 
 def _flat(tensor):
@@ -305,6 +376,13 @@ class VirtualProcessGroup(dist.ProcessGroup):
         if self.inner is not None:
             self.inner.close()
             self.inner = None
+
+    @property
+    def folded(self):
+        """True while the inner group reduces through a fold (runtime/fold.py), whose plan names
+        the devices: a resize must rebuild it (runtime/rank.py refold)."""
+        inner = self.inner
+        return inner is not None and inner.host_chain is not None and inner.host_chain.plan is not None
 
     def getBackendName(self):
         return BACKEND_NAME
@@ -503,22 +581,43 @@ class VirtualProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
+    def _staged(self, outputs, run):
+        """Runs run(pg) over gloo here and now, then copies each (host, device) pair of `outputs`
+        back onto the device: a GPU job's broadcast and all-gather go through the W-rank gloo
+        group with host copies of their CUDA tensors (UNPROVEN ON GPU: runtime/cudagroup.py)."""
+        def copied(pg):
+            run(pg).wait()
+            for host, device in outputs:
+                device.copy_(host)
+        return self._run_here(copied, [device for _, device in outputs])
+
     def broadcast(self, tensors, opts):
         options = dist.BroadcastOptions()
         options.rootRank = opts.rootRank
         options.rootTensor = opts.rootTensor
+        if _any_cuda(tensors):
+            host = [tensor.detach().cpu() for tensor in tensors]
+            return self._staged(list(zip(host, tensors)), lambda pg: pg.broadcast(host, options))
         return self._issue(lambda pg: pg.broadcast(tensors, options))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        if _any_cuda(input_tensors) or _any_cuda(t for ts in output_tensors for t in ts):
+            host_in = [tensor.detach().cpu() for tensor in input_tensors]
+            host_out = [[torch.empty_like(t, device="cpu") for t in ts] for ts in output_tensors]
+            pairs = [(h, t) for hs, ts in zip(host_out, output_tensors) for h, t in zip(hs, ts)]
+            return self._staged(pairs, lambda pg: pg.allgather(host_out, host_in))
         return self._issue(lambda pg: pg.allgather(output_tensors, input_tensors))
 
     def _allgather_base(self, output, input, opts=None):
+        if output.is_cuda or input.is_cuda:
+            host_in, host_out = input.detach().cpu(), torch.empty_like(output, device="cpu")
+            return self._staged([(host_out, output)], lambda pg: pg._allgather_base(host_out, host_in))
         return self._issue(lambda pg: pg._allgather_base(output, input))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         op = getattr(op, "op", op)
-        if not self._ordered(op):
+        if not self._ordered(op) and not _any_cuda(output_tensors):
             options = dist.ReduceScatterOptions()
             options.reduceOp = op
             return self._issue(lambda pg: pg.reduce_scatter(output_tensors, input_tensors, options))
@@ -527,7 +626,7 @@ class VirtualProcessGroup(dist.ProcessGroup):
         def reduce_scatter(pg):
             # Rank r receives chunk r of every rank and combines them in rank order.
             for output, inputs in zip(output_tensors, input_tensors):
-                send = torch.cat([chunk.detach().reshape(-1) for chunk in inputs])
+                send = torch.cat([chunk.detach().reshape(-1) for chunk in inputs]).cpu()  # gloo: host
                 received = torch.empty_like(send)
                 pg.alltoall_base(received, send, [], [], dist.AllToAllOptions()).wait()
                 rows = list(received.view(world_size, -1))
@@ -597,27 +696,38 @@ def install(*, rank, world_size, connection, hooks=None):
     def create(backend_options, pg_options=None):
         def connect():
             master_addr, master_port, key_prefix = _state["connection"]()
+            fold = {}
+            device = getattr(_state["hooks"], "device", None)  # the launcher's logical device
+            if _state["cuda"]:  # a GPU job always folds: one NCCL member per physical GPU
+                from runtime import cudagroup
+                device = cudagroup.device_key()
+                fold = dict(fold=True, fold_required=True, message_device=cudagroup.member_device(),
+                            members_group=cudagroup.nccl_members_group(DEFAULT_TIMEOUT))
+            elif fold_forced():
+                fold = dict(fold=True)
             # On a job spanning hosts, gloo listens on this host's address (runtime/multihost.py).
             return InnerGroup(rank=rank, world_size=world_size, master_addr=master_addr,
                               master_port=master_port, key_prefix=key_prefix,
-                              bind_addr=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"))
+                              bind_addr=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"),
+                              device=device, **fold)
         group = VirtualProcessGroup(backend_options.group_rank, backend_options.group_size,
                                     connect, _state["hooks"])
         if _state["group"] is None:
             _state["group"] = group
         return group
 
-    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+    # "cuda" too, so a GPU job's CUDA tensors reach the group (UNPROVEN ON GPU: runtime/cudagroup.py).
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
     original = distributed_c10d.init_process_group
 
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
                            rank=-1, store=None, group_name="", pg_options=None,
                            device_id=None, **kwargs):
-        requested = str(backend or "gloo").lower()
-        if requested not in ("gloo", "cpu:gloo", BACKEND_NAME):
-            raise RuntimeError(
-                f"meridian-run: backend {backend!r} is not available in the CPU runtime; "
-                "use 'gloo' (collectives then go through Meridian's virtual group)")
+        _state["cuda"] = _wants_cuda(backend)
+        if _state["cuda"]:
+            import torch.cuda
+            if device_id is not None:
+                torch.cuda.set_device(device_id)
         if rank not in (-1, None) and int(rank) != _expected["rank"]:
             raise RuntimeError(f"meridian-run: script asked for rank {rank}, "
                                f"launcher started rank {_expected['rank']}")

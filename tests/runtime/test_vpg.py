@@ -40,25 +40,27 @@ def test_closing_the_inner_group_leaves_no_socket_open():
 
 
 def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed, transport="local",
-                 segment_bytes=None, hosts=1, reports=None):
+                 segment_bytes=None, hosts=1, reports=None, devices=None):
     """Runs one all-reduce of order-sensitive values over `world` rank processes; returns each
     rank's result bytes (3 repeats each). transport "local": through the shared area (the ranks
     are on one host), "gloo": forced over gloo's TCP, "hosts": `hosts` emulated hosts of
-    world/hosts ranks each (a shared-memory directory of their own), chained. `reports`: a list
-    that receives each rank's report."""
+    world/hosts ranks each (a shared-memory directory of their own), chained. `devices`: fold the
+    ranks onto that many devices (contiguous blocks; with hosts, each host its block of devices),
+    transport "fold". `reports`: a list that receives each rank's report."""
     server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                            use_libuv=False)
     env = dict(os.environ, MERIDIAN_VPG_LOCAL="0" if transport == "gloo" else "1")
     if segment_bytes:
         env["MERIDIAN_VPG_SEGMENT_BYTES"] = str(segment_bytes)
     shm_dirs = [pathlib.Path("/dev/shm")] * world
-    if transport == "hosts":  # rank r on host r // (world / hosts): its own /dev/shm stand-in
+    if hosts > 1:  # rank r on host r // (world / hosts): its own /dev/shm stand-in
         roots = [pathlib.Path(tempfile.mkdtemp(prefix=f"host{h}-", dir="/dev/shm")) for h in range(hosts)]
         shm_dirs = [roots[r // (world // hosts)] for r in range(world)]
     areas_before = {d: set(d.glob("meridian-vpg-*")) for d in set(shm_dirs)}
     outs = [tmp_path / f"{tag}-rank{r}.json" for r in range(world)]
     processes = [subprocess.Popen([sys.executable, str(PROBE), str(r), str(world), str(server.port),
-                                   core_of_rank(r), str(delay_seed), str(outs[r])],
+                                   core_of_rank(r), str(delay_seed), str(outs[r])]
+                                  + ([str(r * devices // world)] if devices else []),
                                   env=dict(env, MERIDIAN_VPG_SHM_DIR=str(shm_dirs[r])))
                  for r in range(world)]
     assert [p.wait(timeout=120) for p in processes] == [0] * world
@@ -68,7 +70,7 @@ def _reduce_once(tmp_path, tag, world, core_of_rank, delay_seed, transport="loca
     assert {d: set(d.glob("meridian-vpg-*")) for d in set(shm_dirs)} == areas_before
     assert all(report["rank_order"] for report in found), f"{tag}: not the left-to-right rank-order sum"
     assert all(report["flags"] == [world * (world - 1) // 2, world] for report in found)
-    if transport == "hosts":
+    if hosts > 1:
         for root in set(shm_dirs):
             root.rmdir()
     if reports is not None:
@@ -112,6 +114,30 @@ def test_ranks_on_several_hosts_chain_through_each_hosts_area_with_the_same_bits
     # point-to-point sends and receives only, no gloo collective (the flat path issues three).
     for report in reports:
         assert set(report["issued"]) <= {"send", "recv"} and report["issued"], report["issued"]
+
+
+def test_folded_layouts_4x1_2x2_1x4_and_across_hosts_give_the_one_host_bits(tmp_path):
+    # Ranks sharing a device reduce through their area, and only each device's member (its
+    # lowest rank) talks to other devices, over a group of exactly one member per device.
+    cores = sorted(os.sched_getaffinity(0))
+    one_host = _reduce_once(tmp_path, "unfolded", 4, lambda r: str(cores[r % len(cores)]), delay_seed=9)
+    reference = one_host[0][0]
+    for devices, hosts, seed in ((4, 1, 10), (2, 1, 11), (1, 1, 12), (2, 2, 13), (4, 2, 14)):
+        reports = []
+        folded = _reduce_once(tmp_path, f"fold-{devices}x{hosts}", 4, lambda r: str(cores[r % len(cores)]),
+                              delay_seed=seed, transport="fold", hosts=hosts, devices=devices,
+                              reports=reports, segment_bytes=64 << 10 if seed % 2 else None)
+        for per_rank in folded:
+            assert per_rank == [reference] * 4, f"{devices} device(s) on {hosts} host(s): other bytes"
+        members = [r for r in range(4) if r * devices // 4 != (r - 1) * devices // 4 or r == 0]
+        for rank, report in enumerate(reports):
+            # The carrying all-reduce issued nothing on the W-rank group; members only point to point.
+            assert report["issued"] == {}, report["issued"]
+            if rank in members and devices > 1:
+                assert report["members_group_size"] == devices
+                assert set(report["members_issued"]) == {"send", "recv"}
+            else:
+                assert report["members_group_size"] is None and report["members_issued"] == {}
 
 
 @pytest.mark.parametrize("world", [4, 3])

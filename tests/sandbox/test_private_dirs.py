@@ -43,6 +43,16 @@ def _private_paths(job_dir):
     return info.get("private_tmp"), info.get("private_shm")
 
 
+def _bound_back_under_tmp(node_root):
+    """The names a sandboxed job sees in its /tmp: the node's folders it needs that live under the
+    node's /tmp, bound back at their own paths (the test's node; the checkout itself, with the
+    probe script, when it was cloned under /tmp)."""
+    names = {node_root.name}
+    if ROOT.resolve().parts[:2] == ("/", "tmp") and len(ROOT.resolve().parts) > 2:
+        names.add(ROOT.resolve().parts[2])
+    return names
+
+
 def _exists(*paths):
     return [path is not None and os.path.exists(path) for path in paths]
 
@@ -78,9 +88,9 @@ def test_a_jobs_tmp_and_dev_shm_are_its_own_and_gone_when_it_ends(node_root, nod
     assert seen_b["shm"] == ["secret-b-rank0"]
     # what the node's /tmp shows: only the way to the job's spool, workspace and store (the test's
     # node lives in /tmp), bound back at their own paths
-    assert set(seen_b["tmp"]) == {"secret-b-rank0", node_root.name}
+    assert set(seen_b["tmp"]) == {"secret-b-rank0", *_bound_back_under_tmp(node_root)}
     assert seen_a["reads"] == {path: "refused:2" for path in node_files}
-    assert seen_a["shm"] == ["secret-a-rank0"] and set(seen_a["tmp"]) == {"secret-a-rank0", node_root.name}
+    assert seen_a["shm"] == ["secret-a-rank0"] and set(seen_a["tmp"]) == {"secret-a-rank0", *_bound_back_under_tmp(node_root)}
     assert seen_a["tmpdir"] == seen_a["gettempdir"] == "/tmp"
     assert "private /tmp and /dev/shm" in finished["sandbox"]
     assert owners_a == [mechanisms.identity_for_job(121, base=UID_BASE).uid] * 2

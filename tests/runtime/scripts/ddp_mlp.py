@@ -1,9 +1,10 @@
 """An ordinary DDP training script: nothing in it knows about Meridian.
 
-Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S]
+Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S] [--backend gloo|nccl]
 W ranks from the torchrun-style environment; a small MLP with dropout, Adam, a shuffling
 DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the final parameters
-and optimizer state to OUT_PATH.
+and optimizer state to OUT_PATH. --backend nccl: the model and batches on the rank's CUDA
+device (cuda:0 of what it sees), as a GPU script would have them.
 """
 import argparse
 import time
@@ -32,12 +33,14 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--backend", default="gloo")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
+    device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)).to(device)
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     sampler = DistributedSampler(NoisyPoints(), shuffle=True, seed=7)
@@ -47,13 +50,13 @@ def main():
         sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
-            loss = loss_fn(ddp(x), y)
+            loss = loss_fn(ddp(x.to(device)), y.to(device))
             loss.backward()
             optimizer.step()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     if rank == 0:
-        torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        torch.save({"params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                     "optimizer": optimizer.state_dict()}, args.out)
     print(f"rank {rank} done after {args.epochs} epochs", flush=True)
     dist.destroy_process_group()

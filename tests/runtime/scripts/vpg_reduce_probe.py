@@ -1,7 +1,9 @@
 """One rank of tests/runtime/test_vpg.py's determinism check: all-reduces order-sensitive float32
 values through the virtual group after a skewed, seeded delay, pinned to the cores it is given.
 
-Usage: vpg_reduce_probe.py RANK WORLD PORT CORES(comma list) DELAY_SEED OUT
+Usage: vpg_reduce_probe.py RANK WORLD PORT CORES(comma list) DELAY_SEED OUT [DEVICE]
+With DEVICE (this rank's job-wide device number) the group folds the ranks of each device
+(runtime/fold.py): transport "fold", and the report says how large the members' group is.
 Writes the reduced tensor's bytes (hex; 3 repeats, then the same values shifted by 37,000 positions),
 which transport carried them ("local": one shared area, "hosts": the chain across hosts' areas,
 "gloo"), the gloo operations the all-reduce that carried the cut's flags issued, and the sockets
@@ -47,10 +49,13 @@ def main():
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(1)
 
+    device = int(sys.argv[7]) if len(sys.argv) > 7 else None
+
     def connect():
         return vpg.InnerGroup(rank=rank, world_size=world, master_addr="127.0.0.1",
                               master_port=port, key_prefix="probe",
-                              timeout=datetime.timedelta(seconds=60))
+                              timeout=datetime.timedelta(seconds=60),
+                              device=device, fold=device is not None)
     group = vpg.VirtualProcessGroup(rank, world, connect, vpg.CollectiveHooks())
     # Magnitudes from 1e-3 to 1e8 with alternating signs: float32 sums of these depend on order.
     def values_of(r):
@@ -69,17 +74,22 @@ def main():
             inner = group.ensure_inner()
             counting = CountingGroup(inner.pg)
             inner.pg = counting
-            if inner.host_chain is not None:
-                inner.host_chain.pg = counting
+            chain = inner.host_chain
+            folded = chain is not None and chain.plan is not None
+            # A folded chain's messages go over the members' group, not the W-rank group.
+            chain_counting = CountingGroup(chain.pg) if folded and chain.pg is not None else counting
+            if chain is not None and (not folded or chain.pg is not None):
+                chain.pg = chain_counting
             vpg.send_flags_with_next_allreduce([rank, 1])
         group.allreduce([tensor]).wait()
         if repeat == 1:
             flags = vpg.take_carried_flags()
             inner.pg = counting.pg
-            if inner.host_chain is not None:
-                inner.host_chain.pg = counting.pg
+            if chain is not None and (not folded or chain.pg is not None):
+                chain.pg = chain_counting.pg
             issued = dict(counting.counts)
-            del counting
+            members_issued = dict(chain_counting.counts) if chain_counting is not counting else {}
+            del counting, chain_counting
         results.append(tensor.numpy().tobytes().hex())
     # The same values at other positions (as when DDP lays its buckets out anew): each element
     # must come out the same wherever it sits.
@@ -91,12 +101,17 @@ def main():
     even = values[:100_000].clone()
     group.allreduce([even]).wait()
     rank_order = bool(torch.equal(tensor, expected) and torch.equal(even, expected[:100_000]))
+    chain = group.inner.host_chain
     transport = ("local" if group.inner.local is not None
-                 else "hosts" if group.inner.host_chain is not None else "gloo")
+                 else "fold" if chain is not None and chain.plan is not None
+                 else "hosts" if chain is not None else "gloo")
+    members_group_size = chain.pg.size() if transport == "fold" and chain.pg is not None else None
+    del chain
     group.close_inner()
     with open(sys.argv[6], "w") as handle:
         json.dump({"results": results, "rank_order": rank_order, "transport": transport,
-                   "flags": flags, "issued": issued,
+                   "flags": flags, "issued": issued, "members_issued": members_issued,
+                   "members_group_size": members_group_size,
                    "sockets": len(vpg.open_socket_fds()),
                    "mappings": len(localreduce.shared_mappings())}, handle)
 
