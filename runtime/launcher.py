@@ -552,13 +552,19 @@ class Launcher:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
         (runtime/sandbox.py criu_refusal_for_sandbox: its private /tmp and /dev/shm, and here a root
         without CAP_SYS_RESOURCE) gets the framework engine under auto, and --engine criu is refused
-        with the reason."""
+        with the reason. A job spanning hosts gets the framework engine under auto too: a CRIU
+        checkpoint of it restores only onto as many hosts as dumped it (runtime/criu_parts.py), and
+        the control loop resizes and moves such jobs across host counts; `--engine criu` asks for it."""
         refusal = job_sandbox.criu_refusal_for_sandbox() if self.sandbox and self.sandbox.identity else None
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
         if refusal and self.options.engine == engines.AUTO:
             name, _ = choose_engine("framework")
             return name, f"auto: {refusal}"
+        if self.nodes > 1 and self.options.engine == engines.AUTO:
+            name, _ = choose_engine("framework")
+            return name, (f"auto: a job spanning {self.nodes} hosts; a CRIU checkpoint of it could be restored "
+                          "only onto as many hosts (ask --engine criu for that)")
         return choose_engine(self.options.engine)
 
     def use_engine(self, name: str) -> None:

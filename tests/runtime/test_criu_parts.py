@@ -112,3 +112,17 @@ def test_a_criu_checkpoint_is_restored_only_onto_as_many_hosts_as_dumped_it(dump
                                           f"{restoring_on}") as caught:
         engines.CriuEngine().restore(launcher, ref, {"nodes": dumped_on, "request_id": REQUEST_ID})
     assert caught.value.code == 2
+
+
+def test_auto_gives_a_job_spanning_hosts_the_framework_engine_and_criu_only_when_asked(monkeypatch):
+    from runtime import criu, launcher
+    monkeypatch.setattr(criu, "check_available", lambda: (True, "4.1.1"))  # CRIU's availability is not under test
+
+    def chosen(engine, nodes):
+        fake = types.SimpleNamespace(sandbox=None, options=types.SimpleNamespace(engine=engine), nodes=nodes)
+        return launcher.Launcher.choose_engine(fake)
+
+    name, reason = chosen("auto", 2)
+    assert name == "framework" and "spanning 2 hosts" in reason and "--engine criu" in reason
+    assert chosen("criu", 2)[0] == "criu"
+    assert chosen("auto", 1)[0] != "framework"  # one host: CRIU (or a better engine) where it works

@@ -90,7 +90,8 @@ def test_a_jobs_tmp_and_dev_shm_are_its_own_and_gone_when_it_ends(node_root, nod
     # node lives in /tmp), bound back at their own paths
     assert set(seen_b["tmp"]) == {"secret-b-rank0", *_bound_back_under_tmp(node_root)}
     assert seen_a["reads"] == {path: "refused:2" for path in node_files}
-    assert seen_a["shm"] == ["secret-a-rank0"] and set(seen_a["tmp"]) == {"secret-a-rank0", *_bound_back_under_tmp(node_root)}
+    assert seen_a["shm"] == ["secret-a-rank0"]
+    assert set(seen_a["tmp"]) == {"secret-a-rank0", *_bound_back_under_tmp(node_root)}
     assert seen_a["tmpdir"] == seen_a["gettempdir"] == "/tmp"
     assert "private /tmp and /dev/shm" in finished["sandbox"]
     assert owners_a == [mechanisms.identity_for_job(121, base=UID_BASE).uid] * 2
