@@ -274,7 +274,8 @@ def gather_cut_reports(launcher, request: CutRequest, deadline: float) -> set[in
 
 def follow_cut(launcher) -> str | None:
     """Follower: carries out a cut the leader handed out, if there is a new one; returns
-    "stopped" when it was a stop and this node's ranks have exited after saving, else None."""
+    "stopped" when it was a stop and this node's ranks have exited after saving (CRIU: were ended
+    once the leader committed the checkpoint holding their part), else None."""
     peers = launcher.peers
     now = time.monotonic()
     if now - getattr(launcher, "_cut_checked_at", 0.0) < FOLLOW_CHECK_S:
