@@ -109,6 +109,10 @@ class ResumeFile(Message):
     key_prefix: str = bounded(max_length=255)  # the rendezvous keys' prefix: nonce/request id
     devices: DeviceMap
     device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
+    # The address of the host the rank now runs on, which its gloo group binds to: a CRIU-restored
+    # rank of a job spanning hosts may be on another host than the one it was dumped on. None:
+    # the one it has (MERIDIAN_NODE_ADDR).
+    node_addr: str | None = bounded(default=None, max_length=255)
 
     def __post_init__(self) -> None:
         check_device_indices(self.device_indices, len(self.devices.devices))

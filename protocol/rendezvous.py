@@ -29,10 +29,13 @@ class LeaderAddress(Message):
 @dataclass(frozen=True, kw_only=True)
 class NodeCutReport(Message):
     """A follower's answer to a cut the leader handed out (a key in the leader's store): its
-    ranks all cut after `step` (status "ok"), or why not (status "error")."""
+    ranks all cut after `step` (status "ok"), or why not (status "error"). With the CRIU engine
+    "ok" also means this node dumped its ranks into its part of the checkpoint's staging folder,
+    whose part manifest has sha256 `part_manifest_sha256` (runtime/criu_parts.py)."""
 
     node: int = bounded(minimum=0, maximum=MAX_NODES - 1)
     request_id: int = bounded(minimum=1)
     status: str = bounded(max_length=16)
     step: int | None = bounded(default=None, minimum=0)
     error: str | None = bounded(default=None, max_length=20000)
+    part_manifest_sha256: str | None = bounded(default=None, pattern=r"[0-9a-f]{64}")

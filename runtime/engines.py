@@ -7,6 +7,7 @@ the checkpoint being resumed, and named in every event. The launcher calls, in t
     spawn(command, env=, log=)        per rank, to start a fresh rank process
     ... at a consistent cut, after every rank reported ...
     dump(launcher, request, step, ...) the ranks reported ready: write the checkpoint into staging
+    settle(launcher, request, ...)    the checkpoint was committed, or not (after dump was called)
     abandon(launcher, request_id)     the cut cannot be used: let parked ranks go on
     can_resume(meta)                  before a restore: None, or the reason it must be refused
     restore(launcher, ref, meta)      start the job's ranks again from checkpoint `ref`
@@ -97,6 +98,9 @@ class Engine(ABC):
     # The kinds of consistent cut this engine can take (runtime/cut.py): a job it cannot cut at
     # any of them waits for an optimizer step, or is refused by no_cut_reason.
     cut_kinds: ClassVar[tuple[str, ...]] = ("optimizer-step",)
+    # True when on a job spanning hosts each follower's launcher writes its host's part of the
+    # checkpoint (dump_part) and its ranks wait at the cut for the leader's outcome (settle).
+    dumps_per_host: ClassVar[bool] = False
 
     # -- choice ----------------------------------------------------------------------------------
     @classmethod
@@ -127,7 +131,19 @@ class Engine(ABC):
              stop: bool, timeout_s: float) -> None:
         """Called once every rank reported ready at the cut `request` (after `step`): writes the checkpoint's
         files into `staging` (the launcher commits it). With `stop`, the ranks are gone when this
-        returns; without, they go on. Raises LaunchError when no checkpoint was written."""
+        returns (or, on a job spanning hosts, wait at the cut until settle()); without, they go on.
+        Raises LaunchError when no checkpoint was written."""
+
+    def dump_part(self, launcher: Launcher, request: CutRequest, step: int) -> str:
+        """Called on a follower of a job spanning hosts (dumps_per_host engines only) once its ranks
+        are at the cut: writes this host's part of the checkpoint; returns its manifest's sha256.
+        Raises LaunchError when no part was written (the ranks are still at the cut)."""
+        raise LaunchError(f"{self.label} does not write a checkpoint per host")
+
+    def settle(self, launcher: Launcher, request: CutRequest, *, committed: bool, stop: bool) -> None:
+        """Called on the leader after `dump` once the checkpoint of the cut `request` was committed
+        (`committed`), or not: an error after the ranks reported ready. Ranks an engine left waiting
+        at the cut go on, or end (a committed stop)."""
 
     def abandon(self, launcher: Launcher, request_id: int) -> None:
         """Called when the cut `request_id` cannot be used (refused, timed out, split): lets ranks
@@ -164,6 +180,7 @@ class CriuEngine(Engine):
     name = "criu"
     label = "CRIU"
     cut_kinds = ("optimizer-step", "collective-boundary", "any-moment")
+    dumps_per_host = True
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -192,6 +209,9 @@ class CriuEngine(Engine):
 
     def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
              stop: bool, timeout_s: float) -> None:
+        if launcher.nodes > 1:
+            self._dump_spanning_hosts(launcher, request, step, staging)
+            return
         staging = os.fspath(staging)
         # CRIU restores open files only at the same path and size: carry the logs.
         rank_logs.carry(launcher, os.path.join(staging, "logs"))
@@ -209,6 +229,56 @@ class CriuEngine(Engine):
         # The ranks are gone or running again: deduplicating the pages is no part of the downtime
         # of a checkpoint that goes on, and part of a stop's only until the store has it.
         self.pack_pages(launcher, staging)
+
+    def _dump_spanning_hosts(self, launcher: Launcher, request: CutRequest, step: int,
+                             staging: os.PathLike) -> None:
+        """Leader of a job spanning hosts: dumps its own part, then checks every host's part
+        (runtime/criu_parts.py). Every rank stays parked until settle()."""
+        from runtime import criu_parts, multihost
+        from runtime.store import CheckpointError
+        action = request.action
+        peers = launcher.peers
+        if peers is None:
+            raise LaunchError("internal error: a job spanning hosts without its peers")
+        reported: dict[int, str | None] = {}
+        try:
+            reported[0] = criu_parts.dump_part(launcher, request, step, staging)
+        except (RuntimeError, OSError, CheckpointError) as exc:
+            raise LaunchError(f"{action} failed at step {step} on node 0: {exc}; no checkpoint was "
+                              "committed and the job goes on") from None
+        reported.update(multihost.reported_parts(peers, request.id))
+        if action != "stop":
+            # Every image is written: the ranks go on while the parts are checked and committed
+            # (a stop's ranks wait for the commit: without one, the job must go on).
+            multihost.announce_outcome(peers, request.id, multihost.OUTCOME_DUMPED)
+            launcher.resume_ranks(request.id)
+        try:
+            criu_parts.verify_parts(staging, nodes=launcher.nodes, world_size=launcher.world_size,
+                                    request_id=request.id, step=step, reported=reported)
+        except CheckpointError as exc:
+            raise LaunchError(f"{action} refused at step {step}: {exc}; no checkpoint was committed "
+                              "and the job goes on") from None
+
+    def dump_part(self, launcher: Launcher, request: CutRequest, step: int) -> str:
+        from runtime import criu_parts
+        from runtime.store import CheckpointError
+        try:
+            staging = criu_parts.staging_for_node(launcher.store.root, request.staging_dir or "")
+            return criu_parts.dump_part(launcher, request, step, staging)
+        except (RuntimeError, OSError, CheckpointError) as exc:
+            raise LaunchError(f"node {launcher.node_rank} could not dump its part: {exc}") from None
+
+    def settle(self, launcher: Launcher, request: CutRequest, *, committed: bool, stop: bool) -> None:
+        from runtime import multihost
+        if launcher.nodes == 1:
+            return  # dump() already let the ranks go on, or they are gone (a stop)
+        if not committed:
+            launcher.abandon_cut(request.id)  # withdraws the cut: every host's ranks go on
+        elif stop:
+            if launcher.peers is not None:
+                multihost.announce_outcome(launcher.peers, request.id, multihost.OUTCOME_COMMITTED)
+            launcher.kill_all()
+        # A committed checkpoint's ranks went on once every part was dumped.
 
     @staticmethod
     def pack_pages(launcher: Launcher, staging: os.PathLike | str) -> None:
@@ -246,6 +316,15 @@ class CriuEngine(Engine):
         # local folder first, from its own pages and its base's (both verified by the store).
         from runtime import criu_pages
         from runtime.store import CheckpointError, read_manifest
+        nodes = int(meta.get("nodes") or 1)
+        if nodes != launcher.nodes:
+            raise LaunchError(f"--resume: checkpoint {ref.uri} holds CRIU images of {nodes} host(s) and "
+                              f"this launch spans {launcher.nodes}: a CRIU checkpoint is restored onto as "
+                              "many hosts as it was dumped on (its ranks keep their place among the "
+                              "hosts); the framework engine can change the count", EXIT_USAGE)
+        if nodes > 1:
+            self._restore_part(launcher, ref, meta)
+            return
         local = ref.path
         images = local
         if criu_pages.is_packed(local):
@@ -269,6 +348,26 @@ class CriuEngine(Engine):
         launcher.last_request_id = int(meta["request_id"])
         launcher.resume_ranks(int(meta["request_id"]))
 
+    def _restore_part(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
+        """Node k of a job spanning hosts restores the ranks of the checkpoint's part node<k>
+        (runtime/criu_parts.py; the store verified every part's files)."""
+        from runtime import criu_parts
+        from runtime.store import CheckpointError
+        part = criu_parts.part_dir(ref.path, launcher.node_rank)
+        try:
+            spool = criu_parts.part_spool(ref.path, launcher.node_rank)
+        except CheckpointError as exc:
+            raise LaunchError(f"--resume: checkpoint {ref.uri} has no usable part for node "
+                              f"{launcher.node_rank}: {exc}", EXIT_USAGE) from None
+        launcher.restore_at_dumped_spool({"spool": spool})
+        launcher.fresh_spool()
+        rank_logs.put_back(launcher, part / "logs")
+        for rank in launcher.local_ranks:
+            pid = criu.restore(part / f"rank{rank}", work_dir=launcher.job_dir / "restore")
+            launcher.ranks.append(RankProcess(rank, pid))
+        launcher.last_request_id = int(meta["request_id"])
+        launcher.resume_ranks(int(meta["request_id"]))
+
     def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         from runtime import localreduce, vpg
         # Close every socket, give up the device, and wait to be dumped (and maybe restored
@@ -289,6 +388,8 @@ class CriuEngine(Engine):
                 break
             time.sleep(0.005)
         resume = ResumeFile.from_dict(payload)
+        if resume.node_addr:  # restored on another host of a job spanning hosts: gloo binds there
+            os.environ["MERIDIAN_NODE_ADDR"] = resume.node_addr
         runtime.connection.update(addr=resume.master_addr, port=resume.master_port, prefix=resume.key_prefix)
         runtime.move_to(resume.devices, resume.device_indices)
         runtime.slot.acquire()

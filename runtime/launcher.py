@@ -168,9 +168,6 @@ class Launcher:
         if self.nodes > 1 and not options.rendezvous:
             raise LaunchError("--nodes > 1 needs --rendezvous DIR, a folder of the store every "
                               "node of the job shares", EXIT_USAGE)
-        if self.nodes > 1 and options.resume and options.engine != "framework":
-            raise LaunchError("--resume of a job spanning hosts is built for --engine framework "
-                              "only (CRIU images of several hosts: not yet)", EXIT_USAGE)
         self.peers: multihost.JobPeers | None = None
         self.master_addr, self.master_port = "127.0.0.1", 0
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -454,19 +451,24 @@ class Launcher:
         return request, steps.pop(), reports, errors
 
     def abandon_cut(self, request_id):
-        """Lets the ranks go on after a cut that cannot be used (the engine knows how)."""
+        """Lets the ranks go on after a cut that cannot be used (the engine knows how); the leader
+        of a job spanning hosts also withdraws it, so that the followers' ranks go on too."""
+        if self.peers is not None and self.node_rank == 0:
+            self.peers.withdraw_cut(request_id)
         self.checkpoints.abandon(self, request_id)
 
     def resume_ranks(self, request_id):
         resume = ResumeFile(master_addr=self.master_addr, master_port=self.master_port,
                             key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
-                            device_indices=self.device_indices)
+                            device_indices=self.device_indices,
+                            node_addr=self.node_addr if self.nodes > 1 else None)
         spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), resume.to_dict())
 
     def do_checkpoint(self, *, stop, at_step=None, timeout_s=DEFAULT_TIMEOUT_S) -> CheckpointAnswer:
         action = "stop" if stop else "checkpoint"
         began = time.monotonic()
         staging = self.store.staging_dir()
+        request = None
         try:
             if self.sandbox is not None and self.checkpoints.ranks_write_checkpoint:
                 self.sandbox.give_staging(staging)  # the ranks write their state there
@@ -487,7 +489,7 @@ class Launcher:
             commit_began = time.monotonic()
             ref = self.store.commit(staging, step, self.engine, meta={
                 "job_id": self.job_id, "spool": str(self.spool), "world_size": self.world_size,
-                "request_id": request.id,
+                "request_id": request.id, "nodes": self.nodes,
                 "devices": self.devices, "device_map": self.device_map.plain(),
                 "device_indices": list(self.device_indices) if self.device_indices is not None else None,
                 "action": action, "script": self.script, "args": list(self.options.args),
@@ -496,7 +498,10 @@ class Launcher:
             job_workspace.point_latest(self.workspace, saved, step=step, checkpoint=ref.uri)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            if request is not None:
+                self.checkpoints.settle(self, request, committed=False, stop=stop)
             raise
+        self.checkpoints.settle(self, request, committed=True, stop=stop)
         self.last_checkpoint = LastCheckpoint(step=step, uri=ref.uri, engine=ref.engine, bytes=ref.bytes)
         seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
                                     total=round(time.monotonic() - began, 4))
@@ -547,13 +552,19 @@ class Launcher:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
         (runtime/sandbox.py criu_refusal_for_sandbox: its private /tmp and /dev/shm, and here a root
         without CAP_SYS_RESOURCE) gets the framework engine under auto, and --engine criu is refused
-        with the reason."""
+        with the reason. A job spanning hosts gets the framework engine under auto too: a CRIU
+        checkpoint of it restores only onto as many hosts as dumped it (runtime/criu_parts.py), and
+        the control loop resizes and moves such jobs across host counts; `--engine criu` asks for it."""
         refusal = job_sandbox.criu_refusal_for_sandbox() if self.sandbox and self.sandbox.identity else None
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
         if refusal and self.options.engine == engines.AUTO:
             name, _ = choose_engine("framework")
             return name, f"auto: {refusal}"
+        if self.nodes > 1 and self.options.engine == engines.AUTO:
+            name, _ = choose_engine("framework")
+            return name, (f"auto: a job spanning {self.nodes} hosts; a CRIU checkpoint of it could be restored "
+                          "only onto as many hosts (ask --engine criu for that)")
         return choose_engine(self.options.engine)
 
     def use_engine(self, name: str) -> None:

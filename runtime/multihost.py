@@ -29,6 +29,16 @@ that step: a checkpoint that misses one host's part is never committed. A host t
 failed and the job goes on once the host is back (its ranks then save into a staging folder
 that is never committed: the store ignores uncommitted staging folders).
 
+The same cut with the CRIU engine (runtime/criu_parts.py): the ranks park with no socket open;
+each follower dumps its own ranks (left running, still parked) into its part of the staging
+folder and reports the part manifest's sha256 with its NodeCutReport; the leader dumps its part,
+verifies every part and commits. The leader's `cut/<id>/outcome` tells the followers what their
+parked ranks do: a checkpoint's go on as soon as every part is dumped ("dumped", before the
+check and the commit: downtime is the dumps only); a stop's end once it is committed
+("committed"). A part missing or bad: the leader withdraws the cut instead (`cut/<id>/withdrawn`,
+also after "go": Launcher.abandon_cut), nothing is committed and every host's ranks go on,
+after a checkpoint and after a stop alike.
+
 `JobPeers` is how the launchers of one job learn of each other's end, through keys in the
 leader's store: a node whose job failed sets `failed/<node>`, one whose ranks all finished
 sets `finished/<node>`. Every launcher looks every ~0.5 s and ends its own ranks when another
@@ -48,6 +58,8 @@ LOST_AFTER_S = 30.0  # a node whose heartbeat has not moved this long is lost (k
 FINISH_WAIT_S = 120.0
 HAND_OUT_S = 10.0  # how long every follower has to take a cut request before the cut is off
 FOLLOW_CHECK_S = 0.05
+OUTCOME_DUMPED = "dumped"  # every host's part is dumped: a checkpoint's ranks go on
+OUTCOME_COMMITTED = "committed"  # the checkpoint is committed: a stop's ranks end
 
 
 def node_ranks(*, world_size: int, nodes: int, node_rank: int) -> range:
@@ -213,9 +225,6 @@ def refusal(launcher, request) -> str | None:
         return f"{request.cmd}: this is node {launcher.node_rank} of a multi-host job; send it to node 0, the leader"
     if not isinstance(request, (CheckpointRequest, StopRequest)):
         return f"{request.cmd} of a job spanning {launcher.nodes} hosts is not built yet; the job goes on"
-    if launcher.engine != "framework":
-        return (f"{request.cmd} of a job spanning hosts is built for the framework engine only (this job "
-                f"runs {launcher.engine}); the job goes on")
     return None
 
 
@@ -265,7 +274,8 @@ def gather_cut_reports(launcher, request: CutRequest, deadline: float) -> set[in
 
 def follow_cut(launcher) -> str | None:
     """Follower: carries out a cut the leader handed out, if there is a new one; returns
-    "stopped" when it was a stop and this node's ranks have exited after saving, else None."""
+    "stopped" when it was a stop and this node's ranks have exited after saving (CRIU: were ended
+    once the leader committed the checkpoint holding their part), else None."""
     peers = launcher.peers
     now = time.monotonic()
     if now - getattr(launcher, "_cut_checked_at", 0.0) < FOLLOW_CHECK_S:
@@ -286,16 +296,31 @@ def follow_cut(launcher) -> str | None:
             return None  # the cut is off before any rank saw it
         time.sleep(0.005)
     report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", error="no report")
+    engine = launcher.checkpoints
+    parked = False  # this node's ranks wait at the cut for the leader's outcome (dumps_per_host)
     try:
         _, step, _, errors = launcher.await_cut(request, FINISH_WAIT_S * 5)
+        parked = engine.dumps_per_host and request.action in ("checkpoint", "stop")
         if errors:
             report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", step=step,
                                    error="; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
+        elif parked:
+            report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="ok", step=step,
+                                   part_manifest_sha256=engine.dump_part(launcher, request, step))
         else:
             report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="ok", step=step)
     except LaunchError as exc:
         report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", error=str(exc))
     peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
+    if parked:
+        outcome = await_outcome(launcher, request_id)
+        if outcome == OUTCOME_COMMITTED and request.action == "stop":
+            launcher.kill_all()  # dumped into the committed checkpoint: the job goes on from there
+            from protocol.launch import Stopped
+            launcher.event(Stopped, step=report.step or 0, checkpoint="")
+            return "stopped"
+        launcher.resume_ranks(request_id)  # a checkpoint's parts dumped, or no checkpoint: the ranks go on
+        return None
     if request.action == "stop" and report.status == "ok":
         launcher.wait_all_exit(FINISH_WAIT_S)
         # The leader commits the job's one checkpoint and names it in its own events; this
@@ -304,6 +329,55 @@ def follow_cut(launcher) -> str | None:
         launcher.event(Stopped, step=report.step or 0, checkpoint="")
         return "stopped"
     return None
+
+
+def reported_parts(peers: JobPeers, request_id: int) -> dict[int, str | None]:
+    """Leader: returns {node: the part manifest sha256 its NodeCutReport of `request_id` named}
+    for every follower that reported (gather_cut_reports waited for them all)."""
+    parts = {}
+    for node in range(1, peers.nodes):
+        key = peers.cut_key(request_id, "report", node)
+        if peers.has(key):
+            parts[node] = NodeCutReport.from_dict(json.loads(peers.store.get(key))).part_manifest_sha256
+    return parts
+
+
+def announce_outcome(peers: JobPeers, request_id: int, outcome: str, timeout_s: float = HAND_OUT_S * 3) -> None:
+    """Leader: tells the followers whose ranks wait at cut `request_id` its `outcome`
+    (OUTCOME_DUMPED, OUTCOME_COMMITTED). For a commit it waits (at most `timeout_s`) until each
+    has read it: after a stop the leader's store, which they read it from, goes away with the
+    leader. A follower that does not answer is ended by its own peer check (the leader's store
+    unreachable): the checkpoint stands either way."""
+    peers.store.set(peers.cut_key(request_id, "outcome"), outcome)
+    if outcome != OUTCOME_COMMITTED:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(peers.has(peers.cut_key(request_id, "settled", node)) for node in range(1, peers.nodes)):
+            return
+        time.sleep(0.01)
+
+
+def await_outcome(launcher, request_id: int) -> str | None:
+    """Follower whose ranks wait at the cut `request_id`: returns the leader's outcome
+    (OUTCOME_DUMPED, OUTCOME_COMMITTED), or None when it withdrew the cut (no checkpoint). Raises
+    LaunchError when the job cannot go on (another node failed, the leader unreachable) or no
+    outcome came in time."""
+    peers = launcher.peers
+    deadline = time.monotonic() + FINISH_WAIT_S * 5
+    while time.monotonic() < deadline:
+        if peers.has(peers.cut_key(request_id, "outcome")):
+            outcome = peers.store.get(peers.cut_key(request_id, "outcome")).decode()
+            peers.store.set(peers.cut_key(request_id, "settled", peers.node_rank), "1")
+            return outcome
+        if peers.has(peers.cut_key(request_id, "withdrawn")):
+            return None
+        if failure := peers.check():
+            raise LaunchError(f"the job failed on another host while this node's ranks waited at a cut "
+                              f"({failure}); this node's ranks are ended", host_failure=peers.host_failed)
+        time.sleep(0.01)
+    raise LaunchError(f"the leader decided nothing about cut {request_id} within {FINISH_WAIT_S * 5:.0f} s; "
+                      "this node's ranks are ended")
 
 
 def agree_on_checkpoint(launcher, ref):

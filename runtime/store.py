@@ -224,6 +224,13 @@ def write_bases(directory, bases: list[dict]) -> None:
     write_file_atomic(Path(directory) / BASES_NAME, json.dumps(list(bases)).encode())
 
 
+def hash_tree(root) -> dict:
+    """Returns {relative path: {"size", "sha256"}} of every regular file under `root` except its
+    own MANIFEST.json, each fsynced first (what a part manifest lists must be on disk before the
+    part is reported: runtime/criu_parts.py). Raises CheckpointError for a symlink or special file."""
+    return {rel: _hash_in_place(full) for rel, full in _walk_files(Path(root))}
+
+
 def _files_digest(files: dict) -> str:
     canonical = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()

@@ -17,9 +17,10 @@ def host_env(extra=None):
 
 
 def start_job(hosts, *, ranks, script, args, engine="framework", job_id=None, launcher_args=(),
-              only_nodes=None, env=None):
+              only_nodes=None, env=None, node_args=None):
     """Starts meridian-run on each of `hosts` (node rank = position; `only_nodes`: just those;
-    `env`: more environment for the launchers and their ranks); returns (job id, Popens)."""
+    `env`: more environment for the launchers and their ranks; `node_args`: {node rank: more
+    launcher arguments for that node only}); returns (job id, Popens)."""
     job_id = job_id or f"mh-{uuid.uuid4().hex[:8]}"
     rendezvous = os.path.join(hosts[0].store, "rendezvous")
     processes = []
@@ -29,7 +30,8 @@ def start_job(hosts, *, ranks, script, args, engine="framework", job_id=None, la
         command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks), "--engine", engine,
                    "--nodes", str(len(hosts)), "--node-rank", str(node_rank), "--node-addr", host.address,
                    "--rendezvous", rendezvous, "--job-id", job_id,
-                   "--job-dir", f"{host.node_dir}/jobs/{job_id}", *launcher_args, script, *args]
+                   "--job-dir", f"{host.node_dir}/jobs/{job_id}", *launcher_args,
+                   *(node_args or {}).get(node_rank, ()), script, *args]
         processes.append(host.popen(command, env=host_env(env), cwd=REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True))
     return job_id, processes

@@ -1,0 +1,131 @@
+"""CRIU across emulated hosts: one checkpoint of the whole job with every host's part
+(runtime/criu_parts.py), restored on other hosts bit-exactly; a part that is not there, or not
+what it was, is never committed nor restored."""
+import json
+import os
+
+import pytest
+from multihost_jobs import REPO, assert_equal_states, start_job, wait_job
+from polling import poll
+from test_multihost_cut import check_all, control, load, progress_step
+
+from runtime import criu
+from runtime.store import CheckpointStore
+
+DDP_SCRIPT = os.path.join(REPO, "tests", "runtime", "scripts", "ddp_mlp.py")
+# 4 ranks x 4 steps an epoch: 48 steps, of which ~40 still to go when the job is killed after its
+# checkpoint at step 6 (the test checks that the job had not finished when it was killed).
+ARGS = ["--epochs", "12", "--step-sleep", "0.15"]
+CRIU_OK, CRIU_DETAIL = criu.check_available()
+
+pytestmark = [pytest.mark.runtime, pytest.mark.slow, pytest.mark.criu,
+              pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")]
+
+
+def events(host, job_id):
+    result = host.run(["cat", f"{host.node_dir}/jobs/{job_id}/events.jsonl"], check=False)
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_other_hosts_bit_exact(emulated_hosts):
+    cluster = emulated_hosts(4)
+    store = f"{cluster[0].store}/ckpt"
+    _, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, engine="criu",
+                             args=[f"{cluster[0].store}/reference.pt", *ARGS])
+    check_all(wait_job(processes))
+
+    out = f"{cluster[0].store}/moved.pt"
+    job_id, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, engine="criu",
+                                  args=[out, *ARGS], launcher_args=("--store", store))
+    answer = control(cluster[0], job_id, "checkpoint", at_step=6)
+    assert answer.get("answer", {}).get("step") == 6, answer
+    assert answer["answer"]["engine"] == "criu"
+    # The checkpoint went on: both hosts' ranks train past it (they were parked for the dump).
+    poll("the job to go on after its checkpoint", lambda: progress_step(cluster[0], job_id) > 8, timeout=180)
+    cluster[0].kill()
+    cluster[1].kill()
+    for process in processes:
+        process.wait(timeout=60)
+    assert not os.path.exists(os.path.join(cluster.store_dir, "moved.pt")), "the job ended before it was killed"
+
+    ref = CheckpointStore(os.path.join(cluster.store_dir, "ckpt")).latest_good()
+    assert ref is not None and ref.step == 6 and ref.engine == "criu"
+    assert sorted(os.listdir(ref.path)) == ["MANIFEST.json", "node0", "node1"]  # one checkpoint, both parts
+    for node, ranks in ((0, ("rank0", "rank1")), (1, ("rank2", "rank3"))):
+        assert {name for name in os.listdir(ref.path / f"node{node}") if name.startswith("rank")} == set(ranks)
+
+    # Restored on two other hosts, which never ran the job: other addresses, fresh /run, /tmp, /dev/shm.
+    _, processes = start_job(cluster.hosts[2:4], ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
+                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-b")
+    check_all(wait_job(processes))
+    for host in cluster.hosts[2:4]:
+        restored = [e for e in events(host, job_id + "-b") if e.get("event") == "restored"]
+        assert len(restored) == 1 and restored[0]["step"] == 6 and restored[0]["engine"] == "criu", restored
+        assert restored[0]["checkpoint"] == f"file://{store}/{ref.path.name}"
+    assert_equal_states(load(cluster, "reference.pt"), load(cluster, "moved.pt"))
+
+    # The same checkpoint with one byte of host 1's part changed is never restored, on any host.
+    image = sorted((ref.path / "node1" / "rank3").glob("pages-*.img"))[0]
+    with open(image, "r+b") as handle:
+        first = handle.read(1)
+        handle.seek(0)
+        handle.write(bytes([first[0] ^ 0xFF]))
+    _, processes = start_job(cluster.hosts[2:4], ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
+                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-c")
+    results = wait_job(processes, timeout=300)
+    # The leader refuses it (exit 2); the follower ends without restoring anything, whether it
+    # joined the leader before it left (the leader's choice: none) or not.
+    assert results[0][0] == 2 and "no usable checkpoint" in results[0][1], results[0][1]
+    assert results[1][0] != 0, results[1][1]
+    for host in cluster.hosts[2:4]:
+        assert not [e for e in events(host, job_id + "-c") if e.get("event") == "restored"]
+
+
+def test_a_host_whose_part_cannot_reach_the_shared_store_commits_no_checkpoint_and_the_job_goes_on(emulated_hosts):
+    cluster = emulated_hosts(2)
+    store = f"{cluster[0].store}/ckpt"
+    out = f"{cluster[0].store}/out.pt"
+    # Host 1 is given a store of its own (node-local, not the shared one): its part cannot be
+    # where the leader commits the job's checkpoint.
+    job_id, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
+                                  node_args={0: ("--store", store),
+                                             1: ("--store", f"{cluster[1].node_dir}/own-ckpt")})
+    answer = control(cluster[0], job_id, "checkpoint", at_step=4)
+    assert "error" in answer, answer
+    assert "node 1 could not dump its part" in answer["error"], answer
+    assert "not in this node's store" in answer["error"], answer
+    answer = control(cluster[0], job_id, "stop")  # a stop too: no checkpoint, so the job goes on
+    assert "error" in answer and "not in this node's store" in answer["error"], answer
+    check_all(wait_job(processes))  # every rank on both hosts went on to the end
+    assert CheckpointStore(os.path.join(cluster.store_dir, "ckpt")).list() == []  # nothing committed
+    assert os.path.exists(os.path.join(cluster.store_dir, "out.pt"))
+    assert not [name for name in os.listdir(os.path.join(cluster.store_dir, "ckpt"))
+                if name.startswith((".staging-", ".tmp-"))]  # the refused cuts' staging is gone
+
+
+def test_a_criu_job_stopped_on_two_hosts_resumes_with_its_hosts_swapped_bit_exact(emulated_hosts):
+    cluster = emulated_hosts(2)
+    store = f"{cluster[0].store}/ckpt"
+    args = ["--epochs", "4", "--step-sleep", "0.1"]
+    _, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT, engine="criu",
+                             args=[f"{cluster[0].store}/reference.pt", *args])
+    check_all(wait_job(processes))
+
+    out = f"{cluster[0].store}/swapped.pt"
+    job_id, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *args],
+                                  launcher_args=("--store", store))
+    answer = control(cluster[0], job_id, "stop", at_step=5)
+    assert answer.get("answer", {}).get("step") == 5, answer
+    results = wait_job(processes, timeout=300)
+    assert [code for code, _ in results] == [75, 75], results  # both hosts stopped after the commit
+    assert [e["step"] for e in events(cluster[1], job_id) if e.get("event") == "stopped"] == [5]
+
+    # Node 0 (ranks 0-1) now runs on the host that ran node 1, and node 1 on the old leader's.
+    swapped = [cluster[1], cluster[0]]
+    _, processes = start_job(swapped, ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *args],
+                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-b")
+    check_all(wait_job(processes))
+    for host in swapped:
+        restored = [e for e in events(host, job_id + "-b") if e.get("event") == "restored"]
+        assert len(restored) == 1 and restored[0]["step"] == 5, restored
+    assert_equal_states(load(cluster, "reference.pt"), load(cluster, "swapped.pt"))
