@@ -101,7 +101,7 @@ def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step:
         try:
             manifest = checkpoint_store.read_manifest(part, expect_sha256=digest)
             checkpoint_store.verify_dir(part, manifest)
-            on_disk = set(_listed_names(part))
+            on_disk = set(checkpoint_store.file_names(part))
         except checkpoint_store.ManifestMismatch:
             raise PartError(f"node {node}'s part of the checkpoint is not the one node {node} reported "
                             f"(its manifest's sha256 is not {digest[:16]}…)") from None
@@ -120,17 +120,6 @@ def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step:
     if strays:
         raise PartError(f"the checkpoint's staging folder holds {strays[:5]} besides the parts of its "
                         f"{nodes} nodes")
-
-
-def _listed_names(part: Path) -> list[str]:
-    """Returns the relative paths of every file under `part` but its manifest (not hashed)."""
-    names = []
-    for dirpath, _, filenames in os.walk(part):
-        for name in filenames:
-            rel = (Path(dirpath) / name).relative_to(part).as_posix()
-            if rel != checkpoint_store.MANIFEST_NAME:
-                names.append(rel)
-    return names
 
 
 def part_spool(ref_path, node: int) -> str | None:

@@ -231,6 +231,12 @@ def hash_tree(root) -> dict:
     return {rel: _hash_in_place(full) for rel, full in _walk_files(Path(root))}
 
 
+def file_names(root) -> list[str]:
+    """Returns the relative paths of every regular file under `root` except its own MANIFEST.json,
+    sorted. Raises CheckpointError for a symlink or special file."""
+    return [rel for rel, _ in _walk_files(Path(root))]
+
+
 def _files_digest(files: dict) -> str:
     canonical = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()
