@@ -17,7 +17,10 @@ carries `dropped` = the bytes skipped, and the control plane stores a marker "N 
 
 The first chunk of every copy is empty: it tells the control plane, while the job is surely
 placed on this node, that this copy runs here, so the copy's last lines are taken even when they
-arrive after the control plane released its devices (jobs/logs.py).
+arrive after the control plane released its devices (jobs/logs.py). Every chunk also carries the
+copy's log grant (the desired state's `log_grant`, kept in agent.json): an agent frozen or cut
+off for a copy's whole life announces it only after the job ended, and the grant is what then
+proves the copy was placed here (the suspected cause of a follower's last line missing in CI's chaos soak).
 
 A job directory is done once its launcher is gone and every rank log was sent to its end, or
 when the control plane refused its chunks with "fence" (the copy is not the job's copy on this
@@ -33,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from protocol.bundle import is_sha256
 from protocol.logs import MAX_BATCH_BYTES, MAX_CHUNK_BYTES, MAX_CHUNKS, LogBatch, LogChunk
 from runtime.rank_logs import read_manifest
 
@@ -142,12 +146,15 @@ class LogShipper:
             log.debug("%s: %s", source.job_dir, exc)
 
     @staticmethod
-    def _generation(job_dir: pathlib.Path) -> int | None:
+    def _copy_meta(job_dir: pathlib.Path) -> tuple[int | None, str | None]:
+        """(generation, log grant) of the copy, from agent.json; None for what it does not say."""
         try:
-            generation = json.loads((job_dir / "agent.json").read_text()).get("generation")
+            meta = json.loads((job_dir / "agent.json").read_text())
+            generation, grant = meta.get("generation"), meta.get("log_grant")
         except (OSError, ValueError, AttributeError):
-            return None
-        return int(generation) if isinstance(generation, int) else None
+            return None, None
+        return (int(generation) if isinstance(generation, int) else None,
+                grant if is_sha256(grant) else None)
 
     # --- reading -------------------------------------------------------------------------------
     def collect(self) -> tuple[list[LogChunk], dict]:
@@ -177,14 +184,14 @@ class LogShipper:
                     source.done = True  # the launcher ended before it started a rank
                     self._save(source)
                 continue
-            generation = self._generation(job_dir)
+            generation, grant = self._copy_meta(job_dir)
             if not source.announced and len(chunks) + len(manifest.ranks) <= MAX_CHUNKS:
                 # While the job is surely placed here (its launcher just named its logs): the
                 # control plane then takes this copy's last lines even after it released the devices.
                 for rank_log in manifest.ranks[:1]:
                     chunks.append(LogChunk(job_id=source.job_id, generation=generation, attempt=source.attempt,
                                            rank=rank_log.rank, stream=rank_log.stream, offset=rank_log.start,
-                                           length=0, text=""))
+                                           length=0, text="", grant=grant))
                 advance[(job_dir, None)] = 0
             complete = True
             for rank_log in manifest.ranks:
@@ -219,7 +226,8 @@ class LogShipper:
                         break
                     chunk = LogChunk(job_id=source.job_id, generation=generation, attempt=source.attempt,
                                      rank=rank_log.rank, stream=rank_log.stream, offset=offset, length=len(piece),
-                                     text=piece.decode("utf-8", errors="replace"), dropped=cursor.dropped)
+                                     text=piece.decode("utf-8", errors="replace"), dropped=cursor.dropped,
+                                     grant=grant)
                     encoded = len(json.dumps(chunk.to_dict()))
                     if chunks and size + encoded > MAX_BATCH_BYTES:
                         break

@@ -312,9 +312,10 @@ class LocalJob:
     """One launcher this agent started or adopted."""
 
     def __init__(self, job_id, job_dir, *, popen=None, pid=None, devices=0, world_size=0, generation=None,
-                 store=None, device_indices: Iterable[int] = ()):
+                 store=None, device_indices: Iterable[int] = (), log_grant=None):
         self.job_id = int(job_id)
         self.generation = generation
+        self.log_grant = log_grant  # DesiredJob.log_grant: the log shipper sends it with this copy's output
         self.store = pathlib.Path(store) if store else None  # its checkpoint store folder, when known
         self.job_dir = pathlib.Path(job_dir)
         self.popen = popen
@@ -536,7 +537,7 @@ class NodeReconciler:
         job = LocalJob(int(meta.get("job_id", job_dir.name.split(".")[0])), job_dir, pid=pid,
                        devices=meta.get("devices", 0), world_size=meta.get("world_size", 0),
                        generation=meta.get("generation"), store=meta.get("store"),
-                       device_indices=meta.get("device_indices") or ())
+                       device_indices=meta.get("device_indices") or (), log_grant=meta.get("log_grant"))
         job.follower = meta.get("follower") is True
         return job
 
@@ -754,7 +755,7 @@ class NodeReconciler:
         write_json_atomic(job.job_dir / "agent.json", {
             "job_id": job.job_id, "devices": job.devices, "world_size": job.world_size, "pid": job.pid,
             "generation": job.generation, "store": str(job.store) if job.store else None,
-            "device_indices": list(job.device_indices), "follower": job.follower})
+            "device_indices": list(job.device_indices), "follower": job.follower, "log_grant": job.log_grant})
 
     def launch_command(self, entry: DesiredJob, *, job_dir: pathlib.Path, attempt: int, store: pathlib.Path,
                        resume: bool, workspace: pathlib.Path | None = None) -> list[str]:
@@ -866,7 +867,8 @@ class NodeReconciler:
             popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
                                      stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
         job = LocalJob(job_id, job_dir, popen=popen, devices=entry.devices, world_size=entry.world_size,
-                       generation=generation, store=store, device_indices=entry.device_indices)
+                       generation=generation, store=store, device_indices=entry.device_indices,
+                       log_grant=entry.log_grant)
         job.follower = entry.span is not None and entry.span.node_rank > 0
         job.pinned = pinned
         self._write_meta(job)
@@ -903,7 +905,8 @@ class NodeReconciler:
         with open(job_dir / "events.jsonl", "a") as handle:
             handle.write(event_line(Failed(time_unix=time.time(), error=error)))
         job = LocalJob(entry.job_id, job_dir, devices=entry.devices, world_size=entry.world_size,
-                       generation=entry.generation, store=entry.store, device_indices=entry.device_indices)
+                       generation=entry.generation, store=entry.store, device_indices=entry.device_indices,
+                       log_grant=entry.log_grant)
         self._write_meta(job)
         self.jobs[entry.job_id] = job
 
@@ -917,7 +920,8 @@ class NodeReconciler:
         error = f"restore refused: {why}"[:MAX_ERROR]
         (job_dir / "events.jsonl").write_text(event_line(Failed(time_unix=time.time(), error=error)))
         job = LocalJob(job_id, job_dir, devices=entry.devices, world_size=entry.world_size,
-                       generation=entry.generation, store=store, device_indices=entry.device_indices)
+                       generation=entry.generation, store=store, device_indices=entry.device_indices,
+                       log_grant=entry.log_grant)
         self._write_meta(job)
         self.jobs[job_id] = job
         log.error("job %s: %s; not launching", job_id, error)

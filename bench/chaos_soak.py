@@ -833,7 +833,7 @@ class Soak:
         """For a missing last line: the agents' job folders whose rank log holds it, with what their
         log shipper recorded (logs-shipped.json), so a failure in CI says where the line stopped."""
         line, found = f"rank {rank} done after {job.epochs} epochs", []
-        for copy in sorted((self.dir / "agents").glob(f"*/j/{job.job_id}.*")):
+        for copy in sorted((self.stack.dir / "agents").glob(f"*/j/{job.job_id}.*")):
             try:
                 printed = any(line in path.read_text(errors="replace") for path in copy.glob(f"logs/rank{rank}.*"))
                 shipped = (copy / "logs-shipped.json").read_text() if (copy / "logs-shipped.json").exists() else "-"

@@ -12,7 +12,9 @@ output of a copy of a job when that copy is the job's current one (its placement
 the job's) and the job is placed on that node, or was when this copy first shipped from it (a LogSource: the
 agent announces every copy with an empty chunk as soon as its launcher has named its rank logs,
 so the tail of a copy that just stopped, finished or failed is taken after the control plane
-released its devices); or when an active move takes that copy (the move's
+released its devices); or when the chunk carries the copy's log grant (`log_grant`: a keyed digest
+of job, generation and node that the control plane puts in the node's desired state for every copy
+it places there, so only a node that was given the copy holds it); or when an active move takes that copy (the move's
 from_generation) off this node. Anything else is refused with "fence": the agent stops shipping
 that copy. Each copy (job, generation) of a batch is judged on its own: the refused tail of an
 older copy does not take the current copy's chunks with it. A chunk sent twice (same copy, rank,
@@ -31,6 +33,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
+from django.utils.crypto import constant_time_compare, salted_hmac
 
 from fleet.live import events_publish, group_for_job
 from jobs.models import Job, LogChunk, LogSource, Move, Replica
@@ -96,6 +99,23 @@ def _publish(*, job_id, team_id, seq):
 # --- what agents ship ------------------------------------------------------------------------
 
 
+GRANT_SALT = "meridian.jobs.logs.grant"
+
+
+def log_grant(*, job_id: int, generation: int, node_id: int) -> str:
+    """Returns the grant of the copy of job `job_id` at `generation` placed on node `node_id`: a
+    SHA-256 HMAC under the control plane's SECRET_KEY, handed to that node only (in its desired
+    state). With it, the copy's output is taken even when its first chunk arrives after the job
+    ended and released its devices (the node's agent was frozen or cut off for the copy's whole
+    life: its announcement never came while the job was placed there)."""
+    return salted_hmac(GRANT_SALT, f"{job_id}:{generation}:{node_id}", algorithm="sha256").hexdigest()
+
+
+def _granted(chunk, *, node, generation) -> bool:
+    return bool(chunk.grant) and generation is not None and constant_time_compare(
+        chunk.grant, log_grant(job_id=chunk.job_id, generation=generation, node_id=node.pk))
+
+
 def _copy_of(chunk, jobs: dict) -> tuple[int, int | None]:
     """(job id, placement generation) of the copy `chunk` comes from (the job's generation when the
     chunk says none; None for a job that does not exist)."""
@@ -129,7 +149,8 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | Non
         if generation != job.generation:
             refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation, error=(
                 f"stale copy: generation {generation}, the job now runs as generation {job.generation}"))
-        elif job.pk not in placed and (job.pk, generation) not in held:
+        elif job.pk not in placed and (job.pk, generation) not in held \
+                and not _granted(chunk, node=node, generation=generation):
             refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation,
                                          error="this job is not placed on your node")
         elif chunk.rank >= job.world_size:

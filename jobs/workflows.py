@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from fleet.leases import nodes_alive_by_lease
 from fleet.services import node_heartbeat_record
+from jobs.logs import log_grant
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_follower_nodes, move_observe, move_relaunches
 from jobs.services import (
@@ -149,6 +150,7 @@ def node_desired_state_build(*, node) -> DesiredState:
             span=_span_for(spans.get(job.pk), node_id=node.pk, job_id=job.pk, generation=job.generation,
                            world_size=job.world_size),
             if_resume_refused=ResumeRefused(job.if_resume_refused),
+            log_grant=log_grant(job_id=job.pk, generation=job.generation, node_id=node.pk),
             **job_workspace_fields(job),
         ))
     listed = {e.job_id for e in entries}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protocol.message import Message, bounded
-from protocol.node import MAX_ERROR, MAX_GENERATION, MAX_ID, MAX_PATH, MAX_WORLD_SIZE
+from protocol.node import MAX_ERROR, MAX_GENERATION, MAX_ID, MAX_PATH, MAX_WORLD_SIZE, SHA256_HEX
 
 MAX_CHUNK_BYTES = 16_384  # bytes of rank output in one chunk (the agent's cut)
 MAX_TEXT = MAX_CHUNK_BYTES  # characters: a chunk decoded from at most MAX_CHUNK_BYTES bytes has no more
@@ -47,6 +47,9 @@ class LogChunk(Message):
     length: int = bounded(minimum=0, maximum=MAX_CHUNK_BYTES)  # bytes of the rank log `text` was decoded from
     text: str = bounded(max_length=MAX_TEXT)
     dropped: int = bounded(default=0, minimum=0, maximum=MAX_OFFSET)  # bytes before `offset` never sent
+    # The copy's log grant, as the node's desired state gave it (DesiredJob.log_grant): with it, the
+    # copy's output is taken after the job released this node's devices. None: an older agent.
+    grant: str | None = bounded(default=None, max_length=64, pattern=SHA256_HEX)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -246,6 +246,10 @@ class DesiredJob(Message):
     # --if-resume-refused. An entry without it (an older control plane) is "fail", what every agent
     # always did; an older agent ignores it and fails such a job, saying why.
     if_resume_refused: ResumeRefused = ResumeRefused.FAIL
+    # The copy's log grant (jobs.logs.log_grant: a keyed digest of job, generation and this node):
+    # the agent sends it with the copy's log chunks, so its output is taken even when it first
+    # reaches the control plane after the job ended. None on "stop" entries and older control planes.
+    log_grant: str | None = bounded(default=None, max_length=64, pattern=SHA256_HEX)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,11 +35,12 @@ def test_a_fenced_copy_is_killed_without_a_checkpoint_and_forgotten():
         work, store = pathlib.Path(tmp) / "w", pathlib.Path(tmp) / "store"
         node = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
         try:
-            node.reconcile([entry(store, generation=3)])
+            node.reconcile([entry(store, generation=3) | {"log_grant": "c0" * 32}])
             copy = node.jobs[9]
             poll("the copy to run", lambda: (observed(node)[9]["step"] or 0) >= 3)
             assert observed(node)[9]["generation"] == 3
-            assert json.loads((copy.job_dir / "agent.json").read_text())["generation"] == 3
+            meta = json.loads((copy.job_dir / "agent.json").read_text())
+            assert (meta["generation"], meta["log_grant"]) == (3, "c0" * 32)  # what the log shipper sends
 
             assert node.fence({9}, why="generation 4 runs elsewhere") == [9]
 

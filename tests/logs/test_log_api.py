@@ -3,7 +3,7 @@ import pytest
 from log_nodes import enrollment, register  # noqa: F401 (enrollment: an autouse fixture)
 from rest_framework.test import APIClient
 
-from jobs.logs import log_chunks_prune, log_failing_rank, log_tail_text
+from jobs.logs import log_chunks_prune, log_failing_rank, log_grant, log_tail_text
 from jobs.models import Job, LogChunk
 from jobs.services import job_submit, job_transition
 from jobs.tick import tick_run
@@ -189,6 +189,29 @@ def test_a_copy_that_announced_itself_while_placed_ships_its_tail_after_its_devi
     job = job_transition(job=job, to=Job.State.RUNNING)
     job = job_transition(job=job, to=Job.State.FAILED, reason="rank 0 exited with code 1")  # releases the devices
     assert post(owner, chunk(job, text="Traceback: the only thing it printed\n")).json()["stored"] == 1
+
+
+@pytest.mark.django_db
+def test_a_copy_never_heard_while_placed_ships_its_output_after_the_job_ended_with_its_grant(placed):
+    """The node's agent was frozen (or cut off) for the copy's whole life: nothing of it reached
+    the control plane while the job was placed there. The grant its desired state carried lets
+    its output in after the job ended; another node's grant, or none, does not."""
+    job, owner, intruder = placed
+    desired = as_node(owner["token"]).get("/api/agent/desired/").json()
+    grant = next(entry["log_grant"] for entry in desired["jobs"] if entry["job_id"] == job.pk)
+    intruders_grant = log_grant(job_id=job.pk, generation=job.generation, node_id=intruder["node_id"])
+    job = job_transition(job=job, to=Job.State.RUNNING)
+    job = job_transition(job=job, to=Job.State.SUCCEEDED, reason="finished")  # releases the devices
+    late = chunk(job, text="rank 0 done after 10 epochs\n")
+    assert post(owner, late).json()["rejected"][0]["fence"] is True  # without the grant: as before
+    assert post(owner, late | {"grant": intruders_grant}).json()["rejected"][0]["fence"] is True
+    assert post(intruder, late | {"grant": grant}).json()["rejected"][0]["fence"] is True
+    taken = post(owner, late | {"grant": grant}).json()
+    assert (taken["stored"], taken["rejected"]) == (1, [])
+    stale = chunk(job, generation=job.generation - 1, text="old\n") | {
+        "grant": log_grant(job_id=job.pk, generation=job.generation - 1, node_id=owner["node_id"])}
+    assert "stale copy" in post(owner, stale).json()["rejected"][0]["error"]  # a grant is for its copy only
+    assert [c.text for c in LogChunk.objects.filter(job=job)] == ["rank 0 done after 10 epochs\n"]
 
 
 @pytest.mark.django_db
