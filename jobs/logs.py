@@ -14,8 +14,9 @@ agent announces every copy with an empty chunk as soon as its launcher has named
 so the tail of a copy that just stopped, finished or failed is taken after the control plane
 released its devices); or when the chunk carries the copy's log grant (`log_grant`: a keyed digest
 of job, generation and node that the control plane puts in the node's desired state for every copy
-it places there, so only a node that was given the copy holds it); or when an active move takes that copy (the move's
-from_generation) off this node. Anything else is refused with "fence": the agent stops shipping
+it places there, so only a node that was given the copy holds it); or when a move took or takes that
+copy (the move's from_generation) off this node, its leader's host or a follower's, while the move
+runs or after it ended. Anything else is refused with "fence": the agent stops shipping
 that copy. Each copy (job, generation) of a batch is judged on its own: the refused tail of an
 older copy does not take the current copy's chunks with it. A chunk sent twice (same copy, rank,
 stream and offset) is stored once.
@@ -131,8 +132,13 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | Non
     copy's chunks."""
     ids = list(jobs)
     placed = set(Replica.objects.filter(device__node_id=node.pk, job_id__in=ids).values_list("job_id", flat=True))
-    leaving = {m.job_id: m.from_generation for m in Move.objects.filter(
-        job_id__in=ids, state=Move.State.ACTIVE, from_node_id=node.pk)}
+    # The copies a move took (or takes) off this node, its leader's host or a follower host: their
+    # tails are taken after the move ended too (a follower's last lines of a job that finished as
+    # it was resized across hosts arrive after the job ended at the move's new generation).
+    took_off = {(job_id, generation) for job_id, generation, from_node_id, observed in Move.objects.filter(
+        job_id__in=ids, from_generation__in={c.generation for c in batch.chunks if c.generation is not None},
+    ).values_list("job_id", "from_generation", "from_node_id", "observed")
+        if from_node_id == node.pk or node.pk in ((observed or {}).get(Move.FROM_NODES) or ())}
     held = set(LogSource.objects.filter(job_id__in=ids, node_id=node.pk).values_list("job_id", "generation"))
     refused: dict[tuple[int, int | None], LogRejection] = {}
     for chunk in batch.chunks:
@@ -144,8 +150,8 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | Non
         if job is None:
             refused[copy] = LogRejection(job_id=chunk.job_id, fence=True, error="no such job", generation=generation)
             continue
-        if leaving.get(job.pk) == generation:
-            continue  # the copy a move takes off this node
+        if (job.pk, generation) in took_off:
+            continue  # the copy a move took off this node
         if generation != job.generation:
             refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation, error=(
                 f"stale copy: generation {generation}, the job now runs as generation {job.generation}"))

@@ -321,6 +321,8 @@ class Move(models.Model):
         FAILED = "failed", "Failed"
         TIMED_OUT = "timed_out", "Timed out"
 
+    FROM_NODES = "from_nodes"  # observed's key: the old copy's follower hosts (jobs.moves.move_create)
+
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="moves")
     kind = models.CharField(max_length=16, choices=Kind.choices)
     step = models.CharField(max_length=16, choices=Step.choices)

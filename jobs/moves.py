@@ -190,7 +190,7 @@ def move_active(*, job_id):
 OBSERVED_FIELDS = ("state", "step", "devices", "cut", "checkpoint", "restored_step", "error", "restarted")
 
 
-FROM_NODES = "from_nodes"  # Move.observed key: the old copy's follower hosts (move_create)
+FROM_NODES = Move.FROM_NODES  # Move.observed key: the old copy's follower hosts (move_create)
 
 
 def move_follower_nodes(move) -> list[int]:

@@ -1,11 +1,13 @@
 """The log APIs: agents ship rank output (fenced like reports), members read it with a cursor."""
 import pytest
+from django.utils import timezone
 from log_nodes import enrollment, register  # noqa: F401 (enrollment: an autouse fixture)
 from rest_framework.test import APIClient
 
 from jobs.logs import log_chunks_prune, log_failing_rank, log_grant, log_tail_text
-from jobs.models import Job, LogChunk
-from jobs.services import job_submit, job_transition
+from jobs.models import Job, LogChunk, Move
+from jobs.moves import move_create
+from jobs.services import job_generation_bump, job_submit, job_transition
 from jobs.tick import tick_run
 
 
@@ -212,6 +214,33 @@ def test_a_copy_never_heard_while_placed_ships_its_output_after_the_job_ended_wi
         "grant": log_grant(job_id=job.pk, generation=job.generation - 1, node_id=owner["node_id"])}
     assert "stale copy" in post(owner, stale).json()["rejected"][0]["error"]  # a grant is for its copy only
     assert [c.text for c in LogChunk.objects.filter(job=job)] == ["rank 0 done after 10 epochs\n"]
+
+
+@pytest.mark.django_db
+def test_a_follower_hosts_tail_of_a_copy_a_move_took_off_it_is_taken_while_the_move_runs_and_after(placed):
+    """A job spanning two hosts is resized across hosts (a new generation at once); its old copy
+    finishes on both as the move runs, and the job ends. The follower host's last lines of the old
+    generation arrive late: they are taken, and a host the old copy never ran on is fenced.
+    Before, only the leader's host counted as leaving, and only while the move was active."""
+    job, leader, follower = placed
+    stranger = register("n3")
+    old_generation = job.generation
+    job = job_transition(job=job, to=Job.State.RUNNING)
+    job = job_transition(job=job, to=Job.State.RESIZING, reason="across hosts")
+    job_generation_bump(job)
+    move = move_create(job=job, kind=Move.Kind.RESIZE, reason="across hosts", now=timezone.now(),
+                       from_node_id=leader["node_id"], from_nodes=(leader["node_id"], follower["node_id"]),
+                       from_generation=old_generation, to_generation=job.generation)
+    line = chunk(job, rank=1, generation=old_generation, text="rank 1 done after 10 epochs\n")
+    assert post(follower, line).json()["stored"] == 1  # while the move runs
+    Move.objects.filter(pk=move.pk).update(state=Move.State.DONE)
+    job = job_transition(job=job, to=Job.State.SUCCEEDED, reason="finished before the cut")
+    late = chunk(job, rank=1, generation=old_generation, offset=28, text="after\n")
+    assert post(follower, late).json()["stored"] == 1  # after the move ended and the job with it
+    refused = post(stranger, chunk(job, rank=1, generation=old_generation, offset=40, text="forged\n")).json()
+    assert refused["rejected"][0]["fence"] is True and refused["stored"] == 0
+    assert [c.text for c in LogChunk.objects.filter(job=job, kind="output").order_by("id")] == [
+        "rank 1 done after 10 epochs\n", "after\n"]
 
 
 @pytest.mark.django_db
