@@ -15,12 +15,10 @@ backlog grows; up to `backlog_limit` bytes per rank log nothing is lost. Beyond 
 skips the oldest unsent bytes (keeping the newest `backlog_limit`) and says so: the next chunk
 carries `dropped` = the bytes skipped, and the control plane stores a marker "N bytes dropped".
 
-The first chunk of every copy is empty: it tells the control plane, while the job is surely
-placed on this node, that this copy runs here, so the copy's last lines are taken even when they
-arrive after the control plane released its devices (jobs/logs.py). Every chunk also carries the
-copy's log grant (the desired state's `log_grant`, kept in agent.json): an agent frozen or cut
-off for a copy's whole life announces it only after the job ended, and the grant is what then
-proves the copy was placed here (the suspected cause of a follower's last line missing in CI's chaos soak).
+Every chunk carries the copy's log grant (the desired state's `log_grant`, kept in agent.json):
+it proves the copy was placed on this node, so the copy's last lines are taken even when they
+arrive after the control plane released its devices (jobs/logs.py), however late: an agent frozen
+or cut off for the copy's whole life ships all of it after the job ended.
 
 A job directory is done once its launcher is gone and every rank log was sent to its end, or
 when the control plane refused its chunks with "fence" (the copy is not the job's copy on this
@@ -97,7 +95,6 @@ class _Source:
     attempt: int
     cursors: dict[tuple[int, str], _RankCursor] = field(default_factory=dict)  # by (rank, stream)
     done: bool = False
-    announced: bool = False  # the control plane knows this copy runs here (an empty chunk per rank)
 
 
 class LogShipper:
@@ -127,7 +124,6 @@ class LogShipper:
         try:
             saved = json.loads((job_dir / SHIPPED).read_text())
             source.done = bool(saved.get("done"))
-            source.announced = bool(saved.get("announced"))
             sent = saved.get("sent") or {}
             source.cursors = {_cursor_key(key): _RankCursor(sent=int(n)) for key, n in sent.items()}
         except (OSError, ValueError, TypeError, AttributeError):
@@ -136,7 +132,7 @@ class LogShipper:
         return source
 
     def _save(self, source: _Source) -> None:
-        payload = {"done": source.done, "announced": source.announced,
+        payload = {"done": source.done,
                    "sent": {f"{rank}:{stream}": c.sent for (rank, stream), c in source.cursors.items()}}
         tmp = source.job_dir / f".{SHIPPED}.tmp"
         try:
@@ -185,14 +181,6 @@ class LogShipper:
                     self._save(source)
                 continue
             generation, grant = self._copy_meta(job_dir)
-            if not source.announced and len(chunks) + len(manifest.ranks) <= MAX_CHUNKS:
-                # While the job is surely placed here (its launcher just named its logs): the
-                # control plane then takes this copy's last lines even after it released the devices.
-                for rank_log in manifest.ranks[:1]:
-                    chunks.append(LogChunk(job_id=source.job_id, generation=generation, attempt=source.attempt,
-                                           rank=rank_log.rank, stream=rank_log.stream, offset=rank_log.start,
-                                           length=0, text="", grant=grant))
-                advance[(job_dir, None)] = 0
             complete = True
             for rank_log in manifest.ranks:
                 key = (rank_log.rank, rank_log.stream)
@@ -239,7 +227,7 @@ class LogShipper:
                 if offset < file_size:
                     complete = False
             if complete and not alive and all((r.rank, r.stream) in source.cursors for r in manifest.ranks) \
-                    and source.announced and not any(key[0] == job_dir for key in advance):
+                    and not any(key[0] == job_dir for key in advance):
                 source.done = True
                 self._save(source)
             if len(chunks) >= MAX_CHUNKS or size >= MAX_BATCH_BYTES:
@@ -275,10 +263,7 @@ class LogShipper:
         touched = set()
         for (job_dir, key), offset in advance.items():
             source = self.sources[job_dir]
-            if key is None:
-                source.announced = True
-            else:
-                source.cursors[key].sent = offset
+            source.cursors[key].sent = offset
             touched.add(job_dir)
             generation = sent_as.get((source.job_id, source.attempt))
             # (job, None): a control plane that does not say which copy; a copy that did not say its

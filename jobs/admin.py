@@ -9,7 +9,6 @@ from jobs.models import (
     Job,
     JobEvent,
     LogChunk,
-    LogSource,
     Membership,
     Move,
     PreemptionRequest,
@@ -145,13 +144,6 @@ class LogChunkAdmin(ReadOnlyAdmin):
     raw_id_fields = ["job", "node"]
 
 
-@admin.register(LogSource)
-class LogSourceAdmin(ReadOnlyAdmin):
-    """Read-only: which node may ship which copy's output (jobs/logs.py)."""
-
-    list_display = ["id", "job", "generation", "node", "created_at"]
-    list_select_related = ["job", "node"]
-    raw_id_fields = ["job", "node"]
 
 
 @admin.register(Bundle)

@@ -9,17 +9,16 @@ jobs.services.job_transition, the one state machine, inside its transaction.
 
 Fencing (the rule of jobs.workflows.node_report_record, applied to logs): a node may ship the
 output of a copy of a job when that copy is the job's current one (its placement generation is
-the job's) and the job is placed on that node, or was when this copy first shipped from it (a LogSource: the
-agent announces every copy with an empty chunk as soon as its launcher has named its rank logs,
-so the tail of a copy that just stopped, finished or failed is taken after the control plane
-released its devices); or when the chunk carries the copy's log grant (`log_grant`: a keyed digest
-of job, generation and node that the control plane puts in the node's desired state for every copy
-it places there, so only a node that was given the copy holds it); or when a move took or takes that
-copy (the move's from_generation) off this node, its leader's host or a follower's, while the move
-runs or after it ended. Anything else is refused with "fence": the agent stops shipping
-that copy. Each copy (job, generation) of a batch is judged on its own: the refused tail of an
-older copy does not take the current copy's chunks with it. A chunk sent twice (same copy, rank,
-stream and offset) is stored once.
+the job's) and either the job is placed on that node, or the chunk carries the copy's log grant
+(`log_grant`: a keyed digest of job, generation and node that the control plane puts in the node's
+desired state for every copy it places there, so only a node that was given the copy holds it:
+the tail of a copy that stopped, finished or failed is taken after the control plane released its
+devices, even when none of it reached the control plane before, its agent frozen or cut off for
+the copy's whole life); or when a move took or takes that copy (the move's from_generation) off
+this node, its leader's host or a follower's, while the move runs or after it ended. Anything
+else is refused with "fence": the agent stops shipping that copy. Each copy (job, generation) of
+a batch is judged on its own: the refused tail of an older copy does not take the current copy's
+chunks with it. A chunk sent twice (same copy, rank, stream and offset) is stored once.
 
 Retention: chunks older than MERIDIAN_LOG_RETENTION_DAYS are pruned on write (at most once a
 minute per process); a job keeps its newest MERIDIAN_LOG_MAX_CHUNKS_PER_JOB chunks.
@@ -37,7 +36,7 @@ from django.utils import timezone
 from django.utils.crypto import constant_time_compare, salted_hmac
 
 from fleet.live import events_publish, group_for_job
-from jobs.models import Job, LogChunk, LogSource, Move, Replica
+from jobs.models import Job, LogChunk, Move, Replica
 from protocol.logs import LogBatch, LogBatchAnswer, LogRejection
 
 S = Job.State
@@ -108,7 +107,7 @@ def log_grant(*, job_id: int, generation: int, node_id: int) -> str:
     SHA-256 HMAC under the control plane's SECRET_KEY, handed to that node only (in its desired
     state). With it, the copy's output is taken even when its first chunk arrives after the job
     ended and released its devices (the node's agent was frozen or cut off for the copy's whole
-    life: its announcement never came while the job was placed there)."""
+    life)."""
     return salted_hmac(GRANT_SALT, f"{job_id}:{generation}:{node_id}", algorithm="sha256").hexdigest()
 
 
@@ -139,7 +138,6 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | Non
         job_id__in=ids, from_generation__in={c.generation for c in batch.chunks if c.generation is not None},
     ).values_list("job_id", "from_generation", "from_node_id", "observed")
         if from_node_id == node.pk or node.pk in ((observed or {}).get(Move.FROM_NODES) or ())}
-    held = set(LogSource.objects.filter(job_id__in=ids, node_id=node.pk).values_list("job_id", "generation"))
     refused: dict[tuple[int, int | None], LogRejection] = {}
     for chunk in batch.chunks:
         copy = _copy_of(chunk, jobs)
@@ -155,8 +153,7 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | Non
         if generation != job.generation:
             refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation, error=(
                 f"stale copy: generation {generation}, the job now runs as generation {job.generation}"))
-        elif job.pk not in placed and (job.pk, generation) not in held \
-                and not _granted(chunk, node=node, generation=generation):
+        elif job.pk not in placed and not _granted(chunk, node=node, generation=generation):
             refused[copy] = LogRejection(job_id=job.pk, fence=True, generation=generation,
                                          error="this job is not placed on your node")
         elif chunk.rank >= job.world_size:
@@ -186,13 +183,11 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
             job_id__in={c.job_id for c in wanted}, node_id=node.pk, kind=LogChunk.Kind.OUTPUT,
             offset__in={c.offset for c in wanted}).values_list("job_id", "generation", "attempt", "rank", "stream",
                                                               "offset")) if wanted else set()
-        rows, duplicates, announced = [], 0, 0
-        sources = set()
+        rows, duplicates, empty = [], 0, 0
         for chunk in wanted:
             generation = _copy_of(chunk, jobs)[1]
-            sources.add((chunk.job_id, generation))
             if chunk.length == 0 and not chunk.text and not chunk.dropped:
-                announced += 1  # a copy saying it runs here: recorded as a source, nothing to store
+                empty += 1  # an older agent announcing its copy: taken, nothing to store
                 continue
             key = (chunk.job_id, generation, chunk.attempt, chunk.rank, chunk.stream, chunk.offset)
             if key in have:
@@ -207,10 +202,8 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
                     f"the agent on {node.hostname} could not reach the control plane and keeps a bounded backlog]\n")))
             rows.append(LogChunk(kind=LogChunk.Kind.OUTPUT, offset=chunk.offset, length=chunk.length,
                                  text=chunk.text, **common))
-        LogSource.objects.bulk_create([LogSource(job_id=job_id, node_id=node.pk, generation=generation, created_at=now)
-                                       for job_id, generation in sources], ignore_conflicts=True)
         created = LogChunk.objects.bulk_create(rows) if rows else []
-        stored = announced + sum(1 for row in created if row.kind == LogChunk.Kind.OUTPUT)
+        stored = empty + sum(1 for row in created if row.kind == LogChunk.Kind.OUTPUT)
         for job_id in {row.job_id for row in created}:
             last = max(row.pk for row in created if row.job_id == job_id)
             _publish(job_id=job_id, team_id=jobs[job_id].team_id, seq=last)

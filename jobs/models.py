@@ -456,23 +456,6 @@ class LogChunk(models.Model):
         return f"{self.job_id} log #{self.pk} ({self.kind})"
 
 
-class LogSource(models.Model):
-    """A copy of a job (its placement generation) whose output a node may ship: recorded the first
-    time the node ships for it while the job is placed there (jobs/logs.py), so the copy's last
-    lines are still taken after the control plane released its devices."""
-
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
-    node = models.ForeignKey("fleet.Node", on_delete=models.CASCADE, related_name="+")
-    generation = models.PositiveIntegerField()
-    created_at = models.DateTimeField(default=timezone.now)
-
-    class Meta:
-        constraints = [models.UniqueConstraint(fields=["job", "node", "generation"], name="logsource_unique")]
-
-    def __str__(self):
-        return f"{self.job_id} g{self.generation} on node {self.node_id}"
-
-
 class Bundle(models.Model):
     """A job's code bundle, stored once by its sha256 (jobs/bundles.py) in the artifact store.
 

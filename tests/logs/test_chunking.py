@@ -32,7 +32,7 @@ class Recorder:
 
     @property
     def chunks(self):
-        """The chunks with output (not the empty one that announces each copy)."""
+        """The chunks with output."""
         return [c for b in self.batches for c in b.chunks if c.length]
 
 
@@ -116,10 +116,9 @@ def test_the_rank_logs_outlive_the_spool_and_ship_whole_in_bounded_contiguous_ch
         stdout, stderr = ((job_dir / "logs" / f"rank{rank}.{kind}").read_text() for kind in ("log", "err"))
         assert f"step 40 rank {rank}\n" in stdout and "step 40" not in stderr
     assert all(c.length <= MAX_CHUNK_BYTES and c.generation == 3 and c.attempt == 1 for c in recorder.chunks)
-    assert {c.grant for b in recorder.batches for c in b.chunks} == {GRANT}  # every chunk, the announcement too
+    assert {c.grant for b in recorder.batches for c in b.chunks} == {GRANT}  # every chunk
     assert {r.stream for r in manifest.ranks} == {"stdout", "stderr"}
-    announced = [c for b in recorder.batches for c in b.chunks if not c.length]
-    assert len(announced) == 1 and recorder.batches[0].chunks[0] == announced[0] and announced[0].text == ""
+    assert all(c.length for b in recorder.batches for c in b.chunks)  # nothing empty is sent
     assert all(len(b.chunks) <= MAX_CHUNKS and len(json.dumps(b.to_dict())) <= MAX_BATCH_BYTES + MAX_CHUNK_BYTES * 2
                for b in recorder.batches)
     # Done and remembered: a restarted agent sends nothing again.
@@ -141,7 +140,7 @@ def test_a_restarted_shipper_carries_on_where_the_control_plane_stopped_acknowle
     with open(log, "a") as handle:  # more output after the agent went away
         handle.write("written while no agent ran\n")
     err_size = (job_dir / "logs" / "rank0.err").stat().st_size
-    (job_dir / SHIPPED).write_text(json.dumps({"done": False, "announced": True,
+    (job_dir / SHIPPED).write_text(json.dumps({"done": False,
                                                "sent": {"0:stdout": sent, "0:stderr": err_size}}))
     second = Recorder()
     restarted = LogShipper(tmp_path / "j", second)

@@ -23,6 +23,12 @@ def chunk(job, *, rank=0, offset=0, text="hello\n", generation=None, attempt=1, 
             "dropped": dropped}
 
 
+def grant_of(node, job):
+    """The copy's log grant, as the node's desired state names it (what its agent ships with)."""
+    desired = as_node(node["token"]).get("/api/agent/desired/").json()
+    return next(entry["log_grant"] for entry in desired["jobs"] if entry["job_id"] == job.pk)
+
+
 def post(node, *chunks):
     return as_node(node["token"]).post("/api/agent/logs/", {"chunks": list(chunks)}, format="json")
 
@@ -85,10 +91,12 @@ def test_a_stale_generation_is_refused_with_fence(placed):
 @pytest.mark.django_db
 def test_the_tail_of_a_copy_that_stopped_is_taken_after_its_devices_were_released(placed):
     job, owner, intruder = placed
-    post(owner, chunk(job, text="training\n"))
+    grant = grant_of(owner, job)
+    post(owner, chunk(job, text="training\n") | {"grant": grant})
     job = job_transition(job=job, to=Job.State.CANCELLED, reason="by a test")  # releases the devices
-    assert post(owner, chunk(job, offset=9, text="last words\n")).json()["stored"] == 1
-    assert post(intruder, chunk(job, offset=20, text="forged\n")).json()["rejected"][0]["fence"] is True
+    assert post(owner, chunk(job, offset=9, text="last words\n") | {"grant": grant}).json()["stored"] == 1
+    forged = chunk(job, offset=20, text="forged\n") | {"grant": grant}  # another node's grant is not its own
+    assert post(intruder, forged).json()["rejected"][0]["fence"] is True
 
 
 @pytest.mark.django_db
@@ -184,13 +192,11 @@ def test_a_failed_job_names_its_failing_rank_and_the_tail_of_its_log(placed):
 
 
 @pytest.mark.django_db
-def test_a_copy_that_announced_itself_while_placed_ships_its_tail_after_its_devices_were_released(placed):
+def test_an_empty_chunk_is_taken_and_stores_nothing(placed):
+    """What agents before the log grant sent first for every copy (an announcement)."""
     job, owner, _ = placed
-    announce = post(owner, chunk(job, text="") | {"length": 0}).json()
-    assert announce["stored"] == 1 and not LogChunk.objects.filter(job=job).exists()  # nothing to store
-    job = job_transition(job=job, to=Job.State.RUNNING)
-    job = job_transition(job=job, to=Job.State.FAILED, reason="rank 0 exited with code 1")  # releases the devices
-    assert post(owner, chunk(job, text="Traceback: the only thing it printed\n")).json()["stored"] == 1
+    answer = post(owner, chunk(job, text="") | {"length": 0}).json()
+    assert (answer["stored"], answer["rejected"]) == (1, []) and not LogChunk.objects.filter(job=job).exists()
 
 
 @pytest.mark.django_db
@@ -199,13 +205,12 @@ def test_a_copy_never_heard_while_placed_ships_its_output_after_the_job_ended_wi
     the control plane while the job was placed there. The grant its desired state carried lets
     its output in after the job ended; another node's grant, or none, does not."""
     job, owner, intruder = placed
-    desired = as_node(owner["token"]).get("/api/agent/desired/").json()
-    grant = next(entry["log_grant"] for entry in desired["jobs"] if entry["job_id"] == job.pk)
+    grant = grant_of(owner, job)
     intruders_grant = log_grant(job_id=job.pk, generation=job.generation, node_id=intruder["node_id"])
     job = job_transition(job=job, to=Job.State.RUNNING)
     job = job_transition(job=job, to=Job.State.SUCCEEDED, reason="finished")  # releases the devices
     late = chunk(job, text="rank 0 done after 10 epochs\n")
-    assert post(owner, late).json()["rejected"][0]["fence"] is True  # without the grant: as before
+    assert post(owner, late).json()["rejected"][0]["fence"] is True  # without the grant
     assert post(owner, late | {"grant": intruders_grant}).json()["rejected"][0]["fence"] is True
     assert post(intruder, late | {"grant": grant}).json()["rejected"][0]["fence"] is True
     taken = post(owner, late | {"grant": grant}).json()
