@@ -22,6 +22,7 @@ def _place_and_token(world_size):
     from django.contrib.auth import get_user_model
 
     from fleet.services import node_token_issue
+    from jobs.logs import log_grant
     from jobs.models import Team
     from jobs.services import job_submit
 
@@ -36,7 +37,8 @@ def _place_and_token(world_size):
         devices.append(devices[0])  # spliced: several ranks on one device
     place_job(job, devices[:world_size])
     job.refresh_from_db()
-    return job.pk, job.generation, node_token_issue(node=devices[0].node)
+    grant = log_grant(job_id=job.pk, generation=job.generation, node_id=devices[0].node_id)  # as desired/ names it
+    return job.pk, job.generation, grant, node_token_issue(node=devices[0].node)
 
 
 class LogNode:
@@ -44,7 +46,7 @@ class LogNode:
         from agent.client import ControlPlaneClient
         from agent.logs import POLL_S, LogShipper
 
-        self.job_id, generation, token = portal.call(_place_and_token, world_size)
+        self.job_id, generation, grant, token = portal.call(_place_and_token, world_size)
         self.job_dir = pathlib.Path(work_dir) / "j" / f"{self.job_id}.1"
         (self.job_dir / "logs").mkdir(parents=True)
         ranks = []
@@ -54,7 +56,7 @@ class LogNode:
             ranks.append({"rank": rank, "path": str(path), "start": 0})
         (self.job_dir / "logs.json").write_text(json.dumps({"ranks": ranks}))
         (self.job_dir / "agent.json").write_text(json.dumps({"job_id": self.job_id, "generation": generation,
-                                                             "pid": os.getpid()}))
+                                                             "pid": os.getpid(), "log_grant": grant}))
         self.client = ControlPlaneClient(portal.url, token=token)
         self.shipper = LogShipper(self.job_dir.parent, self.client, poll_s=POLL_S if poll_s is None else poll_s)
         self.stop_event = threading.Event()
