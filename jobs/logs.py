@@ -134,10 +134,8 @@ def _refusals(*, node, batch: LogBatch, jobs: dict) -> dict[tuple[int, int | Non
     # The copies a move took (or takes) off this node, its leader's host or a follower host: their
     # tails are taken after the move ended too (a follower's last lines of a job that finished as
     # it was resized across hosts arrive after the job ended at the move's new generation).
-    took_off = {(job_id, generation) for job_id, generation, from_node_id, observed in Move.objects.filter(
-        job_id__in=ids, from_generation__in={c.generation for c in batch.chunks if c.generation is not None},
-    ).values_list("job_id", "from_generation", "from_node_id", "observed")
-        if from_node_id == node.pk or node.pk in ((observed or {}).get(Move.FROM_NODES) or ())}
+    took_off = Move.copies_taken_off(node_id=node.pk, job_ids=ids,
+                                     generations={c.generation for c in batch.chunks if c.generation is not None})
     refused: dict[tuple[int, int | None], LogRejection] = {}
     for chunk in batch.chunks:
         copy = _copy_of(chunk, jobs)

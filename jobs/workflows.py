@@ -248,10 +248,15 @@ def _last_placed_on(job, node, *, types=(JobEvent.Type.PLACED,)) -> bool:
 def _final_report_repeated(*, job, node, generation, entry: JobReport) -> bool:
     """True when `entry` repeats the final report that ended `job`: the job ended as the copy says
     (finished -> succeeded, failed -> failed), at the generation reported, whose placement (its
-    newest PLACED or MIGRATED event) named `node`. Such a report is accepted and records nothing."""
+    newest PLACED or MIGRATED event) named `node`; or it is the old copy of a move that took it
+    off `node` (a follower host's share of a job that finished before a resize's cut across hosts,
+    reported after the move ended). Such a report is accepted and records nothing."""
     ended_as = {CopyState.FINISHED: S.SUCCEEDED, CopyState.FAILED: S.FAILED}.get(entry.state)
-    if ended_as is None or job.state != ended_as or generation != job.generation:
+    if ended_as is None or job.state != ended_as:
         return False
+    if generation != job.generation:
+        return (job.pk, generation) in Move.copies_taken_off(node_id=node.pk, job_ids=[job.pk],
+                                                             generations=[generation])
     return _last_placed_on(job, node, types=(JobEvent.Type.PLACED, JobEvent.Type.MIGRATED))
 
 

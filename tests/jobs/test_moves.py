@@ -32,7 +32,7 @@ from jobs.moves import (
     moves_sweep,
 )
 from jobs.plan_apply import _migrate
-from jobs.services import job_submit
+from jobs.services import job_generation_bump, job_submit, job_transition
 from jobs.tick import tick_run
 from jobs.workflows import NOT_YOURS, node_desired_state, node_report_apply
 
@@ -523,6 +523,35 @@ def test_a_final_report_repeated_because_its_answer_was_lost_is_accepted_and_rec
         job_id=job.pk)
     assert report(n1, job.pk, "finished", generation=2, step=40)["rejected"][0]["fence"] is True
     assert report(n1, job.pk, "failed", generation=1, step=40)["rejected"][0]["fence"] is True
+
+
+@pytest.mark.django_db
+def test_a_follower_hosts_final_report_of_the_old_copy_after_its_move_ended_the_job_is_accepted(running):
+    # Found by the chaos soak: a job spanning n1 (leader) and n2 was resized across hosts (a new
+    # generation at once); its old copy finished before the cut, the leader's report ended the
+    # move and the job, and n2's own "finished" of the old generation, heard after, was fenced as
+    # a node holding no copy (its agent marked the finished copy fenced; its log tail was refused
+    # too: tests/logs/test_log_api.py). Now it is accepted and records nothing; others are not.
+    n1 = make_node("n1")
+    job, _ = running("spanning")
+    n2, n3 = make_node("n2"), make_node("n3")
+    job = job_transition(job=job, to=S.RESIZING, reason="across hosts")
+    job_generation_bump(job)
+    move = move_create(job=job, kind=Move.Kind.RESIZE, reason="across hosts", now=timezone.now(),
+                       from_node_id=n1.pk, from_nodes=(n1.pk, n2.pk), from_generation=1, to_generation=2)
+    report(n1, job.pk, "finished", generation=1, step=100)
+    move_advance(move_id=move.pk)
+    job.refresh_from_db()
+    assert job.state == S.SUCCEEDED and Move.objects.get(pk=move.pk).state == Move.State.DONE
+    events = JobEvent.objects.filter(job=job).count()
+
+    late = report(n2, job.pk, "finished", generation=1, step=100)
+
+    assert late["accepted"] == [job.pk] and late["rejected"] == [], late
+    assert JobEvent.objects.filter(job=job).count() == events
+    assert report(n3, job.pk, "finished", generation=1, step=100)["rejected"][0]["error"] == NOT_YOURS.format(
+        job_id=job.pk)
+    assert report(n2, job.pk, "failed", generation=1, step=100)["rejected"][0]["fence"] is True
 
 
 @pytest.mark.django_db
