@@ -945,7 +945,8 @@ def main():
     parser.add_argument("--drain-seconds", type=float, default=900)
     parser.add_argument("--disrupt-max", type=float, default=20.0,
                         help="longest freeze or partition of an agent, seconds (default 20: beyond the lost-node "
-                             "limit of 8 s, so nodes are lost and their jobs restart from their checkpoints)")
+                             "limit of 15 s, tests/e2e/harness.py, so nodes are lost and their jobs restart from "
+                             "their checkpoints)")
     parser.add_argument("--keep", action="store_true", help="keep the soak's folder (logs) at the end")
     parser.add_argument("--json", default=None, help="also write the result as JSON here")
     args = parser.parse_args()

@@ -29,6 +29,10 @@ ENROLL = "e2e-enrollment-token"
 TRAIN = "examples/train_mlp.py"
 PASSWORDS = {"alice": "alice-demo-pass", "carol": "carol-demo-pass", "admin": "admin-demo-pass"}
 FINAL_STATES = {"succeeded", "failed", "cancelled"}  # jobs.models.Job.TERMINAL_STATES (no Django here)
+# A node silent this long is lost (its jobs restart elsewhere). Short, so the node-loss tests are
+# quick, but not so short that a beat late under CI's load loses a node: at 8 s, a lone Basic job
+# was once requeued in CI (its only node taken for lost) while the test expected no preemption.
+LOST_AFTER_S = 15
 ENGINE = "framework"  # explicit: the e2e tests exercise the framework checkpoint engine unless they ask for CRIU
 
 
@@ -164,7 +168,7 @@ class ControlPlane:
             "MERIDIAN_MIN_RUN_SECONDS": "0",
             "MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS": "0",  # the elastic test grows back within a minute
             "MERIDIAN_ACCOUNTING_SECONDS": "0",
-            "MERIDIAN_NODE_LOST_AFTER_SECONDS": "8",
+            "MERIDIAN_NODE_LOST_AFTER_SECONDS": str(LOST_AFTER_S),
             "MERIDIAN_WORKFLOW_TIMEOUT_SECONDS": "120",
             "MERIDIAN_CHECKPOINT_STORE": str(self.dir / "store"),
             "MERIDIAN_LOG_LEVEL": "INFO",

@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200),
                                  reason=f"the soak starts its own PostgreSQL: {NO_POSTGRES or 'no runuser'}")]
 
 SEED = 18  # fixed: the same submissions and the same chaos, in the same order, every run
-# Freezes and partitions stay under the harness's lost-node limit (8 s) here. Beyond it, a frozen
-# agent's node is lost and its jobs restart from their checkpoints (a job across hosts whose follower
+# Freezes and partitions stay under the harness's lost-node limit (harness.LOST_AFTER_S) here. Beyond
+# it, a frozen agent's node is lost and its jobs restart from their checkpoints (a job across hosts whose follower
 # fenced itself too, since session 10: jobs.workflows._host_failure_requeue), which the 420 s drain may
 # not see through on a loaded machine; the 30-minute soak draws freezes up to 20 s and measures that
 # (docs/results.md).

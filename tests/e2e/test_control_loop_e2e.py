@@ -6,7 +6,7 @@ import pathlib
 import time
 
 import pytest
-from harness import assert_same_parameters, uninterrupted_run
+from harness import LOST_AFTER_S, assert_same_parameters, uninterrupted_run
 from polling import poll
 
 from agent.node import pid_alive
@@ -250,7 +250,7 @@ def test_a_partitioned_node_fences_itself_and_its_stale_copy_is_gone_before_the_
     # The partition: n1's agent and its job run on, but no heartbeat gets through.
     plane.partitions["n1"].cut()
     cut_at = time.time()
-    # Past the lost-node threshold (8 s here) without a heartbeat, n1's agent kills its copy itself,
+    # Past the lost-node threshold (LOST_AFTER_S) without a heartbeat, n1's agent kills its copy itself,
     # without a checkpoint, while still cut off.
     poll("n1 to fence its own copy", lambda: not any(pid_alive(pid) for pid in stale), timeout=60,
          on_timeout=lambda: plane.logs("agent-n1"))
@@ -258,7 +258,7 @@ def test_a_partitioned_node_fences_itself_and_its_stale_copy_is_gone_before_the_
     fenced = poll("the fenced marker", lambda: [d / "fenced" for d in stale_dirs if (d / "fenced").exists()],
                   timeout=30)
     fenced_at = fenced[0].stat().st_mtime
-    assert fenced_at - cut_at >= 7.0, "fenced before the lost-node threshold"
+    assert fenced_at - cut_at >= LOST_AFTER_S - 1.0, "fenced before the lost-node threshold"
     assert "self-fenced" in plane.logs("agent-n1", tail=10**6)
     assert not runtime_events(plane, "n1", "stopped", "step"), "a fenced copy is killed, not stopped"
     late = [t for _dir, t in runtime_events(plane, "n1", "checkpoint", "time_unix") if t > fenced_at]
