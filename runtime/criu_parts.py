@@ -25,7 +25,10 @@ or bad part commits nothing: the leader withdraws the cut and every host lets it
 go on: the job goes on, after a checkpoint and after a stop alike.
 
 At restore, node k of the new launch restores the ranks of part node<k> (the same block of ranks,
-on whichever host runs node k now), after the store verified the whole checkpoint. The number of
+on whichever host runs node k now), after its store verified the checkpoint's manifest (pinned to
+the digest the control plane recorded), the files outside every part, and its own part's files:
+each host checks what it restores, so a job on N hosts reads its checkpoint once in all, not N
+times (`other_parts`, CheckpointStore.skip_folders); a bad part fails the restore of its host. The number of
 hosts must be the one the checkpoint was dumped on: a restored rank keeps its place in the host
 chain of the reduction (runtime/hostchain.py) and its LOCAL_RANK; other host counts are refused.
 
@@ -51,6 +54,12 @@ class PartError(checkpoint_store.CheckpointError):
 def part_dir(root, node: int) -> Path:
     """Returns the folder of node `node`'s part under a checkpoint (or its staging folder)."""
     return Path(root) / f"{PART_PREFIX}{node}"
+
+
+def other_parts(*, nodes: int, node_rank: int) -> frozenset[str]:
+    """The folder names of the parts node `node_rank` of `nodes` neither restores nor checks at a
+    resume (runtime/store.py CheckpointStore.skip_folders): the other hosts'."""
+    return frozenset(part_dir("", node).name for node in range(nodes) if node != node_rank)
 
 
 def staging_for_node(store_root, staging_dir: str) -> Path:

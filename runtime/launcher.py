@@ -66,7 +66,7 @@ from protocol.launch import (
 )
 from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
-from runtime import control, engines, fence, multihost, rank_logs, splice
+from runtime import control, criu_parts, engines, fence, multihost, rank_logs, splice
 from runtime import rank as rank_liveness
 from runtime import sandbox as job_sandbox
 from runtime import spool as spool_files
@@ -173,6 +173,8 @@ class Launcher:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
                                      keep=options.keep, accepted_file=self.job_dir / ACCEPTED_FILE)
+        if self.nodes > 1:  # each host checks the part of a CRIU checkpoint it restores, and what all share
+            self.store.skip_folders = criu_parts.other_parts(nodes=self.nodes, node_rank=self.node_rank)
         self.workspace = job_workspace.from_options(options, self.job_dir)  # None: no --workspace
         self._quota_checked_at = 0.0
         self.nonce = uuid.uuid4().hex[:10]

@@ -51,11 +51,14 @@ import time
 from protocol.cut import CutRequest
 from protocol.layout import layout_check
 from protocol.rendezvous import NodeCutReport
-from runtime.exits import LaunchError
+from runtime.exits import EXIT_USAGE, LaunchError
 
 PEER_CHECK_S = 0.5
 LOST_AFTER_S = 30.0  # a node whose heartbeat has not moved this long is lost (killed, frozen, cut off)
 FINISH_WAIT_S = 120.0
+# How long the leader of a resume waits for every other host to check its part of the checkpoint
+# (runtime/criu_parts.py: each host hashes what it restores) before it restores anything itself.
+RESUME_CHECK_S = 900.0
 HAND_OUT_S = 10.0  # how long every follower has to take a cut request before the cut is off
 FOLLOW_CHECK_S = 0.05
 OUTCOME_DUMPED = "dumped"  # every host's part is dumped: a checkpoint's ranks go on
@@ -117,6 +120,38 @@ class JobPeers:
 
     def report_finished(self) -> None:
         self.store.set(self._key("finished", self.node_rank), "1")
+
+    def report_resume_checked(self) -> None:
+        """A follower checked its part of the checkpoint the leader resumes from: it may be restored."""
+        self.store.set(self._key("resume_checked", self.node_rank), "1")
+
+    def await_resume_checked(self, timeout_s=RESUME_CHECK_S) -> tuple[str, bool] | None:
+        """Leader: waits until every other node checked its part of the checkpoint (or failed),
+        then lets them restore (resume_go); returns None, or (why not, whether a host failed
+        rather than a part): a node that said its part is bad, or one that said nothing within
+        `timeout_s` (killed, frozen: a host failure, the job restarts)."""
+        followers = [self._key("resume_checked", node) for node in range(1, self.nodes)]
+        problem = self._await(lambda: all(self.store.check([key]) for key in followers), timeout_s,
+                              "not every host checked its part of the checkpoint")
+        if problem is None:
+            self.store.set(self._key("resume_go", 0), "1")
+        return problem
+
+    def await_resume_go(self, timeout_s=RESUME_CHECK_S + 60.0) -> tuple[str, bool] | None:
+        """Follower: waits until the leader heard every host's check (None) or failed."""
+        return self._await(lambda: self.store.check([self._key("resume_go", 0)]), timeout_s,
+                           "the leader never said the checkpoint may be restored")
+
+    def _await(self, done, timeout_s, silent) -> tuple[str, bool] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            failure = self.failure_elsewhere()
+            if failure:
+                return failure, self.host_failed
+            if done():
+                return None
+            time.sleep(0.05)
+        return f"{silent} within {timeout_s:.0f} s", True
 
     def failure_elsewhere(self) -> str | None:
         """Returns "node k: error" for the first other node that failed, or None. When that node
@@ -381,19 +416,41 @@ def await_outcome(launcher, request_id: int) -> str | None:
 
 
 def agree_on_checkpoint(launcher, ref):
-    """--resume on several hosts: the leader's newest good checkpoint is everyone's. Returns the
-    ref to resume from (None: there is none); raises LaunchError when this node's store sees
-    another newest checkpoint than the leader's (the store is not shared as it must be)."""
+    """--resume on several hosts: the leader's newest good checkpoint is everyone's, and no host
+    restores it before every host checked its own part of it (each host checks what it restores:
+    runtime/criu_parts.py). Returns the ref to resume from (None: there is none); raises
+    LaunchError when this node's store sees another newest checkpoint than the leader's (the
+    store is not shared as it must be, or this node's part of it is bad: it says which), and on
+    the leader when another host refused its part or never said (nothing is restored then)."""
+    from runtime.store import CheckpointError
+
     peers = launcher.peers
     key = f"meridian/{peers.nonce}/resume-uri"
     if peers.node_rank == 0:
         peers.store.set(key, ref.uri if ref is not None else "")
+        problem = peers.await_resume_checked() if ref is not None else None
+        if problem is not None:
+            why, host_failure = problem
+            raise LaunchError(f"--resume refused: {why}; no host restored anything", EXIT_USAGE,
+                              host_failure=host_failure)
         return ref
     uri = peers.store.get(key).decode()
     if not uri:
         return None
     if ref is None or ref.uri != uri:
+        theirs = next((found for found in launcher.store.list() if found.uri == uri), None)
+        if theirs is not None:
+            try:
+                launcher.store.verify(theirs)
+            except CheckpointError as exc:
+                raise LaunchError(f"--resume: node {peers.node_rank} cannot restore its part of {uri}, the "
+                                  f"leader's choice: {exc}", EXIT_USAGE) from None
         raise LaunchError(f"--resume: the leader resumes from {uri} but this node's store "
                           f"{launcher.store.root} has {ref.uri if ref else 'no checkpoint'} as its newest; "
                           "every node of the job must use the same shared --store")
+    peers.report_resume_checked()
+    problem = peers.await_resume_go()
+    if problem is not None:
+        why, host_failure = problem
+        raise LaunchError(f"--resume refused: {why}; no host restored anything", EXIT_USAGE, host_failure=host_failure)
     return ref

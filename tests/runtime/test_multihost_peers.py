@@ -30,3 +30,25 @@ def test_a_host_that_failed_under_the_job_is_told_apart_from_a_failure_of_its_co
     fenced = JobPeers(store2, nonce="n3", nodes=3, node_rank=2)
     fenced.report_failed("no heartbeat answered for 12 s: fenced", host_failure=True)
     assert leader.check().startswith("node 2: no heartbeat") and leader.host_failed is True
+
+
+def test_no_host_restores_before_every_host_checked_its_part_of_the_checkpoint():
+    # runtime/criu_parts.py: each host checks only the part it restores, so the leader waits for
+    # every follower's check before anyone restores; a bad part or a silent host refuses the resume.
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    leader, one, two = (JobPeers(store, nonce="r1", nodes=3, node_rank=node) for node in range(3))
+    one.report_resume_checked()
+    assert leader.await_resume_checked(timeout_s=0.3) == (
+        "not every host checked its part of the checkpoint within 0 s", True)  # node 2 said nothing
+    assert one.await_resume_go(timeout_s=0.2)[1] is True  # ... so nobody was let go
+    two.report_resume_checked()
+    assert leader.await_resume_checked(timeout_s=5) is None
+    assert one.await_resume_go(timeout_s=5) is None and two.await_resume_go(timeout_s=5) is None
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    leader, one, two = (JobPeers(store, nonce="r2", nodes=3, node_rank=node) for node in range(3))
+    one.report_resume_checked()
+    two.report_failed("--resume: node 2 cannot restore its part of ckpt-6: node2/rank5/pages-1.img: sha256 …")
+    why, host_failure = leader.await_resume_checked(timeout_s=5)
+    assert why.startswith("node 2: --resume: node 2 cannot restore its part") and host_failure is False
+    assert one.await_resume_go(timeout_s=5)[0].startswith("node 2:")  # node 1 restores nothing either

@@ -63,3 +63,10 @@ def test_on_a_gpu_node_each_hosts_ranks_see_only_that_hosts_gpus(tmp_path, monke
     follower.engine = "framework"
     env = follower.rank_env(5)
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["LOCAL_RANK"] == "1" and env["RANK"] == "5"
+
+
+def test_each_host_checks_at_a_resume_the_part_of_the_checkpoint_it_restores_not_the_others(tmp_path, monkeypatch):
+    # runtime/criu_parts.py: a job on N hosts reads its checkpoint once in all, not N times.
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    assert _launcher(tmp_path, node_rank=1, indices="0,1,2,3").store.skip_folders == {"node0"}
+    assert _launcher(tmp_path, node_rank=0, indices="0,1,2,3").store.skip_folders == {"node1"}

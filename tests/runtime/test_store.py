@@ -122,6 +122,34 @@ def test_latest_good_skips_a_corrupt_checkpoint_and_says_why(store, tmp_path, ca
         store.verify(newer)
 
 
+def test_a_host_of_a_checkpoint_spanning_hosts_checks_its_own_part_and_what_all_share_not_the_others(tmp_path):
+    """Node k of N (runtime/criu_parts.other_parts) checks the files outside every part and those of
+    its own part, pinned to the manifest's digest: another host's damaged part is that host's to
+    find (it restores it), its own is refused naming the file; a damaged shared file, by every host."""
+    from runtime.criu_parts import other_parts
+    from runtime.store import manifest_sha256
+
+    src = _make_tree(tmp_path / "s", {"node0/rank0/pages.img": b"zero", "node1/rank1/pages.img": b"one!",
+                                      "workspace/out.txt": b"shared"})
+    ref = CheckpointStore(tmp_path / "store").commit(src, step=5, engine="criu")
+    digest = manifest_sha256(ref.path)
+    (ref.path / "node1" / "rank1" / "pages.img").write_bytes(b"bad!")  # same size, other bytes
+
+    def store_of(node):
+        store = CheckpointStore(tmp_path / "store")  # each host's launcher has a store of its own
+        store.skip_folders = other_parts(nodes=2, node_rank=node)
+        return store
+
+    assert store_of(0).pinned(digest) == ref and store_of(0).verify(ref, expect_manifest_sha256=digest)
+    with pytest.raises(CheckpointCorrupt, match="node1/rank1/pages.img"):
+        store_of(1).pinned(digest)
+    (ref.path / "workspace" / "out.txt").write_bytes(b"SHARED")
+    with pytest.raises(CheckpointCorrupt, match="workspace/out.txt"):
+        store_of(0).verify(ref, expect_manifest_sha256=digest)
+    with pytest.raises(CheckpointCorrupt):  # a store of one host checks every part
+        CheckpointStore(tmp_path / "store").verify(ref)
+
+
 @pytest.mark.parametrize("damage, error, words", [
     (lambda p: (p / "state.pt").unlink(), CheckpointMissing, "state.pt is missing"),
     (lambda p: (p / "state.pt").write_bytes(b"short"), CheckpointCorrupt, "bytes, manifest says"),
