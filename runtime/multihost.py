@@ -198,6 +198,26 @@ class JobPeers:
                         "off); the job must restart from its last checkpoint")
         return None
 
+    def failure_behind(self, timeout_s=LOST_AFTER_S + 2.0) -> str | None:
+        """After one of this host's ranks failed: waits up to `timeout_s` for another host's failure
+        that explains it (a host killed under the job makes its peers' collectives fail at once,
+        before it is found silent); returns it ("node k: ...", `host_failed` set when a host
+        failed under the job), or None: the failure is this host's own."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                failure = self.failure_elsewhere()
+                if failure is None and self.node_rank == 0:
+                    failure = self.lost_node(time.monotonic())
+                    self.host_failed = failure is not None
+            except (RuntimeError, OSError) as exc:  # the leader's store went with its host
+                self.host_failed = True
+                return f"the job's leader store is unreachable ({exc})"
+            if failure is not None:
+                return failure
+            time.sleep(PEER_CHECK_S)
+        return None
+
     def await_all_finished(self, timeout_s=FINISH_WAIT_S) -> str | None:
         """Leader: waits until every node has finished or failed; returns a failure or None."""
         deadline = time.monotonic() + timeout_s

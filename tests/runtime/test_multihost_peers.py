@@ -1,4 +1,6 @@
 """The leader's view of its followers (runtime/multihost.py JobPeers.lost_node), on a real TCP store."""
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from runtime.multihost import LOST_AFTER_S, JobPeers
@@ -52,3 +54,21 @@ def test_no_host_restores_before_every_host_checked_its_part_of_the_checkpoint()
     why, host_failure = leader.await_resume_checked(timeout_s=5)
     assert why.startswith("node 2: --resume: node 2 cannot restore its part") and host_failure is False
     assert one.await_resume_go(timeout_s=5)[0].startswith("node 2:")  # node 1 restores nothing either
+
+
+def test_a_rank_failure_explained_by_another_hosts_failure_is_told_apart_from_its_own():
+    # A host killed under the job makes its peers' collectives fail at once, before it is found
+    # silent: the launcher asks its peers before it blames its own rank (Launcher.check_ranks).
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    leader, follower = JobPeers(store, nonce="b1", nodes=2, node_rank=0), JobPeers(store, nonce="b1", nodes=2,
+                                                                                    node_rank=1)
+    assert leader.failure_behind(timeout_s=0.6) is None  # nobody else failed: its own failure
+    follower.report_failed("fenced: no heartbeat answered", host_failure=True)
+    assert leader.failure_behind(timeout_s=5).startswith("node 1: fenced") and leader.host_failed is True
+
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False, timeout=timedelta(seconds=2))
+    orphan = JobPeers(client, nonce="b2", nodes=2, node_rank=1)
+    del master  # the leader's host, and the store it served, are gone
+    why = orphan.failure_behind(timeout_s=10)
+    assert why.startswith("the job's leader store is unreachable") and orphan.host_failed is True
