@@ -25,6 +25,7 @@ minute per process); a job keeps its newest MERIDIAN_LOG_MAX_CHUNKS_PER_JOB chun
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from datetime import timedelta
@@ -37,7 +38,7 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from fleet.live import events_publish, group_for_job
 from jobs.models import Job, LogChunk, Move, Replica
-from protocol.logs import LogBatch, LogBatchAnswer, LogRejection
+from protocol.logs import MAX_CHUNK_BYTES, LogBatch, LogBatchAnswer, LogRejection
 
 S = Job.State
 LIVE_TYPE = "jobs.log_appended"
@@ -177,21 +178,19 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
             pk__in={c.job_id for c in batch.chunks}).order_by("pk").only("id", "team_id", "generation", "world_size")}
         refused = _refusals(node=node, batch=batch, jobs=jobs)
         wanted = [c for c in batch.chunks if _copy_of(c, jobs) not in refused]
-        have = set(LogChunk.objects.filter(
-            job_id__in={c.job_id for c in wanted}, node_id=node.pk, kind=LogChunk.Kind.OUTPUT,
-            offset__in={c.offset for c in wanted}).values_list("job_id", "generation", "attempt", "rank", "stream",
-                                                              "offset")) if wanted else set()
+        ends = _stored_ends(node=node, chunks=wanted)
         rows, duplicates, empty = [], 0, 0
         for chunk in wanted:
             generation = _copy_of(chunk, jobs)[1]
             if chunk.length == 0 and not chunk.text and not chunk.dropped:
                 empty += 1  # an older agent announcing its copy: taken, nothing to store
                 continue
-            key = (chunk.job_id, generation, chunk.attempt, chunk.rank, chunk.stream, chunk.offset)
-            if key in have:
-                duplicates += 1
+            key = (chunk.job_id, generation, chunk.attempt, chunk.rank, chunk.stream)
+            chunk = _beyond(chunk, ends.get(key, -1))
+            if chunk is None:
+                duplicates += 1  # every byte of it is stored already
                 continue
-            have.add(key)
+            ends[key] = chunk.offset + chunk.length
             common = {"job_id": chunk.job_id, "node_id": node.pk, "generation": generation,
                       "attempt": chunk.attempt, "rank": chunk.rank, "stream": chunk.stream, "created_at": now}
             if chunk.dropped:
@@ -208,6 +207,42 @@ def log_batch_record(*, node, batch: LogBatch, now=None) -> LogBatchAnswer:
             _prune_job(job_id)
     log_chunks_prune(now=now)
     return LogBatchAnswer(stored=stored, duplicates=duplicates, rejected=tuple(refused.values()))
+
+
+def _stored_ends(*, node, chunks) -> dict[tuple, int]:
+    """Returns, per (job, generation, attempt, rank, stream) of `chunks`, the end (offset + length)
+    of the furthest stored output chunk from `node` that a chunk of them could overlap (one query,
+    bounded by the batch: chunks from MAX_CHUNK_BYTES before the batch's first offset on)."""
+    if not chunks:
+        return {}
+    rows = LogChunk.objects.filter(
+        job_id__in={c.job_id for c in chunks}, node_id=node.pk, kind=LogChunk.Kind.OUTPUT,
+        attempt__in={c.attempt for c in chunks}, offset__gte=min(c.offset for c in chunks) - MAX_CHUNK_BYTES,
+    ).values_list("job_id", "generation", "attempt", "rank", "stream", "offset", "length")
+    ends: dict[tuple, int] = {}
+    for job_id, generation, attempt, rank, stream, offset, length in rows:
+        key = (job_id, generation, attempt, rank, stream)
+        ends[key] = max(ends.get(key, -1), offset + length)
+    return ends
+
+
+def _beyond(chunk, stored_end: int):
+    """Returns `chunk`, or its part after `stored_end` when it overlaps what is stored (a batch sent
+    again after its answer was lost, cut anew: its first chunk starts where the stored one did but
+    runs further), or None when all of it is stored. Found by the logs e2e: the web server killed
+    after it committed a batch, the longer chunk sent again was taken for a duplicate and the bytes
+    beyond the stored one were lost."""
+    end = chunk.offset + chunk.length
+    if end <= stored_end:
+        return None
+    if chunk.offset >= stored_end:
+        return chunk
+    skip = stored_end - chunk.offset
+    raw = chunk.text.encode("utf-8")
+    # The text is the bytes decoded with bad bytes replaced: exact when it re-encodes to `length`.
+    tail = raw[skip:] if len(raw) == chunk.length else raw[max(0, len(raw) - (end - stored_end)):]
+    return dataclasses.replace(chunk, offset=stored_end, length=end - stored_end, dropped=0,  # said the 1st time
+                               text=tail.decode("utf-8", errors="replace"))
 
 
 def _prune_job(job_id) -> int:

@@ -73,6 +73,20 @@ def test_a_chunk_sent_twice_is_stored_once(placed):
 
 
 @pytest.mark.django_db
+def test_a_batch_sent_again_and_cut_longer_stores_only_the_bytes_not_stored_yet(placed, alice, api_client_for):
+    # The web server killed after it committed a batch: the agent, without the answer, reads again
+    # from the same offset with more output there; the longer chunk was taken for a duplicate.
+    job, owner, _ = placed
+    assert post(owner, chunk(job, text="step 1\n")).json()["stored"] == 1
+    again = post(owner, chunk(job, text="step 1\nstep 2\né 3\n")).json()
+    assert (again["stored"], again["duplicates"]) == (1, 0)
+    assert post(owner, chunk(job, text="step 1\nstep 2\n"), chunk(job, offset=14, text="é 3\n")).json()[
+        "duplicates"] == 2
+    body = api_client_for(alice).get(f"/api/jobs/{job.pk}/logs/?rank=0").json()
+    assert "".join(c["text"] for c in body["chunks"]) == "step 1\nstep 2\né 3\n"
+
+
+@pytest.mark.django_db
 def test_another_node_cannot_post_logs_for_a_job_it_does_not_hold(placed):
     job, owner, intruder = placed
     answer = post(intruder, chunk(job, text="forged\n")).json()
