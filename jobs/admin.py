@@ -144,8 +144,6 @@ class LogChunkAdmin(ReadOnlyAdmin):
     raw_id_fields = ["job", "node"]
 
 
-
-
 @admin.register(Bundle)
 class BundleAdmin(admin.ModelAdmin):
     """Read-only: a bundle's row describes bytes in the artifact store (jobs/bundles.py)."""

@@ -358,16 +358,18 @@ class Move(models.Model):
     def __str__(self):
         return f"{self.kind} of #{self.job_id} at {self.step} ({self.state})"
 
+    def ran_old_copy_on(self, node_id) -> bool:
+        """True when node `node_id` ran this move's old copy (from_generation): as its leader
+        (from_node) or as one of its follower hosts (observed[FROM_NODES])."""
+        return self.from_node_id == node_id or node_id in ((self.observed or {}).get(self.FROM_NODES) or ())
+
     @classmethod
     def copies_taken_off(cls, *, node_id, job_ids, generations) -> set[tuple[int, int]]:
         """Returns the (job id, generation) among `job_ids` x `generations` of the copies a move took
-        or takes off node `node_id` (active or over): the node ran the move's from_generation as
-        the old copy's leader (from_node) or as one of its follower hosts (observed[FROM_NODES]).
-        One query."""
-        rows = cls.objects.filter(job_id__in=list(job_ids), from_generation__in=list(generations)).values_list(
+        or takes off node `node_id` (active or over: ran_old_copy_on). One query."""
+        moves = cls.objects.filter(job_id__in=list(job_ids), from_generation__in=list(generations)).only(
             "job_id", "from_generation", "from_node_id", "observed")
-        return {(job_id, generation) for job_id, generation, from_node_id, observed in rows
-                if from_node_id == node_id or node_id in ((observed or {}).get(cls.FROM_NODES) or ())}
+        return {(move.job_id, move.from_generation) for move in moves if move.ran_old_copy_on(node_id)}
 
 
 class PreemptionRequest(models.Model):

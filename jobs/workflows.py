@@ -32,7 +32,7 @@ from fleet.leases import nodes_alive_by_lease
 from fleet.services import node_heartbeat_record
 from jobs.logs import log_grant
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
-from jobs.moves import move_follower_nodes, move_observe, move_relaunches
+from jobs.moves import move_observe, move_relaunches
 from jobs.services import (
     IllegalTransition,
     checkpoint_record,
@@ -319,7 +319,7 @@ ended is accepted (recording nothing). A final report repeated after the job end
                 continue
             here = job.pk in placed
             move = moves.get(job.pk)
-            old_node = move is not None and (move.from_node_id == node.pk or node.pk in move_follower_nodes(move))
+            old_node = move is not None and move.ran_old_copy_on(node.pk)
             if entry.generation is None:  # an agent that does not say (hollow nodes, older agents)
                 generation = move.from_generation if old_node and not here else job.generation
             else:

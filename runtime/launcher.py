@@ -349,13 +349,13 @@ class Launcher:
             rank, code = failed[0]
             if code == EXIT_RESUME_REFUSED:
                 return self.resume_refused(rank)
-            tail = self.log_tail(rank)
             if self.peers is not None and (behind := self.peers.failure_behind()) is not None:
                 # Found by the multi-host agents test under load: a host killed under the job made this
                 # host's collectives fail before anyone found it silent, and the job failed as if its
                 # code had; a host failure restarts the job from its checkpoint instead.
                 raise LaunchError(f"rank {rank} exited with code {code} after another host of the job failed "
                                   f"({behind}); this node's ranks are ended", host_failure=self.peers.host_failed)
+            tail = self.log_tail(rank)
             raise LaunchError(f"rank {rank} exited with code {code}; the job fails.\n"
                               f"--- last lines of rank {rank}'s output ---\n{tail}")
         return all(c == 0 for c in codes)

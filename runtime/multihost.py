@@ -52,6 +52,7 @@ from protocol.cut import CutRequest
 from protocol.layout import layout_check
 from protocol.rendezvous import NodeCutReport
 from runtime.exits import EXIT_USAGE, LaunchError
+from runtime.store import CheckpointError
 
 PEER_CHECK_S = 0.5
 LOST_AFTER_S = 30.0  # a node whose heartbeat has not moved this long is lost (killed, frozen, cut off)
@@ -172,12 +173,21 @@ class JobPeers:
         try:
             self._beats += 1
             self.store.set(self._key("alive", self.node_rank), str(self._beats))
+        except (RuntimeError, OSError) as exc:
+            self.host_failed = True
+            return f"the job's leader store is unreachable ({exc})"
+        return self._failure_now(now)
+
+    def _failure_now(self, now) -> str | None:
+        """Another node's failure, a follower lost (leader only) or the leader's store unreachable,
+        with `host_failed` set as the cause is a host failing under the job; or None."""
+        try:
             failure = self.failure_elsewhere()
             if failure is None and self.node_rank == 0:
                 failure = self.lost_node(now)
                 self.host_failed = failure is not None
             return failure
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError) as exc:  # the leader's store went with its host
             self.host_failed = True
             return f"the job's leader store is unreachable ({exc})"
 
@@ -205,30 +215,17 @@ class JobPeers:
         failed under the job), or None: the failure is this host's own."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                failure = self.failure_elsewhere()
-                if failure is None and self.node_rank == 0:
-                    failure = self.lost_node(time.monotonic())
-                    self.host_failed = failure is not None
-            except (RuntimeError, OSError) as exc:  # the leader's store went with its host
-                self.host_failed = True
-                return f"the job's leader store is unreachable ({exc})"
-            if failure is not None:
+            if (failure := self._failure_now(time.monotonic())) is not None:
                 return failure
             time.sleep(PEER_CHECK_S)
         return None
 
     def await_all_finished(self, timeout_s=FINISH_WAIT_S) -> str | None:
         """Leader: waits until every node has finished or failed; returns a failure or None."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            failure = self.failure_elsewhere()
-            if failure:
-                return failure
-            if all(self.store.check([self._key("finished", node)]) for node in range(self.nodes)):
-                return None
-            time.sleep(0.05)
-        return f"not every node finished within {timeout_s:.0f} s"
+        finished = [self._key("finished", node) for node in range(self.nodes)]
+        problem = self._await(lambda: all(self.store.check([key]) for key in finished), timeout_s,
+                              "not every node finished")
+        return problem[0] if problem else None
 
 
 def join_job(launcher, rendezvous_root):
@@ -442,8 +439,6 @@ def agree_on_checkpoint(launcher, ref):
     LaunchError when this node's store sees another newest checkpoint than the leader's (the
     store is not shared as it must be, or this node's part of it is bad: it says which), and on
     the leader when another host refused its part or never said (nothing is restored then)."""
-    from runtime.store import CheckpointError
-
     peers = launcher.peers
     key = f"meridian/{peers.nonce}/resume-uri"
     if peers.node_rank == 0:

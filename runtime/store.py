@@ -311,11 +311,16 @@ def verify_dir(directory, manifest=None, *, skip_folders=frozenset()) -> dict:
     if manifest is None:
         manifest = read_manifest(directory)
     for rel, entry in sorted(manifest["files"].items()):
-        if rel.split("/", 1)[0] not in skip_folders:
+        if not _under(rel, skip_folders):
             verify_file(directory / rel, entry)
     for base in manifest.get("bases") or []:
         verify_base(directory, base)
     return manifest
+
+
+def _under(rel: str, folders) -> bool:
+    """True when the manifest path `rel` lies in one of the top-level `folders`."""
+    return rel.split("/", 1)[0] in folders
 
 
 def verify_base(directory, base) -> dict:
@@ -574,7 +579,7 @@ class CheckpointStore:
         return None
 
     def _files_signature(self, directory: Path, manifest: dict) -> tuple | None:
-        names = [(directory, rel) for rel in manifest["files"] if rel.split("/", 1)[0] not in self.skip_folders]
+        names = [(directory, rel) for rel in manifest["files"] if not _under(rel, self.skip_folders)]
         names.append((directory, MANIFEST_NAME))
         for base in manifest.get("bases") or []:
             base_dir = directory.parent / str(base.get("name"))
