@@ -2,7 +2,7 @@
 seeds, all four policies; one row per goal, workload and load (Meridian's value, the best
 baseline's, whether the goal holds in every seed). Rules: scheduler/sim/goals.py.
 
-    nice .venv/bin/python bench/sim_goals.py --quick              # minutes: a fifth of Philly, 2 seeds
+    nice .venv/bin/python bench/sim_goals.py --quick              # minutes: a fifth of Philly, 4 seeds
     nice .venv/bin/python bench/sim_goals.py                      # hours: 3 three-week windows + 3 mixes, 3 seeds
     nice .venv/bin/python bench/sim_goals.py --quick --full-trace # also goal 4's full-Philly wall time
     nice .venv/bin/python bench/sim_goals.py --quick --markdown --json goals.json

@@ -30,7 +30,7 @@ from scheduler.plan import Plan, Preempt, Start, WaitReason
 from scheduler.plugins import REGISTRY
 from scheduler.plugins import placement as placement_plugin
 from scheduler.plugins import quota as quota_plugin
-from scheduler.snapshot import PREMIUM, TIER_NAMES, Snapshot, allowed_counts
+from scheduler.snapshot import PREMIUM, TIER_NAMES, UNLIMITED, Snapshot, allowed_counts, las_queue
 from scheduler.state import POOL_RELEASING, POOL_RESERVE, Placement, WorkingState
 
 PHASES = ("1. snapshot", "2. order", "3. place", "4. preempt", "5. resize", "6. defragment", "7. plan")
@@ -172,6 +172,7 @@ class Tick:
         usable_held = self.state.holder[held & self.state.usable]
         # devices each job holds that are usable (what preempting it would give back)
         self.usable_alloc = np.bincount(usable_held, minlength=len(jobs)).astype(np.int64)
+        self._anyone_borrows: bool | None = None
         self._min_count: np.ndarray | None = None
         self._floor_count: np.ndarray | None = None
         self._packed_level: dict = {}  # (W, type, max_spread) -> level, for Tick.spread
@@ -191,6 +192,19 @@ class Tick:
         jobs = self.snapshot.jobs
         self.team_usage[int(jobs.team[j]), int(jobs.type_id[j])] -= len(devices)
         self.touched[j] = True
+
+    def search_team(self, jobs_idx: np.ndarray) -> np.ndarray:
+        """Returns per job what its team means to a search for room: the team, or -1 where no job
+        of the tick borrows and the team's quota of the job's type never binds (reclaiming needs
+        a borrower and every count is within quota, so any such team searches alike)."""
+        jobs = self.snapshot.jobs
+        team = jobs.team[jobs_idx].astype(np.int64)
+        if self._anyone_borrows is None:
+            self._anyone_borrows = bool(self.borrower.any())
+        if self._anyone_borrows:
+            return team
+        unbound = self.snapshot.teams.quota[team, jobs.type_id[jobs_idx]] >= UNLIMITED // 2
+        return np.where(unbound, -1, team)
 
     def borrowed_by(self, j: int, d: int) -> int:
         """Returns how many of d more devices for job j would be over its team's quota."""
@@ -248,8 +262,14 @@ class Tick:
         if self._floor_count is None:
             jobs, settings = self.snapshot.jobs, self.snapshot.settings
             out = self.min_count.copy()
-            for j in np.flatnonzero(np.isin(jobs.tier, settings.floor_speed_tiers)).tolist():
-                out[j] = min(self.run_counts(j))
+            floor = np.flatnonzero(np.isin(jobs.tier, settings.floor_speed_tiers))
+            if floor.size:
+                # run_counts reads only W, min_devices and the type: once per distinct triple
+                triple = ((jobs.world_size[floor].astype(np.int64) << 40)
+                          | (jobs.min_devices[floor].astype(np.int64) << 16) | jobs.type_id[floor].astype(np.int64))
+                _, first, inverse = np.unique(triple, return_index=True, return_inverse=True)
+                smallest = np.array([min(self.run_counts(int(floor[i]))) for i in first.tolist()], np.int64)
+                out[floor] = smallest[inverse]
             self._floor_count = out
         return self._floor_count
 
@@ -362,7 +382,20 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
         pending = np.flatnonzero(tick.state.alloc == 0)
         tick.line = policy.order.order(tick, pending)
 
-    for j in tick.line.tolist():
+    # A job that fails to start leaves the tick as it found it (`_stamp`: no device given or
+    # taken, no decision, no budget spent, no approval waited for); the next job alike in
+    # everything the search reads fails the same way with the same reason, so it is told that
+    # reason without searching again.
+    alike = _failure_keys(tick, tick.line)
+    failed: dict[tuple, tuple] = {}
+    for j, key in zip(tick.line.tolist(), alike):
+        stamp = _stamp(tick)
+        known = failed.get(key)
+        if known is not None and known[0] == stamp:
+            with clock.phase(PHASES[2]):
+                _fail_alike(tick, j, known[1])
+            tick.state.close_pools(names=(POOL_RELEASING,))
+            continue
         with clock.phase(PHASES[2]):
             placed = _admit(tick, j)
         if not placed and policy.preempt is not None:
@@ -378,6 +411,8 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
                 before = tick.waiting.get(j)
                 if not _admit(tick, j) and before is not None:
                     tick.waiting[j] = before
+        if not placed and j in tick.waiting and stamp == _stamp(tick):
+            failed[key] = (stamp, tick.waiting[j])
         # The next job tries devices free now first again. The Premium reserve stays open for a
         # next Premium job (its _admit closes it for any other): opening it counts every reserve
         # device in, and closing it out, which per Premium admission dominated the first
@@ -398,6 +433,41 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
     if timer:
         plan = Plan(decisions=plan.decisions, waiting=plan.waiting, phase_seconds=clock.seconds)
     return plan
+
+
+def _stamp(tick: Tick) -> tuple:
+    """Returns what changes whenever a job's steps leave a trace in the tick: the holdings'
+    version, the decisions and budgets used, the jobs waiting on an approval (a job waiting on a
+    victim already asked about adds itself there and nothing else)."""
+    waiters = sum(len(w) for w in tick.approval_waiters.values()) if tick.approval_waiters else 0
+    return (tick.state.version, len(tick.decisions), tick.victims_used, tick.migrations_used, waiters)
+
+
+def _failure_keys(tick: Tick, line: np.ndarray) -> list[tuple]:
+    """Returns, per job of `line`, what its search for room reads of the job itself: tier,
+    type, team (quota, borrowing), world size and floor (its counts, its packed spread),
+    max_spread and attained-service queue (whom it may preempt)."""
+    if line.size == 0:
+        return []
+    jobs, settings = tick.snapshot.jobs, tick.snapshot.settings
+    queue = las_queue(jobs.attained_device_seconds[line], settings)
+    team = tick.search_team(line)
+    columns = (jobs.tier[line], jobs.type_id[line], team, jobs.world_size[line],
+               jobs.min_devices[line], jobs.max_spread[line], queue)
+    return list(zip(*(c.tolist() for c in columns)))
+
+
+def _fail_alike(tick: Tick, j: int, reason: tuple[str, str]) -> None:
+    """Records for job j the failure a job alike met in the same state (`schedule`): its wait
+    reason, and what that job's steps left behind for j: the Premium reserve opened (a Premium
+    job) or closed (any other, as `_admit` does), and a packed-tier job allowed to spread."""
+    tick.waiting[j] = reason
+    if int(tick.snapshot.jobs.tier[j]) == PREMIUM:
+        tick.state.open_pool(POOL_RESERVE)
+    else:
+        tick.state.close_pools(names=(POOL_RESERVE,))
+    if int(tick.snapshot.jobs.tier[j]) in tick.snapshot.settings.packed_tiers:
+        tick.spread_ok.add(j)
 
 
 def _admit(tick: Tick, j: int) -> bool:

@@ -200,8 +200,8 @@ class WorkingState:
             self.free[self.reserve] = False
         self.pools = {POOL_RELEASING: self.releasing, POOL_RESERVE: self.reserve}
         self.open_pools: set = set()
-        self._pool_keys = {name: _PoolKeys(devs, self.node, self.type_id, self.k, topology.node_entity)
-                           for name, devs in self.pools.items()}
+        self._pool_keys: dict[str, _PoolKeys] = {}  # built when a pool is first opened (`_keys_of`)
+        self._topology_entity = topology.node_entity
 
         self.n_nodes = n_nodes
         self.node_region = topology.node_region
@@ -248,6 +248,9 @@ class WorkingState:
         self._changed: dict[int, np.ndarray] = {}
         self.alloc = np.diff(self._job_start).astype(np.int64)  # devices per job, kept current
         self.journal: list = []
+        # bumped by every allocate, release and rollback: equal versions within a tick mean the
+        # same holdings (a rollback restores them, but a later change must not reuse its number)
+        self.version = 0
 
     # --- reading -----------------------------------------------------------------------
     def job_devices(self, j: int) -> np.ndarray:
@@ -448,9 +451,18 @@ class WorkingState:
             return False
         back = (self.holder[pool] == NO_JOB) & ~self.free[pool]
         self.free[pool[back]] = True
-        self._count_pool(self._pool_keys[name], back, +1)
+        self._count_pool(self._keys_of(name), back, +1)
         self.open_pools.add(name)
         return True
+
+    def _keys_of(self, name: str) -> "_PoolKeys":
+        """Returns pool `name`'s (entity, type) pairs, computed once per tick (most ticks open
+        no pool)."""
+        keys = self._pool_keys.get(name)
+        if keys is None:
+            keys = self._pool_keys[name] = _PoolKeys(self.pools[name], self.node, self.type_id, self.k,
+                                                     self._topology_entity)
+        return keys
 
     def close_pools(self, names=None) -> None:
         """Takes the held-back devices still free out of the free counts again: those of every
@@ -459,7 +471,7 @@ class WorkingState:
             pool = self.pools[name]
             hide = self.free[pool]
             self.free[pool[hide]] = False
-            self._count_pool(self._pool_keys[name], hide, -1)
+            self._count_pool(self._keys_of(name), hide, -1)
             self.open_pools.discard(name)
 
     def _count_pool(self, keys: "_PoolKeys", chosen: np.ndarray, sign: int) -> None:
@@ -513,6 +525,7 @@ class WorkingState:
         if not self.free[devs].all():
             raise AssertionError(f"allocate: job {j} asked for a device that is not free")
         self.journal.append(("allocate", j, devs, self.job_devices(j)))
+        self.version += 1
         self.holder[devs] = j
         self.free[devs] = False
         self._count(devs, -1)
@@ -527,6 +540,7 @@ class WorkingState:
         if not (self.holder[devs] == j).all():
             raise AssertionError(f"release: job {j} does not hold all these devices")
         self.journal.append(("release", j, devs, self.job_devices(j)))
+        self.version += 1
         self.holder[devs] = NO_JOB
         back = devs[self.usable[devs]]
         self.free[back] = True
@@ -542,6 +556,8 @@ class WorkingState:
 
     def rollback(self, mark: int) -> None:
         """Undoes every allocate/release made since `mark`, newest first."""
+        if len(self.journal) > mark:
+            self.version += 1
         while len(self.journal) > mark:
             op, j, devs, before = self.journal.pop()
             if op == "allocate":

@@ -126,6 +126,35 @@ def _cumsum_by_segment(values: np.ndarray, start: np.ndarray) -> np.ndarray:
     return total - np.where(start > 0, total[start - 1], 0)
 
 
+class _Tables:
+    """The facts about one type's candidate victims (a dict of columns), in each of the orders
+    the searches walk, each sorted when first asked for (`tables[ORDER_BY_COST]`): a tick that
+    has no Premium preemptor never sorts by checkpoint size."""
+
+    def __init__(self, facts: dict, ids: np.ndarray):
+        self.facts, self.ids = facts, ids
+        self.sorted: dict[int, dict] = {}
+
+    def __getitem__(self, order_index: int) -> dict:
+        table = self.sorted.get(order_index)
+        if table is None:
+            facts, ids, tier = self.facts, self.ids, self.facts["tier"]
+            if order_index == ORDER_BY_COST:  # preemption: Basic first, least lost work, smallest checkpoint
+                order = np.lexsort((ids, facts["ckpt"], facts["lost"], -tier))
+            elif order_index == ORDER_BY_RELEASE:  # shrink: Basic first, biggest release first
+                order = np.lexsort((ids, -facts["shrink"], -tier))
+            elif order_index == ORDER_BY_WAIT:
+                # shrink for a Premium preemptor: Basic first, smallest checkpoint first (it starts
+                # only when the victim's cut and checkpoint are done), then biggest release
+                order = np.lexsort((ids, -facts["shrink"], facts["ckpt"], -tier))
+            else:
+                # preemption for a Premium preemptor: Basic first, smallest checkpoint first (it
+                # starts when its victims' checkpoints are written), then least lost work
+                order = np.lexsort((ids, facts["lost"], facts["ckpt"], -tier))
+            table = self.sorted[order_index] = {name: col[order] for name, col in facts.items()}
+        return table
+
+
 class SlaPreemption:
     """Finds the cheapest set of shrinks/preemptions that makes a job fit, and applies it."""
 
@@ -149,7 +178,7 @@ class SlaPreemption:
                                  f"victims per tick is spent; next tick")
         need = min(within)
         queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], settings)[0])
-        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j]), queue)
+        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(tick.search_team(np.array([j]))[0]), queue)
         known = tick.known_failure(key, need)
         if known is not None:
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, known)
@@ -391,8 +420,8 @@ class SlaPreemption:
 
     # --- computing (no side effects) -------------------------------------------------------
     @staticmethod
-    def _candidates(tick, k: int) -> dict:
-        """Returns per-tick facts about the jobs holding type k, in two presorted orders.
+    def _candidates(tick, k: int) -> "_Tables":
+        """Returns per-tick facts about the jobs holding type k, in the presorted orders of `_Tables`.
 
         Computed once per type and tick; a call then only masks out jobs touched since (a
         touched job is never a victim again in the same tick) and those the preemptor may not
@@ -421,21 +450,7 @@ class SlaPreemption:
             ckpt_s=checkpoint_seconds(jobs.checkpoint_bytes[cand].astype(np.float64) / 1e9),
             queue=las_queue(jobs.attained_device_seconds[cand], settings),
         )
-        ids = jobs.ids[cand]
-        # preemption order: Basic first, least lost work, smallest checkpoint, id
-        by_cost = np.lexsort((ids, facts["ckpt"], facts["lost"], -tier))
-        # shrink order: Basic first, biggest release first, id
-        by_release = np.lexsort((ids, -facts["shrink"], -tier))
-        # shrink order for a Premium preemptor: Basic first, smallest checkpoint first (it
-        # starts only when the victim's cut and checkpoint are done), then biggest release
-        by_wait = np.lexsort((ids, -facts["shrink"], facts["ckpt"], -tier))
-        # preemption order for a Premium preemptor: Basic first, smallest checkpoint first (it
-        # starts when its victims' checkpoints are written), then least lost work
-        by_release_time = np.lexsort((ids, facts["lost"], facts["ckpt"], -tier))
-        cache[k] = ({name: col[by_cost] for name, col in facts.items()},
-                    {name: col[by_release] for name, col in facts.items()},
-                    {name: col[by_wait] for name, col in facts.items()},
-                    {name: col[by_release_time] for name, col in facts.items()})
+        cache[k] = _Tables(facts, jobs.ids[cand])
         return cache[k]
 
     def _actions(self, tick, j: int):
@@ -443,9 +458,11 @@ class SlaPreemption:
         or None if there are none."""
         jobs = tick.snapshot.jobs
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, by_release, by_wait, by_release_time = self._candidates(tick, k)
+        tables = self._candidates(tick, k)
         if tier == PREMIUM:
-            by_cost, by_release = by_release_time, by_wait
+            by_cost, by_release = tables[ORDER_BY_RELEASE_TIME], tables[ORDER_BY_WAIT]
+        else:
+            by_cost, by_release = tables[ORDER_BY_COST], tables[ORDER_BY_RELEASE]
         if by_cost["job"].size == 0:
             return None
         # groups 0 (reclaim borrowed), 2 (preempt), 3 (needs approval), in cost order
@@ -598,7 +615,7 @@ class SlaPreemption:
         """
         jobs, state = tick.snapshot.jobs, tick.state
         k, tier, team = int(jobs.type_id[j]), int(jobs.tier[j]), int(jobs.team[j])
-        by_cost, *_ = self._candidates(tick, k)
+        by_cost = self._candidates(tick, k)[ORDER_BY_COST]
         shrinkable = (~tick.touched[by_cost["job"]] & _lower_priority(tick, j, by_cost)
                       & ~(by_cost["borrower"] & (by_cost["team"] != team))
                       & ~by_cost["needs_approval"] & (by_cost["shrink"] > 0))
@@ -646,7 +663,7 @@ class SlaPreemption:
         the entity first, until `need` devices are free there. Returns one phrase per victim."""
         jobs, state = tick.snapshot.jobs, tick.state
         k = int(jobs.type_id[j])
-        by_cost, *_ = self._candidates(tick, k)
+        by_cost = self._candidates(tick, k)[ORDER_BY_COST]
         done = []
         for r in victims:
             missing = need - int(state.free_count[level][entity, k])
