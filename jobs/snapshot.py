@@ -59,6 +59,7 @@ def policy_settings() -> scheduler.PolicySettings:
         standard_sla_floor=float(settings.MERIDIAN_STANDARD_SLA_FLOOR),
         min_resize_interval_seconds=float(settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS),
         premium_reserve_devices=int(settings.MERIDIAN_PREMIUM_RESERVE_DEVICES),
+        protected_progress_share=float(settings.MERIDIAN_PROTECTED_PROGRESS_SHARE),
     )
 
 

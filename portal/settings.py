@@ -268,6 +268,11 @@ MERIDIAN_STANDARD_SLA_FLOOR = _env_float("MERIDIAN_STANDARD_SLA_FLOOR", 0.70)
 MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = _env_float("MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS", 600.0, minimum=0.0)
 # Free devices per region and type kept for Premium jobs.
 MERIDIAN_PREMIUM_RESERVE_DEVICES = _env_int("MERIDIAN_PREMIUM_RESERVE_DEVICES", 0, minimum=0)
+# Share of a type's devices, held by the jobs with the most work done, that only Premium may take.
+MERIDIAN_PROTECTED_PROGRESS_SHARE = _env_float("MERIDIAN_PROTECTED_PROGRESS_SHARE", 0.25, minimum=0.0)
+if MERIDIAN_PROTECTED_PROGRESS_SHARE > 1.0:
+    raise ImproperlyConfigured(f"MERIDIAN_PROTECTED_PROGRESS_SHARE={os.environ['MERIDIAN_PROTECTED_PROGRESS_SHARE']!r} "
+                               "must be a share between 0 and 1")
 # How far one job's ranks may spread at most: "node", "rack", "cluster" or "region" (the default:
 # topology decides; the core packs a gang onto the tightest level that fits, one node first, and a
 # job bigger than a node runs one meridian-run per host: runtime/multihost.py).

@@ -172,7 +172,7 @@ class Tick:
         usable_held = self.state.holder[held & self.state.usable]
         # devices each job holds that are usable (what preempting it would give back)
         self.usable_alloc = np.bincount(usable_held, minlength=len(jobs)).astype(np.int64)
-        self._anyone_borrows: bool | None = None
+        self._search_team: np.ndarray | None = None  # Tick.search_team, for every job
         self._min_count: np.ndarray | None = None
         self._floor_count: np.ndarray | None = None
         self._packed_level: dict = {}  # (W, type, max_spread) -> level, for Tick.spread
@@ -197,14 +197,14 @@ class Tick:
         """Returns per job what its team means to a search for room: the team, or -1 where no job
         of the tick borrows and the team's quota of the job's type never binds (reclaiming needs
         a borrower and every count is within quota, so any such team searches alike)."""
-        jobs = self.snapshot.jobs
-        team = jobs.team[jobs_idx].astype(np.int64)
-        if self._anyone_borrows is None:
-            self._anyone_borrows = bool(self.borrower.any())
-        if self._anyone_borrows:
-            return team
-        unbound = self.snapshot.teams.quota[team, jobs.type_id[jobs_idx]] >= UNLIMITED // 2
-        return np.where(unbound, -1, team)
+        if self._search_team is None:
+            jobs = self.snapshot.jobs
+            team = jobs.team.astype(np.int64)
+            if not self.borrower.any():
+                unbound = self.snapshot.teams.quota[team, jobs.type_id] >= UNLIMITED // 2
+                team = np.where(unbound, -1, team)
+            self._search_team = team
+        return self._search_team[jobs_idx]
 
     def borrowed_by(self, j: int, d: int) -> int:
         """Returns how many of d more devices for job j would be over its team's quota."""
@@ -462,11 +462,12 @@ def _fail_alike(tick: Tick, j: int, reason: tuple[str, str]) -> None:
     reason, and what that job's steps left behind for j: the Premium reserve opened (a Premium
     job) or closed (any other, as `_admit` does), and a packed-tier job allowed to spread."""
     tick.waiting[j] = reason
-    if int(tick.snapshot.jobs.tier[j]) == PREMIUM:
+    tier = int(tick.snapshot.jobs.tier[j])
+    if tier == PREMIUM:
         tick.state.open_pool(POOL_RESERVE)
     else:
         tick.state.close_pools(names=(POOL_RESERVE,))
-    if int(tick.snapshot.jobs.tier[j]) in tick.snapshot.settings.packed_tiers:
+    if tier in tick.snapshot.settings.packed_tiers:
         tick.spread_ok.add(j)
 
 

@@ -369,6 +369,12 @@ class PolicySettings:
     # served first, and a Basic job may preempt a Basic job of a higher queue, so short jobs do
     # not wait behind long large ones. () = one queue (order by fair share and age only).
     las_thresholds_device_seconds: tuple = (3600.0, 36000.0)
+    # The running non-Premium jobs with the most work done (attained device-seconds / W), holding
+    # up to this share of a type's usable devices, are neither shrunk nor preempted for a Basic or
+    # Standard job (Premium still may; borrowed devices are still reclaimed): with heavy-tailed
+    # durations the most progressed job is the likeliest to run longest, so it sets the makespan
+    # and the p99 JCT, and 2D-LAS alone makes it every arrival's first victim. 0 = off.
+    protected_progress_share: float = 0.25
 
     def __post_init__(self):
         if not 0.0 <= self.standard_sla_floor <= 1.0:
@@ -377,6 +383,8 @@ class PolicySettings:
             raise SnapshotError("min_run_seconds must be >= 0 and the half-life > 0")
         if not 0.0 <= self.past_usage_weight <= 1.0:
             raise SnapshotError("past_usage_weight must be within 0..1")
+        if not 0.0 <= self.protected_progress_share <= 1.0:
+            raise SnapshotError("protected_progress_share must be within 0..1")
         if not 0.0 <= self.premium_reserve_fraction < 1.0:
             raise SnapshotError("premium_reserve_fraction must be within 0..1 (exclusive)")
         if self.min_resize_interval_seconds < 0 or self.premium_reserve_devices < 0:

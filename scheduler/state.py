@@ -467,6 +467,8 @@ class WorkingState:
     def close_pools(self, names=None) -> None:
         """Takes the held-back devices still free out of the free counts again: those of every
         open pool, or of the pools `names` only."""
+        if not self.open_pools:
+            return
         for name in sorted(self.open_pools if names is None else self.open_pools & set(names)):
             pool = self.pools[name]
             hide = self.free[pool]

@@ -86,7 +86,31 @@ def _lower_priority(tick, j: int, facts: dict) -> np.ndarray:
     if tier == BASIC:
         queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], tick.snapshot.settings)[0])
         lower |= (facts["tier"] == BASIC) & (facts["queue"] > queue)
+    if tier != PREMIUM:
+        lower &= ~facts["protected"]  # the most-progressed jobs yield to Premium only
     return lower
+
+
+def _most_progressed(tick, cand: np.ndarray, tier: np.ndarray, k: int) -> np.ndarray:
+    """Returns bool per candidate in `cand` (jobs holding type k): among the non-Premium ones,
+    those with the most work done (attained device-seconds / W: seconds at full size) whose
+    devices, counted from the most progressed down, stay within
+    PolicySettings.protected_progress_share of the type's usable devices.
+
+    Durations are heavy-tailed, so the job that has done the most work is the likeliest to
+    have the most left: it sets the makespan and the p99 JCT, and 2D-LAS alone makes it the
+    first victim of every arrival. These yield only to Premium; the share bounds how much of
+    the fleet is out of LAS's reach."""
+    share = tick.snapshot.settings.protected_progress_share
+    out = np.zeros(cand.size, np.bool_)
+    if share <= 0 or cand.size == 0:
+        return out
+    jobs = tick.snapshot.jobs
+    done = np.where(tier == PREMIUM, -1.0, jobs.attained_device_seconds[cand] / jobs.world_size[cand])
+    order = np.lexsort((jobs.ids[cand], -done))  # most progressed first, ties by id
+    held = np.cumsum(tick.state.alloc[cand][order])
+    out[order] = (held <= share * float(tick.type_capacity[k])) & (tier[order] != PREMIUM)
+    return out
 
 
 def _job_regions(tick, cand: np.ndarray) -> np.ndarray:
@@ -178,7 +202,7 @@ class SlaPreemption:
                                  f"victims per tick is spent; next tick")
         need = min(within)
         queue = int(las_queue(jobs.attained_device_seconds[j:j + 1], settings)[0])
-        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(tick.search_team(np.array([j]))[0]), queue)
+        key = (NAME, int(jobs.type_id[j]), int(jobs.tier[j]), int(tick.search_team(j)), queue)
         known = tick.known_failure(key, need)
         if known is not None:
             return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT, known)
@@ -449,6 +473,7 @@ class SlaPreemption:
             # seconds until the devices it gives up are free (placement_cost, as the simulator)
             ckpt_s=checkpoint_seconds(jobs.checkpoint_bytes[cand].astype(np.float64) / 1e9),
             queue=las_queue(jobs.attained_device_seconds[cand], settings),
+            protected=_most_progressed(tick, cand, tier, k),
         )
         cache[k] = _Tables(facts, jobs.ids[cand])
         return cache[k]

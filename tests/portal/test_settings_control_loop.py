@@ -32,7 +32,8 @@ def test_the_knobs_are_typed_settings_and_feed_the_beat_schedule(tmp_path):
     ("MERIDIAN_WORKFLOW_TIMEOUT_SECONDS", "-5", "must be 0 or more"),
     ("MERIDIAN_PREMIUM_RESERVE_DEVICES", "1.5", "is not a whole number"),
     ("MERIDIAN_JOB_MAX_SPREAD", "planet", "choose one of node, rack, cluster, region"),
-], ids=["not-a-number", "negative", "not-whole", "unknown-choice"])
+    ("MERIDIAN_PROTECTED_PROGRESS_SHARE", "2", "must be a share between 0 and 1"),
+], ids=["not-a-number", "negative", "not-whole", "unknown-choice", "not-a-share"])
 def test_a_bad_value_stops_start_up_naming_the_variable(tmp_path, name, value, says):
     result = settings_with({name: value}, data_dir=tmp_path)
 
