@@ -394,8 +394,7 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
         if known is not None and known[0] == stamp:
             with clock.phase(PHASES[2]):
                 _fail_alike(tick, j, known[1])
-            tick.state.close_pools(names=(POOL_RELEASING,))
-            continue
+            continue  # the releasing pool is closed: every job's steps end by closing it
         with clock.phase(PHASES[2]):
             placed = _admit(tick, j)
         if not placed and policy.preempt is not None:

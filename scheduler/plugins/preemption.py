@@ -105,11 +105,11 @@ def _most_progressed(tick, cand: np.ndarray, tier: np.ndarray, k: int) -> np.nda
     out = np.zeros(cand.size, np.bool_)
     if share <= 0 or cand.size == 0:
         return out
-    jobs = tick.snapshot.jobs
-    done = np.where(tier == PREMIUM, -1.0, jobs.attained_device_seconds[cand] / jobs.world_size[cand])
-    order = np.lexsort((jobs.ids[cand], -done))  # most progressed first, ties by id
-    held = np.cumsum(tick.state.alloc[cand][order])
-    out[order] = (held <= share * float(tick.type_capacity[k])) & (tier[order] != PREMIUM)
+    jobs, rows = tick.snapshot.jobs, np.flatnonzero(tier != PREMIUM)
+    mine = cand[rows]
+    order = np.lexsort((jobs.ids[mine], -(jobs.attained_device_seconds[mine] / jobs.world_size[mine])))
+    held = np.cumsum(tick.state.alloc[mine][order])  # most progressed first, ties by id
+    out[rows[order]] = held <= share * float(tick.type_capacity[k])
     return out
 
 
