@@ -385,16 +385,29 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
     # A job that fails to start leaves the tick as it found it (`_stamp`: no device given or
     # taken, no decision, no budget spent, no approval waited for); the next job alike in
     # everything the search reads fails the same way with the same reason, so it is told that
-    # reason without searching again.
-    alike = _failure_keys(tick, tick.line)
-    failed: dict[tuple, tuple] = {}
-    for j, key in zip(tick.line.tolist(), alike):
+    # reason without searching again. Alike jobs are runs of one key id (`_failure_keys`); a
+    # key that failed under the current stamp is dead until the stamp moves, and a stretch of
+    # the line holding only dead keys is told its reasons at once (`_fail_alike`).
+    line = tick.line.tolist()
+    key_of = _failure_keys(tick, tick.line)
+    dead = np.zeros(int(key_of.max(initial=-1)) + 1, np.bool_)  # key id -> failed under dead_stamp
+    dead_reason: dict[int, tuple[str, str]] = {}
+    dead_stamp = None
+    n, pos = len(line), 0
+    while pos < n:
         stamp = _stamp(tick)
-        known = failed.get(key)
-        if known is not None and known[0] == stamp:
-            with clock.phase(PHASES[2]):
-                _fail_alike(tick, j, known[1])
-            continue  # the releasing pool is closed: every job's steps end by closing it
+        if dead_reason:
+            if stamp != dead_stamp:
+                dead[list(dead_reason)] = False
+                dead_reason.clear()
+            elif dead[key_of[pos]]:
+                live = np.flatnonzero(~dead[key_of[pos:]])
+                end = pos + int(live[0]) if live.size else n
+                with clock.phase(PHASES[2]):
+                    _fail_alike(tick, line[pos:end], key_of[pos:end].tolist(), dead_reason)
+                pos = end
+                continue  # the releasing pool is closed: every job's steps end by closing it
+        j = line[pos]
         with clock.phase(PHASES[2]):
             placed = _admit(tick, j)
         if not placed and policy.preempt is not None:
@@ -411,12 +424,16 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
                 if not _admit(tick, j) and before is not None:
                     tick.waiting[j] = before
         if not placed and j in tick.waiting and stamp == _stamp(tick):
-            failed[key] = (stamp, tick.waiting[j])
+            key = int(key_of[pos])
+            dead[key] = True
+            dead_reason[key] = tick.waiting[j]
+            dead_stamp = stamp
         # The next job tries devices free now first again. The Premium reserve stays open for a
         # next Premium job (its _admit closes it for any other): opening it counts every reserve
         # device in, and closing it out, which per Premium admission dominated the first
         # placement of a large fleet; the counts a job sees are the same either way.
         tick.state.close_pools(names=(POOL_RELEASING,))
+        pos += 1
     tick.state.close_pools()
 
     if tick.decisions and tick.waiting:
@@ -442,32 +459,35 @@ def _stamp(tick: Tick) -> tuple:
     return (tick.state.version, len(tick.decisions), tick.victims_used, tick.migrations_used, waiters)
 
 
-def _failure_keys(tick: Tick, line: np.ndarray) -> list[tuple]:
-    """Returns, per job of `line`, what its search for room reads of the job itself: tier,
-    type, team (quota, borrowing), world size and floor (its counts, its packed spread),
-    max_spread and attained-service queue (whom it may preempt)."""
+def _failure_keys(tick: Tick, line: np.ndarray) -> np.ndarray:
+    """Returns int64[len(line)]: per job of `line`, a key id that two jobs share exactly when
+    their searches for room read the same of the job itself: tier, type, team (quota,
+    borrowing), world size and floor (its counts, its packed spread), max_spread and
+    attained-service queue (whom it may preempt)."""
     if line.size == 0:
-        return []
+        return np.zeros(0, np.int64)
     jobs, settings = tick.snapshot.jobs, tick.snapshot.settings
     queue = las_queue(jobs.attained_device_seconds[line], settings)
-    team = tick.search_team(line)
-    columns = (jobs.tier[line], jobs.type_id[line], team, jobs.world_size[line],
+    columns = (jobs.tier[line], jobs.type_id[line], tick.search_team(line), jobs.world_size[line],
                jobs.min_devices[line], jobs.max_spread[line], queue)
-    return list(zip(*(c.tolist() for c in columns)))
+    index: dict[tuple, int] = {}
+    return np.array([index.setdefault(key, len(index)) for key in zip(*(c.tolist() for c in columns))], np.int64)
 
 
-def _fail_alike(tick: Tick, j: int, reason: tuple[str, str]) -> None:
-    """Records for job j the failure a job alike met in the same state (`schedule`): its wait
-    reason, and what that job's steps left behind for j: the Premium reserve opened (a Premium
-    job) or closed (any other, as `_admit` does), and a packed-tier job allowed to spread."""
-    tick.waiting[j] = reason
-    tier = int(tick.snapshot.jobs.tier[j])
-    if tier == PREMIUM:
+def _fail_alike(tick: Tick, js: list[int], keys: list[int], reasons: dict[int, tuple[str, str]]) -> None:
+    """Records for jobs `js` (a stretch of the line) the failures of the jobs alike that met them
+    in the same state (`schedule`; reasons by key id): each one's wait reason, and what that job's
+    steps left behind: a packed-tier job allowed to spread, and the Premium reserve opened (a
+    Premium job) or closed (any other, as `_admit` does); the last job's choice is what stays."""
+    tick.waiting.update(zip(js, [reasons[k] for k in keys]))
+    tiers = tick.snapshot.jobs.tier
+    packed = tick.snapshot.settings.packed_tiers
+    if packed:
+        tick.spread_ok.update(j for j in js if int(tiers[j]) in packed)
+    if int(tiers[js[-1]]) == PREMIUM:
         tick.state.open_pool(POOL_RESERVE)
     else:
         tick.state.close_pools(names=(POOL_RESERVE,))
-    if tier in tick.snapshot.settings.packed_tiers:
-        tick.spread_ok.add(j)
 
 
 def _admit(tick: Tick, j: int) -> bool:
@@ -524,21 +544,26 @@ def _backfill(tick: Tick) -> None:
     no longer needs the approvals it asked for, so its needs_approval requests are withdrawn
     unless another waiting job needs the same victim.
     """
-    free_by_type = tick.state.free_count[3].sum(axis=0)
-    jobs = tick.snapshot.jobs
+    # the jobs still waiting, in line order, and the fewest devices each could start on; a job
+    # is tried only while its type has that many free (free devices change only when one starts)
+    line = tick.line[tick.state.alloc[tick.line] == 0]
+    line = line[np.fromiter((j in tick.waiting for j in line.tolist()), np.bool_, line.size)]
+    type_of, floor = tick.snapshot.jobs.type_id[line], tick.floor_count[line]
     placed = set()
-    for j in tick.line.tolist():
-        if tick.state.alloc[j] > 0 or j not in tick.waiting:
-            continue
-        k = int(jobs.type_id[j])
-        if free_by_type[k] < tick.floor_count[j]:
-            continue
+    pos = 0
+    while pos < line.size:
+        free_by_type = tick.state.free_count[3].sum(axis=0)
+        tried = np.flatnonzero(free_by_type[type_of[pos:]] >= floor[pos:])
+        if not tried.size:
+            break
+        pos += int(tried[0])
+        j = int(line[pos])
+        pos += 1
         before = tick.waiting[j]
         admitted = _admit(tick, j)
         tick.state.close_pools()
         if admitted:
             placed.add(j)
-            free_by_type = tick.state.free_count[3].sum(axis=0)
         else:
             tick.waiting[j] = before
     if placed and tick.approval_waiters:
@@ -550,19 +575,19 @@ def _backfill(tick: Tick) -> None:
 
 def _plan(tick: Tick) -> Plan:
     """Returns the Plan: decisions in the order made; every pending job's reason and place."""
-    jobs = tick.snapshot.jobs
-    waiting = []
-    in_line = set()
-    for j in tick.line.tolist():
-        in_line.add(j)
-        if tick.state.alloc[j] > 0:
-            continue
-        code, reason = tick.waiting.get(j) or tick.requeued.get(j) or ("not considered", "not considered this tick")
-        waiting.append((j, code, reason))
+    jobs, line = tick.snapshot.jobs, tick.line
+    waiting_js = line[tick.state.alloc[line] == 0].tolist()
+    get, requeued = tick.waiting.get, tick.requeued
+    unconsidered = ("not considered", "not considered this tick")
+    why = [get(j) or requeued.get(j) or unconsidered for j in waiting_js]
     # jobs preempted this tick join the end of the line; the next tick orders them
-    for j, (code, reason) in tick.requeued.items():
-        if j not in in_line and tick.state.alloc[j] == 0:
-            waiting.append((j, code, reason))
+    if requeued:
+        in_line = set(line.tolist())
+        for j, reason in requeued.items():
+            if j not in in_line and tick.state.alloc[j] == 0:
+                waiting_js.append(j)
+                why.append(reason)
+    ids = jobs.ids[np.asarray(waiting_js, np.int64)].tolist()
     return Plan(decisions=tuple(tick.decisions),
-                waiting=tuple(WaitReason(job=j, job_id=int(jobs.ids[j]), place=i + 1, code=code, reason=reason)
-                              for i, (j, code, reason) in enumerate(waiting)))
+                waiting=tuple(WaitReason(j, job_id, place, code, reason) for place, (j, job_id, (code, reason))
+                              in enumerate(zip(waiting_js, ids, why), 1)))

@@ -16,7 +16,6 @@ last week is not punished forever.
 """
 from __future__ import annotations
 
-import heapq
 import math
 
 import numpy as np
@@ -75,27 +74,26 @@ class TierFairShareOrder:
         queue = las_queue(j.attained_device_seconds[jobs], snap.settings)
         group = j.tier[jobs].astype(np.int64) * (len(snap.settings.las_thresholds_device_seconds) + 1) + queue
         keys = np.lexsort((j.ids[jobs], j.submit_time[jobs], j.team[jobs], group))
-        jobs, charge = jobs[keys], charge[keys]
-        tiers, teams = group[keys].tolist(), j.team[jobs].tolist()
-        charge = charge.tolist()
-        out: list[int] = []
-        i, n = 0, len(tiers)
-        while i < n:
-            tier = tiers[i]
-            # the run of this (tier, queue), grouped by team (already sorted by age within team)
-            queues: dict[int, list[int]] = {}
-            while i < n and tiers[i] == tier:
-                queues.setdefault(teams[i], []).append(i)
-                i += 1
-            heap = [(float(shares[t]), t, 0) for t in queues]
-            heapq.heapify(heap)
-            while heap:
-                share, t, pos = heapq.heappop(heap)
-                row = queues[t][pos]
-                out.append(row)
-                if pos + 1 < len(queues[t]):
-                    heapq.heappush(heap, (share + charge[row], t, pos + 1))
-        return jobs[np.asarray(out, dtype=np.int64)]
+        jobs, charge, group = jobs[keys], charge[keys], group[keys]
+        team = j.team[jobs].astype(np.int64)
+        # Progressive filling within each (tier, queue) group: a team's next job is keyed by the
+        # team's share plus the charges of the team's jobs before it (added one by one, as a
+        # team charged per turn would), and the group goes in order of (key, team, age): the
+        # turns of the lowest dominant share first, ties to the lower team index.
+        key = np.empty(jobs.size, np.float64)
+        new_run = np.ones(jobs.size, np.bool_)
+        new_run[1:] = (group[1:] != group[:-1]) | (team[1:] != team[:-1])
+        starts = np.flatnonzero(new_run)
+        ends = starts[1:].tolist() + [jobs.size]
+        for start, end, t in zip(starts.tolist(), ends, team[starts].tolist()):
+            if end - start == 1:
+                key[start] = shares[t]
+            else:  # the share, then each job's charge added to the key before it
+                turns = np.empty(end - start, np.float64)
+                turns[0], turns[1:] = shares[t], charge[start:end - 1]
+                key[start:end] = np.add.accumulate(turns)
+        turn = np.arange(jobs.size)  # age within a team: the runs are already in that order
+        return jobs[np.lexsort((turn, team, key, group))]
 
 
 class FifoOrder:
