@@ -441,6 +441,7 @@ class Launcher:
                 break
             if self.check_ranks():
                 raise LaunchError(f"the job finished before reaching the cut for {action}")
+            self.check_peers_in_cut(request)
             if time.monotonic() > deadline:
                 self.abandon_cut(request_id)
                 if self.peers is not None:
@@ -457,6 +458,23 @@ class Launcher:
                               f"collective per step, so no one step holds for all); the job goes on")
         errors = {rank: r for rank, r in reports.items() if r.status == "error"}
         return request, steps.pop(), reports, errors
+
+    def check_peers_in_cut(self, request):
+        """While this node waits inside the cut `request` (its ranks' reports; on the leader, the
+        followers'): raises LaunchError (host_failure) when another host of the job failed, the
+        leader is unreachable, or (leader) a follower fell silent, after letting this node's ranks
+        go on from the cut. Before, a host killed between the cut's "go" and its report kept the
+        leader inside the cut until the cut's deadline (10 minutes): the job's surviving hosts held
+        their devices and the restart from its checkpoint could not start there (the multi-host
+        agents e2e under CI's load). While followers dump their ranks' processes (CRIU), silence
+        is not judged: only a failure a host reported ends the cut early."""
+        if self.peers is None:
+            return
+        failure = self.peers.check(silence_is_loss=not (self.node_rank == 0 and self.checkpoints.dumps_per_host))
+        if failure:
+            self.abandon_cut(request.id)
+            raise LaunchError(f"{request.action}: the job failed on another host during the cut ({failure}); "
+                              "this node's ranks are ended", host_failure=self.peers.host_failed)
 
     def abandon_cut(self, request_id):
         """Lets the ranks go on after a cut that cannot be used (the engine knows how); the leader
@@ -720,8 +738,8 @@ class Launcher:
                     self.event(CommandFailed, event=f"{request.cmd}_failed", error=error)
                     if any(r.poll() not in (None, 0) for r in self.ranks):
                         answer.put(result)
-                        raise LaunchError(f"{request.cmd} failed and the job cannot go on: "
-                                          f"{error}") from None
+                        raise LaunchError(f"{request.cmd} failed and the job cannot go on: {error}",
+                                          host_failure=getattr(exc, "host_failure", False)) from None
                 answer.put(result)
                 if isinstance(request, StopRequest) and isinstance(result, CheckpointAnswer):
                     self.state = LaunchState.STOPPED

@@ -163,9 +163,14 @@ class JobPeers:
                 return f"node {node}: {self.store.get(self._key('failed', node)).decode()}"
         return None
 
-    def check(self) -> str | None:
-        """Called from the launcher's loop; at most every PEER_CHECK_S asks the store. Returns
-        why the job cannot go on here (another node failed, the leader is unreachable), or None."""
+    def check(self, *, silence_is_loss: bool = True) -> str | None:
+        """Called from the launcher's loop and while it waits inside a cut; at most every
+        PEER_CHECK_S asks the store (and beats). Returns why the job cannot go on here (another
+        node failed, the leader is unreachable, a follower silent: see lost_node), or None.
+
+        `silence_is_loss` False: a silent follower is not judged lost now (the leader, while its
+        followers dump their ranks' processes: a host says nothing during its dump, which may
+        take longer than LOST_AFTER_S); a failure a node reported still counts."""
         now = time.monotonic()
         if now - self._checked_at < PEER_CHECK_S:
             return None
@@ -176,14 +181,15 @@ class JobPeers:
         except (RuntimeError, OSError) as exc:
             self.host_failed = True
             return f"the job's leader store is unreachable ({exc})"
-        return self._failure_now(now)
+        return self._failure_now(now, silence_is_loss=silence_is_loss)
 
-    def _failure_now(self, now) -> str | None:
-        """Another node's failure, a follower lost (leader only) or the leader's store unreachable,
-        with `host_failed` set as the cause is a host failing under the job; or None."""
+    def _failure_now(self, now, *, silence_is_loss: bool = True) -> str | None:
+        """Another node's failure, a follower lost (leader only, `silence_is_loss`) or the leader's
+        store unreachable, with `host_failed` set as the cause is a host failing under the job; or
+        None."""
         try:
             failure = self.failure_elsewhere()
-            if failure is None and self.node_rank == 0:
+            if failure is None and self.node_rank == 0 and silence_is_loss:
                 failure = self.lost_node(now)
                 self.host_failed = failure is not None
             return failure
@@ -315,6 +321,7 @@ def gather_cut_reports(launcher, request: CutRequest, deadline: float) -> set[in
                                   "the job goes on")
             if launcher.check_ranks():
                 raise LaunchError(f"the job finished before reaching the cut for {request.action}")
+            launcher.check_peers_in_cut(request)
             time.sleep(0.01)
         report = NodeCutReport.from_dict(json.loads(peers.store.get(key)))
         if report.status != "ok" or report.step is None:
@@ -363,7 +370,10 @@ def follow_cut(launcher) -> str | None:
             report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="ok", step=step)
     except LaunchError as exc:
         report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", error=str(exc))
-    peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
+    try:
+        peers.store.set(peers.cut_key(request_id, "report", peers.node_rank), json.dumps(report.to_dict()))
+    except (RuntimeError, OSError):
+        return None  # the leader's store is gone with it: the launcher's next peer check ends this node
     if parked:
         outcome = await_outcome(launcher, request_id)
         if outcome == OUTCOME_COMMITTED and request.action == "stop":

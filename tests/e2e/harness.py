@@ -360,18 +360,32 @@ class ControlPlane:
         return poll(f"job {job_id} to reach {sorted(states)}", reached, timeout=timeout,
                     on_timeout=lambda: self.diagnose(job_id))
 
-    def diagnose(self, *job_ids):
-        text = []
+    def diagnose(self, *job_ids, recent=14):
+        """Returns what a failed wait needs, the newest first: each job's state and its `recent` last
+        events (newest last), then every agent's last warnings and errors, then the older events and
+        the processes' log tails. CI's output keeps a failure's first lines and the run's last ones:
+        the middle, where a long event list used to push the last events, is cut."""
+        head, older = [], []
         for job_id in job_ids:
             try:
                 job = self.job(job_id)
-                text.append(json.dumps({k: job.get(k) for k in ("id", "name", "state", "wait_reason",
+                lines = [f"  {(e.get('created_at') or '')[11:19]} {e.get('type')} {e.get('from_state')}->"
+                         f"{e.get('to_state')} {e.get('reason')}" for e in self.events(job_id)]
+                head.append(json.dumps({k: job.get(k) for k in ("id", "name", "state", "wait_reason",
                                                                  "progress_step", "last_checkpoint_step")}))
-                text += [f"  {e.get('type')} {e.get('from_state')}->{e.get('to_state')} {e.get('reason')}"
-                         for e in self.events(job_id)]
+                if len(lines) > recent:
+                    head.append(f"  ({len(lines) - recent} earlier events at the end)")
+                    older += [f"job {job_id}, earlier events:"] + lines[:-recent]
+                head += lines[-recent:]
             except Exception as exc:  # noqa: BLE001 - diagnostics only
-                text.append(f"could not read job {job_id}: {exc}")
-        return "\n".join(text) + "\n" + self.logs(tail=2500)
+                head.append(f"could not read job {job_id}: {exc}")
+        for path in sorted(self.dir.glob("agent*.log")):
+            noted = [line for line in path.read_text(errors="replace").splitlines()
+                     if " WARNING " in line or " ERROR " in line or " launched " in line]
+            if noted:
+                head.append(f"--- {path.name}, last warnings, errors and launches ---")
+                head += [line[:300] for line in noted[-6:]]
+        return "\n".join(head + older) + "\n" + self.logs(tail=2500)
 
     def moves(self, job_id):
         """Returns [(kind, [steps in order])] per move of the job, from its move_step events."""

@@ -2,6 +2,7 @@
 resumed on other hosts bit-exactly; a frozen host makes the cut fail cleanly and the job go on."""
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import json, sys
 from runtime.control import JobControl
 control = JobControl(sys.argv[1])
 try:
-    answer = getattr(control, sys.argv[2])(at_step=int(sys.argv[3]) if sys.argv[3] != "-" else None, timeout_s=60)
+    answer = getattr(control, sys.argv[2])(at_step=int(sys.argv[3]) if sys.argv[3] != "-" else None,
+                                           timeout_s=int(sys.argv[4]))
     print(json.dumps({"answer": answer}))
 except Exception as exc:
     print(json.dumps({"error": str(exc)}))
@@ -25,12 +27,13 @@ except Exception as exc:
 pytestmark = [pytest.mark.runtime, pytest.mark.slow]
 
 
-def control(host, job_id, command, at_step=None):
+def control(host, job_id, command, at_step=None, timeout_s=60):
     job_dir = f"{host.node_dir}/jobs/{job_id}"
     poll("the leader's control socket", lambda: host.run(["test", "-S", f"{job_dir}/control.sock"],
                                                           check=False).returncode == 0, timeout=120)
     out = host.python(CONTROL.replace("sys.argv[1]", repr(job_dir)).replace("sys.argv[2]", repr(command))
-                      .replace("sys.argv[3]", repr("-" if at_step is None else str(at_step))), timeout=200)
+                      .replace("sys.argv[3]", repr("-" if at_step is None else str(at_step)))
+                      .replace("int(sys.argv[4])", str(timeout_s)), timeout=timeout_s + 140)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -109,3 +112,31 @@ def test_a_frozen_host_makes_the_cut_fail_cleanly_and_the_job_goes_on(emulated_h
     answer = control(cluster[0], job_id, "checkpoint", at_step=4)
     assert answer.get("answer", {}).get("step") == 4, answer
     check_all(wait_job(processes))
+
+
+def test_a_follower_killed_inside_a_cut_ends_the_leader_at_once_not_at_the_cuts_deadline(emulated_hosts):
+    # The multi-host agents e2e under CI's load: a host killed between the cut's "go" and its report
+    # (the agent asks for a checkpoint every few seconds) kept the leader inside the cut, waiting for
+    # that host's report until the cut's deadline (the agent's 300 s), its ranks hung in a collective
+    # with the dead host: the job's surviving hosts stayed busy and its restart could not begin there.
+    cluster = emulated_hosts(2)
+    store = f"{cluster[0].store}/ckpt"
+    job_id, processes = start_job(cluster.hosts, ranks=4, script=DDP_SCRIPT,
+                                  args=[f"{cluster[0].store}/never.pt", "--epochs", "400", "--step-sleep", "3"],
+                                  launcher_args=("--store", store))
+    poll("the job to take a step", lambda: progress_step(cluster[0], job_id) >= 1, timeout=180)
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(control(cluster[0], job_id, "checkpoint", timeout_s=300)))
+    asking.start()
+    # The follower has the request in its spool: "go" was said, its ranks cut at their next step
+    # (3 s of sleep away); killed now, it never reports.
+    poll("the follower to take the cut request", lambda: cluster[1].run(
+        ["test", "-e", f"/run/meridian/{job_id}/request.json"], check=False).returncode == 0, timeout=120,
+        interval=0.02)
+    cluster[1].kill()
+    code, output = wait_job(processes[:1], timeout=150)[0]  # was: the cut's 300 s, then the peer check
+    asking.join(timeout=60)
+    assert code != 0 and "(timed out)" not in output, output
+    assert "node 1 sent no heartbeat" in output, output
+    assert answers and "error" in answers[0], answers  # no checkpoint was reported taken
+    assert CheckpointStore(os.path.join(cluster.store_dir, "ckpt")).latest_good() is None
