@@ -30,8 +30,9 @@ control call; each step checks its own evidence):
   release     preemption: the old copy has exited (or its node is lost) -> job preempted.
               migration: the same -> job running. resize: -> job running.
 
-If the old copy fails, or its node is lost, before the cut, the move ends (failed) and the job
-goes back in line from its last checkpoint; if it finishes first, the job succeeded.
+If the old copy fails, or its node (or any host of a job that spans hosts) is lost, before the
+cut, the move ends (failed) and the job goes back in line from its last checkpoint; if it
+finishes first, the job succeeded.
 
 A lost chain (worker crash) is found by moves_sweep (run by every tick): an active move no
 step task looked at for LOST_CHAIN_AFTER is re-enqueued from its current step with a new
@@ -335,6 +336,11 @@ def _check_barrier(move, job):
         return _Outcome("failed", f"the old copy failed before the cut: {seen.error[:200]}")
     if _node_lost(move.from_node_id):
         return _Outcome("failed", "its node was lost before the cut")
+    lost = [node_id for node_id in move_follower_nodes(move) if _node_lost(node_id)]
+    if lost:
+        # A cut spans every host of the job: with one of them gone it can never be taken (the leader
+        # would only find out at its own lost-host limit, or later), so the job goes back in line now.
+        return _Outcome("failed", f"its host {_node_name(lost[0])} was lost before the cut")
     return None
 
 

@@ -335,6 +335,28 @@ def test_a_node_lost_before_the_cut_ends_the_move_and_the_job_resumes_from_its_c
 
 
 @pytest.mark.django_db
+def test_a_follower_host_lost_before_the_cut_ends_the_move_at_once(running):
+    # A job spanning n1 (leader) and n2 is preempted; n2 dies before the cut. The cut spans both
+    # hosts and can never be taken; the barrier used to look at the leader's node only, so the move
+    # waited for the leader's own report (its lost-host limit, or a cut's deadline: minutes).
+    n1 = make_node("n1")
+    job, _ = running("spanning")
+    n2 = make_node("n2")
+    job = job_transition(job=job, to=S.PREEMPTING, reason="for a premium job")
+    move = move_create(job=job, kind=Move.Kind.PREEMPTION, reason="for a premium job", now=timezone.now(),
+                       from_node_id=n1.pk, from_nodes=(n1.pk, n2.pk))
+    assert move_step_run(move_id=move.pk, step="barrier") == WAITING
+    Node.objects.filter(pk=n2.pk).update(state=Node.State.LOST)
+
+    assert move_step_run(move_id=move.pk, step="barrier") == ENDED
+
+    job.refresh_from_db()
+    move.refresh_from_db()
+    assert job.state == S.PREEMPTED and move.state == Move.State.FAILED
+    assert move.log[-1]["note"] == "its host n2 was lost before the cut", move.log
+
+
+@pytest.mark.django_db
 def test_a_copy_that_finishes_before_the_cut_ends_the_move_and_the_job(running, alice, team_a, job_spec):
     victim, n1, _premium = preempted_victim(running, alice, team_a, job_spec)
     report(n1, victim.pk, "finished", generation=1, step=100)
