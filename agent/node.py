@@ -328,7 +328,6 @@ class LocalJob:
         self.stop_requested = False
         self.last_checkpoint_at = time.monotonic()
         self.error = None
-        self.reported_final = False
         self.reported_state: CopyState | None = None
         self.manifest_digests: dict[str, str] = {}  # checkpoint URI -> sha256 of its MANIFEST.json
         self.unreadable: set[str] = set()  # checkpoint URIs whose manifest could not be read (warned once)
@@ -664,9 +663,8 @@ class NodeReconciler:
                           and time.monotonic() - job.last_checkpoint_at > self.checkpoint_every_s):
                         self._call(job, "checkpoint")
                     continue
-                if job is not None and job.outcome() in (CopyState.FINISHED, CopyState.FAILED) \
-                        and not job.reported_final:
-                    continue  # report the outcome before anything else
+                if job is not None and job.outcome() in (CopyState.FINISHED, CopyState.FAILED):
+                    continue  # its outcome is reported (and forgotten once accepted) before anything else
                 if job is not None and job.outcome() == CopyState.STOPPED and self._outdated(job, entry) \
                         and job.reported_state != CopyState.STOPPED:
                     continue  # an older copy's stop is reported before the new copy starts
