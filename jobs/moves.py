@@ -297,7 +297,13 @@ def _new(move) -> _Seen:
 
 
 def _node_lost(node_id):
-    return node_id is not None and Node.objects.filter(pk=node_id, state=Node.State.LOST).exists()
+    return node_id in _lost_nodes([node_id])
+
+
+def _lost_nodes(node_ids) -> dict[int, str]:
+    """Returns {Node.pk: hostname} of the nodes among `node_ids` that are lost. One query."""
+    ids = [node_id for node_id in node_ids if node_id is not None]
+    return dict(Node.objects.filter(pk__in=ids, state=Node.State.LOST).values_list("pk", "hostname")) if ids else {}
 
 
 def _checkpoint_visible(uri):
@@ -334,13 +340,14 @@ def _check_barrier(move, job):
         return _Outcome("finished", f"the job finished on {seen.hostname} before the cut")
     if seen.state == CopyState.FAILED:
         return _Outcome("failed", f"the old copy failed before the cut: {seen.error[:200]}")
-    if _node_lost(move.from_node_id):
+    followers = move_follower_nodes(move)
+    lost = _lost_nodes([move.from_node_id, *followers])
+    if move.from_node_id in lost:
         return _Outcome("failed", "its node was lost before the cut")
-    lost = [node_id for node_id in move_follower_nodes(move) if _node_lost(node_id)]
     if lost:
         # A cut spans every host of the job: with one of them gone it can never be taken (the leader
         # would only find out at its own lost-host limit, or later), so the job goes back in line now.
-        return _Outcome("failed", f"its host {_node_name(lost[0])} was lost before the cut")
+        return _Outcome("failed", f"its host {lost[next(n for n in followers if n in lost)]} was lost before the cut")
     return None
 
 
@@ -408,11 +415,13 @@ def _check_release(move, job):
 def _followers_running(move) -> list[str]:
     """Returns the hostnames of the old copy's follower hosts whose share last reported alive
     (a host never heard from during the move, or lost, is not waited for)."""
+    followers = move_follower_nodes(move)
+    lost = _lost_nodes(followers)
     running = []
-    for node_id in move_follower_nodes(move):
+    for node_id in followers:
         record = move.observed.get(_follower_key(move.from_generation, node_id)) or {}
         state = record.get("state")
-        if state and CopyState(state) not in FINAL_COPY_STATES and not _node_lost(node_id):
+        if state and CopyState(state) not in FINAL_COPY_STATES and node_id not in lost:
             running.append(record.get("hostname") or str(node_id))
     return running
 

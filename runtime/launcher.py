@@ -463,14 +463,12 @@ class Launcher:
         """While this node waits inside the cut `request` (its ranks' reports; on the leader, the
         followers'): raises LaunchError (host_failure) when another host of the job failed, the
         leader is unreachable, or (leader) a follower fell silent, after letting this node's ranks
-        go on from the cut. Before, a host killed between the cut's "go" and its report kept the
-        leader inside the cut until the cut's deadline (10 minutes): the job's surviving hosts held
-        their devices and the restart from its checkpoint could not start there (the multi-host
-        agents e2e under CI's load). While followers dump their ranks' processes (CRIU), silence
-        is not judged: only a failure a host reported ends the cut early."""
+        go on from the cut; without it a host killed between the cut's "go" and its report kept the
+        leader inside the cut until the cut's deadline. While followers dump their ranks' processes
+        (CRIU), silence is not judged: only a failure a host reported ends the cut early."""
         if self.peers is None:
             return
-        failure = self.peers.check(silence_is_loss=not (self.node_rank == 0 and self.checkpoints.dumps_per_host))
+        failure = self.peers.check(silence_is_loss=not self.checkpoints.dumps_per_host)
         if failure:
             self.abandon_cut(request.id)
             raise LaunchError(f"{request.action}: the job failed on another host during the cut ({failure}); "

@@ -33,7 +33,7 @@ def control(host, job_id, command, at_step=None, timeout_s=60):
                                                           check=False).returncode == 0, timeout=120)
     out = host.python(CONTROL.replace("sys.argv[1]", repr(job_dir)).replace("sys.argv[2]", repr(command))
                       .replace("sys.argv[3]", repr("-" if at_step is None else str(at_step)))
-                      .replace("int(sys.argv[4])", str(timeout_s)), timeout=timeout_s + 140)
+                      .replace("sys.argv[4]", repr(str(timeout_s))), timeout=timeout_s + 140)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
