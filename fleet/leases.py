@@ -43,6 +43,9 @@ REDIS_TIMEOUT_SECONDS = 2.0
 # Leases older than this are dropped from the hash by the flush (a node that left the fleet).
 LEASE_FORGET_AFTER = timedelta(days=1)
 CHUNK = 5000
+# One HINCRBY per field in one command: a placement tick bumps ~12k nodes, and as many HINCRBY
+# commands cost ~0.15 s of client CPU to pack (redis-py packs each command in Python).
+_BUMP_SCRIPT = "for i = 1, #ARGV do redis.call('HINCRBY', KEYS[1], ARGV[i], 1) end return #ARGV"
 
 _clients: dict[str, object] = {}
 _down_until = 0.0
@@ -180,7 +183,8 @@ def desired_serial_of(*, node_id: int) -> int | None:
 def desired_serials_bump(*, job_nodes: Mapping[int, set[int]] | None = None, node_ids: Iterable[int] = ()) -> set[int]:
     """Bumps the desired-state serial of `node_ids`, of the nodes each job in `job_nodes` ({job id:
     the nodes it is on now}) is on, and of the nodes each was on when it was last signalled; records
-    the new nodes of each job. Two round trips (HMGET, then one pipeline). Returns the nodes bumped
+    the new nodes of each job. Two round trips (HMGET, then one pipeline; the serials bumped by a
+    short Lua script, many nodes per command). Returns the nodes bumped
     (empty when Redis is down: agents then sync at their full-heartbeat interval)."""
     job_nodes = dict(job_nodes or {})
     bump = {int(n) for n in node_ids}
@@ -208,8 +212,9 @@ def desired_serials_bump(*, job_nodes: Mapping[int, set[int]] | None = None, nod
             pipe.hset(DESIRED_NODES_KEY, mapping=dict(recorded[start:start + CHUNK]))
         for start in range(0, len(forgotten), CHUNK):
             pipe.hdel(DESIRED_NODES_KEY, *forgotten[start:start + CHUNK])
-        for node_id in bump:
-            pipe.hincrby(DESIRED_SERIAL_KEY, node_id, 1)
+        bumped = sorted(bump)
+        for start in range(0, len(bumped), CHUNK):
+            pipe.eval(_BUMP_SCRIPT, 1, DESIRED_SERIAL_KEY, *bumped[start:start + CHUNK])
         pipe.execute()
     except _redis_errors() as exc:
         _store_failed(exc, "bumping desired serials")

@@ -210,7 +210,9 @@ class Replica(models.Model):
     """One logical rank of a job. `device` is the desired placement (None: unplaced);
     several ranks share a device when the job is spliced onto fewer devices than W."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="replicas")
+    # No index of its own: replica_rank_unique (job, rank) serves lookups by job, and a placement
+    # tick rewrites ~100k replica rows, each of which would update one index more.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="replicas", db_index=False)
     rank = models.PositiveIntegerField()
     device = models.ForeignKey(
         Accelerator, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas"
@@ -276,7 +278,9 @@ class JobEvent(models.Model):
         RESTARTED_FROM_SCRATCH = "restarted_from_scratch", "Restarted from scratch (resume refused)"
         MESSAGE = "message", "Message"
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    # No index of its own: jobevent_job_created (job, created_at) serves lookups by job, and a
+    # placement tick inserts ~60k events.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events", db_index=False)
     type = models.CharField(max_length=32, choices=Type.choices)
     from_state = models.CharField(max_length=16, blank=True)
     to_state = models.CharField(max_length=16, blank=True)

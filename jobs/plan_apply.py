@@ -310,7 +310,7 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
     if not jobs:
         return 0, 0
     ready = [job.pk for job in jobs]
-    layouts, placed_events = {}, []
+    layouts, placed_events, placed_nodes = {}, [], {}
     for job in jobs:
         decision = by_id[job.pk]
         devices = [int(index.accelerator_ids[d]) for d in decision.devices]
@@ -318,6 +318,7 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
         # set before the transition: its live push carries the new placement
         job.device_count = len(devices)
         job.region_id = index.region_ids[int(snap.accelerators.region[decision.devices[0]])]
+        placed_nodes[job.pk] = set(_node_ids_of(index, decision.devices))
         placed = {"devices": devices, "nodes": _nodes_of(index, decision.devices),
                   "resume_step": job.last_checkpoint_step}
         if decision.starts_at is not None and decision.starts_at > snap.now:
@@ -335,7 +336,7 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
     jobs_transition_bulk(jobs=jobs, to=S.SCHEDULED, now=now, events=placed_events,
                          reasons={job_id: d.reason for job_id, d in by_id.items()},
                          extras={job_id: {"code": d.code} for job_id, d in by_id.items()},
-                         publish_max=LIVE_PUSH_MAX_STARTS, row_writes=placement)
+                         publish_max=LIVE_PUSH_MAX_STARTS, row_writes=placement, nodes=placed_nodes)
     replica_rows = list(Replica.objects.filter(job_id__any_of=ready).values_list("id", "job_id", "rank"))
     rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s",
                 columns=[[layouts[job_id][rank] for _, job_id, rank in replica_rows]],

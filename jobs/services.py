@@ -320,7 +320,8 @@ def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
 def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, str] | None = None,
                          extras: Mapping[int, dict] | None = None, events: Iterable[JobEvent | EventRow] = (),
                          by=None, now: datetime | None = None, publish_max: int | None = None,
-                         row_writes: RowWrites | None = None) -> list[Job]:
+                         row_writes: RowWrites | None = None,
+                         nodes: Mapping[int, set[int]] | None = None) -> list[Job]:
     """Moves every job in `jobs` from its (in-memory) state to `to`; returns them, updated in memory.
 
     job_transition for many jobs in a constant number of statements: the same TRANSITIONS table
@@ -337,7 +338,8 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     `row_writes` (columns in `jobs`' order) are written by the same conditional UPDATE, so each row
     is written once (one UPDATE per from-state then, through jobs.bulk.rows_update); ValueError if
     they assign a column the move writes too. The objects are not changed by them: set what the
-    caller needs on them itself.
+    caller needs on them itself. `nodes` ({job id: the Node pks it is on after the move}) spares
+    the after-commit lookup of those nodes when the caller knows them (jobs.desired_signal).
     """
     to = S(to)
     jobs = list(jobs)
@@ -413,7 +415,7 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
                 job_id=job.pk, type=JobEvent.Type.STATE_CHANGED, from_state=from_state, to_state=to,
                 reason=reasons.get(job.pk, ""), extra_data=extra, created_at=now, actor_id=actor_id))
         events_insert([*state_events, *events], now=now)
-        desired_changed(job_ids=[job.pk for job in jobs])
+        desired_changed(job_ids=[job.pk for job in jobs], nodes=nodes)
         if publish_max is None or len(jobs) <= publish_max:
             releases_devices = to in Job.TERMINAL_STATES or to in Job.WAITING_STATES
             for job in jobs:

@@ -185,6 +185,36 @@ def test_placing_and_cancelling_a_job_bumps_the_serial_of_its_node_only(
     assert leases.desired_serial_of(node_id=elsewhere) == 0
 
 
+def test_nodes_a_caller_names_are_trusted_only_until_the_job_changes_again_in_the_transaction(
+        lease_redis, nodes, alice, team_a, submit, django_capture_on_commit_callbacks):
+    """A start names its job's nodes (no lookup after commit); a later change of the same job in
+    the same transaction, without names, must be looked up, not signalled to the named nodes."""
+    from django.db import transaction
+
+    from jobs.desired_signal import desired_changed
+    from jobs.models import Replica
+
+    (first, _), (second, _) = nodes
+    job = submit(team_a, alice, world_size=1, min_devices=1)
+    with django_capture_on_commit_callbacks(execute=True):
+        with transaction.atomic():
+            desired_changed(job_ids=[job.pk], nodes={job.pk: {first.pk}})
+    assert leases.desired_serial_of(node_id=first.pk) == 1  # trusted: the job is on no node really
+    assert leases.desired_serial_of(node_id=second.pk) == 0
+
+    device = second.accelerators.first()
+    with django_capture_on_commit_callbacks(execute=True):
+        with transaction.atomic():
+            desired_changed(job_ids=[job.pk], nodes={job.pk: {first.pk}})
+            Replica.objects.filter(job=job).update(device=device)
+            desired_changed(job_ids=[job.pk])
+    # looked up: now on the second node; the first is bumped as where the job was last signalled
+    assert leases.desired_serial_of(node_id=second.pk) == 1
+    assert leases.desired_serial_of(node_id=first.pk) == 2
+    recorded = lease_redis.hget(leases.DESIRED_NODES_KEY, job.pk).decode()
+    assert recorded == str(second.pk)
+
+
 def test_a_full_heartbeat_answers_the_serial_it_read_before_building_the_desired_state(lease_redis, nodes):
     from rest_framework.test import APIClient
 
