@@ -27,6 +27,7 @@ Exit codes: 0 the script finished; 75 stopped after a checkpoint (resume with --
 1 a rank or a checkpoint failed; 2 bad arguments or the requested engine is unavailable.
 """
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -464,11 +465,11 @@ class Launcher:
         followers'): raises LaunchError (host_failure) when another host of the job failed, the
         leader is unreachable, or (leader) a follower fell silent, after letting this node's ranks
         go on from the cut; without it a host killed between the cut's "go" and its report kept the
-        leader inside the cut until the cut's deadline. While followers dump their ranks' processes
-        (CRIU), silence is not judged: only a failure a host reported ends the cut early."""
+        leader inside the cut until the cut's deadline. A follower dumping its ranks' processes
+        (CRIU) beats from a thread meanwhile (JobPeers.beating): its silence is a lost host too."""
         if self.peers is None:
             return
-        failure = self.peers.check(silence_is_loss=not self.checkpoints.dumps_per_host)
+        failure = self.peers.check()
         if failure:
             self.abandon_cut(request.id)
             raise LaunchError(f"{request.action}: the job failed on another host during the cut ({failure}); "
@@ -643,7 +644,9 @@ class Launcher:
         self.give_workspace()
         self.engine_reason = f"resume: the checkpoint {ref.uri} was made by {ref.engine}"
         began = time.monotonic()
-        self.checkpoints.restore(self, ref, meta)
+        # A long restore (CRIU) would otherwise be a silence the leader takes for a lost host.
+        with self.peers.beating() if self.peers is not None else contextlib.nullcontext():
+            self.checkpoints.restore(self, ref, meta)
         self.event(Restored, step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
                    seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices,
                    sandbox=self.sandbox.describe() if self.sandbox else None)

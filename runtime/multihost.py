@@ -43,9 +43,15 @@ after a checkpoint and after a stop alike.
 leader's store: a node whose job failed sets `failed/<node>`, one whose ranks all finished
 sets `finished/<node>`. Every launcher looks every ~0.5 s and ends its own ranks when another
 node failed (they would otherwise wait in a collective until gloo's timeout); the leader keeps
-its store up until every node has finished or failed.
+its store up until every node has finished or failed. Each launcher also beats (`alive/<node>`)
+at every look; while a follower's main thread is busy in one long call (its CRIU dump) a thread
+beats for it (JobPeers.beating), so that the leader may take silence for a lost host throughout,
+inside a cut as well.
 """
+import contextlib
+import datetime
 import json
+import threading
 import time
 
 from protocol.cut import CutRequest
@@ -163,33 +169,58 @@ class JobPeers:
                 return f"node {node}: {self.store.get(self._key('failed', node)).decode()}"
         return None
 
-    def check(self, *, silence_is_loss: bool = True) -> str | None:
+    def check(self) -> str | None:
         """Called from the launcher's loop and while it waits inside a cut; at most every
         PEER_CHECK_S asks the store (and beats). Returns why the job cannot go on here (another
-        node failed, the leader is unreachable, a follower silent: see lost_node), or None.
-
-        `silence_is_loss` False: a silent follower is not judged lost now (the leader, while its
-        followers dump their ranks' processes: a host says nothing during its dump, which may
-        take longer than LOST_AFTER_S); a failure a node reported still counts."""
+        node failed, the leader is unreachable, a follower silent: see lost_node), or None."""
         now = time.monotonic()
         if now - self._checked_at < PEER_CHECK_S:
             return None
         self._checked_at = now
         try:
-            self._beats += 1
-            self.store.set(self._key("alive", self.node_rank), str(self._beats))
+            self._beat(self.store)
         except (RuntimeError, OSError) as exc:
             self.host_failed = True
             return f"the job's leader store is unreachable ({exc})"
-        return self._failure_now(now, silence_is_loss=silence_is_loss)
+        return self._failure_now(now)
 
-    def _failure_now(self, now, *, silence_is_loss: bool = True) -> str | None:
-        """Another node's failure, a follower lost (leader only, `silence_is_loss`) or the leader's
-        store unreachable, with `host_failed` set as the cause is a host failing under the job; or
-        None."""
+    def _beat(self, store) -> None:
+        self._beats += 1
+        store.set(self._key("alive", self.node_rank), str(self._beats))
+
+    @contextlib.contextmanager
+    def beating(self):
+        """Beats from a thread while the caller's thread is busy in one long call (a follower's CRIU
+        dump of its ranks, which may take longer than LOST_AFTER_S): a host killed meanwhile falls
+        silent and the leader ends the cut within LOST_AFTER_S, not at the cut's deadline. The
+        thread has its own connection to the leader's store (one client is not shared across
+        threads); if the store is gone it stops, and the caller's next check() says so."""
+        stop = threading.Event()
+
+        def beat():
+            try:
+                import torch.distributed as dist
+                store = dist.TCPStore(self.store.host, self.store.port, None, is_master=False,
+                                      timeout=datetime.timedelta(seconds=5))
+                while not stop.wait(PEER_CHECK_S):
+                    self._beat(store)
+            except (RuntimeError, OSError):
+                return
+
+        thread = threading.Thread(target=beat, name=f"meridian-beat-{self.node_rank}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=10.0)
+
+    def _failure_now(self, now) -> str | None:
+        """Another node's failure, a follower lost (leader only) or the leader's store unreachable,
+        with `host_failed` set as the cause is a host failing under the job; or None."""
         try:
             failure = self.failure_elsewhere()
-            if failure is None and self.node_rank == 0 and silence_is_loss:
+            if failure is None and self.node_rank == 0:
                 failure = self.lost_node(now)
                 self.host_failed = failure is not None
             return failure
@@ -364,8 +395,10 @@ def follow_cut(launcher) -> str | None:
             report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="error", step=step,
                                    error="; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
         elif parked:
+            with peers.beating():  # silent for the whole dump, it would be taken for a lost host
+                part = engine.dump_part(launcher, request, step)
             report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="ok", step=step,
-                                   part_manifest_sha256=engine.dump_part(launcher, request, step))
+                                   part_manifest_sha256=part)
         else:
             report = NodeCutReport(node=peers.node_rank, request_id=request_id, status="ok", step=step)
     except LaunchError as exc:

@@ -72,3 +72,30 @@ def test_a_rank_failure_explained_by_another_hosts_failure_is_told_apart_from_it
     del master  # the leader's host, and the store it served, are gone
     why = orphan.failure_behind(timeout_s=10)
     assert why.startswith("the job's leader store is unreachable") and orphan.host_failed is True
+
+
+def test_a_follower_busy_in_a_long_dump_beats_from_a_thread_and_falls_silent_once_it_stops(monkeypatch):
+    # A follower's CRIU dump blocks its launcher's thread for longer than LOST_AFTER_S: without a
+    # beat meanwhile the leader either takes it for lost, or (as before) ignores every silence in a
+    # cut and waits for the cut's deadline when the host really died.
+    import time
+
+    from runtime import multihost
+
+    monkeypatch.setattr(multihost, "LOST_AFTER_S", 0.6)
+    monkeypatch.setattr(multihost, "PEER_CHECK_S", 0.05)
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False, timeout=timedelta(seconds=2))
+    leader = JobPeers(master, nonce="d1", nodes=2, node_rank=0)
+    follower = JobPeers(client, nonce="d1", nodes=2, node_rank=1)
+    assert follower.check() is None  # beats once
+    with follower.beating():  # this thread is now "dumping": it never calls check()
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            assert leader.lost_node(time.monotonic()) is None
+            time.sleep(0.05)
+    until, lost = time.monotonic() + 3.0, None  # the dump is over; nothing beats (the host died)
+    while lost is None and time.monotonic() < until:
+        lost = leader.lost_node(time.monotonic())
+        time.sleep(0.05)
+    assert lost is not None and lost.startswith("node 1 sent no heartbeat")
