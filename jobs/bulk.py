@@ -98,7 +98,7 @@ def rows_update(table: str, *, set_sql: str, columns: list[list[int | None]], id
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             arrays = ", ".join(f"%s::{t}[]" for t in ("bigint", *types))
-            sql = (f"UPDATE {table} SET {set_sql} FROM unnest({arrays}) AS v(id, {', '.join(names)}) "
+            sql = (f"UPDATE {table} SET {set_sql} FROM unnest({arrays}) AS v({', '.join(['id', *names])}) "
                    f"WHERE {table}.id = v.id{condition}")
             for start in range(0, len(ids), ROWS_UPDATE_CHUNK):
                 end = start + ROWS_UPDATE_CHUNK

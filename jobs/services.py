@@ -21,8 +21,8 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import connection, transaction
-from django.db.models import Count, DateTimeField, F, Q, Sum, Value
-from django.db.models.functions import Coalesce, Greatest
+from django.db.models import Count, F, Sum, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from fleet.accelerator_types import ACCELERATOR_TYPES
@@ -230,10 +230,11 @@ def _transition_writes(*, from_state: S, to: S, now: datetime) -> _TransitionWri
                              releases_devices=releases_devices)
 
 
-def _transition_rows_update(*, writes: _TransitionWrites, states: list[S], jobs: list[Job],
+def _transition_rows_update(*, writes: _TransitionWrites, state: S, jobs: list[Job],
                             row_writes: RowWrites, now: datetime) -> int:
-    """Returns how many of `jobs` in `states` moved: the move's `writes` and each job's
-    `row_writes` in one conditional UPDATE per from-state (state = its from-state, as the ORM path)."""
+    """Returns how many of `jobs` in from-state `state` moved: the move's `writes` and each job's
+    `row_writes` in one conditional UPDATE (WHERE state = `state`: a job that left it meanwhile
+    is not written, and the caller's count tells)."""
     fields = [Job._meta.get_field(name) for name in writes.columns]
     assignments = [f"{field.column} = %s" for field in fields]
     params = [field.get_db_prep_save(value, connection) for field, value in zip(fields, writes.columns.values())]
@@ -250,15 +251,12 @@ def _transition_rows_update(*, writes: _TransitionWrites, states: list[S], jobs:
     clash = written & row_writes.assigned()
     if clash:
         raise ValueError(f"row_writes assign {sorted(clash)}, which the move to {writes.columns['state']} writes")
-    set_sql = ", ".join([*assignments, row_writes.set_sql])
-    updated = 0
-    for state in states:
-        rows = [i for i, job in enumerate(jobs) if S(job.state) == state]
-        updated += rows_update(Job._meta.db_table, set_sql=set_sql, ids=[jobs[i].pk for i in rows],
-                               columns=[[column[i] for i in rows] for column in row_writes.columns],
-                               types=row_writes.types, params=params, where_sql="state = %s",
-                               where_params=[str(state.value)])
-    return updated
+    set_sql = ", ".join([*assignments, *([row_writes.set_sql] if row_writes.set_sql else [])])
+    rows = [i for i, job in enumerate(jobs) if S(job.state) == state]
+    return rows_update(Job._meta.db_table, set_sql=set_sql, ids=[jobs[i].pk for i in rows],
+                       columns=[[column[i] for i in rows] for column in row_writes.columns],
+                       types=row_writes.types, params=params, where_sql="state = %s",
+                       where_params=[str(state.value)])
 
 
 def job_transition(*, job, to, reason="", by=None, extra=None, now=None):
@@ -326,7 +324,8 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
 
     job_transition for many jobs in a constant number of statements: the same TRANSITIONS table
     (IllegalTransition, before anything is written, when any job has no such arrow), the same
-    columns, a conditional UPDATE per group of from-states that write alike (usually one), a
+    columns, a conditional UPDATE per from-state (jobs.bulk.rows_update: one statement per 50k
+    rows on PostgreSQL, an executemany elsewhere), a
     STATE_CHANGED JobEvent per job (reason and extra from `reasons` / `extras` by job id) written
     with the caller's `events` (JobEvents or EventRows) by jobs.bulk.events_insert (COPY on
     PostgreSQL), all in one transaction. StaleJobState when a job
@@ -336,10 +335,10 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     `publish_max` jobs (None: no limit): pages catch up on their next poll.
     Deferred fields that the move changes (a counter, started_at) stay deferred and load fresh.
     `row_writes` (columns in `jobs`' order) are written by the same conditional UPDATE, so each row
-    is written once (one UPDATE per from-state then, through jobs.bulk.rows_update); ValueError if
-    they assign a column the move writes too. The objects are not changed by them: set what the
-    caller needs on them itself. `nodes` ({job id: the Node pks it is on after the move}) spares
-    the after-commit lookup of those nodes when the caller knows them (jobs.desired_signal).
+    is written once; ValueError if they assign a column the move writes too. The objects are not
+    changed by them: set what the caller needs on them itself. `nodes` ({job id: the Node pks it
+    is on after the move}) spares the after-commit lookup of those nodes when the caller knows
+    them (jobs.desired_signal).
     """
     to = S(to)
     jobs = list(jobs)
@@ -351,35 +350,14 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
         if to not in TRANSITIONS[from_state]:
             raise IllegalTransition(job_id=job.pk, from_state=from_state, to_state=to)
         ids_by_state.setdefault(from_state, []).append(job.pk)
-    # From-states that write the same columns share one UPDATE.
-    groups: list[tuple[_TransitionWrites, list[S]]] = []
-    for from_state in ids_by_state:
-        writes = _transition_writes(from_state=from_state, to=to, now=now)
-        for group_writes, states in groups:
-            if group_writes == writes:
-                states.append(from_state)
-                break
-        else:
-            groups.append((writes, [from_state]))
-    writes_of = {state: writes for writes, states in groups for state in states}
+    writes_of = {state: _transition_writes(from_state=state, to=to, now=now) for state in ids_by_state}
     # No savepoint inside a caller's transaction: a tick's start path pays no extra statements.
     # A StaleJobState then dooms that transaction (it must end), which rolls this back with it.
+    row_writes = row_writes or RowWrites(set_sql="", columns=[], types=())
     with transaction.atomic(savepoint=False):
         updated = 0
-        for writes, states in groups:
-            if row_writes is not None:
-                updated += _transition_rows_update(writes=writes, states=states, jobs=jobs, row_writes=row_writes,
-                                                   now=now)
-                continue
-            changes = dict(writes.columns)
-            if writes.sets_started_at:
-                changes["started_at"] = Coalesce("started_at", Value(now, output_field=DateTimeField()))
-            if writes.counter:
-                changes[writes.counter] = F(writes.counter) + 1
-            where = Q()
-            for state in states:
-                where |= Q(pk__any_of=ids_by_state[state], state=state)
-            updated += Job.objects.filter(where).update(**changes)
+        for state, writes in writes_of.items():
+            updated += _transition_rows_update(writes=writes, state=state, jobs=jobs, row_writes=row_writes, now=now)
         if updated != len(jobs):
             # This UPDATE moved the others to `to` already (rolled back with the raise); the stale
             # one is elsewhere (or was moved to `to` by someone else: then name the first).
