@@ -1,7 +1,7 @@
 """Real agents on separate emulated hosts (issue 14, Tests): a control plane on this machine,
 reachable from the hosts only over their bridge (daphne bound to the bridge's address), a real
 `meridian-agent` inside each emulated host (its own network, mounts and PIDs), the store the
-one shared mount. Framework engine.
+one shared mount. Framework engine, and CRIU in the third test.
 
 One elastic W = 8 job (min 4 devices) on 2 hosts x 4 devices is shrunk onto one host for a premium
 job and grown back onto two once that one is done (each a resize across hosts: the leader's cut,
@@ -14,8 +14,15 @@ single-host run of the same script. The downtime of each move is printed (move_s
 A second, focused test (same fixtures): a W = 8 job on mh-0 + mh-1 whose host mh-1 is drained
 moves only that host's share, to mh-2 (a partial migration; mh-0 keeps its devices, though its
 ranks are relaunched from the cut too), and ends torch.equal to an uninterrupted run.
+
+A third, with CRIU (agents started with --engine criu): a W = 8 job on mh-0 + mh-1 is preempted by
+a premium job (each host dumps its own ranks into its part of the job's one checkpoint,
+runtime/criu_parts.py), restored from those process images on mh-2 + mh-3, which never ran it, then
+mh-3 is killed and it is restored again from the same images on mh-2 and a replacement host; it
+ends torch.equal to an uninterrupted run.
 """
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +32,8 @@ import pytest
 import torch
 from multihost_jobs import REPO, assert_equal_states, host_env, start_job, wait_job
 from polling import poll
+
+from runtime import criu
 
 sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
 from harness import ENROLL, PYTHON, ControlPlane  # noqa: E402 - tests/e2e is put on sys.path just above
@@ -39,8 +48,8 @@ ARGS = ["--epochs", "30", "--step-sleep", "0.4"]  # 2 steps per epoch at W = 8: 
 
 @pytest.fixture
 def plane(tmp_path_factory, template_db, emulated_hosts):  # noqa: F811 - the imported fixture
-    """Returns (hosts, control plane, start_agent(i)): 4 emulated hosts, a control plane on their
-    bridge, and a starter of host i's real agent (4 CPU devices)."""
+    """Returns (hosts, control plane, start_agent(i, engine=..., checkpoint_every=...)): 4 emulated
+    hosts, a control plane on their bridge, and a starter of host i's real agent (4 CPU devices)."""
     cluster = emulated_hosts(4, control_plane=True)
     base = tmp_path_factory.mktemp("mh-cp", numbered=True)
     cp = ControlPlane(base, bind=cluster.control_plane_addr, env={
@@ -54,12 +63,13 @@ def plane(tmp_path_factory, template_db, emulated_hosts):  # noqa: F811 - the im
     })
     agents = []
 
-    def start_agent(index):
+    def start_agent(index, engine="framework", checkpoint_every=3):
         host = cluster[index]
         log = open(base / f"agent-{host.name}.log", "ab")
         command = [PYTHON, "-m", "agent.main", "--control-plane", cp.url, "--devices", "cpu:4",
                    "--hostname", host.name, "--region", "r1", "--cluster", "c1",
-                   "--work-dir", f"{host.node_dir}/agent", "--engine", "framework", "--checkpoint-every", "3",
+                   "--work-dir", f"{host.node_dir}/agent", "--engine", engine,
+                   "--checkpoint-every", str(checkpoint_every),
                    "--interval", "1", "--workload-root", REPO, "--node-addr", host.address, "--sandbox", "off"]
         agents.append(host.popen(command, env=host_env({"MERIDIAN_AGENT_ENROLL_TOKEN": ENROLL}), cwd=REPO,
                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
@@ -100,8 +110,8 @@ def runs_on(cp, job_id, *, hosts):
 
 def move_seconds(cp, job_id, kind):
     """Returns [(seconds from the move's start to its release, seconds from its cut (barrier done)
-    to the new copy running at the cut's step (restore done): the job's downtime)] per move of
-    `kind`, from the job's move_step events."""
+    to the new copy running at the cut's step (restore done): the job's downtime; None for a move
+    with no restore, a preemption)] per move of `kind`, from the job's move_step events."""
     moves = {}
     for event in cp.events(job_id):
         extra = event.get("extra_data") or {}
@@ -110,9 +120,10 @@ def move_seconds(cp, job_id, kind):
             moves.setdefault(extra["move"], {})[extra["step"]] = at
     spans = []
     for steps in moves.values():
-        if {"started", "barrier", "restore", "release"} <= set(steps):
-            spans.append((round((steps["release"] - steps["started"]).total_seconds(), 1),
-                          round((steps["restore"] - steps["barrier"]).total_seconds(), 1)))
+        if {"started", "release"} <= set(steps):
+            down = (round((steps["restore"] - steps["barrier"]).total_seconds(), 1)
+                    if {"barrier", "restore"} <= set(steps) else None)
+            spans.append((round((steps["release"] - steps["started"]).total_seconds(), 1), down))
     return spans
 
 
@@ -249,3 +260,66 @@ def test_draining_one_host_of_a_job_on_two_hosts_moves_only_that_hosts_share_bit
     cp.wait_state(job, "succeeded", timeout=900)
     say("job succeeded")
     assert_matches_reference(cluster, reference, "partial.pt")
+
+
+CRIU_OK, CRIU_DETAIL = criu.check_available()
+
+
+def launcher_events(host, kind):
+    """Returns the events of `kind` the launchers on `host` wrote (its agent's job folders)."""
+    found = host.run(["sh", "-c", f"cat {host.node_dir}/agent/j/*/events.jsonl"], check=False).stdout
+    return [event for event in map(json.loads, found.splitlines()) if event.get("event") == kind]
+
+
+@pytest.mark.criu
+@pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")
+@pytest.mark.timeout(2400)  # about 4 min on an idle 2-core machine
+def test_a_criu_job_on_two_hosts_is_preempted_restored_on_two_other_hosts_and_survives_a_killed_host(plane):
+    cluster, cp, start_agent = plane
+    say("control plane up")
+    store = cluster[0].store
+    reference = start_reference(cluster[2], store)  # beside host 2's agent, once that one starts
+    # No periodic checkpoint: the preemption's cut is the job's one dump of its 8 ranks (~1.8 GB).
+    start_agent(0, engine="criu", checkpoint_every=0), start_agent(1, engine="criu", checkpoint_every=0)
+    job = submit(cp, "wide", "basic", f"{store}/criu.pt")  # 8 devices, not elastic: two whole hosts
+    cp.wait_state(job, "running", timeout=600)
+    assert placement(cp, job) == ["mh-0", "mh-1"], cp.diagnose(job)
+    poll("the job to train a few steps", lambda: (cp.job(job)["progress_step"] or 0) >= 3, timeout=600,
+         on_timeout=lambda: cp.diagnose(job))
+
+    # Long enough that mh-2 and mh-3 register before it is done (else the job resumes where it was).
+    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "30"])
+    cp.wait_state(job, "preempted", timeout=900)
+    assert cp.moves(job)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"]), \
+        cp.diagnose(job)
+    checkpoints = [e["extra_data"] for e in cp.events(job) if e.get("type") == "checkpointed"]
+    assert checkpoints and checkpoints[-1].get("engine") == "criu", (checkpoints, cp.diagnose(job))
+    preempted_at = cp.job(job)["last_checkpoint_step"]
+    say(f"preempted at step {preempted_at} (CRIU: each host dumped its part); preemption (whole move s): "
+        f"{[whole for whole, _ in move_seconds(cp, job, 'preemption')]}")
+
+    start_agent(2, engine="criu", checkpoint_every=0), start_agent(3, engine="criu", checkpoint_every=0)
+    poll("the job to run on mh-2 and mh-3", lambda: runs_on(cp, job, hosts=["mh-2", "mh-3"]), timeout=900,
+         on_timeout=lambda: cp.diagnose(job))
+    for host in (cluster[2], cluster[3]):  # each host restored its own ranks' process images
+        restored = launcher_events(host, "restored")
+        assert [(e["engine"], e["step"]) for e in restored] == [("criu", preempted_at)], (restored, cp.diagnose(job))
+    say(f"restored from its CRIU images on {placement(cp, job)}")
+
+    # One of its hosts killed: restored again from the same images, on mh-2 and a replacement host
+    # (mh-0 or mh-1, once the premium job is done with them).
+    cluster[3].kill()
+    say("killed mh-3")
+    poll("the job to be restored off the killed host",
+         lambda: "mh-3" not in placement(cp, job) and runs_on(cp, job, hosts=2), timeout=900,
+         on_timeout=lambda: cp.diagnose(job))
+    again = placement(cp, job)
+    for host in (cluster[int(name[-1])] for name in again):  # from the same images, not from scratch
+        restored = launcher_events(host, "restored")
+        assert restored and (restored[-1]["engine"], restored[-1]["step"]) == ("criu", preempted_at), \
+            (host.name, restored, cp.diagnose(job))
+    say(f"restored again on {again}")
+    cp.wait_state(premium, "succeeded", timeout=600)
+    cp.wait_state(job, "succeeded", timeout=900)
+    say("job succeeded")
+    assert_matches_reference(cluster, reference, "criu.pt")
