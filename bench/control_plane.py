@@ -12,6 +12,11 @@ Per size, on a fresh database:
      the real agent API, one node token each) - heartbeats and device samples ingested per second,
      and daphne's own CPU per heartbeat (user + system, from /proc: the part of the cost that
      does not depend on how busy the shared machine is);
+  3a. with --busy: the agents' minute of beats (below) again, with the fleet's tick running beside
+     it (a process ticking every MERIDIAN_TICK_SECONDS, as the Celery worker does) and --viewers
+     portal viewers polling the fleet summary, utilization and job list every 5 s through a web
+     process of their own: the web CPU per beat of the agents' processes, the ticks' durations
+     meanwhile, the viewers' answers and latency;
   3b. the liveness lease from the same hollow nodes (POST /api/agent/lease/, answered before
      Django: fleet/lease_api.py) - leases per second and daphne's CPU per lease, beside the full
      heartbeat's; and daphne's per-request floor (an unauthenticated lease: a 401 before any Redis
@@ -63,6 +68,9 @@ def parse_args():
     p.add_argument("--inproc-heartbeats", type=int, default=500)
     p.add_argument("--history-hours", type=int, default=6, help="hours of per-node minute buckets to bulk-fill")
     p.add_argument("--drop", action="store_true", help="drop the database afterwards")
+    p.add_argument("--busy", action="store_true",
+                   help="measure the agents' beats again with the tick and portal viewers running beside them")
+    p.add_argument("--viewers", type=int, default=20, help="portal viewers polling every 5 s (--busy)")
     p.add_argument("--skip-history", action="store_true",
                    help="leave out steps 6-7 (e.g. to run this bench against code from before the history)")
     return p.parse_args()
@@ -404,6 +412,106 @@ def history_day(hours):
             "left": (history_rows(), table_bytes(*HISTORY_TABLES))}
 
 
+# The tick process of --busy: ticks as the Celery worker does, every MERIDIAN_TICK_SECONDS, until
+# SIGINT, which ends it between two ticks (its lease released, so the bench's own ticks run after);
+# prints each tick's wall seconds.
+TICK_LOOP = """
+import json, signal, sys, time
+sys.path[:0] = [{root!r}, {bench!r}]
+import control_plane as cp
+class Args: db, redis = {db!r}, {redis!r}
+cp.setup_django(Args, {data_dir!r})
+from django.conf import settings
+from jobs.tick import tick_run
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+print("READY", flush=True)
+while not stop:
+    began = time.perf_counter()
+    result = tick_run()
+    wall = time.perf_counter() - began
+    print(json.dumps({{"wall": wall, "ran": result.ran}}), flush=True)
+    time.sleep(max(0.0, settings.MERIDIAN_TICK_SECONDS - wall))
+"""
+
+
+class BusyPlane:
+    """--busy: the fleet's tick in a process of its own and portal viewers on a web process of
+    their own, for as long as the `with` block runs; .summary() says what they did meanwhile."""
+
+    def __init__(self, args, data_dir, env):
+        self.args, self.data_dir, self.env = args, data_dir, env
+
+    def __enter__(self):
+        import threading
+
+        import requests
+        from django.contrib.auth import get_user_model
+        from rest_framework.authtoken.models import Token
+
+        user, _ = get_user_model().objects.get_or_create(username="bench-viewer",
+                                                         defaults={"is_superuser": True, "is_staff": True})
+        token = Token.objects.get_or_create(user=user)[0].key
+        self.portal, url = start_daphne(self.env)
+        # Nodes that do not beat (all but --heartbeat-nodes) must not be found lost by this tick.
+        env = dict(self.env, MERIDIAN_NODE_LOST_AFTER_SECONDS="1e9", MERIDIAN_LOG_LEVEL="WARNING",
+                   PYTHONPATH=str(ROOT))
+        code = TICK_LOOP.format(root=str(ROOT), bench=str(ROOT / "bench"), db=self.args.db, redis=self.args.redis,
+                                data_dir=str(self.data_dir))
+        self.ticker = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+        if self.ticker.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"the tick process did not start: {self.ticker.communicate()[0][-2000:]}")
+        self.cpu = {"portal": process_cpu_seconds(self.portal.pid), "tick": process_cpu_seconds(self.ticker.pid)}
+        self.stop, self.answers = threading.Event(), []
+        paths = ["/api/fleet/summary/", "/api/fleet/utilization/", "/api/jobs/?page_size=50"]
+
+        def view():
+            session = requests.Session()
+            session.headers["Authorization"] = f"Token {token}"
+            while not self.stop.is_set():
+                began = time.perf_counter()
+                for path in paths:
+                    t = time.perf_counter()
+                    try:
+                        ok = session.get(url + path, timeout=30).status_code == 200
+                    except requests.RequestException:
+                        ok = False
+                    self.answers.append((ok, time.perf_counter() - t))
+                self.stop.wait(max(0.0, 5.0 - (time.perf_counter() - began)))
+
+        self.viewers = [threading.Thread(target=view, daemon=True) for _ in range(self.args.viewers)]
+        for viewer in self.viewers:
+            viewer.start()
+        return self
+
+    def __exit__(self, *exc):
+        import json
+        import signal
+
+        self.cpu = {"portal": process_cpu_seconds(self.portal.pid) - self.cpu["portal"],
+                    "tick": process_cpu_seconds(self.ticker.pid) - self.cpu["tick"]}
+        self.stop.set()
+        for viewer in self.viewers:
+            viewer.join(timeout=60)
+        self.ticker.send_signal(signal.SIGINT)
+        out = self.ticker.communicate(timeout=120)[0]
+        self.ticks = [json.loads(line)["wall"] for line in out.splitlines() if line.startswith("{")]
+        self.portal.terminate()
+        self.portal.wait(timeout=20)
+
+    def summary(self) -> dict:
+        import statistics
+
+        latencies = sorted(seconds for _, seconds in self.answers)
+        return {"ticks": len(self.ticks), "tick_median": statistics.median(self.ticks) if self.ticks else float("nan"),
+                "tick_max": max(self.ticks, default=float("nan")), "requests": len(self.answers),
+                "failed": sum(1 for ok, _ in self.answers if not ok),
+                "latency_median": statistics.median(latencies) if latencies else float("nan"),
+                "latency_p99": latencies[int(len(latencies) * 0.99)] if latencies else float("nan"),
+                "cpu": self.cpu}
+
+
 def timed_tick(now):
     from jobs.tick import tick_run
 
@@ -448,6 +556,13 @@ def run_size(n, args, rng, data_dir):
         clock = [time.monotonic()]
         agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock, rounds=3)
         mix = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
+        busy = None
+        if args.busy:
+            with BusyPlane(args, data_dir, env) as plane:
+                began = time.perf_counter()
+                mix_busy = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
+                seconds = time.perf_counter() - began
+            busy = {"mix": mix_busy, "seconds": seconds, **plane.summary()}
         telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
         heartbeat_history_rows = None if args.skip_history else history_rows()
     finally:
@@ -471,7 +586,7 @@ def run_size(n, args, rng, data_dir):
     history = None if args.skip_history else history_day(args.history_hours)
     return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s,
             "placement": (placement, placement_wall, placement_rows), "steady": steady, "heartbeats": rates,
-            "leases": lease_rates, "floor": floor_rates, "mix": mix,
+            "leases": lease_rates, "floor": floor_rates, "mix": mix, "busy": busy,
             "telemetry_bytes": (telemetry_before, telemetry_after),
             "heartbeat_history_rows": heartbeat_history_rows, "inproc": inproc, "history": history}
 
@@ -554,6 +669,18 @@ def main():
         print(f"agents beating for a minute of their time ({r['n']}): {n_leases} leases + {n_full} full heartbeats, "
               f"{cpu_ms:.2f} ms web CPU per beat on average = {1000 / cpu_ms:.0f} beats/s per core "
               f"({beats:.0f} beats/s wall, {fails} failed)")
+    for r in rows:
+        if r["busy"] is None:
+            continue
+        b = r["busy"]
+        beats, fails, cpu_ms, n_leases, n_full = b["mix"]
+        print(f"the same beside the tick and {args.viewers} portal viewers ({r['n']}, {b['seconds']:.0f} s): "
+              f"{n_leases} leases + {n_full} full heartbeats, {cpu_ms:.2f} ms web CPU per beat = "
+              f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); "
+              f"{b['ticks']} ticks meanwhile, median {b['tick_median']:.2f} s, max {b['tick_max']:.2f} s "
+              f"(tick process CPU {b['cpu']['tick']:.1f} s); {b['requests']} portal requests, {b['failed']} failed, "
+              f"median {b['latency_median'] * 1000:.0f} ms, p99 {b['latency_p99'] * 1000:.0f} ms "
+              f"(their web process: {b['cpu']['portal']:.1f} s CPU)")
     print("leases per round (leases/s, web CPU ms/lease; round 1 loads each process's token map): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{x[0]:.0f}/s {x[2]:.2f} ms" for x in r["leases"]) for r in rows))
     print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
