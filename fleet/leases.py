@@ -212,7 +212,7 @@ def desired_serials_bump(*, job_nodes: Mapping[int, set[int]] | None = None, nod
             pipe.hset(DESIRED_NODES_KEY, mapping=dict(recorded[start:start + CHUNK]))
         for start in range(0, len(forgotten), CHUNK):
             pipe.hdel(DESIRED_NODES_KEY, *forgotten[start:start + CHUNK])
-        bumped = sorted(bump)
+        bumped = list(bump)
         for start in range(0, len(bumped), CHUNK):
             pipe.eval(_BUMP_SCRIPT, 1, DESIRED_SERIAL_KEY, *bumped[start:start + CHUNK])
         pipe.execute()

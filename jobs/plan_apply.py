@@ -188,7 +188,12 @@ def _device_ids_held(job_id: int) -> list[int]:
 
 def _nodes_of(index: SnapshotIndex, devices: tuple) -> list[str]:
     """Returns the hostnames of the nodes holding snapshot devices `devices`."""
-    return sorted({index.hostnames[int(index.accelerator_node_ids[d])] for d in devices})
+    return _hostnames(index, _node_ids_of(index, devices))
+
+
+def _hostnames(index: SnapshotIndex, node_ids: list[int]) -> list[str]:
+    """Returns the hostnames of Node.pks `node_ids`, sorted."""
+    return sorted(index.hostnames[node_id] for node_id in node_ids)
 
 
 def _node_ids_of(index: SnapshotIndex, devices: tuple) -> list[int]:
@@ -318,8 +323,9 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
         # set before the transition: its live push carries the new placement
         job.device_count = len(devices)
         job.region_id = index.region_ids[int(snap.accelerators.region[decision.devices[0]])]
-        placed_nodes[job.pk] = set(_node_ids_of(index, decision.devices))
-        placed = {"devices": devices, "nodes": _nodes_of(index, decision.devices),
+        node_ids = _node_ids_of(index, decision.devices)
+        placed_nodes[job.pk] = set(node_ids)
+        placed = {"devices": devices, "nodes": _hostnames(index, node_ids),
                   "resume_step": job.last_checkpoint_step}
         if decision.starts_at is not None and decision.starts_at > snap.now:
             # a previous holder is still stopping on some of these devices; the node's agent

@@ -230,11 +230,11 @@ def _transition_writes(*, from_state: S, to: S, now: datetime) -> _TransitionWri
                              releases_devices=releases_devices)
 
 
-def _transition_rows_update(*, writes: _TransitionWrites, state: S, jobs: list[Job],
+def _transition_rows_update(*, writes: _TransitionWrites, state: S, jobs: list[Job], rows: list[int],
                             row_writes: RowWrites, now: datetime) -> int:
-    """Returns how many of `jobs` in from-state `state` moved: the move's `writes` and each job's
-    `row_writes` in one conditional UPDATE (WHERE state = `state`: a job that left it meanwhile
-    is not written, and the caller's count tells)."""
+    """Returns how many of the jobs at positions `rows` of `jobs` (all in from-state `state`) moved:
+    the move's `writes` and each job's `row_writes` in one conditional UPDATE (WHERE state =
+    `state`: a job that left it meanwhile is not written, and the caller's count tells)."""
     fields = [Job._meta.get_field(name) for name in writes.columns]
     assignments = [f"{field.column} = %s" for field in fields]
     params = [field.get_db_prep_save(value, connection) for field, value in zip(fields, writes.columns.values())]
@@ -252,7 +252,6 @@ def _transition_rows_update(*, writes: _TransitionWrites, state: S, jobs: list[J
     if clash:
         raise ValueError(f"row_writes assign {sorted(clash)}, which the move to {writes.columns['state']} writes")
     set_sql = ", ".join([*assignments, *([row_writes.set_sql] if row_writes.set_sql else [])])
-    rows = [i for i, job in enumerate(jobs) if S(job.state) == state]
     return rows_update(Job._meta.db_table, set_sql=set_sql, ids=[jobs[i].pk for i in rows],
                        columns=[[column[i] for i in rows] for column in row_writes.columns],
                        types=row_writes.types, params=params, where_sql="state = %s",
@@ -344,20 +343,21 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
     jobs = list(jobs)
     now = now or timezone.now()
     reasons, extras = reasons or {}, extras or {}
-    ids_by_state: dict[S, list[int]] = {}
-    for job in jobs:
+    rows_by_state: dict[S, list[int]] = {}  # from-state -> positions in `jobs`
+    for row, job in enumerate(jobs):
         from_state = S(job.state)
         if to not in TRANSITIONS[from_state]:
             raise IllegalTransition(job_id=job.pk, from_state=from_state, to_state=to)
-        ids_by_state.setdefault(from_state, []).append(job.pk)
-    writes_of = {state: _transition_writes(from_state=state, to=to, now=now) for state in ids_by_state}
+        rows_by_state.setdefault(from_state, []).append(row)
+    writes_of = {state: _transition_writes(from_state=state, to=to, now=now) for state in rows_by_state}
     # No savepoint inside a caller's transaction: a tick's start path pays no extra statements.
     # A StaleJobState then dooms that transaction (it must end), which rolls this back with it.
     row_writes = row_writes or RowWrites(set_sql="", columns=[], types=())
     with transaction.atomic(savepoint=False):
         updated = 0
         for state, writes in writes_of.items():
-            updated += _transition_rows_update(writes=writes, state=state, jobs=jobs, row_writes=row_writes, now=now)
+            updated += _transition_rows_update(writes=writes, state=state, jobs=jobs, rows=rows_by_state[state],
+                                               row_writes=row_writes, now=now)
         if updated != len(jobs):
             # This UPDATE moved the others to `to` already (rolled back with the raise); the stale
             # one is elsewhere (or was moved to `to` by someone else: then name the first).

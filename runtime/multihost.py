@@ -194,7 +194,11 @@ class JobPeers:
         dump of its ranks, which may take longer than LOST_AFTER_S): a host killed meanwhile falls
         silent and the leader ends the cut within LOST_AFTER_S, not at the cut's deadline. The
         thread has its own connection to the leader's store (one client is not shared across
-        threads); if the store is gone it stops, and the caller's next check() says so."""
+        threads); if the store is gone it stops, and the caller's next check() says so. On the
+        leader it does nothing: no host judges the leader by its beat (they see its store)."""
+        if self.node_rank == 0:
+            yield
+            return
         stop = threading.Event()
 
         def beat():
