@@ -351,17 +351,19 @@ class PolicySettings:
     floor_speed_tiers: tuple = (STANDARD,)
     # A preemptor of these tiers takes the room whose devices are free soonest (its victims'
     # checkpoints, scheduler.placement_cost.checkpoint_seconds, and devices still releasing),
-    # then the fewest victims, then the least lost work: its SLA clock runs from its Start,
-    # so a 5-minute Premium job that waits 16 s for a victim's checkpoint has missed its 95%.
-    # Other tiers shrink before they preempt (no work lost), whatever they wait.
+    # then the fewest victims, then the least lost work: a Premium job placed on a victim's
+    # devices waits for that checkpoint before its first step, which a short job feels as a
+    # large share of its JCT. Other tiers shrink before they preempt (no work lost), whatever
+    # they wait.
     soonest_room_tiers: tuple = (PREMIUM, STANDARD)
     premium_reserve_devices: int = 0  # free devices per region and type that only Premium jobs
     # may take (pending jobs of other tiers and growth leave them idle), so a short Premium job
     # starts at once instead of after a victim's checkpoint; 0 = fully work-conserving
     premium_reserve_fraction: float = 0.01  # the same, as a fraction of the usable devices per
     # region and type (rounded down: a region of under 100 devices keeps none); the larger of the
-    # two applies. A Premium job that lands on a victim's devices waits for its checkpoint, and
-    # that wait alone breaks a short job's 95%; 1% idle buys that wait back.
+    # two applies. A Premium job that lands on a victim's devices waits for its checkpoint, which
+    # can double a short job's JCT (and is lost device-time if it is restored: a restart's wait
+    # counts against its SLA); 1% idle buys that wait back.
     min_resize_interval_seconds: float = 600.0  # s; a job is not grown again sooner than this
     # after its last resize (grow or shrink), so grow/shrink does not flap tick after tick
     # Attained-service queues within a tier (Tiresias' discretized 2D-LAS): a job whose attained

@@ -129,7 +129,13 @@ class Engine:
         self.rate = np.zeros(n)
         self.pause_until = np.zeros(n)
         self.ndev = np.zeros(n, dtype=np.int64)
+        # A job's first start is when its first devices are its own (its previous holder has
+        # finished checkpointing off them) and its start-up begins: the control plane's
+        # started_at, which the agent's first running report sets (jobs/workflows.py), not the
+        # placement decision; a wait for a victim's checkpoint before that is queueing, as the
+        # user sees it. `first_placed` keeps the decision's time (the job's SCHEDULED).
         self.first_start = np.full(n, np.nan)
+        self.first_placed = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.last_start = np.full(n, -np.inf)
         self.last_resize = np.full(n, -np.inf)  # when its device count last changed
@@ -544,7 +550,9 @@ class Engine:
         self.state[j] = RUNNING
         self.wait_total[j] += self.now - self.queued_since[j]
         if math.isnan(self.first_start[j]):
-            self.first_start[j] = self.now
+            self.first_start[j] = ready
+        if math.isnan(self.first_placed[j]):
+            self.first_placed[j] = self.now
         self.last_start[j] = self.now
         self.needs_restore[j] = False
         self.settle_t[j] = self.now
@@ -588,6 +596,8 @@ class Engine:
 
     def _stop(self, j, free_at):
         """Takes a running job off its devices back to pending (preemption or failure)."""
+        if self.now < self.first_start[j]:
+            self.first_start[j] = np.nan  # stopped before its devices were ever its own: not started
         co = self._release(j, free_at)
         del self.running[j]
         self.pending[j] = None

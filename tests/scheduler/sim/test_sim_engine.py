@@ -20,7 +20,9 @@ class Script(Policy):
         self.steps = sorted(steps, key=lambda s: s[0])  # (time, Decision)
 
     def schedule(self, engine, now):
+        # each step is played once (an arrival and a wake-up at the same time are two passes)
         out = [d for t, d in self.steps if t == now]
+        self.steps = [(t, d) for t, d in self.steps if t != now]
         later = [t for t, _ in self.steps if t > now]
         if later:
             engine.wake_at(min(later))
@@ -41,6 +43,43 @@ def test_fifo_two_jobs_on_four_devices_match_hand_computed_jcts():
     assert summary["avg_jct_s"] == pytest.approx((100 + 140) / 2)
     assert summary["avg_queue_s"] == pytest.approx((0 + 90) / 2)
     assert summary["makespan_s"] == pytest.approx(150)
+
+
+def test_a_job_placed_on_devices_a_victim_still_checkpoints_starts_when_they_are_its_own():
+    # A (Basic, 1 rank, 1000 s) runs from 0; B (Premium, 1 rank, 50 s) arrives at 10 and the
+    # script preempts A and places B on A's device at 10. A's checkpoint takes 5 s, so B's device
+    # is its own at 15: that is B's first start (the control plane's started_at comes from the
+    # agent's running report), the 5 s before it are queueing. B runs 15..65 and so gets all of
+    # its ideal device-time once started; counted from the placement it got 50/55 (< 0.95).
+    from scheduler.sim.engine import PREEMPT
+    from scheduler.sim.trace import BASIC, PREMIUM
+
+    trace = make_jobs([(0, 1000, 1), (10, 50, 1)], tiers=[BASIC, PREMIUM])
+    script = Script([(0.0, Decision(START, 0, np.array([0]))),
+                     (10.0, Decision(PREEMPT, 0)), (10.0, Decision(START, 1, np.array([0])))])
+    result = run(trace, fleet_module.uniform(1, 1), script, until=200.0)
+    assert result.first_placed[1] == pytest.approx(10.0)
+    assert result.first_start[1] == pytest.approx(15.0)
+    assert result.finish[1] == pytest.approx(65.0)
+    summary = result.summary()
+    assert summary["sla_premium"] == 1.0
+    assert summary["sla_premium_from_placement"] == 0.0
+    assert summary["avg_queue_premium_s"] == pytest.approx(5.0)
+
+
+def test_a_job_stopped_before_its_devices_were_its_own_has_not_started():
+    # A (1 rank) runs from 0; B is placed on A's device at 10 (A's checkpoint: 5 s) and stopped
+    # again at 12, before that device was ever B's: B's first start is its next start, at 20
+    # (B restores: 7 s), not 15.
+    from scheduler.sim.engine import PREEMPT
+
+    trace = make_jobs([(0, 1000, 1), (10, 100, 1)])
+    script = Script([(0.0, Decision(START, 0, np.array([0]))),
+                     (10.0, Decision(PREEMPT, 0)), (10.0, Decision(START, 1, np.array([0]))),
+                     (12.0, Decision(PREEMPT, 1)), (20.0, Decision(START, 1, np.array([0])))])
+    result = run(trace, fleet_module.uniform(1, 1), script, until=30.0)
+    assert result.first_placed[1] == pytest.approx(10.0)
+    assert result.first_start[1] == pytest.approx(20.0)
 
 
 def test_fifo_with_a_tick_starts_at_the_next_tick_boundary():

@@ -87,9 +87,13 @@ def test_the_first_allocation_pays_its_class_start_up_and_a_restart_pays_the_res
     assert result.n_preempt.tolist() == [1, 0]
     assert result.finish[1] == pytest.approx(175.0)
     assert result.finish[0] == pytest.approx(1102.0)
-    # The job's own start-up does not count against its SLA (the victim's checkpoint does):
-    # B, started at 100, delivered 50 / (175 - 100 - 20).
-    assert result.delivered_fraction()[1] == pytest.approx(50 / 55)
+    # Neither the job's own start-up nor the wait for its victim's checkpoint count against its
+    # SLA: B was placed at 100, its devices were its own at 105 (its first start), so it
+    # delivered 50 / (175 - 105 - 20); counted from the placement, 50 / (175 - 100 - 20).
+    assert result.first_placed[1] == pytest.approx(100.0)
+    assert result.first_start[1] == pytest.approx(105.0)
+    assert result.delivered_fraction()[1] == pytest.approx(1.0)
+    assert result.delivered_fraction(since=result.first_placed)[1] == pytest.approx(50 / 55)
 
 
 def test_start_up_classes_follow_the_job_size():
@@ -123,7 +127,7 @@ def approval_trace():
 ], ids=["never-answered", "granted-after-100s", "denied"])
 def test_an_approval_request_is_answered_by_the_model(model, c_starts, counts):
     result = run(approval_trace(), fleet_module.uniform(1, 2), Meridian(), approvals=model)
-    assert result.first_start[2] == pytest.approx(c_starts)
+    assert result.first_placed[2] == pytest.approx(c_starts)  # placed; B's checkpoint takes 5 s more
     for key, value in counts.items():
         assert result.approvals[key] == value, key
     # A denial protects B for its run: it is never preempted and runs to its end at 11,000.

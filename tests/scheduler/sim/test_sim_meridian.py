@@ -99,4 +99,5 @@ def test_a_premium_reserve_lets_a_short_premium_job_start_without_a_victims_chec
     trace = make_jobs([(0, 100_000, 4), (1000, 50, 1)], tiers=[BASIC, PREMIUM])
     policy = Meridian(settings=scheduler.PolicySettings(premium_reserve_devices=reserve))
     result = simulate(trace, fleet_module.uniform(1, 4), policy, costs=HAND_COSTS, tick_s=0.0, until=5000.0)
-    assert result.finish[1] - result.first_start[1] == pytest.approx(50.0 + premium_wait_s)
+    assert result.finish[1] - trace.submit[1] == pytest.approx(50.0 + premium_wait_s)  # its JCT
+    assert result.first_start[1] - result.first_placed[1] == pytest.approx(premium_wait_s)
