@@ -60,6 +60,7 @@ def policy_settings() -> scheduler.PolicySettings:
         min_resize_interval_seconds=float(settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS),
         premium_reserve_devices=int(settings.MERIDIAN_PREMIUM_RESERVE_DEVICES),
         protected_progress_share=float(settings.MERIDIAN_PROTECTED_PROGRESS_SHARE),
+        packed_tiers_may_spread=bool(settings.MERIDIAN_PACKED_TIERS_MAY_SPREAD),
     )
 
 

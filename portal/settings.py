@@ -273,6 +273,9 @@ MERIDIAN_PROTECTED_PROGRESS_SHARE = _env_float("MERIDIAN_PROTECTED_PROGRESS_SHAR
 if MERIDIAN_PROTECTED_PROGRESS_SHARE > 1.0:
     raise ImproperlyConfigured(f"MERIDIAN_PROTECTED_PROGRESS_SHARE={os.environ['MERIDIAN_PROTECTED_PROGRESS_SHARE']!r} "
                                "must be a share between 0 and 1")
+# A Premium job that finds no packed place (one node, else one rack, ...) even by preempting waits
+# for one ("0", the default: spread out it runs at ~0.9 speed, below its SLA) or runs spread ("1").
+MERIDIAN_PACKED_TIERS_MAY_SPREAD = _env_choice("MERIDIAN_PACKED_TIERS_MAY_SPREAD", "0", choices=("0", "1")) == "1"
 # How far one job's ranks may spread at most: "node", "rack", "cluster" or "region" (the default:
 # topology decides; the core packs a gang onto the tightest level that fits, one node first, and a
 # job bigger than a node runs one meridian-run per host: runtime/multihost.py).

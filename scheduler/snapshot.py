@@ -344,6 +344,14 @@ class PolicySettings:
     # W devices of their type, else one rack, one cluster (never looser than max_spread): a
     # gang spread over more nodes than it needs runs slower, which misses 95% by itself.
     packed_tiers: tuple = (PREMIUM,)
+    # A packed-tier job that finds no packed place, even by preempting or moving others, waits for
+    # one (False) or starts spread out (True). Spread, it runs at ~0.9 of its speed
+    # (scheduler.placement_cost) and has missed a 95% SLA from its first second; waiting, its SLA
+    # clock has not started (the control plane's started_at is its first running report) and the
+    # place comes as soon as a packed one frees. Measured on the quick goals grid
+    # (bench/sim_goals.py, 2026-12-05): waiting kept Premium >= 99% on the multinode mix at 1-2x
+    # load (98.7-99.7% spread) at the same Premium time lost (docs/results.md, issue 16 round 6).
+    packed_tiers_may_spread: bool = False
     # Jobs of these tiers start, restart and are shrunk only to device counts whose speed
     # (scheduler.placement_cost: d/W x splice efficiency) is at least standard_sla_floor: a
     # Standard job started (or shrunk) to W/4 runs at 24% of its ideal and misses its 70% from

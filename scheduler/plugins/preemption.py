@@ -235,8 +235,9 @@ class SlaPreemption:
             if started is not None:
                 return started
         if int(jobs.tier[j]) in settings.soonest_room_tiers:
-            # a Premium job's SLA clock runs while its devices are still being released: the
-            # room ready soonest, wherever it is, then the fewest victims, the least lost work
+            # a Premium job placed on a victim's devices waits for its checkpoint before its
+            # first step: the room ready soonest, wherever it is, then the fewest victims, the
+            # least lost work
             picked = self._soonest_room(tick, j, need, spread, must, actions, rows, region)
             if picked is None:
                 return self._explain(tick, j, REASON_NOTHING_TO_PREEMPT,
@@ -280,9 +281,9 @@ class SlaPreemption:
         else:
             done = self._apply(tick, j, actions, rows, region, need, scope)
         placement = tick.policy.place.place(tick, j, within, region=region)
-        if placement is None and j not in tick.spread_ok:
+        if placement is None and j not in tick.spread_ok and tick.snapshot.settings.packed_tiers_may_spread:
             # the room made is spread over more nodes than a packed place needs: a Premium gang
-            # runs spread out rather than wait (GangPlacement.place)
+            # runs spread out rather than wait (GangPlacement.place), if the settings allow it
             tick.spread_ok.add(j)
             placement = tick.policy.place.place(tick, j, within, region=region)
         if placement is None:  # the job's max_spread is tighter than what was freed

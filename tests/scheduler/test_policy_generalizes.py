@@ -113,8 +113,10 @@ def test_a_gang_gets_the_fewest_nodes_not_the_best_fitting_rack(tier):
 def test_a_gang_spreads_out_only_when_no_packed_place_exists():
     # 16 devices free, but 4 per node (nodes 0-3, half held by Premium jobs); nodes 4-5 are held
     # by two 8-device Premium jobs. A Basic gang takes the scattered 16 (at 0.9)
-    def snap(tier, basic_victims=True):
+    def snap(tier, basic_victims=True, **settings):
         b = make_snapshot().fleet(make_fleet().region("eu", racks=1, nodes=6, devices=8)).now(NOW)
+        if settings:
+            b = b.settings(**settings)
         for node in range(4):
             b = b.job(make_job(f"p{node}").tier(PREMIUM).ranks(4).running(4, node=node).started(0.0))
         for node in (4, 5):
@@ -128,10 +130,16 @@ def test_a_gang_spreads_out_only_when_no_packed_place_exists():
     s = snap(BASIC)
     got, plan = decisions(s)
     assert got == [("start", "g")] and nodes_of_start(s, plan) == [0, 1, 2, 3]
-    # a Premium gang: no packed place is free and preempting cannot make one (the core's
-    # preemption frees devices, it does not yet aim at whole nodes for a gang larger than a
-    # node): it runs spread out rather than wait
+    # a Premium gang: no packed place is free and preempting cannot make one (every holder is
+    # Premium). Spread out it would run at 0.9 and miss its 95% from the first second: it waits,
+    # and says why and which setting would let it spread
     s = snap(PREMIUM, basic_victims=False)
+    got, plan = decisions(s)
+    assert got == []
+    (waiting,) = plan.waiting
+    assert "waits for a packed place" in waiting.reason and "MERIDIAN_PACKED_TIERS_MAY_SPREAD" in waiting.reason
+    # where the operator prefers an early start to the SLA, it runs spread out rather than wait
+    s = snap(PREMIUM, basic_victims=False, packed_tiers_may_spread=True)
     got, plan = decisions(s)
     assert got == [("start", "g")] and nodes_of_start(s, plan) == [0, 1, 2, 3]
 

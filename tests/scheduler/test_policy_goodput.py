@@ -106,10 +106,12 @@ def test_a_spread_out_job_stays_put(case):
 
 
 # --- a Premium gang larger than a node preempts whole nodes --------------------------------
-def _premium_gang(victims_tier):
+def _premium_gang(victims_tier, **settings):
     # six 8-device nodes in one rack: nodes 0-3 half held by Premium jobs (16 free, scattered),
     # nodes 4 and 5 held whole by one 8-device job each
     b = make_snapshot().fleet(make_fleet().region("eu", racks=1, nodes=6, devices=8)).now(NOW)
+    if settings:
+        b = b.settings(**settings)
     for node in range(4):
         b = b.job(make_job(f"p{node}").tier(PREMIUM).ranks(4).running(4, node=node).started(0.0))
     for node in (4, 5):
@@ -128,12 +130,17 @@ def test_a_premium_gang_larger_than_a_node_preempts_whole_nodes():
     assert all(p.for_job == start.job for p in plan.of_kind(Preempt))
 
 
-def test_a_premium_gang_runs_spread_only_when_no_whole_nodes_can_be_freed():
-    # the jobs on nodes 4-5 are Premium too (no victims): it runs spread rather than wait
-    snap = _premium_gang(PREMIUM)
+@pytest.mark.parametrize("may_spread", [False, True], ids=["waits", "may-spread"])
+def test_a_premium_gang_that_cannot_have_whole_nodes_waits_unless_it_may_spread(may_spread):
+    # the jobs on nodes 4-5 are Premium too (no victims): by default it waits for a packed place
+    # (spread out it would miss its 95% from the first second); allowed to, it runs spread
+    snap = _premium_gang(PREMIUM, packed_tiers_may_spread=may_spread)
     got, plan = decisions(snap)
-    assert got == [("start", "g")]
-    assert nodes_of(snap, plan.of_kind(Start)[0].devices) == [0, 1, 2, 3]
+    if may_spread:
+        assert got == [("start", "g")]
+        assert nodes_of(snap, plan.of_kind(Start)[0].devices) == [0, 1, 2, 3]
+    else:
+        assert got == [] and [w.job_id for w in plan.waiting] == [snap.jobs.ids[-1]]
 
 
 # --- the simulator gives the core the chance to repack -------------------------------------
