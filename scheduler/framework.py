@@ -540,8 +540,8 @@ def _admit(tick: Tick, j: int) -> bool:
     return True
 
 
-_WAITS_PACKED = ("; it waits for a packed place (one node, else one rack, ...) rather than run spread out "
-                 "at ~0.9 speed, below its SLA (MERIDIAN_PACKED_TIERS_MAY_SPREAD)")
+_WAITS_PACKED = ("; it waits for a packed place rather than miss its SLA spread out "
+                 "(MERIDIAN_PACKED_TIERS_MAY_SPREAD=1 lets it spread)")
 
 
 def _backfill(tick: Tick) -> None:
