@@ -26,6 +26,7 @@ whose Celery chain runs its steps. One applier per decision type (APPLIERS):
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from datetime import datetime
@@ -46,6 +47,7 @@ from jobs.services import (
     preemption_request_create,
 )
 from jobs.snapshot import WAITING_STATES, SnapshotIndex
+from protocol.layout import rank_devices
 from scheduler.plugins.drain import REASON_LOST_REQUEUED
 
 logger = logging.getLogger(__name__)
@@ -169,6 +171,11 @@ APPLIERS: dict[type, Callable[..., Applied]] = {
 
 
 # --- the writes behind them ----------------------------------------------------------------------
+
+
+# rank_layout's rule (scheduler.rank_layout) as device positions, one tuple per (W, d): a placement
+# tick lays out ~30k jobs of a handful of shapes. An illegal shape raises each time (not cached).
+_rank_devices = functools.lru_cache(maxsize=1024)(rank_devices)
 
 
 def _place_replicas(*, job: Job, device_ids: list[int]) -> int:
@@ -315,11 +322,15 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
     if not jobs:
         return 0, 0
     ready = [job.pk for job in jobs]
-    layouts, placed_events, placed_nodes = {}, [], {}
+    # Each rank's replica row, named by (job, rank): its new device (rank_layout's rule).
+    replica_jobs, replica_ranks, replica_devices = [], [], []
+    placed_events, placed_nodes = [], {}
     for job in jobs:
         decision = by_id[job.pk]
         devices = [int(index.accelerator_ids[d]) for d in decision.devices]
-        layouts[job.pk] = scheduler.rank_layout(devices, job.world_size)
+        replica_jobs.extend([job.pk] * job.world_size)
+        replica_ranks.extend(range(job.world_size))
+        replica_devices.extend([devices[k] for k in _rank_devices(job.world_size, len(devices))])
         # set before the transition: its live push carries the new placement
         job.device_count = len(devices)
         job.region_id = index.region_ids[int(snap.accelerators.region[decision.devices[0]])]
@@ -343,10 +354,11 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
                          reasons={job_id: d.reason for job_id, d in by_id.items()},
                          extras={job_id: {"code": d.code} for job_id, d in by_id.items()},
                          publish_max=LIVE_PUSH_MAX_STARTS, row_writes=placement, nodes=placed_nodes)
-    replica_rows = list(Replica.objects.filter(job_id__any_of=ready).values_list("id", "job_id", "rank"))
-    rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s",
-                columns=[[layouts[job_id][rank] for _, job_id, rank in replica_rows]],
-                ids=[replica_id for replica_id, _, _ in replica_rows], types=("bigint",), params=[now])
-    return len(jobs), len(ready) * 2 + len(replica_rows) + len(jobs)
+    # Keyed by (job, rank), the replica_rank_unique key: reading the ~110k replica ids first (a
+    # placement tick at 100k accelerators) cost a query and their Python objects for nothing.
+    replicas = rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s",
+                           keys={"job_id": replica_jobs, "rank": replica_ranks}, columns=[replica_devices],
+                           types=("bigint",), params=[now])
+    return len(jobs), len(ready) * 2 + replicas + len(jobs)
 
 

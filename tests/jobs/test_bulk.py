@@ -107,6 +107,34 @@ def test_rows_update_writes_each_row_its_values_and_the_shared_ones(many_jobs):
     assert got == [(values[i], i + 100, when) for i in range(len(replicas))]
 
 
+def test_rows_update_by_keys_writes_the_row_each_key_names(many_jobs):
+    """keys= names rows by (job_id, rank); a key with no row writes nothing and is not counted."""
+    jobs = many_jobs(bulk.COPY_MIN_ROWS + 10, world_size=2)
+    replicas = list(Replica.objects.filter(job__in=jobs).order_by("pk").values_list("pk", "job_id", "rank"))
+    when = timezone.now()
+    # every replica but the first, in reverse (the keys' order is not the table's), and one rank
+    # no job has
+    named = replicas[1:][::-1]
+    job_ids = [job_id for _, job_id, _ in named] + [jobs[0].pk]
+    ranks = [rank for _, _, rank in named] + [99]
+    values = [7_000_000_000 + job_id * 10 + rank for job_id, rank in zip(job_ids, ranks)]
+    updated = rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s", columns=[values],
+                          keys={"job_id": job_ids, "rank": ranks}, types=("bigint",), params=[when])
+    got = dict(Replica.objects.filter(pk__in=[pk for pk, _, _ in replicas]).values_list("pk", "device_id"))
+    # the foreign key is checked at commit (deferred); these made-up device ids must not reach it
+    Replica.objects.filter(pk__in=[pk for pk, _, _ in replicas]).update(device=None)
+    assert updated == len(named)
+    first_pk = replicas[0][0]
+    assert got[first_pk] is None
+    assert {pk: got[pk] for pk, _, _ in named} == {pk: 7_000_000_000 + job_id * 10 + rank for pk, job_id, rank in named}
+
+
+def test_rows_update_takes_ids_or_keys_not_both():
+    with pytest.raises(TypeError):
+        rows_update(Replica._meta.db_table, set_sql="device_id = v.c1", columns=[[1]], ids=[1],
+                    keys={"job_id": [1], "rank": [0]}, types=("bigint",))
+
+
 def test_transition_of_many_jobs_writes_one_event_each(many_jobs, alice):
     """jobs_transition_bulk above COPY_MIN_ROWS (the COPY path on PostgreSQL)."""
     jobs = many_jobs(bulk.COPY_MIN_ROWS + 5)
