@@ -214,8 +214,15 @@ class Replica(models.Model):
     # tick rewrites ~100k replica rows, each of which would update one index more.
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="replicas", db_index=False)
     rank = models.PositiveIntegerField()
+    # No foreign-key constraint in the database (db_constraint=False; the index stays): a placement
+    # tick at 100k accelerators points ~110k replicas at new devices, and PostgreSQL checked each
+    # one at commit (~0.5 s of the tick) for nothing. The tick takes the device ids from the
+    # accelerator rows it read in the same transaction, and Meridian never deletes an accelerator
+    # (a lost or drained node keeps its rows). on_delete=SET_NULL is Django's own (its collector
+    # unplaces the replicas of an accelerator deleted through the ORM), with or without the
+    # constraint; only a DELETE outside Django could leave a replica naming a missing device.
     device = models.ForeignKey(
-        Accelerator, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas"
+        Accelerator, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas", db_constraint=False
     )
     updated_at = models.DateTimeField(auto_now=True)
 
