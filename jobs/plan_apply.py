@@ -35,7 +35,7 @@ from datetime import timezone as dt_timezone
 import numpy as np
 
 import scheduler
-from jobs.bulk import EventRow, RowWrites, rows_update
+from jobs.bulk import EventRow, RowWrites, instances_loaded, rows_update
 from jobs.models import Job, JobEvent, Move, Replica
 from jobs.moves import move_create
 from jobs.services import (
@@ -316,9 +316,11 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
     snap = index.snapshot
     by_id = {d.job_id: d for d in starts}
     # Lock the rows, then keep only jobs still waiting (a cancel may have won the race).
-    jobs = list(Job.objects.select_for_update().filter(pk__any_of=list(by_id), state__in=WAITING_STATES)
-                .only("id", "team_id", "world_size", "device_count", "region_id", "last_checkpoint_step",
-                      "progress_step", "state"))
+    # As values, made instances by instances_loaded: from_db's own instances cost ~1 s at 30k starts.
+    fields = ("id", "team_id", "world_size", "device_count", "region_id", "last_checkpoint_step", "progress_step",
+              "state")
+    jobs = instances_loaded(Job, fields, Job.objects.select_for_update()
+                            .filter(pk__any_of=list(by_id), state__in=WAITING_STATES).values_list(*fields))
     if not jobs:
         return 0, 0
     ready = [job.pk for job in jobs]

@@ -135,6 +135,31 @@ def test_rows_update_takes_ids_or_keys_not_both():
                     keys={"job_id": [1], "rank": [0]}, types=("bigint",))
 
 
+def test_instances_loaded_are_what_the_orm_loads(many_jobs):
+    """instances_loaded makes of values_list rows what .only() makes of the same rows: the loaded
+    fields, the others deferred and read on access, a saved row that saves what it is told."""
+    jobs = many_jobs(3)
+    fields = ("id", "team_id", "world_size", "state")
+    by_orm = list(Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk").only(*fields))
+    loaded = bulk.instances_loaded(Job, fields, Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk")
+                                   .values_list(*fields))
+    assert [type(j) for j in loaded] == [Job] * 3
+    for mine, theirs in zip(loaded, by_orm):
+        assert {k: v for k, v in vars(mine).items() if k != "_state"} == \
+            {k: v for k, v in vars(theirs).items() if k != "_state"}
+        assert (mine._state.adding, mine._state.db) == (theirs._state.adding, theirs._state.db) == (False, "default")
+        assert mine.get_deferred_fields() == theirs.get_deferred_fields()
+        assert mine.name == theirs.name and mine.team == theirs.team  # deferred: loaded on access
+    loaded[0].world_size = 6
+    loaded[0].save(update_fields=["world_size"])
+    assert Job.objects.get(pk=loaded[0].pk).world_size == 6
+
+
+def test_instances_loaded_names_a_field_the_model_lacks():
+    with pytest.raises(ValueError, match="team"):
+        bulk.instances_loaded(Job, ("id", "team"), [(1, 1)])
+
+
 def test_transition_of_many_jobs_writes_one_event_each(many_jobs, alice):
     """jobs_transition_bulk above COPY_MIN_ROWS (the COPY path on PostgreSQL)."""
     jobs = many_jobs(bulk.COPY_MIN_ROWS + 5)
