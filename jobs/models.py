@@ -106,7 +106,10 @@ class Job(models.Model):
     WAITING_STATES = frozenset({State.PENDING, State.PREEMPTED})
 
     name = models.CharField(max_length=200)
-    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
+    # No index of its own: job_team_state (team, state) serves every lookup by team (PROTECT's check
+    # too), and each job UPDATE that changes the state writes a new entry in every index of the
+    # table (a placement tick: ~30k such updates).
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs", db_index=False)
     submitted_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="submitted_jobs"
     )
@@ -292,15 +295,18 @@ class JobEvent(models.Model):
     from_state = models.CharField(max_length=16, blank=True)
     to_state = models.CharField(max_length=16, blank=True)
     reason = models.CharField(max_length=500, blank=True)
+    # Indexed where set only (jobevent_actor): the control loop's events have no actor (~60k at a
+    # placement tick), and the one lookup by actor (a user deleted: SET_NULL) names a user.
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_index=False
     )
     extra_data = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["created_at", "id"]
-        indexes = [models.Index(fields=["job", "created_at"], name="jobevent_job_created")]
+        indexes = [models.Index(fields=["job", "created_at"], name="jobevent_job_created"),
+                   models.Index(fields=["actor"], condition=models.Q(actor__isnull=False), name="jobevent_actor")]
 
     def __str__(self):
         return f"{self.job_id} {self.type} {self.created_at:%H:%M:%S}"
