@@ -138,8 +138,12 @@ class Job(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
 
     # Placement and accounting, maintained by the control loop.
+    # No foreign-key constraint in the database (db_constraint=False; the index stays), as
+    # Replica.device: a placement tick sets ~30k jobs' region, each checked at commit for nothing.
+    # The tick writes region ids it read in the same transaction, Meridian deletes no region, and
+    # Django's collector still clears the jobs of a region deleted through the ORM (SET_NULL).
     region = models.ForeignKey(
-        "fleet.Region", on_delete=models.SET_NULL, null=True, blank=True, related_name="+",
+        "fleet.Region", on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_constraint=False,
         help_text="Region of its current placement; replicas never span regions.",
     )
     device_count = models.PositiveIntegerField(default=0, help_text="Devices under it now.")

@@ -1,12 +1,13 @@
-"""Replica.device without a foreign-key constraint in the database (migration jobs/0012): the
-placement tick no longer pays ~110k deferred checks at commit, and what the constraint stood for
-still holds: deleting an accelerator (or its node) through Django unplaces the replicas on it."""
+"""Replica.device and Job.region without a foreign-key constraint in the database (migrations
+jobs/0012, jobs/0014): the placement tick no longer pays ~140k deferred checks at commit, and what
+the constraints stood for still holds: deleting an accelerator (or its node, or its region) through
+Django unplaces the replicas on it and clears the region of its jobs."""
 import pytest
 from django.db import connection
 
-from fleet.models import Accelerator, Node
+from fleet.models import Accelerator, Node, Region
 from fleet.services import fleet_generate
-from jobs.models import Replica
+from jobs.models import Job, Replica
 from jobs.services import job_submit
 
 pytestmark = pytest.mark.django_db
@@ -21,6 +22,7 @@ def placed(team_a, alice, job_spec):
     for replica in Replica.objects.filter(job=job):
         replica.device = devices[replica.rank]
         replica.save(update_fields=["device"])
+    Job.objects.filter(pk=job.pk).update(region=devices[0].node.cluster.region, device_count=4)
     return job, devices
 
 
@@ -52,3 +54,21 @@ def test_the_database_has_no_constraint_on_a_replicas_device_but_keeps_its_index
     assert any(c["index"] for c in on_device)  # the desired-state query looks replicas up by device
     # the job's foreign key is still the database's to enforce
     assert any(c["foreign_key"] for c in constraints.values() if c["columns"] == ["job_id"])
+
+
+def test_deleting_a_region_clears_its_jobs_region_and_unplaces_their_replicas(placed):
+    job, devices = placed
+
+    Region.objects.filter(pk=devices[0].node.cluster.region_id).delete()
+
+    assert Job.objects.get(pk=job.pk).region_id is None
+    assert _devices_by_rank(job) == {0: None, 1: None, 2: None, 3: None}
+
+
+def test_the_database_has_no_constraint_on_a_jobs_region_but_keeps_its_index():
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, Job._meta.db_table)
+    on_region = [c for c in constraints.values() if c["columns"] == ["region_id"]]
+    assert not any(c["foreign_key"] for c in on_region)
+    assert any(c["index"] for c in on_region)
+    assert any(c["foreign_key"] for c in constraints.values() if c["columns"] == ["team_id"])
