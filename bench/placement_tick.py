@@ -12,7 +12,9 @@ fleet, half elastic; not timed), then ANALYZE and a CHECKPOINT, then one tick_ru
     machine), so that the work is comparable when the shared machine is busy; on an idle machine
     wall ~ client CPU + db CPU + the commit's flush.
 --against REV runs the same rows with the code of git revision REV (a `git archive` in a temp
-folder, same database, same interpreter), for before/after ratios on the same machine.
+folder, same interpreter), for before/after ratios on the same machine. It gets a database of its
+own (the --db name + "_against"): a migration of this tree (a constraint dropped, say) stays out of
+the old code's schema, which its own migrate would not undo.
 The 1M row needs ~2 GB of RAM and several minutes of set-up.
 """
 from __future__ import annotations
@@ -71,9 +73,9 @@ def one_size(n: int, db: str, seed: int) -> dict:
             "load": (load_before, os.getloadavg()[0])}
 
 
-def run_child(code_root: pathlib.Path, n: int, args) -> dict:
+def run_child(code_root: pathlib.Path, n: int, args, *, db: str) -> dict:
     script = (f"import sys, json; sys.path[:0] = [{str(code_root)!r}, {str(code_root / 'bench')!r}]; "
-              f"import placement_tick as p; print('RESULT ' + json.dumps(p.one_size({n}, {args.db!r}, {args.seed})))")
+              f"import placement_tick as p; print('RESULT ' + json.dumps(p.one_size({n}, {db!r}, {args.seed})))")
     env = dict(os.environ, PYTHONPATH=str(code_root), MERIDIAN_LOG_LEVEL="WARNING")
     out = subprocess.run([sys.executable, "-c", script], cwd=code_root, env=env, capture_output=True, text=True)
     for line in out.stdout.splitlines():
@@ -103,7 +105,7 @@ def main():
     for n in [int(s) for s in args.sizes.split(",")]:
         for _ in range(args.repeats):
             for name, root in codes:
-                r = run_child(root, n, args)
+                r = run_child(root, n, args, db=args.db if root == ROOT else f"{args.db}_against")
                 ph = r["phases"]
                 print(f"{name[:12]:>12} {r['n']:>8} {r['jobs']:>7} {r['started']:>7} | {r['wall']:>7.2f} "
                       f"{ph['snapshot']:>5.2f} {ph['plan']:>5.2f} {ph['apply']:>6.2f} | {r['client_cpu']:>12.2f} "

@@ -106,7 +106,10 @@ class Job(models.Model):
     WAITING_STATES = frozenset({State.PENDING, State.PREEMPTED})
 
     name = models.CharField(max_length=200)
-    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
+    # No index of its own: job_team_state (team, state) serves every lookup by team (PROTECT's check
+    # too), and each job UPDATE that changes the state writes a new entry in every index of the
+    # table (a placement tick: ~30k such updates).
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs", db_index=False)
     submitted_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="submitted_jobs"
     )
@@ -135,8 +138,12 @@ class Job(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
 
     # Placement and accounting, maintained by the control loop.
+    # No foreign-key constraint in the database (db_constraint=False; the index stays), as
+    # Replica.device: a placement tick sets ~30k jobs' region, each checked at commit for nothing.
+    # The tick writes region ids it read in the same transaction, Meridian deletes no region, and
+    # Django's collector still clears the jobs of a region deleted through the ORM (SET_NULL).
     region = models.ForeignKey(
-        "fleet.Region", on_delete=models.SET_NULL, null=True, blank=True, related_name="+",
+        "fleet.Region", on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_constraint=False,
         help_text="Region of its current placement; replicas never span regions.",
     )
     device_count = models.PositiveIntegerField(default=0, help_text="Devices under it now.")
@@ -214,8 +221,15 @@ class Replica(models.Model):
     # tick rewrites ~100k replica rows, each of which would update one index more.
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="replicas", db_index=False)
     rank = models.PositiveIntegerField()
+    # No foreign-key constraint in the database (db_constraint=False; the index stays): a placement
+    # tick at 100k accelerators points ~110k replicas at new devices, and PostgreSQL checked each
+    # one at commit (~0.5 s of the tick) for nothing. The tick takes the device ids from the
+    # accelerator rows it read in the same transaction, and Meridian never deletes an accelerator
+    # (a lost or drained node keeps its rows). on_delete=SET_NULL is Django's own (its collector
+    # unplaces the replicas of an accelerator deleted through the ORM), with or without the
+    # constraint; only a DELETE outside Django could leave a replica naming a missing device.
     device = models.ForeignKey(
-        Accelerator, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas"
+        Accelerator, on_delete=models.SET_NULL, null=True, blank=True, related_name="replicas", db_constraint=False
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -285,15 +299,18 @@ class JobEvent(models.Model):
     from_state = models.CharField(max_length=16, blank=True)
     to_state = models.CharField(max_length=16, blank=True)
     reason = models.CharField(max_length=500, blank=True)
+    # Indexed where set only (jobevent_actor): the control loop's events have no actor (~60k at a
+    # placement tick), and the one lookup by actor (a user deleted: SET_NULL) names a user.
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_index=False
     )
     extra_data = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["created_at", "id"]
-        indexes = [models.Index(fields=["job", "created_at"], name="jobevent_job_created")]
+        indexes = [models.Index(fields=["job", "created_at"], name="jobevent_job_created"),
+                   models.Index(fields=["actor"], condition=models.Q(actor__isnull=False), name="jobevent_actor")]
 
     def __str__(self):
         return f"{self.job_id} {self.type} {self.created_at:%H:%M:%S}"

@@ -380,7 +380,9 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
         for job in jobs:
             from_state = S(job.state)
             writes = writes_of[from_state]
-            deferred = job.get_deferred_fields()
+            # Only when needed: get_deferred_fields walks every field (~30 µs a job; a placement tick
+            # moves 30k jobs to scheduled, which sets neither).
+            deferred = job.get_deferred_fields() if writes.sets_started_at or writes.counter else set()
             for field, value in writes.columns.items():
                 setattr(job, field, value)
             if writes.sets_started_at and "started_at" not in deferred and job.started_at is None:

@@ -107,6 +107,59 @@ def test_rows_update_writes_each_row_its_values_and_the_shared_ones(many_jobs):
     assert got == [(values[i], i + 100, when) for i in range(len(replicas))]
 
 
+def test_rows_update_by_keys_writes_the_row_each_key_names(many_jobs):
+    """keys= names rows by (job_id, rank); a key with no row writes nothing and is not counted."""
+    jobs = many_jobs(bulk.COPY_MIN_ROWS + 10, world_size=2)
+    replicas = list(Replica.objects.filter(job__in=jobs).order_by("pk").values_list("pk", "job_id", "rank"))
+    when = timezone.now()
+    # every replica but the first, in reverse (the keys' order is not the table's), and one rank
+    # no job has
+    named = replicas[1:][::-1]
+    job_ids = [job_id for _, job_id, _ in named] + [jobs[0].pk]
+    ranks = [rank for _, _, rank in named] + [99]
+    values = [7_000_000_000 + job_id * 10 + rank for job_id, rank in zip(job_ids, ranks)]
+    updated = rows_update(Replica._meta.db_table, set_sql="device_id = v.c1, updated_at = %s", columns=[values],
+                          keys={"job_id": job_ids, "rank": ranks}, types=("bigint",), params=[when])
+    got = dict(Replica.objects.filter(pk__in=[pk for pk, _, _ in replicas]).values_list("pk", "device_id"))
+    # the foreign key is checked at commit (deferred); these made-up device ids must not reach it
+    Replica.objects.filter(pk__in=[pk for pk, _, _ in replicas]).update(device=None)
+    assert updated == len(named)
+    first_pk = replicas[0][0]
+    assert got[first_pk] is None
+    assert {pk: got[pk] for pk, _, _ in named} == {pk: 7_000_000_000 + job_id * 10 + rank for pk, job_id, rank in named}
+
+
+def test_rows_update_takes_ids_or_keys_not_both():
+    with pytest.raises(TypeError):
+        rows_update(Replica._meta.db_table, set_sql="device_id = v.c1", columns=[[1]], ids=[1],
+                    keys={"job_id": [1], "rank": [0]}, types=("bigint",))
+
+
+def test_instances_loaded_are_what_the_orm_loads(many_jobs):
+    """instances_loaded makes of values_list rows what .only() makes of the same rows: the loaded
+    fields, the others deferred and read on access, a saved row that saves what it is told."""
+    jobs = many_jobs(3)
+    fields = ("id", "team_id", "world_size", "state")
+    by_orm = list(Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk").only(*fields))
+    loaded = bulk.instances_loaded(Job, fields, Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk")
+                                   .values_list(*fields))
+    assert [type(j) for j in loaded] == [Job] * 3
+    for mine, theirs in zip(loaded, by_orm):
+        assert {k: v for k, v in vars(mine).items() if k != "_state"} == \
+            {k: v for k, v in vars(theirs).items() if k != "_state"}
+        assert (mine._state.adding, mine._state.db) == (theirs._state.adding, theirs._state.db) == (False, "default")
+        assert mine.get_deferred_fields() == theirs.get_deferred_fields()
+        assert mine.name == theirs.name and mine.team == theirs.team  # deferred: loaded on access
+    loaded[0].world_size = 6
+    loaded[0].save(update_fields=["world_size"])
+    assert Job.objects.get(pk=loaded[0].pk).world_size == 6
+
+
+def test_instances_loaded_names_a_field_the_model_lacks():
+    with pytest.raises(ValueError, match="team"):
+        bulk.instances_loaded(Job, ("id", "team"), [(1, 1)])
+
+
 def test_transition_of_many_jobs_writes_one_event_each(many_jobs, alice):
     """jobs_transition_bulk above COPY_MIN_ROWS (the COPY path on PostgreSQL)."""
     jobs = many_jobs(bulk.COPY_MIN_ROWS + 5)

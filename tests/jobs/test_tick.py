@@ -2,6 +2,7 @@
 
 Agents are played by calling the same service their heartbeat API calls (node_report_apply);
 the Celery worker by calling the service its move tasks call (jobs.moves.move_advance)."""
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -19,6 +20,7 @@ from jobs.services import job_submit, preemption_approve, preemption_deny
 from jobs.snapshot import snapshot_build
 from jobs.tick import tick_run
 from jobs.workflows import node_desired_state, node_report_apply
+from scheduler import rank_layout
 
 S = Job.State
 
@@ -68,6 +70,37 @@ def test_a_pending_job_is_scheduled_then_runs_when_its_agent_reports(alice, team
     report(node, job, "running")
     job.refresh_from_db()
     assert job.state == S.RUNNING and job.progress_step == 10
+
+
+@pytest.mark.django_db
+def test_a_placement_lands_every_rank_on_the_device_its_layout_names(alice, team_a, job_spec):
+    """The starts' replica rows are written by (job, rank): each rank on rank_layout's device of the
+    devices its PLACED event names, a spliced job's ranks in blocks, no rank left unplaced."""
+    make_node("n1", devices=2)
+    make_node("n2", devices=3)
+    # too few devices for W = 8: it starts spliced, two or four ranks to a device
+    spliced = job_submit(team=team_a, submitted_by=alice,
+                         spec=job_spec(name="spliced", world_size=8, min_devices=2, tier="basic"))
+    single = job_submit(team=team_a, submitted_by=alice,
+                        spec=job_spec(name="single", world_size=1, min_devices=1, tier="basic"))
+
+    result = tick_run()
+
+    assert result.counts["start"] == 2
+    for job in (spliced, single):
+        job.refresh_from_db()
+        placed = JobEvent.objects.get(job=job, type=JobEvent.Type.PLACED).extra_data["devices"]
+        ranks = list(Replica.objects.filter(job=job).order_by("rank").values_list("rank", "device_id"))
+        assert job.state == S.SCHEDULED and job.device_count == len(placed)
+        assert ranks == list(enumerate(rank_layout(placed, job.world_size)))
+    assert spliced.device_count < 8 and job_devices_spliced(spliced) == 8 // spliced.device_count
+
+
+def job_devices_spliced(job):
+    """Returns how many ranks of `job` share each of its devices (one number: they all share alike)."""
+    counts = Counter(Replica.objects.filter(job=job).values_list("device_id", flat=True))
+    assert len(set(counts.values())) == 1
+    return next(iter(counts.values()))
 
 
 @pytest.mark.django_db
