@@ -59,6 +59,7 @@ from protocol.launch import (
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState, ResumeRefused
 from runtime import fence, multihost
+from runtime import rank as rank_liveness
 from runtime.control import JobControl, JobControlError
 from runtime.spool import write_json_atomic
 
@@ -300,6 +301,38 @@ def next_attempt(jobs_dir, job_id):
     return 1 + max(attempts, default=0)
 
 
+def launcher_processes(jobs_dir) -> dict[pathlib.Path, tuple[int, str | None]]:
+    """Returns {job dir: (pid, its --job-id)} of every live meridian-run whose --job-dir is a folder
+    of `jobs_dir`, read from /proc by command line: the only trace of a launcher started by an agent
+    that died before it recorded the pid (agent.json), or before the launcher wrote launcher.json
+    (after its rendezvous, which may take minutes on several hosts)."""
+    jobs_dir = pathlib.Path(jobs_dir).absolute()
+    found = {}
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            raw = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runtime.launcher" not in raw or b"--job-dir" not in raw:
+            continue
+        argv = [a.decode(errors="replace") for a in raw]
+        try:
+            job_dir = pathlib.Path(argv[argv.index("--job-dir") + 1])
+            launcher_id = argv[argv.index("--job-id") + 1] if "--job-id" in argv else None
+        except IndexError:
+            continue
+        if job_dir.parent == jobs_dir and pid_alive(int(proc.name)):
+            found[job_dir] = (int(proc.name), launcher_id)
+    return found
+
+
+def shared_launcher_id(entry: DesiredJob) -> str | None:
+    """The meridian-run --job-id of `entry`'s copy when it is the same for every attempt on a node
+    (a job that spans hosts: one spool per generation, so two launchers of it on one node would
+    share it), else None (a one-host copy's id names its attempt and agent)."""
+    return f"j{entry.job_id}-g{entry.generation or 0}" if entry.span is not None else None
+
+
 def launcher_pid(job_dir):
     """Returns the pid of the launcher that ran in `job_dir` (launcher.json, or agent.json
     before the launcher wrote its own), or None."""
@@ -503,12 +536,17 @@ class NodeReconciler:
         fail instead). A copy whose outcome the control plane accepted (REPORTED_FILE) is not
         reported again; its generation is remembered as ended, so it is not launched again."""
         newest: dict[int, tuple[int, pathlib.Path]] = {}
+        running = launcher_processes(self.jobs_dir)
         for job_dir in sorted(self.jobs_dir.iterdir()):
             job_id, _, attempt = job_dir.name.partition(".")
             if job_id.isdigit() and attempt.isdigit() and job_dir.is_dir() and not job_dir.is_symlink() \
                     and int(attempt) > newest.get(int(job_id), (0, job_dir))[0]:
                 newest[int(job_id)] = (int(attempt), job_dir)
             pid = launcher_pid(job_dir)
+            if not pid_alive(pid):
+                # An agent killed between starting the launcher and recording its pid: the launcher
+                # runs on all the same (left alone, it ran beside a second copy of the job).
+                pid = running.get(job_dir.absolute(), (None, None))[0]
             if not pid_alive(pid):
                 continue
             meta = read_json(job_dir / "agent.json") or {}
@@ -828,6 +866,8 @@ class NodeReconciler:
         if span_problem:
             self._launch_refused_new_attempt(entry, span_problem)
             return
+        if self._previous_launcher_kept(entry):
+            return
         try:
             workspace = bundles.workspace_for_launch(self, entry, resume=resume, fetches=self.bundle_fetches)
         except bundles.BundleRefused as exc:
@@ -860,21 +900,59 @@ class NodeReconciler:
         if generation is not None:
             env["MERIDIAN_GENERATION"] = str(generation)
         env["PYTHONPATH"] = str(ROOT)
-        with open(job_dir / "launcher.err", "wb") as err:
-            # A session of its own: the job outlives an agent restart (and is re-adopted).
-            popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
-                                     stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
-        job = LocalJob(job_id, job_dir, popen=popen, devices=entry.devices, world_size=entry.world_size,
+        job = LocalJob(job_id, job_dir, devices=entry.devices, world_size=entry.world_size,
                        generation=generation, store=store, device_indices=entry.device_indices,
                        log_grant=entry.log_grant)
         job.follower = entry.span is not None and entry.span.node_rank > 0
         job.pinned = pinned
+        # Written before the launcher starts (its pid follows): an agent killed in between leaves a
+        # job folder that says what runs there, and the restarted agent finds the launcher by its
+        # command line (adopt).
+        self._write_meta(job)
+        with open(job_dir / "launcher.err", "wb") as err:
+            # A session of its own: the job outlives an agent restart (and is re-adopted).
+            job.popen = subprocess.Popen(command, cwd=str(self.workload_root), env=env, stdin=subprocess.DEVNULL,
+                                         stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        job.pid = job.popen.pid
         self._write_meta(job)
         self.jobs[job_id] = job
         span = entry.span
         where = f" as host {span.node_rank} of {span.nodes} (leader {span.leader})" if span else ""
         log.info("job %s: launched %s on %s device(s)%s%s", job_id, pathlib.Path(entry.entrypoint).name, entry.devices,
                  where, " (restoring its newest checkpoint)" if resume else "")
+
+    def _previous_launcher_kept(self, entry: DesiredJob) -> bool:
+        """For a copy whose launcher id is the same at every attempt on this node (a job spanning
+        hosts): returns True when a launcher of that id still runs here, so nothing is launched. One
+        that is not fenced runs exactly this copy and is adopted; one that is ending (fenced, or only
+        its spool lock is left, held by a dying launcher) is waited for, the copy reported as
+        starting and why. Launched over it, the new launcher found the spool locked and failed the
+        job (the chaos soak, after an agent's restart under a partition)."""
+        launcher_id = shared_launcher_id(entry)
+        if launcher_id is None:
+            return False
+        running = launcher_processes(self.jobs_dir)
+        for job_dir, (pid, running_id) in sorted(running.items()):
+            if running_id != launcher_id or not job_dir.name.startswith(f"{entry.job_id}."):
+                continue
+            meta = read_json(job_dir / "agent.json") or {}
+            if (job_dir / fence.FENCED_FILE).exists() or meta.get("generation") != entry.generation:
+                break  # ending: waited for below
+            self.jobs[entry.job_id] = self._local_job(job_dir, meta, pid)
+            self.waiting.pop(entry.job_id, None)
+            log.warning("job %s: its launcher for generation %s (pid %s, in %s) runs on untracked: adopted, "
+                        "not launched again", entry.job_id, entry.generation, pid, job_dir)
+            return True
+        lock = rank_liveness.launcher_lock_path(self.spool_root / launcher_id)
+        if not rank_liveness.launcher_alive(self.spool_root / launcher_id) \
+                and not any(i == launcher_id for _, i in running.values()):
+            return False
+        why = f"waiting for this node's previous launcher of generation {entry.generation} to end (it holds {lock})"
+        if self.waiting.get(entry.job_id) is None or self.waiting[entry.job_id].waiting != why:
+            log.warning("job %s: %s", entry.job_id, why)
+        self.waiting[entry.job_id] = JobReport(job_id=entry.job_id, state=CopyState.STARTING,
+                                               generation=entry.generation, waiting=why[:MAX_ERROR])
+        return True
 
     def _sandbox_uid_taken(self, job_id) -> bool:
         """True (and logged) when another live job here runs as the uid job `job_id` would get (their

@@ -275,9 +275,11 @@ class Launcher:
         try:
             self._spool_lock = rank_liveness.hold_launcher_lock(self.spool)
         except BlockingIOError:
+            # Not the job's fault: under an agent (which waits for a previous launcher of the same
+            # id before it starts one) the job is restarted from its checkpoint, never failed.
             raise LaunchError(f"another meridian-run is running job {self.job_id!r} on this "
                               f"node (it holds {rank_liveness.launcher_lock_path(self.spool)}); "
-                              f"stop it or use another --job-id", EXIT_USAGE) from None
+                              f"stop it or use another --job-id", EXIT_USAGE, host_failure=True) from None
 
     def fresh_spool(self):
         self.hold_spool()

@@ -1,5 +1,7 @@
 """The real-node reconciler driving the real runtime (meridian-run; framework engine, and CRIU where it works), no
 control plane: desired state in, launches / stops / re-adoption out."""
+import json
+import os
 import pathlib
 import tempfile
 import time
@@ -230,3 +232,65 @@ def test_only_the_leaders_accepted_end_removes_a_finished_jobs_store(follower, t
     time.sleep(0.5)
     assert 7 not in node.jobs
     assert store.exists() is follower
+
+
+def follower_entry(store, rendezvous):
+    """Job 9's share on a second host (generation 4): its launcher waits in the rendezvous for a
+    leader that never comes, so it lives on without having written launcher.json."""
+    return {"job_id": 9, "action": "run", "world_size": 2, "devices": 1, "generation": 4, "device_indices": [0],
+            "entrypoint": "examples/train_mlp.py", "args": ["--epochs", "3"], "env": {}, "store": str(store),
+            "span": {"nodes": 2, "node_rank": 1, "first_rank": 1, "ranks": 1, "job_devices": 2, "leader": "mh-0",
+                     "rendezvous": str(rendezvous)}}
+
+
+def test_a_launcher_whose_pid_the_killed_agent_never_recorded_is_adopted_not_started_twice(tmp_path):
+    work = tmp_path / "w"
+    first = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+    desired = [follower_entry(tmp_path / "store", tmp_path / "rendezvous")]
+    first.reconcile(desired)
+    launched = first.jobs[9]
+    try:
+        job_dir = launched.job_dir
+        assert pid_alive(launched.pid) and not (job_dir / "launcher.json").exists()
+        # What the agent leaves when it is killed between starting the launcher and recording its pid:
+        # agent.json as written before the launcher started.
+        meta = json.loads((job_dir / "agent.json").read_text())
+        (job_dir / "agent.json").write_text(json.dumps({**meta, "pid": None}))
+
+        second = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+        assert list(second.jobs) == [9] and second.jobs[9].pid == launched.pid and second.jobs[9].follower
+        second.reconcile(desired)
+        assert [p.name for p in (work / "j").iterdir()] == [job_dir.name]  # nothing launched beside it
+        assert by_id(second.observed())[9]["state"] == "starting"
+    finally:
+        first.kill_all()
+
+
+def test_a_hosts_share_waits_for_the_launcher_holding_its_spool_and_adopts_an_untracked_one(tmp_path):
+    """The chaos soak: an agent started a job's share again while the previous launcher of the same
+    generation still held its spool; the new launcher refused to start and the job failed."""
+    from runtime import rank as rank_liveness
+
+    work = tmp_path / "w"
+    agent = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+    other = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
+    desired = [follower_entry(tmp_path / "store", tmp_path / "rendezvous")]
+    lock = rank_liveness.hold_launcher_lock(work / "spool" / "j9-g4")  # a launcher of generation 4, ending
+    try:
+        agent.reconcile(desired)
+        assert 9 not in agent.jobs and not list((work / "j").iterdir())  # nothing launched over it
+        waiting = by_id(agent.observed())[9]
+        assert waiting["state"] == "starting" and "previous launcher of generation 4" in waiting["waiting"]
+        os.close(lock)
+        lock = None
+
+        agent.reconcile(desired)
+        assert pid_alive(agent.jobs[9].pid) and 9 not in agent.waiting
+        # Another agent process on this node (it knew of no launcher when it started) finds the launcher
+        # of the generation it is asked to run, and adopts it instead of starting a second one.
+        other.reconcile(desired)
+        assert other.jobs[9].pid == agent.jobs[9].pid and len(list((work / "j").iterdir())) == 1
+    finally:
+        if lock is not None:
+            os.close(lock)
+        agent.kill_all()

@@ -106,3 +106,28 @@ def test_liveness_probe_follows_the_lock_holder(tmp_path):
         os.close(fd)
     assert not rank_module.launcher_alive(spool)
     assert (spool / rank_module.LAUNCHER_LOCK).stat().st_size == 0  # CRIU restores same size
+
+
+def test_a_launcher_refused_a_held_spool_says_the_job_is_not_at_fault(tmp_path):
+    """The second launcher of one job id on a node neither wipes the first one's spool nor fails
+    the job as if its code had: its failed event is a host failure (restarted from its checkpoint)."""
+    import json
+    import subprocess
+    import sys
+
+    from runtime_helpers import ROOT
+
+    job_id = unique_id("held")
+    fd = rank_module.hold_launcher_lock(tmp_path / "spool" / job_id)
+    try:
+        (tmp_path / "spool" / job_id / "keep").write_text("the first launcher's")
+        env = {**os.environ, "MERIDIAN_SPOOL_ROOT": str(tmp_path / "spool"), "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, "-m", "runtime.launcher", "--ranks", "1", "--engine", "framework",
+                               "--job-dir", str(tmp_path / "job"), "--job-id", job_id, str(DDP_SCRIPT)],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(fd)
+    assert done.returncode == 2 and "another meridian-run is running job" in done.stderr, done.stderr
+    failed = [json.loads(line) for line in (tmp_path / "job" / "events.jsonl").read_text().splitlines()][-1]
+    assert failed["event"] == "failed" and failed["host_failure"] is True
+    assert (tmp_path / "spool" / job_id / "keep").read_text() == "the first launcher's"
