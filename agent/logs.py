@@ -111,6 +111,7 @@ class LogShipper:
         self.dropped_total = 0
         self.token_source = token_source  # the heartbeat's client's token (it re-registers; this follows)
         self._launcher_alive = launcher_alive or (lambda job_dir: pid_alive(launcher_pid(job_dir)))
+        self._launcher_pid = launcher_pid
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _source(self, job_dir: pathlib.Path) -> _Source | None:
@@ -172,11 +173,11 @@ class LogShipper:
             manifest = read_manifest(job_dir)
             alive = self._launcher_alive(job_dir)
             if manifest is None:
-                # agent.json names the launcher's pid: the agent creates launcher.err for the launcher's
-                # output a moment before it writes agent.json, and in that moment no pid reads as a
-                # launcher that has ended (found by the chaos soak: a new copy marked done before it
-                # ran, none of its output ever shipped).
-                if not alive and (job_dir / "launcher.err").exists() and (job_dir / "agent.json").exists():
+                # Only a recorded pid can read as a launcher that ended: the agent writes agent.json
+                # before it starts the launcher and its pid just after, and in that moment no pid
+                # would read as a launcher gone (found twice by the chaos soak: a new copy marked
+                # done before it ran, none of its output ever shipped).
+                if not alive and (job_dir / "launcher.err").exists() and self._launcher_pid(job_dir) is not None:
                     source.done = True  # the launcher ended before it started a rank
                     self._save(source)
                 continue

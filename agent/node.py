@@ -552,6 +552,8 @@ class NodeReconciler:
             meta = read_json(job_dir / "agent.json") or {}
             job_id = int(meta.get("job_id", job_dir.name.split(".")[0]))
             self.jobs[job_id] = self._local_job(job_dir, meta, pid)
+            if meta and meta.get("pid") != pid and not (job_dir / "launcher.json").exists():
+                self._write_meta(self.jobs[job_id])  # the pid found by command line, for every reader
             log.info("re-adopted job %s (pid %s) in %s", job_id, pid, job_dir)
         for job_id, (_, job_dir) in newest.items():
             meta = read_json(job_dir / "agent.json") or {}

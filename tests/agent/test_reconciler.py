@@ -259,6 +259,7 @@ def test_a_launcher_whose_pid_the_killed_agent_never_recorded_is_adopted_not_sta
 
         second = NodeReconciler(work, engine="framework", checkpoint_every_s=0, workload_root=ROOT)
         assert list(second.jobs) == [9] and second.jobs[9].pid == launched.pid and second.jobs[9].follower
+        assert json.loads((job_dir / "agent.json").read_text())["pid"] == launched.pid  # for the log shipper too
         second.reconcile(desired)
         assert [p.name for p in (work / "j").iterdir()] == [job_dir.name]  # nothing launched beside it
         assert by_id(second.observed())[9]["state"] == "starting"

@@ -64,14 +64,15 @@ def test_a_chunk_is_bounded_at_the_protocol():
 
 
 def test_a_copy_whose_launcher_is_being_started_is_not_taken_for_one_that_ended(tmp_path):
-    # The agent opens launcher.err for the launcher it is about to start and writes agent.json (the
-    # pid) just after: in between, the chaos soak saw the shipper mark the new copy done, so none of
-    # its output was ever shipped.
+    # The agent writes agent.json without a pid, opens launcher.err for the launcher it is about to
+    # start and writes the pid just after: in between, the chaos soak saw the shipper mark the new
+    # copy done, so none of its output was ever shipped.
     job_dir = tmp_path / "j" / "7.1"
     job_dir.mkdir(parents=True)
     (job_dir / "launcher.err").write_bytes(b"")
     shipper = LogShipper(tmp_path / "j", Recorder())
-
+    assert shipper.ship_once() == 0
+    (job_dir / "agent.json").write_text(json.dumps({"pid": None, "generation": 3}))
     assert shipper.ship_once() == 0
     assert not shipper.sources[job_dir].done and not (job_dir / SHIPPED).exists()
 
