@@ -171,13 +171,15 @@ class LogShipper:
             if source is None or source.done:
                 continue
             manifest = read_manifest(job_dir)
+            # Read before the launcher's liveness, never after: the agent writes agent.json before it
+            # starts the launcher and the pid just after (from its main thread, while this runs in
+            # another), and a pid read after a liveness taken without it is a launcher "gone" that
+            # never ran (found three times by the chaos soak: a new copy marked done before it ran,
+            # none of its output ever shipped).
+            recorded = self._launcher_pid(job_dir) is not None
             alive = self._launcher_alive(job_dir)
             if manifest is None:
-                # Only a recorded pid can read as a launcher that ended: the agent writes agent.json
-                # before it starts the launcher and its pid just after, and in that moment no pid
-                # would read as a launcher gone (found twice by the chaos soak: a new copy marked
-                # done before it ran, none of its output ever shipped).
-                if not alive and (job_dir / "launcher.err").exists() and self._launcher_pid(job_dir) is not None:
+                if not alive and recorded and (job_dir / "launcher.err").exists():
                     source.done = True  # the launcher ended before it started a rank
                     self._save(source)
                 continue

@@ -84,6 +84,32 @@ def test_a_copy_whose_launcher_is_being_started_is_not_taken_for_one_that_ended(
     assert json.loads((job_dir / SHIPPED).read_text())["done"] is True
 
 
+
+def test_a_pid_recorded_while_the_shipper_looks_is_not_taken_for_a_launcher_that_ended(tmp_path):
+    # The agent's main thread writes the launcher's pid while the shipper (another thread) is between
+    # its reads: liveness taken without the pid (gone), then the pid found. The soak lost a copy's
+    # whole output so. Here the pid is written exactly in that gap.
+    job_dir = tmp_path / "j" / "7.1"
+    job_dir.mkdir(parents=True)
+    (job_dir / "launcher.err").write_bytes(b"")
+    (job_dir / "agent.json").write_text(json.dumps({"pid": None, "generation": 3}))
+    starting = subprocess.Popen(["sleep", "30"])
+
+    def liveness_then_pid_written(folder):
+        from agent.node import launcher_pid, pid_alive
+
+        alive = pid_alive(launcher_pid(folder))  # no pid yet: reads as gone
+        (folder / "agent.json").write_text(json.dumps({"pid": starting.pid, "generation": 3}))
+        return alive
+
+    try:
+        shipper = LogShipper(tmp_path / "j", Recorder(), launcher_alive=liveness_then_pid_written)
+        assert shipper.ship_once() == 0
+        assert not shipper.sources[job_dir].done and not (job_dir / SHIPPED).exists()
+    finally:
+        starting.kill()
+        starting.wait()
+
 def run_launcher(tmp_path, *args, job="7.1", ranks=2, expect=0):
     job_dir = tmp_path / "j" / job
     env = {**os.environ, "MERIDIAN_SPOOL_ROOT": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1",
