@@ -201,10 +201,35 @@ def node_desired_state(*, node) -> dict:
 # --- observed state -----------------------------------------------------------------------------
 
 
-def _placed_on(node_id, job_ids):
-    return set(
-        Replica.objects.filter(device__node_id=node_id, job_id__in=job_ids).values_list("job_id", flat=True)
-    )
+def _placements_of(node_id, job_ids) -> tuple[set[int], dict[int, int]]:
+    """Returns (those of `job_ids` with a replica on node `node_id`'s devices, {job id: the node of
+    its rank 0}) in one query: the rows of the node's own replicas and of every rank 0."""
+    placed, leaders = set(), {}
+    rows = (Replica.objects.filter(job_id__in=job_ids, device__isnull=False)
+            .filter(Q(device__node_id=node_id) | Q(rank=0)).values_list("job_id", "rank", "device__node_id"))
+    for job_id, rank, device_node in rows:
+        if device_node == node_id:
+            placed.add(job_id)
+        if rank == 0:
+            leaders[job_id] = device_node
+    return placed, leaders
+
+
+def _progress_write(progress: dict[int, tuple[float | None, int | None]]) -> None:
+    """Writes the reported progress of several jobs in one UPDATE ... FROM (VALUES ...): {job id:
+    (steps per second, progress step, or None to keep the recorded one)}. The CASTs type the VALUES
+    list (PostgreSQL reads bare parameters as text)."""
+    if not progress:
+        return
+    table = Job._meta.db_table
+    values = ", ".join(["(CAST(%s AS BIGINT), CAST(%s AS DOUBLE PRECISION), CAST(%s AS BIGINT))"] * len(progress))
+    params = [x for job_id, (rate, step) in progress.items() for x in (job_id, rate, step)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH progress(id, rate, step) AS (VALUES {values}) "
+            f"UPDATE {table} SET steps_per_second = progress.rate, "
+            f"progress_step = COALESCE(progress.step, {table}.progress_step) "
+            f"FROM progress WHERE {table}.id = progress.id", params)
 
 
 def node_report_apply(*, node, report: Heartbeat | dict, now=None) -> dict:
@@ -305,13 +330,16 @@ ended is accepted (recording nothing). A final report repeated after the job end
                 cursor.execute("SET LOCAL synchronous_commit = off")
         node_heartbeat_record(node=node, telemetry=_telemetry_dict(heartbeat.telemetry), now=now)
         observed = heartbeat.jobs
+        if not observed:  # telemetry only: nothing more to read or write
+            return ReportOutcome()
         ids = [entry.job_id for entry in observed]
         jobs = Job.objects.in_bulk(ids)
-        placed = _placed_on(node.pk, ids)
         # Where rank 0 of each job lies: the leader of a job that spans hosts speaks for all of it.
-        leaders = dict(Replica.objects.filter(job_id__in=ids, rank=0, device__isnull=False)
-                       .values_list("job_id", "device__node_id")) if ids else {}
-        moves = {m.job_id: m for m in Move.objects.filter(job_id__in=ids, state=Move.State.ACTIVE)} if ids else {}
+        placed, leaders = _placements_of(node.pk, ids)
+        moves = {m.job_id: m for m in Move.objects.filter(job_id__in=ids, state=Move.State.ACTIVE)}
+        # The reports that are applied (below), with their jobs and moves: the progress of them all
+        # is written first, in one statement, then each one's checkpoint and state.
+        applying = []
         for entry in observed:
             job = jobs.get(entry.job_id)
             if job is None:
@@ -361,11 +389,40 @@ ended is accepted (recording nothing). A final report repeated after the job end
                 # sweep restarts the job from its last checkpoint; the report waits until then.
                 deferred.append(job.pk)
                 continue
-            result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now)
+            applying.append((job, entry, current, move, generation))
+        _progress_write({job.pk: _progress_of(job, entry) for job, entry, current, _m, _g in applying
+                         if current and entry.step is not None})
+        checkpointed = _checkpoints_recorded(
+            {(job.pk, entry.checkpoint.uri) for job, entry, *_ in applying if _checkpoint_reported(entry)})
+        for job, entry, current, move, generation in applying:
+            result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now,
+                                     checkpointed=checkpointed)
             if move is not None:
                 move_observe(move=move, generation=generation, node=node, entry=entry, now=now)
             (deferred if result == "deferred" else accepted).append(job.pk)
     return ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
+
+
+def _progress_of(job, entry: JobReport) -> tuple[float | None, int | None]:
+    """Returns (steps per second, progress step or None to keep it) of a report of `job`'s current
+    copy: the step moves back only while the copy lives (a restore from an older checkpoint)."""
+    keep = not (entry.step >= job.progress_step or entry.state in LIVE_COPY_STATES)
+    return entry.steps_per_s, None if keep else entry.step
+
+
+def _checkpoint_reported(entry: JobReport) -> bool:
+    checkpoint = entry.checkpoint
+    return checkpoint is not None and bool(checkpoint.uri) and checkpoint.step is not None
+
+
+def _checkpoints_recorded(pairs: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Returns those of the (job id, uri) `pairs` that are recorded already. One query: agents
+    repeat their copies' last checkpoint in every report (level-triggered)."""
+    if not pairs:
+        return set()
+    found = Checkpoint.objects.filter(job_id__in={job_id for job_id, _ in pairs},
+                                      uri__in={uri for _, uri in pairs}).values_list("job_id", "uri")
+    return set(found) & pairs
 
 
 def _a_host_is_silent(job, node, *, now) -> bool:
@@ -384,22 +441,23 @@ def _a_host_is_silent(job, node, *, now) -> bool:
     return bool(set(suspects) - nodes_alive_by_lease(node_ids=suspects, cutoff=cutoff))
 
 
-def _observed_apply(*, job, entry: JobReport, current, node, now):
-    """Records one accepted report on `job`; `current`: it comes from the job's current copy on
-    its placed node. Returns "deferred" when a final state must wait (see node_report_record)."""
+def _observed_apply(*, job, entry: JobReport, current, node, now, checkpointed=None):
+    """Records one accepted report on `job` (but its progress: node_report_record writes the
+    progress of all of a heartbeat's reports at once); `current`: it comes from the job's current
+    copy on its placed node. `checkpointed`: the (job id, uri) of the reported checkpoints that are
+    recorded already (None: looked up here). Returns "deferred" when a final state must wait (see
+    node_report_record)."""
     state = entry.state
     checkpoint = entry.checkpoint
-    if checkpoint is not None and checkpoint.uri and checkpoint.step is not None:
-        if not Checkpoint.objects.filter(job=job, uri=checkpoint.uri).exists():
+    if _checkpoint_reported(entry):
+        if checkpointed is None:
+            checkpointed = _checkpoints_recorded({(job.pk, checkpoint.uri)})
+        if (job.pk, checkpoint.uri) not in checkpointed:
+            # checkpoint_record refreshes `job` itself (its last_checkpoint_* moved)
             checkpoint_record(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework",
                               uri=checkpoint.uri, size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
                               now=now)
-            job.refresh_from_db()
-    if current and entry.step is not None:
-        updates = {"steps_per_second": entry.steps_per_s}
-        if entry.step >= job.progress_step or state in LIVE_COPY_STATES:
-            updates["progress_step"] = entry.step
-        Job.objects.filter(pk=job.pk).update(**updates)
+            checkpointed.add((job.pk, checkpoint.uri))  # a report repeated in the same heartbeat
     if not current:
         return None
     _waiting_apply(job=job, entry=entry, node=node)
