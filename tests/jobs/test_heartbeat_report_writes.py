@@ -66,8 +66,9 @@ def test_a_stopped_copy_never_moves_progress_back_but_a_live_one_does(node, team
 
 def test_a_checkpoint_is_recorded_once_and_its_repeats_cost_one_lookup(node, team_a, alice, submit):
     jobs = running_jobs(node, team_a, alice, submit, 3)
-    reports = [report(job, step=150, checkpoint={"step": 150, "uri": f"{job_store_uri(job.pk, generation=0)}/ckpt-000000000150-1",
-                                                 "bytes": 1, "engine": "framework", "sha256": SHA}) for job in jobs]
+    reports = [report(job, step=150, checkpoint={
+        "step": 150, "uri": f"{job_store_uri(job.pk, generation=0)}/ckpt-000000000150-1", "bytes": 1,
+        "engine": "framework", "sha256": SHA}) for job in jobs]
 
     first = node_report_apply(node=node, report={"jobs": reports + reports[:1]})  # the first job's report twice
     assert not first["rejected"], first
