@@ -34,9 +34,10 @@ from jobs.logs import log_grant
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_observe, move_relaunches
 from jobs.services import (
+    CheckpointNew,
     IllegalTransition,
-    checkpoint_record,
     checkpoints_of_refused_run_retire,
+    checkpoints_record,
     job_event_add,
     job_generation_bump,
     job_transition,
@@ -394,6 +395,14 @@ ended is accepted (recording nothing). A final report repeated after the job end
                          if current and entry.step is not None})
         checkpointed = _checkpoints_recorded(
             {(job.pk, entry.checkpoint.uri) for job, entry, *_ in applying if _checkpoint_reported(entry)})
+        # The new checkpoints of all reports at once (each job instance refreshed), before any state
+        # changes, as one report at a time records its checkpoint first.
+        new = {}
+        for job, entry, *_ in applying:
+            if _checkpoint_reported(entry) and (job.pk, entry.checkpoint.uri) not in checkpointed:
+                new.setdefault((job.pk, entry.checkpoint.uri), _checkpoint_new(job, entry))
+        checkpoints_record(checkpoints=list(new.values()), now=now)
+        checkpointed |= new.keys()
         for job, entry, current, move, generation in applying:
             result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now,
                                      checkpointed=checkpointed)
@@ -408,6 +417,12 @@ def _progress_of(job, entry: JobReport) -> tuple[float | None, int | None]:
     copy: the step moves back only while the copy lives (a restore from an older checkpoint)."""
     keep = not (entry.step >= job.progress_step or entry.state in LIVE_COPY_STATES)
     return entry.steps_per_s, None if keep else entry.step
+
+
+def _checkpoint_new(job, entry: JobReport) -> CheckpointNew:
+    checkpoint = entry.checkpoint
+    return CheckpointNew(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework", uri=checkpoint.uri,
+                         size_bytes=checkpoint.bytes, sha256=checkpoint.sha256)
 
 
 def _checkpoint_reported(entry: JobReport) -> bool:
@@ -453,10 +468,8 @@ def _observed_apply(*, job, entry: JobReport, current, node, now, checkpointed=N
         if checkpointed is None:
             checkpointed = _checkpoints_recorded({(job.pk, checkpoint.uri)})
         if (job.pk, checkpoint.uri) not in checkpointed:
-            # checkpoint_record refreshes `job` itself (its last_checkpoint_* moved)
-            checkpoint_record(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework",
-                              uri=checkpoint.uri, size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
-                              now=now)
+            # checkpoints_record refreshes `job` itself (its last_checkpoint_* moved)
+            checkpoints_record(checkpoints=[_checkpoint_new(job, entry)], now=now)
             checkpointed.add((job.pk, checkpoint.uri))  # a report repeated in the same heartbeat
     if not current:
         return None
