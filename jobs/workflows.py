@@ -25,10 +25,11 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, F, Min, OuterRef, Q, Subquery
+from django.db.models import F, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from fleet.leases import nodes_alive_by_lease
+from fleet.models import Accelerator, Node
 from fleet.services import node_heartbeat_record
 from jobs.logs import log_grant
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
@@ -113,13 +114,7 @@ def node_desired_state_build(*, node) -> DesiredState:
     --if-resume-refused). A job the agent runs that is not listed must be stopped with a
     checkpoint. Three queries.
     """
-    rows = (
-        Replica.objects.filter(device__node_id=node.pk, job__state__in=DESIRED_STATES)
-        .values_list("job_id", "device__index")
-    )
-    devices = defaultdict(set)  # job id -> the node-local indices of the devices it holds here
-    for job_id, index in rows:
-        devices[job_id].add(index)
+    devices, spans = _replicas_here_and_spans(node.pk)
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
         "job_id", "kind", "step", "from_node_id", "from_generation", "to_generation")}
@@ -130,7 +125,6 @@ def node_desired_state_build(*, node) -> DesiredState:
         "total_steps", "last_checkpoint_step", "generation", "bundle__sha256", "if_resume_refused",
     ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
                restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
-    spans = _job_spans(list(devices))
     entries = []
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
@@ -166,18 +160,40 @@ def node_desired_state_build(*, node) -> DesiredState:
                         lost_after_seconds=node_lost_after_seconds(), jobs=tuple(entries))
 
 
-def _job_spans(job_ids) -> dict[int, list[tuple[int, int, int, str, int]]]:
-    """Returns {job id: [(first rank, ranks, node id, hostname, devices), ...] in rank order} for
-    the jobs among `job_ids` whose replicas lie on more than one node. One grouped query."""
-    if not job_ids:
-        return {}
-    rows = (Replica.objects.filter(job_id__in=job_ids, device__isnull=False)
-            .values_list("job_id", "device__node_id", "device__node__hostname")
-            .annotate(first=Min("rank"), ranks=Count("id"), devices=Count("device_id", distinct=True)))
-    per_job = defaultdict(list)
-    for job_id, node_id, hostname, first, ranks, n_devices in rows:
-        per_job[job_id].append((first, ranks, node_id, hostname, n_devices))
-    return {job_id: sorted(shares) for job_id, shares in per_job.items() if len(shares) > 1}
+_R, _A, _N, _J = (model._meta.db_table for model in (Replica, Accelerator, Node, Job))
+# Every placed replica of the jobs in a desired state with a replica on the node (%s), with its
+# device's node, index and hostname: the node's own devices and the jobs' spans from one read.
+_REPLICAS_OF_JOBS_HERE_SQL = (
+    f"SELECT r.job_id, r.rank, r.device_id, a.node_id, a.{connection.ops.quote_name('index')}, n.hostname "
+    f"FROM {_R} r JOIN {_A} a ON a.id = r.device_id JOIN {_N} n ON n.id = a.node_id "
+    f"WHERE r.job_id IN (SELECT r2.job_id FROM {_R} r2 JOIN {_A} a2 ON a2.id = r2.device_id "
+    f"JOIN {_J} j ON j.id = r2.job_id WHERE a2.node_id = %s AND j.state IN ({', '.join(['%s'] * len(DESIRED_STATES))}))"
+)
+
+
+def _replicas_here_and_spans(node_id) -> tuple[dict[int, set[int]], dict[int, list[tuple[int, int, int, str, int]]]]:
+    """Returns ({job id: the node-local indices of the devices it holds on node `node_id`} of the
+    jobs in a desired state there, {job id: [(first rank, ranks, node id, hostname, devices), ...]
+    in rank order} of those whose replicas lie on more than one node). One query."""
+    devices = defaultdict(set)
+    # job id -> node id -> [first rank, ranks, {devices}, hostname]
+    shares: dict[int, dict[int, list]] = defaultdict(dict)
+    with connection.cursor() as cursor:
+        cursor.execute(_REPLICAS_OF_JOBS_HERE_SQL, [node_id, *(str(state) for state in DESIRED_STATES)])
+        for job_id, rank, device_id, on_node, index, hostname in cursor.fetchall():
+            if on_node == node_id:
+                devices[job_id].add(index)
+            share = shares[job_id].get(on_node)
+            if share is None:
+                shares[job_id][on_node] = [rank, 1, {device_id}, hostname]
+            else:
+                share[0] = min(share[0], rank)
+                share[1] += 1
+                share[2].add(device_id)
+    spans = {job_id: sorted((first, ranks, on_node, hostname, len(on_devices))
+                            for on_node, (first, ranks, on_devices, hostname) in per_node.items())
+             for job_id, per_node in shares.items() if len(per_node) > 1}
+    return devices, spans
 
 
 def _span_for(shares, *, node_id, job_id, generation, world_size) -> JobSpan | None:
@@ -445,8 +461,6 @@ def _a_host_is_silent(job, node, *, now) -> bool:
     the lost-node threshold: a job spanning hosts whose leader reports it failed then is most
     likely the victim of that host, not of its own code. One query, and one read of the leases of
     the hosts the database finds silent (a host that only leases is not silent: fleet/leases.py)."""
-    from fleet.models import Node
-
     cutoff = now - timedelta(seconds=node_lost_after_seconds() / 3)
     suspects = dict(Node.objects.filter(Q(state=Node.State.LOST) | Q(last_heartbeat__lt=cutoff),
                                         accelerators__replicas__job_id=job.pk).exclude(pk=node.pk)
