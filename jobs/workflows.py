@@ -218,12 +218,28 @@ def node_desired_state(*, node) -> dict:
 # --- observed state -----------------------------------------------------------------------------
 
 
+def _marks(values) -> str:
+    return ", ".join(["%s"] * len(values))
+
+
+def _select_rows(model) -> str:
+    """SELECT of every column of `model`'s table (for Model.objects.raw)."""
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in model._meta.concrete_fields)
+    return f"SELECT {columns} FROM {model._meta.db_table}"
+
+
+_JOBS_SQL = _select_rows(Job) + " WHERE id IN ({marks})"
+_MOVES_SQL = _select_rows(Move) + " WHERE job_id IN ({marks}) AND state = %s"
+
+
 def _placements_of(node_id, job_ids) -> tuple[set[int], dict[int, int]]:
     """Returns (those of `job_ids` with a replica on node `node_id`'s devices, {job id: the node of
     its rank 0}) in one query: the rows of the node's own replicas and of every rank 0."""
     placed, leaders = set(), {}
-    rows = (Replica.objects.filter(job_id__in=job_ids, device__isnull=False)
-            .filter(Q(device__node_id=node_id) | Q(rank=0)).values_list("job_id", "rank", "device__node_id"))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT r.job_id, r.rank, a.node_id FROM {_R} r JOIN {_A} a ON a.id = r.device_id "
+                       f"WHERE r.job_id IN ({_marks(job_ids)}) AND (a.node_id = %s OR r.rank = 0)", [*job_ids, node_id])
+        rows = cursor.fetchall()
     for job_id, rank, device_node in rows:
         if device_node == node_id:
             placed.add(job_id)
@@ -349,11 +365,13 @@ ended is accepted (recording nothing). A final report repeated after the job end
         observed = heartbeat.jobs
         if not observed:  # telemetry only: nothing more to read or write
             return ReportOutcome()
-        ids = [entry.job_id for entry in observed]
-        jobs = Job.objects.in_bulk(ids)
+        ids = list({entry.job_id for entry in observed})
+        # Raw queries (the ORM's converters still apply): compiling them cost more CPU than running them.
+        jobs = {job.pk: job for job in Job.objects.raw(_JOBS_SQL.format(marks=_marks(ids)), ids)}
         # Where rank 0 of each job lies: the leader of a job that spans hosts speaks for all of it.
         placed, leaders = _placements_of(node.pk, ids)
-        moves = {m.job_id: m for m in Move.objects.filter(job_id__in=ids, state=Move.State.ACTIVE)}
+        moves = {m.job_id: m for m in Move.objects.raw(_MOVES_SQL.format(marks=_marks(ids)),
+                                                       [*ids, str(Move.State.ACTIVE)])}
         # The reports that are applied (below), with their jobs and moves: the progress of them all
         # is written first, in one statement, then each one's checkpoint and state.
         applying = []
@@ -451,9 +469,11 @@ def _checkpoints_recorded(pairs: set[tuple[int, str]]) -> set[tuple[int, str]]:
     repeat their copies' last checkpoint in every report (level-triggered)."""
     if not pairs:
         return set()
-    found = Checkpoint.objects.filter(job_id__in={job_id for job_id, _ in pairs},
-                                      uri__in={uri for _, uri in pairs}).values_list("job_id", "uri")
-    return set(found) & pairs
+    job_ids, uris = list({job_id for job_id, _ in pairs}), list({uri for _, uri in pairs})
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT job_id, uri FROM {Checkpoint._meta.db_table} "
+                       f"WHERE job_id IN ({_marks(job_ids)}) AND uri IN ({_marks(uris)})", [*job_ids, *uris])
+        return set(cursor.fetchall()) & pairs
 
 
 def _a_host_is_silent(job, node, *, now) -> bool:
