@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/control_plane.py [--sizes 10000,100000]
         [--db postgres://postgres@127.0.0.1:5432/meridian_bench_cl] [--redis redis://127.0.0.1:6379/7]
-        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16]
+        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16] [--server daphne|uvicorn]
 
 Per size, on a fresh database:
   1. a synthetic fleet (8 H100 per node, 2 regions) and jobs filling ~85% of it plus ~10% more
