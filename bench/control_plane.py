@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/control_plane.py [--sizes 10000,100000]
         [--db postgres://postgres@127.0.0.1:5432/meridian_bench_cl] [--redis redis://127.0.0.1:6379/7]
-        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16]
+        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16] [--server daphne|uvicorn]
 
 Per size, on a fresh database:
   1. a synthetic fleet (8 H100 per node, 2 regions) and jobs filling ~85% of it plus ~10% more
@@ -71,6 +71,8 @@ def parse_args():
     p.add_argument("--busy", action="store_true",
                    help="measure the agents' beats again with the tick and portal viewers running beside them")
     p.add_argument("--viewers", type=int, default=20, help="portal viewers polling every 5 s (--busy)")
+    p.add_argument("--server", choices=("daphne", "uvicorn"), default="daphne",
+                   help="the ASGI server of the web processes (uvicorn: with uvloop and httptools)")
     p.add_argument("--skip-history", action="store_true",
                    help="leave out steps 6-7 (e.g. to run this bench against code from before the history)")
     return p.parse_args()
@@ -197,12 +199,21 @@ def build_fleet_and_jobs(n_accelerators, rng):
     return tokens, len(jobs)
 
 
+SERVER = ["daphne"]  # --server, set by main()
+
+
 def start_daphne(env):
+    """Starts one web process (daphne, or uvicorn with --server uvicorn); returns (process, its URL)."""
     port = free_port()
     log = open(env["MERIDIAN_DATA_DIR"] + "/daphne.log", "ab")
-    process = subprocess.Popen([str(pathlib.Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p",
-                                str(port), "portal.asgi:application"], cwd=ROOT, env=env, stdout=log,
-                               stderr=subprocess.STDOUT)
+    bin_dir = pathlib.Path(sys.executable).parent
+    if SERVER[0] == "uvicorn":
+        command = [str(bin_dir / "uvicorn"), "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+                   "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--lifespan", "off",
+                   "--log-level", "warning"]
+    else:
+        command = [str(bin_dir / "daphne"), "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     import requests
 
     deadline = time.monotonic() + 60
@@ -593,6 +604,7 @@ def run_size(n, args, rng, data_dir):
 
 def main():
     args = parse_args()
+    SERVER[0] = args.server
     import numpy as np
 
     ensure_database(args.db)
@@ -606,7 +618,7 @@ def main():
     print()
     print(f"control loop on PostgreSQL ({urlparse(args.db).path.lstrip('/')}) + Redis, 2 shared cores; "
           f"{args.ticks} steady ticks, heartbeats from {args.heartbeat_nodes} hollow nodes x 3 rounds "
-          f"over HTTP ({args.web_processes} daphne processes, {args.http_threads} client threads)")
+          f"over HTTP ({args.web_processes} {args.server} processes, {args.http_threads} client threads)")
     header = (f"{'accel':>8} {'jobs':>7} | {'place tick s':>12} {'starts':>7} {'rows':>8} | "
               f"{'steady tick s':>13} {'snap':>6} {'plan':>6} {'apply':>6} {'rows/tick':>9} | "
               f"{'hb/s':>6} {'cpu ms/hb':>10} {'dev samples/s':>13} {'fail':>4} | {'telemetry MB before→after':>25} | "

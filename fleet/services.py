@@ -229,13 +229,24 @@ def node_heartbeat_record(*, node, telemetry, now):
         node_changes["state"] = Node.State.DRAINING if node.drained_at is not None else Node.State.READY
     if "utilization" in telemetry:
         node_changes.update(utilization=_reading(telemetry.get("utilization")), telemetry_at=now)
-    Node.objects.filter(pk=node.pk).update(**node_changes)
+    _node_columns_write(node_id=node.pk, changes=node_changes)
     for field, value in node_changes.items():  # the caller's instance is current: no refetch needed
         setattr(node, field, value)
     readings = _device_readings(telemetry.get("devices"))
     if readings:
         written = _accelerator_readings_write(node_id=node.pk, readings=readings)
         _node_bucket_add(node_id=node.pk, written=written, now=now)
+
+
+def _node_columns_write(*, node_id, changes):
+    """UPDATE fleet_node SET <changes> WHERE id = node_id, as the ORM's update() writes it (each
+    value prepared by its field) without compiling a query: it runs on every heartbeat."""
+    fields = [Node._meta.get_field(name) for name in changes]
+    assignments = ", ".join(f"{connection.ops.quote_name(field.column)} = %s" for field in fields)
+    params = [field.get_db_prep_save(changes[field.name], connection) for field in fields]
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET {assignments} WHERE id = %s",
+                       [*params, node_id])
 
 
 def _reading(value, *, maximum=1.0):

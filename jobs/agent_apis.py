@@ -12,7 +12,8 @@ a 400 naming it (dotted: "jobs.0.step"), a newer protocol version a 400 naming "
   POST /api/agent/register/   Authorization: Enroll <enrollment token> (a new node: never an enrolled one)
                               or Node <node token> (the node registers again: same token, its hostname only)
        Registration -> 201 RegistrationAnswer
-  POST /api/agent/heartbeat/  Heartbeat (see jobs.workflows.node_report_record)
+  POST /api/agent/heartbeat/  Heartbeat (see jobs.heartbeats.node_heartbeat_answer; answered before Django
+                              when it certainly can be: jobs/heartbeat_api.py)
        -> 200 HeartbeatAnswer (desired: DesiredState, see jobs.workflows.node_desired_state_build;
           omitted while the heartbeat's desired_version is current: jobs/desired_version.py)
   GET  /api/agent/desired/                       -> 200 the node's DesiredState
@@ -33,11 +34,10 @@ from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from fleet.agent_services import node_enrollment_check, node_register, node_reregister
-from fleet.leases import desired_serial_of
 from fleet.models import Node
 from fleet.selectors import node_get_by_token
-from jobs.desired_version import node_desired_answer
-from jobs.workflows import node_desired_state, node_report_record
+from jobs.heartbeats import node_heartbeat_answer
+from jobs.workflows import node_desired_state
 from protocol import Message, ProtocolError
 from protocol.node import DesiredState, Heartbeat, HeartbeatAnswer, Registration, RegistrationAnswer
 
@@ -197,17 +197,7 @@ class NodeHeartbeatApi(AgentApi):
                    summary="Report telemetry and observed jobs; get the desired state")
     def post(self, request):
         heartbeat = _decoded(HeartbeatSerializer, request)
-        # node_report_record keeps request.auth up to date (state, last heartbeat): no re-read.
-        outcome = node_report_record(node=request.auth, heartbeat=heartbeat)
-        # Read before the desired state is built: every change bumps the serial after it commits, so
-        # the state built next includes every change this serial counts (the report's own included:
-        # its bump ran on commit, above). None while Redis is down: the agent keeps the lease's.
-        serial = desired_serial_of(node_id=request.auth.pk)
-        desired, version = node_desired_answer(node=request.auth, held_version=heartbeat.desired_version)
-        answer = HeartbeatAnswer(desired=desired, desired_version=version, accepted=outcome.accepted,
-                                 rejected=outcome.rejected, deferred=outcome.deferred,
-                                 heartbeat_seconds=heartbeat_seconds(), desired_serial=serial)
-        return Response(answer.to_dict())
+        return Response(node_heartbeat_answer(node=request.auth, heartbeat=heartbeat).to_dict())
 
 
 class NodeDesiredStateApi(AgentApi):

@@ -892,22 +892,63 @@ def job_cancel(*, job, by, reason=""):
 
 def checkpoint_record(*, job, step, engine, uri, size_bytes, sha256="", now=None):
     """Returns a new Checkpoint and moves job.last_checkpoint_* forward (never backward)."""
+    return checkpoints_record(checkpoints=[CheckpointNew(job=job, step=step, engine=engine, uri=uri,
+                                                         size_bytes=size_bytes, sha256=sha256)], now=now)[0]
+
+
+@dataclass(frozen=True)
+class CheckpointNew:
+    """One checkpoint to record (checkpoints_record)."""
+
+    job: Job
+    step: int
+    engine: str
+    uri: str
+    size_bytes: int
+    sha256: str = ""
+
+
+def checkpoints_record(*, checkpoints: Sequence[CheckpointNew], now=None) -> list[Checkpoint]:
+    """Returns the new Checkpoint rows of `checkpoints` (in order), each with its CHECKPOINTED event;
+    moves each job's last_checkpoint_* forward to its highest step (never backward; of equal steps
+    the last one), refreshes each job instance given and pushes it to the pages on commit.
+
+    Four statements however many checkpoints (a heartbeat reports one per copy): the rows, the
+    jobs' UPDATE ... FROM (VALUES ...), the events, the jobs read back."""
+    if not checkpoints:
+        return []
     now = now or timezone.now()
+    newest: dict[int, CheckpointNew] = {}
+    for new in checkpoints:
+        if new.job.pk not in newest or new.step >= newest[new.job.pk].step:
+            newest[new.job.pk] = new
+    table = Job._meta.db_table
+    values = ", ".join(["(CAST(%s AS BIGINT), CAST(%s AS BIGINT), CAST(%s AS BIGINT))"] * len(newest))
+    at = Job._meta.get_field("last_checkpoint_at").get_db_prep_save(now, connection)
     with transaction.atomic():
-        checkpoint = Checkpoint.objects.create(
-            job=job, step=step, engine=engine, uri=uri, bytes=size_bytes, sha256=sha256, created_at=now
-        )
-        Job.objects.filter(pk=job.pk).exclude(last_checkpoint_step__gt=step).update(
-            last_checkpoint_step=step, last_checkpoint_at=now, checkpoint_bytes=size_bytes, updated_at=now
-        )
-        job_event_add(
-            job=job,
-            type=JobEvent.Type.CHECKPOINTED,
-            extra={"step": step, "engine": engine, "bytes": size_bytes, "uri": uri},
-        )
-        job.refresh_from_db()
-        job_publish_updated(job=job)
-    return checkpoint
+        rows = Checkpoint.objects.bulk_create([
+            Checkpoint(job=new.job, step=new.step, engine=new.engine, uri=new.uri, bytes=new.size_bytes,
+                       sha256=new.sha256, created_at=now) for new in checkpoints])
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"WITH reported(id, step, size) AS (VALUES {values}) "
+                f"UPDATE {table} SET last_checkpoint_step = reported.step, last_checkpoint_at = %s, "
+                f"checkpoint_bytes = reported.size, updated_at = %s FROM reported WHERE {table}.id = reported.id "
+                f"AND ({table}.last_checkpoint_step IS NULL OR {table}.last_checkpoint_step <= reported.step)",
+                [x for job_id, new in newest.items() for x in (job_id, new.step, new.size_bytes)] + [at, at])
+        desired_changed(job_ids=newest)  # as job_event_add does
+        JobEvent.objects.bulk_create([
+            JobEvent(job=new.job, type=JobEvent.Type.CHECKPOINTED,
+                     extra_data={"step": new.step, "engine": new.engine, "bytes": new.size_bytes, "uri": new.uri})
+            for new in checkpoints])
+        fresh = Job.objects.in_bulk(list(newest))
+        jobs = {id(new.job): new.job for new in checkpoints}  # each instance given, once
+        for job in jobs.values():
+            for field in Job._meta.concrete_fields:  # job.refresh_from_db(), from the one read
+                setattr(job, field.attname, getattr(fresh[job.pk], field.attname))
+        for job in jobs.values():
+            job_publish_updated(job=job)
+    return rows
 
 
 def checkpoints_of_refused_run_retire(*, job, store, now=None) -> int:

@@ -207,10 +207,11 @@ def _token(headers) -> str | None:
         return None
 
 
-def response_headers(*, host: str, secure: bool, length: int) -> list[tuple[bytes, bytes]]:
-    """Returns the headers Django's middleware and DRF give a 201 of POST /api/jobs/, in their order."""
-    headers = [(b"Content-Type", b"application/json"), (b"Vary", b"Accept"),
-               (b"Allow", b"GET, POST, HEAD, OPTIONS")]
+def response_headers(*, host: str, secure: bool, length: int,
+                     allow: bytes = b"GET, POST, HEAD, OPTIONS") -> list[tuple[bytes, bytes]]:
+    """Returns the headers Django's middleware and DRF give a 201 of POST /api/jobs/ (or a JSON
+    answer of another API view whose methods are `allow`), in their order."""
+    headers = [(b"Content-Type", b"application/json"), (b"Vary", b"Accept"), (b"Allow", allow)]
     policy = settings.MERIDIAN_CONTENT_SECURITY_POLICY
     if policy:
         headers.append((b"Content-Security-Policy", policy.replace("{host}", host).encode("latin-1")))
@@ -235,8 +236,8 @@ def response_headers(*, host: str, secure: bool, length: int) -> list[tuple[byte
     return headers
 
 
-async def _read_body(receive) -> tuple[bytes | None, list[dict]]:
-    """Returns (the body, or None when over FAST_BODY_MAX or the client left; the messages read,
+async def _read_body(receive, *, limit: int = FAST_BODY_MAX) -> tuple[bytes | None, list[dict]]:
+    """Returns (the body, or None when over `limit` bytes or the client left; the messages read,
     to replay to Django)."""
     messages, size = [], 0
     while True:
@@ -245,7 +246,7 @@ async def _read_body(receive) -> tuple[bytes | None, list[dict]]:
         if message["type"] != "http.request":
             return None, messages
         size += len(message.get("body", b""))
-        if size > FAST_BODY_MAX:
+        if size > limit:
             return None, messages
         if not message.get("more_body", False):
             return b"".join(m.get("body", b"") for m in messages), messages

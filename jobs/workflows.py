@@ -25,18 +25,20 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, F, Min, OuterRef, Q, Subquery
+from django.db.models import F, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from fleet.leases import nodes_alive_by_lease
+from fleet.models import Accelerator, Node
 from fleet.services import node_heartbeat_record
 from jobs.logs import log_grant
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_observe, move_relaunches
 from jobs.services import (
+    CheckpointNew,
     IllegalTransition,
-    checkpoint_record,
     checkpoints_of_refused_run_retire,
+    checkpoints_record,
     job_event_add,
     job_generation_bump,
     job_transition,
@@ -112,13 +114,7 @@ def node_desired_state_build(*, node) -> DesiredState:
     --if-resume-refused). A job the agent runs that is not listed must be stopped with a
     checkpoint. Three queries.
     """
-    rows = (
-        Replica.objects.filter(device__node_id=node.pk, job__state__in=DESIRED_STATES)
-        .values_list("job_id", "device__index")
-    )
-    devices = defaultdict(set)  # job id -> the node-local indices of the devices it holds here
-    for job_id, index in rows:
-        devices[job_id].add(index)
+    devices, spans = _replicas_here_and_spans(node.pk)
     moves = {m.job_id: m for m in Move.objects.filter(
         Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
         "job_id", "kind", "step", "from_node_id", "from_generation", "to_generation")}
@@ -129,7 +125,6 @@ def node_desired_state_build(*, node) -> DesiredState:
         "total_steps", "last_checkpoint_step", "generation", "bundle__sha256", "if_resume_refused",
     ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
                restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
-    spans = _job_spans(list(devices))
     entries = []
     for job in jobs.order_by("id"):
         move = moves.get(job.pk)
@@ -165,18 +160,40 @@ def node_desired_state_build(*, node) -> DesiredState:
                         lost_after_seconds=node_lost_after_seconds(), jobs=tuple(entries))
 
 
-def _job_spans(job_ids) -> dict[int, list[tuple[int, int, int, str, int]]]:
-    """Returns {job id: [(first rank, ranks, node id, hostname, devices), ...] in rank order} for
-    the jobs among `job_ids` whose replicas lie on more than one node. One grouped query."""
-    if not job_ids:
-        return {}
-    rows = (Replica.objects.filter(job_id__in=job_ids, device__isnull=False)
-            .values_list("job_id", "device__node_id", "device__node__hostname")
-            .annotate(first=Min("rank"), ranks=Count("id"), devices=Count("device_id", distinct=True)))
-    per_job = defaultdict(list)
-    for job_id, node_id, hostname, first, ranks, n_devices in rows:
-        per_job[job_id].append((first, ranks, node_id, hostname, n_devices))
-    return {job_id: sorted(shares) for job_id, shares in per_job.items() if len(shares) > 1}
+_R, _A, _N, _J = (model._meta.db_table for model in (Replica, Accelerator, Node, Job))
+# Every placed replica of the jobs in a desired state with a replica on the node (%s), with its
+# device's node, index and hostname: the node's own devices and the jobs' spans from one read.
+_REPLICAS_OF_JOBS_HERE_SQL = (
+    f"SELECT r.job_id, r.rank, r.device_id, a.node_id, a.{connection.ops.quote_name('index')}, n.hostname "
+    f"FROM {_R} r JOIN {_A} a ON a.id = r.device_id JOIN {_N} n ON n.id = a.node_id "
+    f"WHERE r.job_id IN (SELECT r2.job_id FROM {_R} r2 JOIN {_A} a2 ON a2.id = r2.device_id "
+    f"JOIN {_J} j ON j.id = r2.job_id WHERE a2.node_id = %s AND j.state IN ({', '.join(['%s'] * len(DESIRED_STATES))}))"
+)
+
+
+def _replicas_here_and_spans(node_id) -> tuple[dict[int, set[int]], dict[int, list[tuple[int, int, int, str, int]]]]:
+    """Returns ({job id: the node-local indices of the devices it holds on node `node_id`} of the
+    jobs in a desired state there, {job id: [(first rank, ranks, node id, hostname, devices), ...]
+    in rank order} of those whose replicas lie on more than one node). One query."""
+    devices = defaultdict(set)
+    # job id -> node id -> [first rank, ranks, {devices}, hostname]
+    shares: dict[int, dict[int, list]] = defaultdict(dict)
+    with connection.cursor() as cursor:
+        cursor.execute(_REPLICAS_OF_JOBS_HERE_SQL, [node_id, *(str(state) for state in DESIRED_STATES)])
+        for job_id, rank, device_id, on_node, index, hostname in cursor.fetchall():
+            if on_node == node_id:
+                devices[job_id].add(index)
+            share = shares[job_id].get(on_node)
+            if share is None:
+                shares[job_id][on_node] = [rank, 1, {device_id}, hostname]
+            else:
+                share[0] = min(share[0], rank)
+                share[1] += 1
+                share[2].add(device_id)
+    spans = {job_id: sorted((first, ranks, on_node, hostname, len(on_devices))
+                            for on_node, (first, ranks, on_devices, hostname) in per_node.items())
+             for job_id, per_node in shares.items() if len(per_node) > 1}
+    return devices, spans
 
 
 def _span_for(shares, *, node_id, job_id, generation, world_size) -> JobSpan | None:
@@ -201,10 +218,51 @@ def node_desired_state(*, node) -> dict:
 # --- observed state -----------------------------------------------------------------------------
 
 
-def _placed_on(node_id, job_ids):
-    return set(
-        Replica.objects.filter(device__node_id=node_id, job_id__in=job_ids).values_list("job_id", flat=True)
-    )
+def _marks(values) -> str:
+    return ", ".join(["%s"] * len(values))
+
+
+def _select_rows(model) -> str:
+    """SELECT of every column of `model`'s table (for Model.objects.raw)."""
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in model._meta.concrete_fields)
+    return f"SELECT {columns} FROM {model._meta.db_table}"
+
+
+_JOBS_SQL = _select_rows(Job) + " WHERE id IN ({marks})"
+_MOVES_SQL = _select_rows(Move) + " WHERE job_id IN ({marks}) AND state = %s"
+
+
+def _placements_of(node_id, job_ids) -> tuple[set[int], dict[int, int]]:
+    """Returns (those of `job_ids` with a replica on node `node_id`'s devices, {job id: the node of
+    its rank 0}) in one query: the rows of the node's own replicas and of every rank 0."""
+    placed, leaders = set(), {}
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT r.job_id, r.rank, a.node_id FROM {_R} r JOIN {_A} a ON a.id = r.device_id "
+                       f"WHERE r.job_id IN ({_marks(job_ids)}) AND (a.node_id = %s OR r.rank = 0)", [*job_ids, node_id])
+        rows = cursor.fetchall()
+    for job_id, rank, device_node in rows:
+        if device_node == node_id:
+            placed.add(job_id)
+        if rank == 0:
+            leaders[job_id] = device_node
+    return placed, leaders
+
+
+def _progress_write(progress: dict[int, tuple[float | None, int | None]]) -> None:
+    """Writes the reported progress of several jobs in one UPDATE ... FROM (VALUES ...): {job id:
+    (steps per second, progress step, or None to keep the recorded one)}. The CASTs type the VALUES
+    list (PostgreSQL reads bare parameters as text)."""
+    if not progress:
+        return
+    table = Job._meta.db_table
+    values = ", ".join(["(CAST(%s AS BIGINT), CAST(%s AS DOUBLE PRECISION), CAST(%s AS BIGINT))"] * len(progress))
+    params = [x for job_id, (rate, step) in progress.items() for x in (job_id, rate, step)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH progress(id, rate, step) AS (VALUES {values}) "
+            f"UPDATE {table} SET steps_per_second = progress.rate, "
+            f"progress_step = COALESCE(progress.step, {table}.progress_step) "
+            f"FROM progress WHERE {table}.id = progress.id", params)
 
 
 def node_report_apply(*, node, report: Heartbeat | dict, now=None) -> dict:
@@ -305,13 +363,18 @@ ended is accepted (recording nothing). A final report repeated after the job end
                 cursor.execute("SET LOCAL synchronous_commit = off")
         node_heartbeat_record(node=node, telemetry=_telemetry_dict(heartbeat.telemetry), now=now)
         observed = heartbeat.jobs
-        ids = [entry.job_id for entry in observed]
-        jobs = Job.objects.in_bulk(ids)
-        placed = _placed_on(node.pk, ids)
+        if not observed:  # telemetry only: nothing more to read or write
+            return ReportOutcome()
+        ids = list({entry.job_id for entry in observed})
+        # Raw queries (the ORM's converters still apply): compiling them cost more CPU than running them.
+        jobs = {job.pk: job for job in Job.objects.raw(_JOBS_SQL.format(marks=_marks(ids)), ids)}
         # Where rank 0 of each job lies: the leader of a job that spans hosts speaks for all of it.
-        leaders = dict(Replica.objects.filter(job_id__in=ids, rank=0, device__isnull=False)
-                       .values_list("job_id", "device__node_id")) if ids else {}
-        moves = {m.job_id: m for m in Move.objects.filter(job_id__in=ids, state=Move.State.ACTIVE)} if ids else {}
+        placed, leaders = _placements_of(node.pk, ids)
+        moves = {m.job_id: m for m in Move.objects.raw(_MOVES_SQL.format(marks=_marks(ids)),
+                                                       [*ids, str(Move.State.ACTIVE)])}
+        # The reports that are applied (below), with their jobs and moves: the progress of them all
+        # is written first, in one statement, then each one's checkpoint and state.
+        applying = []
         for entry in observed:
             job = jobs.get(entry.job_id)
             if job is None:
@@ -361,11 +424,56 @@ ended is accepted (recording nothing). A final report repeated after the job end
                 # sweep restarts the job from its last checkpoint; the report waits until then.
                 deferred.append(job.pk)
                 continue
-            result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now)
+            applying.append((job, entry, current, move, generation))
+        _progress_write({job.pk: _progress_of(job, entry) for job, entry, current, _m, _g in applying
+                         if current and entry.step is not None})
+        checkpointed = _checkpoints_recorded(
+            {(job.pk, entry.checkpoint.uri) for job, entry, *_ in applying if _checkpoint_reported(entry)})
+        # The new checkpoints of all reports at once (each job instance refreshed), before any state
+        # changes, as one report at a time records its checkpoint first.
+        new = {}
+        for job, entry, *_ in applying:
+            if _checkpoint_reported(entry) and (job.pk, entry.checkpoint.uri) not in checkpointed:
+                new.setdefault((job.pk, entry.checkpoint.uri), _checkpoint_new(job, entry))
+        checkpoints_record(checkpoints=list(new.values()), now=now)
+        checkpointed |= new.keys()
+        for job, entry, current, move, generation in applying:
+            result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now,
+                                     checkpointed=checkpointed)
             if move is not None:
                 move_observe(move=move, generation=generation, node=node, entry=entry, now=now)
             (deferred if result == "deferred" else accepted).append(job.pk)
     return ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
+
+
+def _progress_of(job, entry: JobReport) -> tuple[float | None, int | None]:
+    """Returns (steps per second, progress step or None to keep it) of a report of `job`'s current
+    copy: the step moves back only while the copy lives (a restore from an older checkpoint)."""
+    keep = not (entry.step >= job.progress_step or entry.state in LIVE_COPY_STATES)
+    return entry.steps_per_s, None if keep else entry.step
+
+
+def _checkpoint_new(job, entry: JobReport) -> CheckpointNew:
+    checkpoint = entry.checkpoint
+    return CheckpointNew(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework", uri=checkpoint.uri,
+                         size_bytes=checkpoint.bytes, sha256=checkpoint.sha256)
+
+
+def _checkpoint_reported(entry: JobReport) -> bool:
+    checkpoint = entry.checkpoint
+    return checkpoint is not None and bool(checkpoint.uri) and checkpoint.step is not None
+
+
+def _checkpoints_recorded(pairs: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Returns those of the (job id, uri) `pairs` that are recorded already. One query: agents
+    repeat their copies' last checkpoint in every report (level-triggered)."""
+    if not pairs:
+        return set()
+    job_ids, uris = list({job_id for job_id, _ in pairs}), list({uri for _, uri in pairs})
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT job_id, uri FROM {Checkpoint._meta.db_table} "
+                       f"WHERE job_id IN ({_marks(job_ids)}) AND uri IN ({_marks(uris)})", [*job_ids, *uris])
+        return set(cursor.fetchall()) & pairs
 
 
 def _a_host_is_silent(job, node, *, now) -> bool:
@@ -373,8 +481,6 @@ def _a_host_is_silent(job, node, *, now) -> bool:
     the lost-node threshold: a job spanning hosts whose leader reports it failed then is most
     likely the victim of that host, not of its own code. One query, and one read of the leases of
     the hosts the database finds silent (a host that only leases is not silent: fleet/leases.py)."""
-    from fleet.models import Node
-
     cutoff = now - timedelta(seconds=node_lost_after_seconds() / 3)
     suspects = dict(Node.objects.filter(Q(state=Node.State.LOST) | Q(last_heartbeat__lt=cutoff),
                                         accelerators__replicas__job_id=job.pk).exclude(pk=node.pk)
@@ -384,22 +490,21 @@ def _a_host_is_silent(job, node, *, now) -> bool:
     return bool(set(suspects) - nodes_alive_by_lease(node_ids=suspects, cutoff=cutoff))
 
 
-def _observed_apply(*, job, entry: JobReport, current, node, now):
-    """Records one accepted report on `job`; `current`: it comes from the job's current copy on
-    its placed node. Returns "deferred" when a final state must wait (see node_report_record)."""
+def _observed_apply(*, job, entry: JobReport, current, node, now, checkpointed=None):
+    """Records one accepted report on `job` (but its progress: node_report_record writes the
+    progress of all of a heartbeat's reports at once); `current`: it comes from the job's current
+    copy on its placed node. `checkpointed`: the (job id, uri) of the reported checkpoints that are
+    recorded already (None: looked up here). Returns "deferred" when a final state must wait (see
+    node_report_record)."""
     state = entry.state
     checkpoint = entry.checkpoint
-    if checkpoint is not None and checkpoint.uri and checkpoint.step is not None:
-        if not Checkpoint.objects.filter(job=job, uri=checkpoint.uri).exists():
-            checkpoint_record(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework",
-                              uri=checkpoint.uri, size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
-                              now=now)
-            job.refresh_from_db()
-    if current and entry.step is not None:
-        updates = {"steps_per_second": entry.steps_per_s}
-        if entry.step >= job.progress_step or state in LIVE_COPY_STATES:
-            updates["progress_step"] = entry.step
-        Job.objects.filter(pk=job.pk).update(**updates)
+    if _checkpoint_reported(entry):
+        if checkpointed is None:
+            checkpointed = _checkpoints_recorded({(job.pk, checkpoint.uri)})
+        if (job.pk, checkpoint.uri) not in checkpointed:
+            # checkpoints_record refreshes `job` itself (its last_checkpoint_* moved)
+            checkpoints_record(checkpoints=[_checkpoint_new(job, entry)], now=now)
+            checkpointed.add((job.pk, checkpoint.uri))  # a report repeated in the same heartbeat
     if not current:
         return None
     _waiting_apply(job=job, entry=entry, node=node)

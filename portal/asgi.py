@@ -1,7 +1,8 @@
 """ASGI entry point (daphne): HTTP through Django, WebSockets through Channels; the agents'
 liveness lease (POST /api/agent/lease/) before Django (fleet.lease_api.LeaseRouter), and
-submissions by API token (POST /api/jobs/) before Django when they certainly can be
-(jobs.submit_api.SubmitRouter).
+submissions by API token (POST /api/jobs/) and the agents' full heartbeats (POST
+/api/agent/heartbeat/) before Django when they certainly can be (jobs.submit_api.SubmitRouter,
+jobs.heartbeat_api.HeartbeatRouter).
 
 WebSocket routes are `portal.routing.websocket_urlpatterns` (the pages' consumers).
 """
@@ -39,6 +40,12 @@ def _error_answer(exc):
 
 
 django_asgi_app = SubmitRouter(django_asgi_app, error_answer=_error_answer)
+
+# POST /api/agent/heartbeat/ likewise (jobs/heartbeat_api.py): a node's full heartbeat with its own
+# token and a well-formed body, without Django's middleware and DRF.
+from jobs.heartbeat_api import HeartbeatRouter  # noqa: E402
+
+django_asgi_app = HeartbeatRouter(django_asgi_app, error_answer=_error_answer)
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402

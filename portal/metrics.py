@@ -42,8 +42,9 @@ def metrics_view(request):
 
 
 class HeartbeatMetricsMiddleware:
-    """Counts every request to the agent heartbeat API and the refused ones (by status): the
-    answer is what the agent got, whichever layer (authentication, validation, the view) gave it."""
+    """Counts every request to the agent heartbeat API that Django answers and the refused ones (by
+    status): the answer is what the agent got, whichever layer (authentication, validation, the
+    view) gave it. The heartbeats answered before Django count themselves (jobs/heartbeat_api.py)."""
 
     def __init__(self, get_response):
         self.get_response = get_response

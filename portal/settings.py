@@ -290,6 +290,10 @@ MERIDIAN_MAX_BULK_JOBS = _env_int("MERIDIAN_MAX_BULK_JOBS", 1000, minimum=1)
 # POST /api/jobs/ by API token answered before Django and DRF when it certainly can be
 # (jobs/submit_api.py: same answers, ~a tenth of the CPU); 0 sends every submission through Django.
 MERIDIAN_SUBMIT_FAST_PATH = _env_int("MERIDIAN_SUBMIT_FAST_PATH", 1, minimum=0) == 1
+# POST /api/agent/heartbeat/ with a node token and a well-formed Heartbeat answered before Django and
+# DRF (jobs/heartbeat_api.py: the same answer, without the middleware, DRF and a connection checkout
+# per request); 0 sends every heartbeat through Django.
+MERIDIAN_HEARTBEAT_FAST_PATH = _env_int("MERIDIAN_HEARTBEAT_FAST_PATH", 1, minimum=0) == 1
 # The fast path's statements are prepared on the server once per connection (jobs.bulk.cursor_prepared);
 # 0 for an external pooler in transaction mode that cannot carry them (PgBouncer before 1.21).
 MERIDIAN_DB_PREPARED_STATEMENTS = _env_int("MERIDIAN_DB_PREPARED_STATEMENTS", 1, minimum=0) == 1
