@@ -1,9 +1,9 @@
 """A host killed while its part of a checkpoint is being written (issue 14): the CRIU dump of its
 ranks, or its ranks' framework-engine save, begun and not finished. The job's checkpoint attempt
-commits nothing (no MANIFEST, no folder a resume could pick up, no staging left that could later
-look committed), the leader ends the job as a host failure (the control plane restarts it, it does
-not fail it), and the job resumed on two other hosts from its previous checkpoint ends with the bits
-of a run that was never interrupted.
+commits nothing (no MANIFEST, no folder a resume could pick up; a killed leader's staging folder
+stays, but only the leader that made it could commit it), the surviving host ends the job as a host
+failure (the control plane restarts it, it does not fail it), and the job resumed on two other
+hosts from its previous checkpoint ends with the bits of a run that was never interrupted.
 
 Both hosts are killed in turn: the follower (the leader must give up the checkpoint and the job) and
 the leader (the follower must end as a host failure; nothing can commit without the leader).
@@ -13,7 +13,8 @@ freezes the host (its freezer cgroup: every process stops at once) the moment fi
 appear in the checkpoint's staging folder; it checks the part is unfinished at that moment
 (CRIU: no part manifest yet; framework: a rank's temporary folder not yet renamed into place), and
 only then kills the host. A frozen table of FROZEN_MB MB in every rank's model makes each rank's
-part take long enough to write that the watch, every 5 ms, cannot miss it.
+part take long enough to write (0.1 s to seconds here) for a watch every 5 ms to see it; if it ever
+slipped between two looks, the check above fails the test rather than passing it unproven.
 """
 import json
 import os
