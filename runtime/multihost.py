@@ -105,8 +105,36 @@ class JobPeers:
         key = f"meridian/{self.nonce}/cut/{request_id}/{what}"
         return key if node is None else f"{key}/{node}"
 
+    # The leader's store as a follower reads and writes it inside the loop and a cut. Found on emulated
+    # hosts (tests/hosts/test_multihost_killed_mid_checkpoint.py): with the leader's host killed, the
+    # store's DistNetworkError escaped follow_cut as a traceback, so the follower wrote no Failed
+    # event, its agent saw a job that failed by its code, and the job was failed, not restarted.
     def has(self, key) -> bool:
-        return bool(self.store.check([key]))
+        """Returns whether the leader's store holds `key`. Raises LaunchError (host_failure) when the
+        store is unreachable: the leader's host failed under the job (or is cut off)."""
+        try:
+            return bool(self.store.check([key]))
+        except (RuntimeError, OSError) as exc:
+            raise self._unreachable(exc) from None
+
+    def get(self, key) -> bytes:
+        """Returns the value of `key` in the leader's store; raises LaunchError as has() does."""
+        try:
+            return self.store.get(key)
+        except (RuntimeError, OSError) as exc:
+            raise self._unreachable(exc) from None
+
+    def set(self, key, value: str) -> None:
+        """Sets `key` in the leader's store; raises LaunchError as has() does."""
+        try:
+            self.store.set(key, value)
+        except (RuntimeError, OSError) as exc:
+            raise self._unreachable(exc) from None
+
+    def _unreachable(self, exc) -> LaunchError:
+        self.host_failed = True
+        return LaunchError(f"the job's leader store is unreachable ({exc}); this node's ranks are ended",
+                           host_failure=True)
 
     def withdraw_cut(self, request_id) -> None:
         """Leader: the cut `request_id` is off; a follower that has not started it never will."""
@@ -126,11 +154,11 @@ class JobPeers:
             pass  # the leader is gone: nobody is left to tell
 
     def report_finished(self) -> None:
-        self.store.set(self._key("finished", self.node_rank), "1")
+        self.set(self._key("finished", self.node_rank), "1")
 
     def report_resume_checked(self) -> None:
         """A follower checked its part of the checkpoint the leader resumes from: it may be restored."""
-        self.store.set(self._key("resume_checked", self.node_rank), "1")
+        self.set(self._key("resume_checked", self.node_rank), "1")
 
     def await_resume_checked(self, timeout_s=RESUME_CHECK_S) -> tuple[str, bool] | None:
         """Leader: waits until every other node checked its part of the checkpoint (or failed),
@@ -152,11 +180,15 @@ class JobPeers:
     def _await(self, done, timeout_s, silent) -> tuple[str, bool] | None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            failure = self.failure_elsewhere()
-            if failure:
-                return failure, self.host_failed
-            if done():
-                return None
+            try:
+                failure = self.failure_elsewhere()
+                if failure:
+                    return failure, self.host_failed
+                if done():
+                    return None
+            except (RuntimeError, OSError) as exc:  # the leader's store, gone with its host
+                self.host_failed = True
+                return f"the job's leader store is unreachable ({exc})", True
             time.sleep(0.05)
         return f"{silent} within {timeout_s:.0f} s", True
 
@@ -378,12 +410,12 @@ def follow_cut(launcher) -> str | None:
     latest_key = f"meridian/{peers.nonce}/cut/latest"
     if not peers.has(latest_key):
         return None
-    request_id = int(peers.store.get(latest_key))
+    request_id = int(peers.get(latest_key))
     if request_id <= launcher.last_request_id:
         return None
     launcher.last_request_id = request_id
-    request = CutRequest.from_dict(json.loads(peers.store.get(peers.cut_key(request_id, "request"))))
-    peers.store.set(peers.cut_key(request_id, "received", peers.node_rank), "1")
+    request = CutRequest.from_dict(json.loads(peers.get(peers.cut_key(request_id, "request"))))
+    peers.set(peers.cut_key(request_id, "received", peers.node_rank), "1")
     deadline = time.monotonic() + 2 * HAND_OUT_S
     while not peers.has(peers.cut_key(request_id, "go")):
         if peers.has(peers.cut_key(request_id, "withdrawn")) or time.monotonic() > deadline:
@@ -466,8 +498,8 @@ def await_outcome(launcher, request_id: int) -> str | None:
     deadline = time.monotonic() + FINISH_WAIT_S * 5
     while time.monotonic() < deadline:
         if peers.has(peers.cut_key(request_id, "outcome")):
-            outcome = peers.store.get(peers.cut_key(request_id, "outcome")).decode()
-            peers.store.set(peers.cut_key(request_id, "settled", peers.node_rank), "1")
+            outcome = peers.get(peers.cut_key(request_id, "outcome")).decode()
+            peers.set(peers.cut_key(request_id, "settled", peers.node_rank), "1")
             return outcome
         if peers.has(peers.cut_key(request_id, "withdrawn")):
             return None
@@ -496,7 +528,7 @@ def agree_on_checkpoint(launcher, ref):
             raise LaunchError(f"--resume refused: {why}; no host restored anything", EXIT_USAGE,
                               host_failure=host_failure)
         return ref
-    uri = peers.store.get(key).decode()
+    uri = peers.get(key).decode()
     if not uri:
         return None
     if ref is None or ref.uri != uri:

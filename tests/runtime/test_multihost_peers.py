@@ -1,9 +1,12 @@
 """The leader's view of its followers (runtime/multihost.py JobPeers.lost_node), on a real TCP store."""
 from datetime import timedelta
+from types import SimpleNamespace
 
+import pytest
 import torch.distributed as dist
 
-from runtime.multihost import LOST_AFTER_S, JobPeers
+from runtime.exits import LaunchError
+from runtime.multihost import LOST_AFTER_S, JobPeers, await_outcome, follow_cut
 
 
 def test_a_follower_that_finished_is_not_lost_but_a_silent_one_is():
@@ -99,3 +102,23 @@ def test_a_follower_busy_in_a_long_dump_beats_from_a_thread_and_falls_silent_onc
         lost = leader.lost_node(time.monotonic())
         time.sleep(0.05)
     assert lost is not None and lost.startswith("node 1 sent no heartbeat")
+
+
+def test_a_follower_whose_leader_store_is_gone_ends_as_a_host_failure_not_with_a_traceback():
+    # Issue 14, on emulated hosts: the leader's host killed while it wrote its part of a checkpoint made
+    # the follower's launcher die of the store's DistNetworkError (a traceback, no Failed event), so the
+    # job was failed instead of restarted. Every read and write a follower makes in the loop and in a
+    # cut (follow_cut, await_outcome) now says "the leader store is unreachable", as a host failure.
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False, timeout=timedelta(seconds=2))
+    follower = JobPeers(client, nonce="g1", nodes=2, node_rank=1)
+    launcher = SimpleNamespace(peers=follower, last_request_id=0)  # what follow_cut reads of its launcher
+    assert follow_cut(launcher) is None  # no cut handed out yet
+    del master  # the leader's host, and the store it served, are gone
+    launcher._cut_checked_at = 0.0  # its next look (follow_cut looks every FOLLOW_CHECK_S)
+    for call in (lambda: follow_cut(launcher), lambda: await_outcome(launcher, 1), follower.report_finished):
+        with pytest.raises(LaunchError) as caught:
+            call()
+        assert caught.value.host_failure is True and "leader store is unreachable" in str(caught.value)
+    why, host_failure = follower.await_resume_go(timeout_s=5)
+    assert why.startswith("the job's leader store is unreachable") and host_failure is True

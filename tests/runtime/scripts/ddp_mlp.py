@@ -1,6 +1,6 @@
 """An ordinary DDP training script: nothing in it knows about Meridian.
 
-Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S] [--backend gloo|nccl]
+Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S] [--backend gloo|nccl] [--frozen-mb M]
 W ranks from the torchrun-style environment; a small MLP with dropout, Adam, a shuffling
 DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the final parameters
 and optimizer state to OUT_PATH. --backend nccl: the model and batches on the rank's CUDA
@@ -34,13 +34,18 @@ def main():
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--frozen-mb", type=float, default=0.0)
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
     device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)).to(device)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    if args.frozen_mb:  # its own generator: the other random streams are those of a run without it
+        table = torch.randn(int(args.frozen_mb * 2**20) // 4, generator=torch.Generator().manual_seed(99))
+        model.register_parameter("frozen", nn.Parameter(table, requires_grad=False))
+    model = model.to(device)
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     sampler = DistributedSampler(NoisyPoints(), shuffle=True, seed=7)
