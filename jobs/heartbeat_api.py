@@ -25,10 +25,17 @@ import json
 import logging
 
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.db import DatabaseError
 
-from jobs.submit_api import ErrorAnswer, _headers, _read_body, _replaying, _request_checks, response_headers
+from jobs.submit_api import (
+    ErrorAnswer,
+    FastPathRouter,
+    _headers,
+    _read_body,
+    _replaying,
+    _request_checks,
+    response_headers,
+)
 from observability.metrics import heartbeat_observed
 from protocol.node import Heartbeat
 
@@ -121,18 +128,7 @@ async def heartbeat_app(scope, receive, send, *, django_app, error_answer: Error
     await _answer(send, 200, JSONRenderer().render(answer.to_dict()), host=host, secure=secure)
 
 
-class HeartbeatRouter:
-    """ASGI middleware: POST /api/agent/heartbeat/ goes to heartbeat_app (which hands what it does
-    not answer to `app`), everything else to `app` (Django)."""
-
-    def __init__(self, app, *, error_answer: ErrorAnswer):
-        self.app = app
-        self.error_answer = error_answer
-
-    async def __call__(self, scope, receive, send):
-        if (scope["type"] == "http" and scope["path"] == HEARTBEAT_PATH and scope["method"] == "POST"
-                and settings.MERIDIAN_HEARTBEAT_FAST_PATH):
-            await heartbeat_app(scope, receive, send, django_app=self.app, error_answer=self.error_answer)
-        else:
-            await self.app(scope, receive, send)
-
+def HeartbeatRouter(app, *, error_answer: ErrorAnswer) -> FastPathRouter:  # noqa: N802 - used as a class
+    """POST /api/agent/heartbeat/ to heartbeat_app, everything else to `app`."""
+    return FastPathRouter(app, path=HEARTBEAT_PATH, handler=heartbeat_app, enabled="MERIDIAN_HEARTBEAT_FAST_PATH",
+                          error_answer=error_answer)

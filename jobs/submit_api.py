@@ -383,17 +383,23 @@ async def submit_app(scope, receive, send, *, django_app, error_answer: ErrorAns
     await _answer(send, 201, _job_answer(job), host=host, secure=secure)
 
 
-class SubmitRouter:
-    """ASGI middleware: POST /api/jobs/ goes to submit_app (which hands what it does not answer
-    to `app`), everything else to `app` (Django)."""
+class FastPathRouter:
+    """ASGI middleware: POST `path` goes to `handler` (a fast path, which hands what it does not
+    answer to `app`) while settings.<enabled> holds, everything else to `app` (Django)."""
 
-    def __init__(self, app, *, error_answer: ErrorAnswer):
-        self.app = app
+    def __init__(self, app, *, path: str, handler, enabled: str, error_answer: ErrorAnswer):
+        self.app, self.path, self.handler, self.enabled = app, path, handler, enabled
         self.error_answer = error_answer
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"] == "http" and scope["path"] == SUBMIT_PATH and scope["method"] == "POST"
-                and settings.MERIDIAN_SUBMIT_FAST_PATH):
-            await submit_app(scope, receive, send, django_app=self.app, error_answer=self.error_answer)
+        if (scope["type"] == "http" and scope["path"] == self.path and scope["method"] == "POST"
+                and getattr(settings, self.enabled)):
+            await self.handler(scope, receive, send, django_app=self.app, error_answer=self.error_answer)
         else:
             await self.app(scope, receive, send)
+
+
+def SubmitRouter(app, *, error_answer: ErrorAnswer) -> FastPathRouter:  # noqa: N802 - used as a class
+    """POST /api/jobs/ to submit_app, everything else to `app`."""
+    return FastPathRouter(app, path=SUBMIT_PATH, handler=submit_app, enabled="MERIDIAN_SUBMIT_FAST_PATH",
+                          error_answer=error_answer)
