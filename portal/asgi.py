@@ -1,7 +1,8 @@
 """ASGI entry point (daphne): HTTP through Django, WebSockets through Channels; the agents'
 liveness lease (POST /api/agent/lease/) before Django (fleet.lease_api.LeaseRouter), and
 submissions by API token (POST /api/jobs/) and the agents' full heartbeats (POST
-/api/agent/heartbeat/) before Django when they certainly can be (jobs.submit_api.FastPathRouter:
+/api/agent/heartbeat/) before Django when they certainly can be (jobs.submit_api.FastPathRouter, made by
+SubmitRouter and
 jobs.heartbeat_api.HeartbeatRouter).
 
 WebSocket routes are `portal.routing.websocket_urlpatterns` (the pages' consumers).
