@@ -34,6 +34,7 @@ from jobs.submit_api import (
     _read_body,
     _replaying,
     _request_checks,
+    connection_kept_checked,
     response_headers,
 )
 from observability.metrics import heartbeat_observed
@@ -71,11 +72,7 @@ def _heartbeat(token: str, heartbeat: Heartbeat):
 
     # This thread keeps its connection between heartbeats (see jobs.submit_api._submit); one that
     # saw an error is checked, and dropped if broken. Not inside a test's transaction.
-    if connection.errors_occurred and connection.connection is not None and not connection.in_atomic_block:
-        if connection.is_usable():
-            connection.errors_occurred = False
-        else:
-            connection.close()
+    connection_kept_checked(connection)
     try:
         node = node_get_by_token(token=token)
     except DatabaseError:

@@ -281,11 +281,7 @@ def _submit(key: str, team_ref: str | None, spec: dict):
     # each new connection) and a pool round trip on PostgreSQL. It never holds a transaction
     # open between them. One that saw an error is checked, and dropped if broken (the next
     # statement reconnects). Not inside a test's transaction.
-    if connection.errors_occurred and connection.connection is not None and not connection.in_atomic_block:
-        if connection.is_usable():
-            connection.errors_occurred = False
-        else:
-            connection.close()
+    connection_kept_checked(connection)
     try:
         submitter = submitter_by_token(key=key)
     except DatabaseError:
@@ -381,6 +377,16 @@ async def submit_app(scope, receive, send, *, django_app, error_answer: ErrorAns
         return
     await _publish(job)
     await _answer(send, 201, _job_answer(job), host=host, secure=secure)
+
+
+def connection_kept_checked(connection) -> None:
+    """The fast paths keep their thread's connection between requests: one that saw an error is
+    checked, and dropped if broken (the next statement reconnects). Not inside a test's transaction."""
+    if connection.errors_occurred and connection.connection is not None and not connection.in_atomic_block:
+        if connection.is_usable():
+            connection.errors_occurred = False
+        else:
+            connection.close()
 
 
 class FastPathRouter:
