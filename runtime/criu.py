@@ -17,6 +17,7 @@ the node's (runtime/private_dirs.py). A dump would need those mounts declared ex
 restore would map the keys onto the restoring launcher's new folders (`--external mnt[tmp]:<dir>`,
 formerly `--ext-mount-map`); neither `dump` nor `restore` below passes them, and it was never tried.
 """
+import contextlib
 import ctypes
 import os
 import re
@@ -106,7 +107,10 @@ def _run(args, log_path, what):
 
 def dump(pid, image_dir, *, leave_running):
     """Dumps the process tree rooted at `pid` (a PID-namespace init) into image_dir."""
-    os.makedirs(image_dir, exist_ok=True)
+    # Not makedirs: a staging folder that is gone (swept as abandoned: runtime/store.py) must fail
+    # this dump, not be recreated half empty.
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(image_dir)
     args = ["dump", "-t", str(pid), "-D", str(image_dir)]
     if leave_running:
         args.append("--leave-running")

@@ -407,9 +407,13 @@ class FrameworkTracker:
         (temporary folder, fsync, rename) with a manifest (engine, step, world size, sha256 and
         size of each file). Returns the rank folder. Raises UnresumableScript, writing nothing,
         when ``check_resumable`` would."""
+        directory = Path(directory)
+        if directory.name.startswith(store.STAGING_PREFIX):
+            if not directory.is_dir():  # never recreated: a sweep took it for abandoned (store.py)
+                raise FileNotFoundError(f"the checkpoint's staging folder {directory} is gone (swept as "
+                                        "abandoned, or its checkpoint was given up): nothing saved")
         self.check_resumable()
         state = self._collect()
-        directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         final = directory / RANK_DIR.format(rank=self.rank)
         if final.exists():

@@ -495,6 +495,11 @@ class Launcher:
         action = "stop" if stop else "checkpoint"
         began = time.monotonic()
         staging = self.store.staging_dir()
+        with self.store.keep_alive(staging):  # no sweep takes it for abandoned meanwhile
+            return self._checkpoint_into(staging, stop=stop, at_step=at_step, timeout_s=timeout_s,
+                                         action=action, began=began)
+
+    def _checkpoint_into(self, staging, *, stop, at_step, timeout_s, action, began) -> CheckpointAnswer:
         request = None
         try:
             if self.sandbox is not None and self.checkpoints.ranks_write_checkpoint:
@@ -711,6 +716,8 @@ class Launcher:
             "args": list(self.options.args), **self.private_dirs_paths()})
         server, serve_loop = control.serve(self.job_dir, self.handle, on_sent=self._answer_sent)
         threading.Thread(target=serve_loop, daemon=True, name="meridian-control").start()
+        if self.node_rank == 0:  # the store's one committer sweeps what killed writers left in it
+            threading.Thread(target=self.store.sweep_abandoned, daemon=True, name="meridian-sweep").start()
         self.state = LaunchState.RUNNING
         try:
             return self.loop()

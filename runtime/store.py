@@ -28,12 +28,21 @@ one, never a half-written checkpoint under a final name.  Restores verify sha256
 ``latest_good()`` skips a corrupt or incomplete checkpoint (and logs why) and returns the one
 before it.
 
+A writer killed mid-checkpoint (a launcher, a host) leaves its ``.staging-*`` or ``.tmp-*`` folder
+behind: nothing lists, restores or commits it, but it may hold a whole checkpoint's bytes.
+``sweep_abandoned`` removes those idle for ``ABANDONED_AFTER_S`` (no file in them written, and the
+folder not touched: a live checkpoint's launcher touches its staging folder every
+``KEEP_ALIVE_S``, ``keep_alive``, even while it only waits for the cut). A sweep renames a folder
+away before removing it, so a writer that was only frozen and comes back fails cleanly: its
+commit's rename finds nothing, and the engines never recreate a staging folder that is gone.
+
 Only ``file://`` URIs and plain paths are supported: an object store (s3://, gs://) would need a
 client this project does not ship, and is refused with a clear error.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -42,6 +51,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import urllib.parse
 import uuid
@@ -55,6 +65,12 @@ MANIFEST_FORMAT = 1
 CHECKPOINT_DIR_PATTERN = re.compile(r"^ckpt-(\d{12})-(\d+)$")
 STAGING_PREFIX = ".staging-"
 TMP_PREFIX = ".tmp-"
+SWEPT_PREFIX = ".swept-"
+# A staging or commit folder idle this long belongs to a writer that is gone (module docstring): far
+# above KEEP_ALIVE_S, and above any pause of a live writer's file activity (a hash pass over a
+# staging folder of ~1 TB, the longest a commit reads without writing).
+ABANDONED_AFTER_S = 3600.0
+KEEP_ALIVE_S = 60.0
 HASH_CHUNK_BYTES = 8 << 20
 DEFAULT_KEEP = 3
 # The node agent writes the name of the job's newest accepted checkpoint here, in the job folder
@@ -410,6 +426,27 @@ def _hashes_from_engine_manifests(root: Path) -> dict:
     return known
 
 
+def _newest_change(path: Path) -> tuple[float | None, int]:
+    """Returns (the newest mtime of `path` and of everything beneath it, their bytes); (None, 0)
+    when `path` is gone."""
+    try:
+        top = path.lstat()
+    except OSError:
+        return None, 0
+    newest, size = top.st_mtime, 0
+    if not path.is_dir() or path.is_symlink():
+        return newest, top.st_size
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                stat = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            newest = max(newest, stat.st_mtime)
+            size += stat.st_size if name in files else 0
+    return newest, size
+
+
 def _walk_files(root: Path):
     """Yields (relative posix path, absolute path) for every regular file under root, sorted.
     Refuses symlinks and special files: a checkpoint must be self-contained."""
@@ -472,6 +509,64 @@ class CheckpointStore:
         path = self.root / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
         path.mkdir()
         return path
+
+    @contextlib.contextmanager
+    def keep_alive(self, staging, *, every_s: float = KEEP_ALIVE_S):
+        """Touches `staging` every `every_s` while the block runs, so that no sweep takes it for
+        abandoned while its checkpoint waits for a cut or hashes (sweep_abandoned)."""
+        done = threading.Event()
+
+        def touch():
+            while not done.wait(every_s):
+                try:
+                    os.utime(staging)
+                except OSError:
+                    return  # committed (renamed) or removed: nothing left to keep
+
+        thread = threading.Thread(target=touch, daemon=True, name="meridian-staging-alive")
+        thread.start()
+        try:
+            yield staging
+        finally:
+            done.set()
+
+    def sweep_abandoned(self, *, idle_s: float = ABANDONED_AFTER_S, now: float | None = None) -> list[tuple[str, int]]:
+        """Removes the staging and commit folders (and the atomic writes' temporary files) of
+        writers that are gone: those whose newest change, the folder's and every file's beneath,
+        is older than `idle_s`. Returns [(name, bytes)] of what it removed. Each is renamed away
+        first (atomic), so a writer that comes back after all fails cleanly instead of committing
+        a checkpoint missing files."""
+        now = time.time() if now is None else now
+        removed = []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError as exc:
+            log.warning("sweep: cannot list %s: %s", self.root, exc)
+            return removed
+        for entry in entries:
+            if not entry.name.startswith((STAGING_PREFIX, TMP_PREFIX, SWEPT_PREFIX)):
+                continue
+            path = Path(entry.path)
+            newest, size = _newest_change(path)
+            if newest is None or (now - newest < idle_s and not entry.name.startswith(SWEPT_PREFIX)):
+                continue  # gone meanwhile, or still being written
+            away = path if entry.name.startswith(SWEPT_PREFIX) else \
+                self.root / f"{SWEPT_PREFIX}{entry.name.lstrip('.')}-{uuid.uuid4().hex[:8]}"
+            try:
+                if away != path:
+                    os.rename(path, away)
+            except OSError:
+                continue  # committed or removed by its writer just now
+            if away.is_dir():
+                shutil.rmtree(away, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    away.unlink()
+            log.info("sweep: removed %s (%d bytes, idle %.0f s): its writer is gone", entry.name, size, now - newest)
+            removed.append((entry.name, size))
+        if removed:
+            fsync_dir(self.root)
+        return removed
 
     def commit(self, source, step: int, engine: str, meta: dict | None = None) -> CheckpointRef:
         """Stores a checkpoint atomically and returns its reference; then drops all but the
