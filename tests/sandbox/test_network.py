@@ -1,0 +1,98 @@
+"""A sandboxed job on one host has a network namespace of its own with only loopback (issue 13):
+it reaches neither a service on the node's 127.0.0.1 (on an all-in-one node: PostgreSQL with trust
+auth, the Celery broker, the control plane) nor the node's own addresses, while its ranks still
+all-reduce over their loopback. A job granted the host network reaches them.
+
+Measured on the landed code before this: a sandboxed job connected to both (it shared the node's
+network), and its sandbox line said nothing of the network."""
+import json
+import os
+import select
+import socket
+import subprocess
+
+import pytest
+from sandbox_helpers import SCRIPTS, entry, make_node, outcome, probe_report, workspace
+
+from agent import sandbox as agent_sandbox
+from protocol.states import JobNetwork
+from runtime import netns
+
+pytestmark = [pytest.mark.runtime, pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
+PROBE = SCRIPTS / "network_probe.py"
+
+
+def _node_address() -> str | None:
+    """Returns one of the node's global IPv4 addresses (not loopback), or None when it has none."""
+    lines = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True,
+                           text=True).stdout.split("\n")
+    addresses = [line.split()[3].split("/")[0] for line in lines if len(line.split()) > 3]
+    return addresses[0] if addresses else None
+
+
+@pytest.fixture
+def node_services():
+    """Listening TCP sockets standing in for the node's services: one on 127.0.0.1 (where an
+    all-in-one node's database and broker listen), one on the node's own address when it has one.
+    Yields {"HOST:PORT": listening socket}."""
+    listeners = {}
+    for host in ("127.0.0.1", _node_address()):
+        if host is None:
+            continue
+        server = socket.create_server((host, 0))
+        listeners[f"{host}:{server.getsockname()[1]}"] = server
+    yield listeners
+    for server in listeners.values():
+        server.close()
+
+
+def _connected(server) -> bool:
+    """True when a connection reached `server` (one waits in its backlog)."""
+    return bool(select.select([server], [], [], 0)[0])
+
+
+def _run(node, store, job_id, targets, *, world_size=1, network=None):
+    """Runs the network probe as job `job_id` through the agent; returns (its report, each rank's view)."""
+    work = node.work_dir
+    workspace(work, job_id)
+    try:
+        node.reconcile([entry(job_id, store, script=PROBE, args=["net", *targets], world_size=world_size,
+                              indices=(0,), network=network)])
+        job_dir = node.jobs[job_id].job_dir
+        report = outcome(node, job_id)
+    finally:
+        node.kill_all()
+    assert report["state"] == "finished", report.get("error")
+    views = [probe_report(work / "workspaces" / f"job-{job_id}" / f"net-rank{r}.json") for r in range(world_size)]
+    return report, views, json.loads((job_dir / agent_sandbox.SANDBOX_FILE).read_text())
+
+
+def test_an_isolated_job_reaches_neither_the_nodes_loopback_nor_its_address_and_its_ranks_still_reduce(
+        node_root, node_services):
+    node = make_node(node_root / "w")
+    report, views, spec = _run(node, node_root / "store", 61, list(node_services), world_size=2)
+    assert spec["network"] == "isolated" and spec["v"] == 2  # the default, written for the launcher
+    assert "network: isolated" in report["sandbox"]
+    for view in views:
+        assert view["allreduce"] == 3.0  # 1 + 2: gloo and the rendezvous store over the namespace's loopback
+        assert view["interfaces"] == ["lo"]
+        assert view["netns"] != netns.namespace_id()
+        assert all(outcome_.startswith("refused:") for outcome_ in view["reaches"].values()), view["reaches"]
+    assert views[0]["netns"] == views[1]["netns"]  # one namespace for the job's ranks (and its launcher)
+    assert not any(_connected(server) for server in node_services.values())
+
+
+def test_a_job_granted_the_host_network_reaches_the_node(node_root, node_services):
+    node = make_node(node_root / "w")
+    report, views, spec = _run(node, node_root / "store", 62, list(node_services), network="host")
+    assert spec["network"] == "host"
+    assert "network: host (the job asked for the node's network)" in report["sandbox"]
+    assert views[0]["netns"] == netns.namespace_id()
+    assert set(views[0]["reaches"].values()) == {"connected"}, views[0]["reaches"]
+
+
+def test_a_job_spanning_hosts_gets_the_host_network_and_says_why(node_root):
+    """Decided by the agent (the ranks of such a job talk TCP across hosts): the spec it writes."""
+    node = make_node(node_root / "w")
+    assert node.sandbox.job_network(63, JobNetwork.ISOLATED, spans_hosts=True) == "host"
+    assert node.sandbox.job_network(63, JobNetwork.ISOLATED, spans_hosts=False) == "isolated"
