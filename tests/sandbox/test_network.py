@@ -71,15 +71,15 @@ def test_an_isolated_job_reaches_neither_the_nodes_loopback_nor_its_address_and_
         node_root, node_services):
     node = make_node(node_root / "w")
     report, views, spec = _run(node, node_root / "store", 61, list(node_services), world_size=2)
-    assert spec["network"] == "isolated" and spec["v"] == 2  # the default, written for the launcher
-    assert "network: isolated" in report["sandbox"]
     for view in views:
+        assert all(outcome_.startswith("refused:") for outcome_ in view["reaches"].values()), view["reaches"]
         assert view["allreduce"] == 3.0  # 1 + 2: gloo and the rendezvous store over the namespace's loopback
         assert view["interfaces"] == ["lo"]
         assert view["netns"] != netns.namespace_id()
-        assert all(outcome_.startswith("refused:") for outcome_ in view["reaches"].values()), view["reaches"]
-    assert views[0]["netns"] == views[1]["netns"]  # one namespace for the job's ranks (and its launcher)
     assert not any(_connected(server) for server in node_services.values())
+    assert views[0]["netns"] == views[1]["netns"]  # one namespace for the job's ranks (and its launcher)
+    assert spec["network"] == "isolated" and spec["v"] == 2  # the default, written for the launcher
+    assert "network: isolated" in report["sandbox"]
 
 
 def test_a_job_granted_the_host_network_reaches_the_node(node_root, node_services):
