@@ -96,3 +96,21 @@ def test_a_job_spanning_hosts_gets_the_host_network_and_says_why(node_root):
     node = make_node(node_root / "w")
     assert node.sandbox.job_network(63, JobNetwork.ISOLATED, spans_hosts=True) == "host"
     assert node.sandbox.job_network(63, JobNetwork.ISOLATED, spans_hosts=False) == "isolated"
+
+
+def test_a_launcher_refuses_an_isolated_network_for_a_job_spanning_hosts_before_it_enters_one(tmp_path, monkeypatch):
+    """Its hosts' ranks could not reach each other: the launch fails saying so (the agent never asks it)."""
+    from protocol.launch import SandboxSpec
+    from runtime import launcher
+
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    (tmp_path / "sandbox.json").write_text(json.dumps(SandboxSpec(unconfined_reason="test",
+                                                                  network=JobNetwork.ISOLATED).to_dict()))
+    (tmp_path / "noop.py").write_text("pass\n")
+    options = launcher.parse_args([
+        "--ranks", "2", "--nodes", "2", "--node-rank", "1", "--rendezvous", str(tmp_path / "rdv"),
+        "--sandbox", str(tmp_path / "sandbox.json"), "--job-dir", str(tmp_path / "job"), str(tmp_path / "noop.py")])
+    before = netns.namespace_id()
+    with pytest.raises(launcher.LaunchError, match="spans 2 hosts"):
+        launcher.Launcher(options)
+    assert netns.namespace_id() == before  # refused before it entered a namespace
