@@ -12,6 +12,11 @@ Modes (`meridian-agent --sandbox`, MERIDIAN_SANDBOX):
     off      unconfined, said the same way.
 Whatever the mode, a job gets only its own environment (the agent's never reaches it).
 
+Network (SandboxSpec.network, `job_network`): a sandboxed job on one host gets what the control
+plane granted, "isolated" (a namespace of its own, loopback only: runtime/netns.py) unless the
+operator allowed it "host"; a job spanning hosts and an unconfined one get the node's network,
+which their events say.
+
 Layout (root's unless said): <work dir> 0711 (reachable, not listable), node-token 0600, j/ 0700
 (launcher logs, events, control sockets, sandbox.json 0600; <job dir>/tmp root:<job gid> 1770 is the
 ranks' private /tmp, and /dev/shm/meridian-job-<id>-<nonce> their private /dev/shm, both made by the

@@ -6,7 +6,9 @@ Who is who (the launcher stays root: CRIU dumps and restores as root):
                      limit, a freezer on v1) and its directories' modes, writes <job dir>/sandbox.json
                      (protocol.launch.SandboxSpec, mode 600) and starts the launcher with a clean
                      environment and ``--sandbox <job dir>/sandbox.json``.
-    launcher (root)  joins that cgroup before anything else (everything it starts inherits it),
+    launcher (root)  joins that cgroup before anything else (everything it starts inherits it), then
+                     enters the job's network namespace when the spec says "isolated"
+                     (runtime/netns.py: loopback only),
                      gives the spool to the job's group, starts each rank through ``setpriv`` as
                      the job's uid with only the environment `rank_environment` builds, and moves the
                      cpuset with a resize. It reads what ranks wrote without following links
