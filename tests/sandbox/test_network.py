@@ -91,11 +91,31 @@ def test_a_job_granted_the_host_network_reaches_the_node(node_root, node_service
     assert set(views[0]["reaches"].values()) == {"connected"}, views[0]["reaches"]
 
 
-def test_a_job_spanning_hosts_gets_the_host_network_and_says_why(node_root):
-    """Decided by the agent (the ranks of such a job talk TCP across hosts): the spec it writes."""
-    node = make_node(node_root / "w")
-    assert node.sandbox.job_network(63, JobNetwork.ISOLATED, spans_hosts=True) == "host"
-    assert node.sandbox.job_network(63, JobNetwork.ISOLATED, spans_hosts=False) == "isolated"
+def test_a_job_spanning_hosts_runs_on_the_node_network_and_its_events_say_why(node_root, node_services):
+    """Two agents on this machine play the job's two hosts (both at 127.0.0.1). The job asked for
+    nothing (isolated), but its ranks talk TCP across hosts: the agents give it the node's network,
+    which it reaches, and each host's sandbox line says why, as the status page's gap does."""
+    store, rendezvous = node_root / "store", node_root / "rdv"
+    nodes = [make_node(node_root / f"w{k}") for k in range(2)]
+    try:
+        for k, node in enumerate(nodes):
+            workspace(node.work_dir, 63)
+            wire = entry(63, store, script=PROBE, args=["net", *node_services], world_size=2)
+            wire["span"] = {"nodes": 2, "node_rank": k, "first_rank": k, "ranks": 1, "job_devices": 2,
+                            "leader": "w0", "rendezvous": str(rendezvous)}
+            node.reconcile([wire])
+        reports = [outcome(node, 63) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill_all()
+    for k, report in enumerate(reports):
+        assert report["state"] == "finished", report.get("error")
+        assert report["sandbox"].startswith("uid ")  # confined all the same
+        assert report["sandbox"].endswith("network: host (the job spans hosts; per-job network namespaces across "
+                                          "hosts are not built), private /tmp and /dev/shm")
+        view = probe_report(nodes[k].work_dir / "workspaces" / "job-63" / f"net-rank{k}.json")
+        assert view["allreduce"] == 3.0 and view["netns"] == netns.namespace_id()
+        assert set(view["reaches"].values()) == {"connected"}  # what the gap means, plainly
 
 
 def test_a_launcher_refuses_an_isolated_network_for_a_job_spanning_hosts_before_it_enters_one(tmp_path, monkeypatch):
