@@ -111,8 +111,8 @@ def node_desired_state_build(*, node) -> DesiredState:
     to restore it), plus one entry with action "stop" per job whose active
     move takes its old copy off this node. Every entry has the placement `generation` the agent
     must run (or stop), a run entry the job's `if_resume_refused` (meridian-run's
-    --if-resume-refused) and its `network` (isolated or host: the agent's SandboxSpec.network). A job the agent runs that is not listed must be stopped with a
-    checkpoint. Three queries.
+    --if-resume-refused) and its `network` (isolated or host: the agent's SandboxSpec.network).
+    A job the agent runs that is not listed must be stopped with a checkpoint. Three queries.
     """
     devices, spans = _replicas_here_and_spans(node.pk)
     moves = {m.job_id: m for m in Move.objects.filter(

@@ -5,7 +5,6 @@ import pytest
 
 from protocol import ProtocolError
 from protocol.cut import DeviceMap
-from protocol.states import JobNetwork
 from protocol.launch import (
     CheckpointAnswer,
     CheckpointSeconds,
@@ -31,6 +30,7 @@ from protocol.launch import (
     event_line,
     parse_events,
 )
+from protocol.states import JobNetwork
 
 MAP = DeviceMap.from_dict({"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 1}})
 SECONDS = CheckpointSeconds(cut=0.1, dump=0.2, commit=0.3, total=0.6)
