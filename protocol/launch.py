@@ -177,10 +177,10 @@ class SandboxSpec(Message):
 
     `network` (version 2): "isolated", the launcher enters a network namespace of the job's own
     before anything else (runtime/netns.py); "host", the node's network. Version 2 because a
-    launcher that predates the field must not ignore it: it refuses the spec ("protocol version 2 of
-    SandboxSpec is newer than this side's 1") and the launch fails, where ignoring it would have run
-    an isolated job on the node's network. A version 1 spec (an agent that predates it) reads as
-    "host": that agent isolated nothing."""
+    launcher that predates the field must not ignore it: it refuses the spec ("v: protocol version 2
+    is newer than this side's 1", exit 2: tried) and the launch fails, where ignoring it would have
+    run an isolated job on the node's network. A version 1 spec (an agent that predates it) reads
+    as "host": that agent isolated nothing."""
 
     VERSION: ClassVar[int] = 2
 

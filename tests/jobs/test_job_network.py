@@ -86,3 +86,11 @@ def test_the_submit_page_refuses_the_host_network_on_the_field(alice, team_a, jo
     assert response.status_code == 200  # the form again, with the reason on its field
     assert "MERIDIAN_JOB_HOST_NETWORK" in response.content.decode()
     assert not Job.objects.exists()
+
+
+def test_the_job_page_shows_its_network(alice, job_spec, client):
+    client.force_login(alice)
+    job_id = _client(alice).post(URL, job_spec(), format="json").json()["id"]
+    page = client.get(f"/jobs/{job_id}/").content.decode()
+
+    assert 'data-testid="job-network">Isolated (loopback only)</td>' in page
