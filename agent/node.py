@@ -887,7 +887,8 @@ class NodeReconciler:
             return  # tried again at the next reconcile, once the other job is gone
         try:
             self.sandbox.prepare(job_id=job_id, job_dir=job_dir, device_indices=entry.device_indices,
-                                 devices=entry.devices, env=entry.env, store=store, workspace=workspace)
+                                 devices=entry.devices, env=entry.env, store=store, workspace=workspace,
+                                 network=entry.network, spans_hosts=entry.span is not None)
         except (job_sandbox.SandboxError, OSError) as exc:
             self._launch_refused(entry, job_dir, f"the job's sandbox could not be set up on this node: {exc}")
             return

@@ -12,6 +12,11 @@ Modes (`meridian-agent --sandbox`, MERIDIAN_SANDBOX):
     off      unconfined, said the same way.
 Whatever the mode, a job gets only its own environment (the agent's never reaches it).
 
+Network (SandboxSpec.network, `job_network`): a sandboxed job on one host gets what the control
+plane granted, "isolated" (a namespace of its own, loopback only: runtime/netns.py) unless the
+operator allowed it "host"; a job spanning hosts and an unconfined one get the node's network,
+which their events say.
+
 Layout (root's unless said): <work dir> 0711 (reachable, not listable), node-token 0600, j/ 0700
 (launcher logs, events, control sockets, sandbox.json 0600; <job dir>/tmp root:<job gid> 1770 is the
 ranks' private /tmp, and /dev/shm/meridian-job-<id>-<nonce> their private /dev/shm, both made by the
@@ -33,7 +38,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.launch import SandboxSpec
+from protocol.launch import NETWORK_SPANS_HOSTS, SandboxSpec
+from protocol.states import JobNetwork
 from runtime import private_dirs
 from runtime import sandbox as mechanisms
 from runtime.sandbox import Identity, JobCgroup, SandboxError
@@ -184,12 +190,15 @@ class NodeSandbox:
         return share // 4096 * 4096  # the kernel rounds a limit down to whole pages
 
     def prepare(self, *, job_id: int, job_dir: pathlib.Path, device_indices, devices: int, env, store=None,
-                workspace=None) -> SandboxSpec:
+                workspace=None, network: JobNetwork = JobNetwork.ISOLATED, spans_hosts: bool = False) -> SandboxSpec:
         """Makes job `job_id`'s cgroup and gives it its folders; returns its SandboxSpec (written to
-        <job dir>/sandbox.json). Unsandboxed nodes in mode enforce raise SandboxError."""
+        <job dir>/sandbox.json). Unsandboxed nodes in mode enforce raise SandboxError. The job's
+        `network` is what the control plane granted, except that a job spanning hosts and an
+        unconfined one get the host network (job_network)."""
         common: dict[str, Any] = dict(device_kind=self.device_kind, node_devices=self.node_devices,
                                       node_cores=self.node_cores, env=dict(env or {}) or None,
-                                      home=str(workspace) if workspace else None)
+                                      home=str(workspace) if workspace else None,
+                                      network=self.job_network(job_id, network, spans_hosts=spans_hosts))
         if not self.enforced:
             if self.policy.mode == "enforce":
                 raise SandboxError(f"this node cannot sandbox jobs and its sandbox is enforced: {self.unavailable}")
@@ -219,6 +228,15 @@ class NodeSandbox:
         with os.fdopen(fd, "w") as handle:
             json.dump(spec.to_dict(), handle)
         return spec
+
+    def job_network(self, job_id: int, asked: JobNetwork, *, spans_hosts: bool) -> JobNetwork:
+        """Returns the network job `job_id`'s launcher gives it: `asked` on a sandboxed node for a
+        job on one host; the host network, logged, for a job spanning hosts (its ranks talk TCP
+        across hosts: runtime/netns.py says why no namespace is built for them) and for an
+        unconfined one (its launcher may not be root; its events say UNCONFINED)."""
+        if asked == JobNetwork.ISOLATED and self.enforced and spans_hosts:
+            log.warning("job %s: network: host (%s)", job_id, NETWORK_SPANS_HOSTS)
+        return asked if self.enforced and not spans_hosts else JobNetwork.HOST
 
     def give_workspace(self, job_id: int, path: os.PathLike | str) -> None:
         """Makes workspace `path` job `job_id`'s own (see grant_workspace) when jobs here are

@@ -1,19 +1,23 @@
-"""What the per-job sandbox costs: at launch, at a cut (checkpoint), at a kill; sandbox on vs off.
+"""What the per-job sandbox costs: at launch, at a cut (checkpoint), at a kill; sandbox off, on with
+the node's network, on with the job's own network namespace (the default).
 
     .venv/bin/python bench/sandbox_cost.py [--repeats 3] [--ranks 2] [--engine framework]
 
 Runs examples/train_mlp.py through a real node agent's reconciler (agent/node.py) on a 2-device node,
 once with the sandbox enforced (a job uid through setpriv, a cgroup with the cpuset and a memory
 limit, the job's environment only, the spool given to its group, framework checkpoints sealed before
-the commit) and once with it off (ranks as root, the same clean environment). Needs root (the
-sandbox does). For each repeat:
+the commit) with the node's network (network "host"), once more with its own network namespace
+(network "isolated", the default: runtime/netns.py), and once with it off (ranks as root, the same
+clean environment). Needs root (the sandbox does). For each repeat:
     prepare     the agent's sandbox work before the launcher starts (cgroup, modes, sandbox.json)
     launch      reconcile() -> the job reports running with step >= 1 (ranks started, torch imported,
                 first optimizer step)
     cut         one checkpoint through the control socket: the launcher's own CheckpointSeconds.total
                 (with the sandbox: the staging folder given to the ranks, then sealed)
     kill        fence() -> every process of the job gone (the sandbox kills through the cgroup)
-Prints the median of each over the repeats and the ratio on/off. CRIU is not measured with the
+Prints the median of each over the repeats, the ratio on/off and what the network namespace adds
+(isolated - host); then the median time to enter a namespace itself (unshare + loopback up, in a
+child process). CRIU is not measured with the
 sandbox where root lacks CAP_SYS_RESOURCE (runtime/sandbox.py criu_refusal_for_other_uids), which is
 the case on the machines this project is tested on; the script says so.
 """
@@ -46,7 +50,7 @@ def wait(what, predicate, timeout=300):
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def one_run(base, *, mode, engine, ranks, job_id):
+def one_run(base, *, mode, network, engine, ranks, job_id):
     work, store = base / f"{mode}-{job_id}", base / "store"
     sandbox = NodeSandbox(SandboxPolicy(mode=mode, uid_base=1_700_000), work_dir=work, node_devices=2,
                           node_cores=tuple(sorted(os.sched_getaffinity(0)))[:2])
@@ -56,7 +60,7 @@ def one_run(base, *, mode, engine, ranks, job_id):
     entry = {"job_id": job_id, "action": "run", "generation": 1, "world_size": ranks, "devices": 1,
              "device_indices": [0], "entrypoint": str(TRAIN), "env": {},
              "args": ["--out", str(space / "final.pt"), "--epochs", "400", "--step-sleep", "0.01"],
-             "store": str(store / f"job-{job_id}" / "g1")}
+             "store": str(store / f"job-{job_id}" / "g1"), "network": network}
     prepare_s = []
     original = sandbox.prepare
 
@@ -87,6 +91,24 @@ def one_run(base, *, mode, engine, ranks, job_id):
     return {"prepare": prepare_s[0], "launch": launch_s, "cut": cut_s, "kill": kill_s}
 
 
+def _netns_enter_seconds() -> float:
+    """Returns how long runtime.netns.enter_isolated_network takes, measured in a forked child (the
+    namespace is entered for good, so not in this process)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        from runtime import netns
+        began = time.perf_counter()
+        netns.enter_isolated_network()
+        os.write(write, repr(time.perf_counter() - began).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        seconds = float(answer.read())
+    os.waitpid(pid, 0)
+    return seconds
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -97,23 +119,28 @@ def main():
         raise SystemExit("the sandbox needs root; run this as root")
     if options.engine == "criu" and mechanisms.criu_refusal_for_other_uids():
         raise SystemExit(f"not measurable here: {mechanisms.criu_refusal_for_other_uids()}")
-    results = {"off": [], "enforce": []}
+    configs = {"off": ("off", "host"), "host": ("enforce", "host"), "isolated": ("enforce", "isolated")}
+    results = {name: [] for name in configs}
     with tempfile.TemporaryDirectory(prefix="sbx-bench-", dir="/tmp") as tmp:
         os.chmod(tmp, 0o711)
         base = pathlib.Path(tmp)
         job_id = 500
         for _ in range(options.repeats):
-            for mode in ("off", "enforce"):  # interleaved: the machine's load drifts
+            for name, (mode, network) in configs.items():  # interleaved: the machine's load drifts
                 job_id += 1
-                results[mode].append(one_run(base, mode=mode, engine=options.engine, ranks=options.ranks,
-                                             job_id=job_id))
+                results[name].append(one_run(base, mode=mode, network=network, engine=options.engine,
+                                             ranks=options.ranks, job_id=job_id))
     print(f"sandbox cost: W={options.ranks} on 1 CPU device, engine {options.engine}, "
-          f"median of {options.repeats} (seconds)")
-    print(f"{'phase':<10} {'sandbox off':>12} {'sandbox on':>12} {'on - off':>10} {'on / off':>9}")
+          f"median of {options.repeats} (seconds); load average {os.getloadavg()[0]:.2f}")
+    print(f"{'phase':<10} {'sandbox off':>12} {'on, host net':>13} {'on, own netns':>14} {'on / off':>9} "
+          f"{'netns - host':>13}")
     for phase in ("prepare", "launch", "cut", "kill"):
-        off = statistics.median(r[phase] for r in results["off"])
-        on = statistics.median(r[phase] for r in results["enforce"])
-        print(f"{phase:<10} {off:>12.4f} {on:>12.4f} {on - off:>+10.4f} {on / off if off else float('nan'):>9.2f}")
+        off, host, isolated = (statistics.median(r[phase] for r in results[name]) for name in configs)
+        print(f"{phase:<10} {off:>12.4f} {host:>13.4f} {isolated:>14.4f} "
+              f"{isolated / off if off else float('nan'):>9.2f} {isolated - host:>+13.4f}")
+    entering = statistics.median(_netns_enter_seconds() for _ in range(max(5, options.repeats)))
+    print(f"entering a network namespace (unshare + lo up, runtime/netns.py): {entering * 1000:.2f} ms, "
+          f"median of {max(5, options.repeats)}")
     refusal = mechanisms.criu_refusal_for_other_uids()
     if refusal:
         print(f"CRIU with the sandbox: not measured here ({refusal})")

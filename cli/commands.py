@@ -86,6 +86,11 @@ def _submit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when the framework checkpoint engine refuses a resume because the re-run is not the "
                              "run that was cut (an unseeded script, the script's own snapshot logic): fail the job "
                              "(the server's default) or start the script again from scratch (said in its events)")
+    parser.add_argument("--network", choices=["isolated", "host"], default=None,
+                        help="the job's network: isolated (the server's default: loopback only, it reaches nothing "
+                             "outside the job) or host (the node's network, e.g. to download data; refused unless "
+                             "the operator set MERIDIAN_JOB_HOST_NETWORK=allow). A job spanning hosts gets the "
+                             "node's network, said in its events")
     parser.add_argument("--array", type=int, default=None, metavar="N",
                         help="submit N copies at once (Slurm's --array), all or none; copy i is named NAME[i] and "
                              "gets MERIDIAN_ARRAY_TASK_ID=i in its environment")
@@ -155,6 +160,8 @@ def submit(args: argparse.Namespace, client: Client) -> int:
         spec["total_steps"] = args.total_steps
     if args.if_resume_refused is not None:  # left out, an older control plane still takes the spec
         spec["if_resume_refused"] = args.if_resume_refused
+    if args.network is not None:  # left out likewise
+        spec["network"] = args.network
     if args.array is not None:
         return _submit_array(args, client, spec, sha256=sha256, size=size, files=len(files), sent=sent)
     job = client.post("/api/jobs/", spec)

@@ -41,6 +41,7 @@ from jobs.services import (
 TIER_MESSAGE = 'unknown tier "{input}"; choose one of ' + ", ".join(Tier.values)
 TYPE_MESSAGE = 'unknown accelerator type "{input}"; known types: ' + ", ".join(ACCELERATOR_TYPES)
 STATE_MESSAGE = 'unknown state "{input}"; known states: ' + ", ".join(Job.State.values)
+NETWORK_MESSAGE = 'network must be one of ' + ", ".join(Job.Network.values) + ', got "{input}"'
 RESUME_REFUSED_MESSAGE = ('if_resume_refused must be one of ' + ", ".join(Job.ResumeRefused.values)
                           + ' (what to do when a resume is refused), got "{input}"')
 
@@ -80,7 +81,7 @@ class JobOutputSerializer(serializers.ModelSerializer):
             "attained_device_seconds", "ideal_device_seconds", "attained_sla_fraction", "sla_target",
             "progress_step", "steps_per_second", "last_checkpoint_step", "last_checkpoint_at",
             "checkpoint_bytes", "preemption_count", "migration_count", "resize_count", "wait_reason",
-            "queue_position", "exit_code", "failure_reason", "bundle", "if_resume_refused",
+            "queue_position", "exit_code", "failure_reason", "bundle", "if_resume_refused", "network",
         ]
 
     def get_fields(self):
@@ -147,6 +148,13 @@ class JobSubmitApi(APIView):
                       "naming what differed) or restart (the script starts again from scratch, and the job's "
                       "events say so). A job spanning hosts always fails.",
             error_messages={"invalid_choice": RESUME_REFUSED_MESSAGE})
+        network = serializers.ChoiceField(
+            choices=Job.Network.choices, default=Job.Network.ISOLATED,
+            help_text="isolated (the default): the job's ranks get a network namespace of their own with only "
+                      "loopback, so they reach nothing outside the job (a job spanning hosts gets the node's "
+                      "network, said in its events). host: the node's network, refused (400) unless the operator "
+                      "set MERIDIAN_JOB_HOST_NETWORK=allow.",
+            error_messages={"invalid_choice": NETWORK_MESSAGE})
 
 
     @extend_schema(request=InputSerializer, responses={201: JobOutputSerializer},

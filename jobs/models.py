@@ -94,6 +94,12 @@ class Job(models.Model):
         FAILED = "failed", "Failed"
         CANCELLED = "cancelled", "Cancelled"
 
+    class Network(models.TextChoices):
+        """The network the job's ranks have on a node (protocol.states.JobNetwork: the same words)."""
+
+        ISOLATED = "isolated", "Isolated (loopback only)"
+        HOST = "host", "The node's network"
+
     class ResumeRefused(models.TextChoices):
         """What the job's launcher does when the framework engine refuses a resume because the
         re-run is not the run that was cut (protocol.states.ResumeRefused: the same words)."""
@@ -128,6 +134,11 @@ class Job(models.Model):
         max_length=8, choices=ResumeRefused.choices, default=ResumeRefused.FAIL,
         help_text="When the framework engine refuses a resume (the re-run is not the run that was cut): fail, "
                   "or start the script again from scratch (a job spanning hosts always fails).")
+    network = models.CharField(
+        max_length=8, choices=Network.choices, default=Network.ISOLATED,
+        help_text="isolated: a network namespace of the job's own with only loopback (the default); host: the "
+                  "node's network, granted only where MERIDIAN_JOB_HOST_NETWORK=allow. A job spanning hosts "
+                  "runs on the node's network whatever it asked, and its events say so.")
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     state_changed_at = models.DateTimeField(default=timezone.now)
 

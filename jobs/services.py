@@ -407,8 +407,13 @@ def jobs_transition_bulk(*, jobs: Sequence[Job], to: str, reasons: Mapping[int, 
 
 SPEC_FIELDS = {
     "name", "tier", "accelerator_type", "world_size", "min_devices", "entrypoint", "args", "env", "total_steps",
-    "bundle", "if_resume_refused",
+    "bundle", "if_resume_refused", "network",
 }
+
+
+HOST_NETWORK_DENIED = ("network host (the node's network, with every service it reaches) is not allowed here: "
+                       "the operator's setting MERIDIAN_JOB_HOST_NETWORK is deny, so jobs run isolated (loopback "
+                       "only). Ask your operator, or fetch data before submitting (bundle it).")
 
 
 def _int_field(spec, field, errors, *, default=None):
@@ -429,7 +434,8 @@ def job_spec_clean(spec: object) -> dict:
     world_size W >= 1, min_devices (default 1: every job is elastic unless asked
     otherwise; must divide W), entrypoint, args (list of strings), env (str → str),
     total_steps (optional), if_resume_refused (fail|restart, default fail: what the launcher does
-    when the framework engine refuses a resume). The team quota is checked by job_submit.
+    when the framework engine refuses a resume), network (isolated|host, default isolated; host
+    only where settings.MERIDIAN_JOB_HOST_NETWORK is "allow"). The team quota is checked by job_submit.
     """
     if not isinstance(spec, dict):
         raise ValidationError({"spec": "a job spec must be a JSON object"})
@@ -495,6 +501,12 @@ def job_spec_clean(spec: object) -> dict:
     if if_resume_refused not in Job.ResumeRefused.values:
         errors["if_resume_refused"] = (f"if_resume_refused must be one of {', '.join(Job.ResumeRefused.values)} "
                                        f"(what to do when a resume is refused), got {if_resume_refused!r}")
+    network = spec.get("network", Job.Network.ISOLATED)
+    if network not in Job.Network.values:
+        errors["network"] = (f"network must be one of {', '.join(Job.Network.values)} (isolated: loopback only; "
+                             f"host: the node's network), got {network!r}")
+    elif network == Job.Network.HOST and settings.MERIDIAN_JOB_HOST_NETWORK != "allow":
+        errors["network"] = HOST_NETWORK_DENIED
     if spec.get("bundle") is not None and type(spec["bundle"]).__name__ != "Bundle":
         errors["bundle"] = "bundle must be an uploaded bundle (bundle_resolve_for_submit resolves a digest)"
     if errors:
@@ -511,6 +523,7 @@ def job_spec_clean(spec: object) -> dict:
         "total_steps": total_steps,
         "bundle": spec.get("bundle"),  # a Bundle row or None (jobs.bundles.bundle_resolve_for_submit)
         "if_resume_refused": if_resume_refused,
+        "network": network,
     }
 
 

@@ -63,8 +63,9 @@ class _Spec:
         self.names = frozenset(fields)
         self.max_length = {name: fields[name].max_length for name in ("name", "entrypoint")}
         self.choices = {name: frozenset(fields[name].choices) for name in
-                        ("tier", "accelerator_type", "if_resume_refused")}
-        self.defaults = {name: fields[name].get_default() for name in ("tier", "min_devices", "if_resume_refused")}
+                        ("tier", "accelerator_type", "if_resume_refused", "network")}
+        self.defaults = {name: fields[name].get_default() for name in
+                         ("tier", "min_devices", "if_resume_refused", "network")}
         self.integer_range = {name: (fields[name].min_value, fields[name].max_value)
                               for name in ("world_size", "min_devices", "total_steps")}
         self.args_max = fields["args"].max_length
@@ -99,7 +100,7 @@ def spec_if_plain(data) -> tuple[str | None, dict] | None:
         if not text or len(text) > rules.max_length[name]:
             return None
         spec[name] = text
-    for name in ("tier", "accelerator_type", "if_resume_refused"):
+    for name in ("tier", "accelerator_type", "if_resume_refused", "network"):
         if name not in data and name in rules.defaults:
             spec[name] = rules.defaults[name]
             continue

@@ -55,7 +55,7 @@ from protocol.node import (
     Telemetry,
     checkpoint_uri_problem,
 )
-from protocol.states import LIVE_COPY_STATES, CopyState, DesiredAction, JobState, ResumeRefused
+from protocol.states import LIVE_COPY_STATES, CopyState, DesiredAction, JobNetwork, JobState, ResumeRefused
 
 logger = logging.getLogger(__name__)
 S = Job.State
@@ -111,8 +111,8 @@ def node_desired_state_build(*, node) -> DesiredState:
     to restore it), plus one entry with action "stop" per job whose active
     move takes its old copy off this node. Every entry has the placement `generation` the agent
     must run (or stop), a run entry the job's `if_resume_refused` (meridian-run's
-    --if-resume-refused). A job the agent runs that is not listed must be stopped with a
-    checkpoint. Three queries.
+    --if-resume-refused) and its `network` (isolated or host: the agent's SandboxSpec.network).
+    A job the agent runs that is not listed must be stopped with a checkpoint. Three queries.
     """
     devices, spans = _replicas_here_and_spans(node.pk)
     moves = {m.job_id: m for m in Move.objects.filter(
@@ -123,6 +123,7 @@ def node_desired_state_build(*, node) -> DesiredState:
     jobs = Job.objects.filter(pk__in=list(devices)).select_related("bundle").only(
         "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
         "total_steps", "last_checkpoint_step", "generation", "bundle__sha256", "if_resume_refused",
+        "network",
     ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
                restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
     entries = []
@@ -144,7 +145,7 @@ def node_desired_state_build(*, node) -> DesiredState:
             last_checkpoint_step=job.last_checkpoint_step,
             span=_span_for(spans.get(job.pk), node_id=node.pk, job_id=job.pk, generation=job.generation,
                            world_size=job.world_size),
-            if_resume_refused=ResumeRefused(job.if_resume_refused),
+            if_resume_refused=ResumeRefused(job.if_resume_refused), network=JobNetwork(job.network),
             log_grant=log_grant(job_id=job.pk, generation=job.generation, node_id=node.pk),
             **job_workspace_fields(job),
         ))

@@ -281,6 +281,11 @@ MERIDIAN_PACKED_TIERS_MAY_SPREAD = _env_choice("MERIDIAN_PACKED_TIERS_MAY_SPREAD
 # job bigger than a node runs one meridian-run per host: runtime/multihost.py).
 MERIDIAN_JOB_MAX_SPREAD = _env_choice("MERIDIAN_JOB_MAX_SPREAD", "region",
                                       choices=("node", "rack", "cluster", "region"))
+# Whether a job may ask for the node's network (network "host": it reaches what the node reaches, its
+# loopback services too: the database, the broker) instead of a namespace of its own with only
+# loopback (runtime/netns.py). "deny" (the default) refuses such a submission with a 400 naming this
+# setting; "allow" grants it (a team that must download its data from inside the job).
+MERIDIAN_JOB_HOST_NETWORK = _env_choice("MERIDIAN_JOB_HOST_NETWORK", "deny", choices=("deny", "allow"))
 # The largest world size (W, logical ranks) a job may ask for. A job costs W Replica rows, written
 # again at every placement; a W the fleet could never run is refused (jobs.services.job_world_size_limits).
 MERIDIAN_MAX_WORLD_SIZE = _env_int("MERIDIAN_MAX_WORLD_SIZE", 4096, minimum=1)

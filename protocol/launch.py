@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from protocol.cut import MAX_DEVICES, MAX_PATH, MAX_RANKS, DeviceMap, check_device_indices
 from protocol.message import Message, ProtocolError, bounded
-from protocol.states import LaunchState
+from protocol.states import JobNetwork, LaunchState
 
 MAX_ERROR = 20000  # characters: an error carries a log tail
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -173,7 +173,16 @@ MAX_UID = 2**31 - 2
 class SandboxSpec(Message):
     """<job dir>/sandbox.json (root's, mode 600), given as `meridian-run --sandbox FILE`: how the
     launcher confines the job's ranks. `uid` None: unconfined (the ranks run as the launcher's
-    user), `unconfined_reason` says why; the environment is the job's only either way."""
+    user), `unconfined_reason` says why; the environment is the job's only either way.
+
+    `network` (version 2): "isolated", the launcher enters a network namespace of the job's own
+    before anything else (runtime/netns.py); "host", the node's network. Version 2 because a
+    launcher that predates the field must not ignore it: it refuses the spec ("v: protocol version 2
+    is newer than this side's 1", exit 2: tried) and the launch fails, where ignoring it would have
+    run an isolated job on the node's network. A version 1 spec (an agent that predates it) reads
+    as "host": that agent isolated nothing."""
+
+    VERSION: ClassVar[int] = 2
 
     uid: int | None = bounded(default=None, minimum=1, maximum=MAX_UID)
     gid: int | None = bounded(default=None, minimum=1, maximum=MAX_UID)
@@ -186,14 +195,31 @@ class SandboxSpec(Message):
     node_cores: tuple[int, ...] = bounded(default=(), max_length=65536)  # the cores behind them
     env: dict[str, str] | None = bounded(default=None, max_length=500)  # the job's own environment
     home: str | None = bounded(default=None, max_length=MAX_PATH)  # HOME of the ranks (their workspace)
+    network: JobNetwork = JobNetwork.HOST
 
-    def describe(self) -> str:
-        """One line for the job's events: how it is confined, or UNCONFINED and why."""
+    def describe(self, *, nodes: int = 1) -> str:
+        """One line for the job's events: how it is confined, or UNCONFINED and why, and its network
+        (on several hosts, `nodes`, the host network says why)."""
         if self.uid is None:
-            return f"UNCONFINED (ranks run as the launcher's user): {self.unconfined_reason or 'sandbox off'}"
-        memory = f"{self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else "no memory limit"
-        return (f"uid {self.uid}, gid {self.gid}, cgroup {self.cgroup_version} "
-                f"{self.cgroup_dirs[0] if self.cgroup_dirs else '-'}, {memory}")
+            confinement = f"UNCONFINED (ranks run as the launcher's user): {self.unconfined_reason or 'sandbox off'}"
+        else:
+            memory = f"{self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else "no memory limit"
+            confinement = (f"uid {self.uid}, gid {self.gid}, cgroup {self.cgroup_version} "
+                           f"{self.cgroup_dirs[0] if self.cgroup_dirs else '-'}, {memory}")
+        return f"{confinement}, {self.describe_network(nodes=nodes)}"
+
+    def describe_network(self, *, nodes: int = 1) -> str:
+        """Returns "network: isolated (...)" or "network: host (why)", the words of the job's events."""
+        if self.network == JobNetwork.ISOLATED:
+            return "network: isolated (a namespace of the job's own, loopback only)"
+        if nodes > 1:
+            return f"network: host ({NETWORK_SPANS_HOSTS})"
+        if self.uid is None:
+            return "network: host (unconfined)"
+        return "network: host (the job asked for the node's network)"
+
+
+NETWORK_SPANS_HOSTS = "the job spans hosts; per-job network namespaces across hosts are not built"
 
 
 # -- progress.json, the answer to "progress" --------------------------------------------------------

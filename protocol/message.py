@@ -14,8 +14,10 @@ float, str, bool, `X | None`, `tuple[X, ...]`, `dict[str, X]`, `Literal[...]`, a
 `StrEnum` of protocol.states: decoded to its member, encoded as its value), another Message,
 and `Any` (passed through untouched: for payloads another layer validates). Unknown keys are
 ignored, so an older receiver accepts a newer sender's additions; a message whose "v" is newer
-than this module's `PROTOCOL_VERSION` is refused by name. `json_schema()` publishes the shape
-(the agent API's generated OpenAPI schema uses it).
+than its type's `VERSION` (`PROTOCOL_VERSION` unless the type raised its own) is refused by name. A
+type raises its own VERSION when an addition must not be ignored by an older reader: that reader
+then refuses the message instead of acting on the part it knows (protocol.launch.SandboxSpec).
+`json_schema()` publishes the shape (the agent API's generated OpenAPI schema uses it).
 """
 from __future__ import annotations
 
@@ -56,10 +58,12 @@ class Message:
     """Base class of the wire messages; subclasses are `@dataclass(frozen=True)`."""
 
     _hints: ClassVar[dict[type, dict[str, Any]]] = {}
+    # The newest version of this type's wire dict this side writes and reads (see the module docstring).
+    VERSION: ClassVar[int] = PROTOCOL_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-ready dict for the wire, with the protocol version under "v"."""
-        return {VERSION_KEY: PROTOCOL_VERSION, **_encode_fields(self)}
+        return {VERSION_KEY: self.VERSION, **_encode_fields(self)}
 
     @classmethod
     def from_dict(cls: type[M], obj: Any, *, path: str = "") -> M:
@@ -69,9 +73,10 @@ class Message:
         version = obj.get(VERSION_KEY, PROTOCOL_VERSION)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ProtocolError(_join(path, VERSION_KEY), "must be a positive integer protocol version")
-        if version > PROTOCOL_VERSION:
+        if version > cls.VERSION:
             raise ProtocolError(_join(path, VERSION_KEY),
-                                f"protocol version {version} is newer than this side's {PROTOCOL_VERSION}; "
+                                f"protocol version {version} of {cls.__name__} is newer than this side's "
+                                f"{cls.VERSION}; "
                                 "upgrade this side first")
         values = {}
         for field in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -100,7 +105,7 @@ class Message:
 def _message_schema(cls: type[Message], *, top: bool = False) -> dict[str, Any]:
     properties: dict[str, Any] = {}
     if top:
-        properties[VERSION_KEY] = {"type": "integer", "minimum": 1, "maximum": PROTOCOL_VERSION,
+        properties[VERSION_KEY] = {"type": "integer", "minimum": 1, "maximum": cls.VERSION,
                                    "description": "protocol version (absent: 1)"}
     required = []
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from protocol.message import Message, bounded
-from protocol.states import CopyState, CutAction, DesiredAction, JobState, ResumeRefused
+from protocol.states import CopyState, CutAction, DesiredAction, JobNetwork, JobState, ResumeRefused
 
 MAX_DEVICES_PER_NODE = 64  # devices one node may register (and report telemetry for)
 MAX_DEVICE_INDEX = 2**15 - 1
@@ -250,6 +250,12 @@ class DesiredJob(Message):
     # the agent sends it with the copy's log chunks, so its output is taken even when it first
     # reaches the control plane after the job ended. None on "stop" entries and older control planes.
     log_grant: str | None = bounded(default=None, max_length=64, pattern=SHA256_HEX)
+    # The job's network (issue 13): "isolated" (a namespace of its own, loopback only) or "host" (the
+    # node's, which the control plane grants only where its operator allows). An entry without it
+    # (an older control plane) is isolated; the agent gives the host network anyway to a job that
+    # spans hosts or runs unconfined, and says so in the job's events. An older agent ignores it:
+    # its jobs keep the node's network, as before (upgrade agents first).
+    network: JobNetwork = JobNetwork.ISOLATED
 
 
 @dataclass(frozen=True, kw_only=True)

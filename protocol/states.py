@@ -87,3 +87,11 @@ class ResumeRefused(StrEnum):
 
     FAIL = "fail"  # the job fails, naming what differed (nothing is silently lost)
     RESTART = "restart"  # the script starts again from scratch, and the job's events say so
+
+
+class JobNetwork(StrEnum):
+    """The network a job's ranks have on a node (runtime/netns.py): the job's `network`, asked at
+    submission, passed to the agent (DesiredJob.network) and by it to the launcher (SandboxSpec.network)."""
+
+    ISOLATED = "isolated"  # a network namespace of the job's own with only loopback: it reaches nothing outside
+    HOST = "host"  # the node's network: every address and port the node reaches, its loopback services too

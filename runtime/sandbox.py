@@ -6,7 +6,9 @@ Who is who (the launcher stays root: CRIU dumps and restores as root):
                      limit, a freezer on v1) and its directories' modes, writes <job dir>/sandbox.json
                      (protocol.launch.SandboxSpec, mode 600) and starts the launcher with a clean
                      environment and ``--sandbox <job dir>/sandbox.json``.
-    launcher (root)  joins that cgroup before anything else (everything it starts inherits it),
+    launcher (root)  joins that cgroup before anything else (everything it starts inherits it), then
+                     enters the job's network namespace when the spec says "isolated"
+                     (runtime/netns.py: loopback only),
                      gives the spool to the job's group, starts each rank through ``setpriv`` as
                      the job's uid with only the environment `rank_environment` builds, and moves the
                      cpuset with a resize. It reads what ranks wrote without following links
@@ -37,7 +39,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from runtime import private_dirs
+from protocol.states import JobNetwork
+from runtime import netns, private_dirs
 from runtime.private_dirs import PrivateDirs, PrivateDirsError
 
 DEFAULT_UID_BASE = 1_000_000  # job uids: base + job id % count (no /etc/passwd entry needed)
@@ -420,11 +423,23 @@ class LaunchSandbox:
         from protocol.launch import SandboxSpec
         return cls(SandboxSpec.from_dict(read_spec_file(path)))
 
-    def enter(self) -> None:
-        """Moves the launcher into the job's cgroup, before it starts anything: every rank, every
-        `criu restore` (whose restored tasks stay in criu's cgroup) inherits it."""
+    def enter(self, *, nodes: int = 1) -> None:
+        """Moves the launcher into the job's cgroup and, for an isolated network, into a network
+        namespace of its own (runtime/netns.py), before it starts anything: every rank, every
+        `criu restore` (whose restored tasks stay in criu's cgroup) inherits both. Raises
+        SandboxError for an isolated network on a job spanning `nodes` > 1 hosts (its hosts could
+        not reach each other) or one the kernel refuses."""
         if self.cgroup is not None:
             self.cgroup.join()
+        if self.spec.network == JobNetwork.ISOLATED:
+            if nodes > 1:
+                raise SandboxError(f"the spec asks for an isolated network but the job spans {nodes} hosts, whose "
+                                   "ranks must reach each other: per-job network namespaces across hosts are not "
+                                   "built (the agent gives such a job the host network)")
+            try:
+                netns.enter_isolated_network()
+            except netns.NetworkNamespaceError as exc:
+                raise SandboxError(f"the job's isolated network cannot be made: {exc}") from None
 
     def device_cores(self, indices: Sequence[int] | None) -> list[tuple[int, ...]] | None:
         """Returns the cores of each of the job's devices `indices`, or None when the node did not
@@ -504,8 +519,10 @@ class LaunchSandbox:
         if self.identity is not None:
             seal_tree(staging, gid=self.identity.gid)
 
-    def describe(self) -> str:
-        return self.spec.describe() + (", private /tmp and /dev/shm" if self.private_dirs is not None else "")
+    def describe(self, *, nodes: int = 1) -> str:
+        """The job's `sandbox` line: SandboxSpec.describe, with the private folders once made."""
+        private = ", private /tmp and /dev/shm" if self.private_dirs is not None else ""
+        return self.spec.describe(nodes=nodes) + private
 
 
 CAP_SYS_RESOURCE = 24

@@ -36,6 +36,12 @@ class JobSubmitForm(forms.Form):
                   "script, the script's own snapshots): fail the job, or start it again from scratch (said in its "
                   "events; a job spanning hosts always fails).",
     )
+    network = forms.ChoiceField(
+        label="Network", choices=Job.Network.choices, initial=Job.Network.ISOLATED, required=False,
+        help_text="Isolated: the ranks reach nothing outside the job (loopback only). The node's network (to "
+                  "download data) only where the operator allows it. A job spanning hosts gets the node's "
+                  "network, said in its events.",
+    )
     bundle = forms.FileField(
         required=False, label="Code bundle (.tar.gz)",
         help_text="Your project folder packed (tar czf project.tar.gz -C my-project .; `meridian submit` does it "
@@ -79,6 +85,8 @@ class JobSubmitForm(forms.Form):
             spec["total_steps"] = data["total_steps"]
         if data.get("if_resume_refused"):  # left empty (a form posted without it): the service's default
             spec["if_resume_refused"] = data["if_resume_refused"]
+        if data.get("network"):  # likewise
+            spec["network"] = data["network"]
         return spec
 
     def bundle_upload(self, *, user):

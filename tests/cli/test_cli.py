@@ -106,6 +106,19 @@ def test_submit_lets_a_job_start_again_from_scratch_when_its_resume_is_refused(l
     assert refused.value.code == 2 and "--if-resume-refused: invalid choice" in err and "restart" in err
 
 
+def test_submit_asks_for_the_host_network_which_the_server_grants_only_where_allowed(logged_in, project, monkeypatch,
+                                                                                    capsys, settings):
+    monkeypatch.chdir(project)
+    code, out, err = run(capsys, "submit", "--network", "host", "--", "python", "train.py")
+    assert code == 1 and "MERIDIAN_JOB_HOST_NETWORK" in err  # the server's 400, naming the setting
+    settings.MERIDIAN_JOB_HOST_NETWORK = "allow"
+    code, out, err = run(capsys, "submit", "--json", "--network", "host", "--", "python", "train.py")
+    assert code == 0, err
+    assert Client.from_config().get(f"/api/jobs/{json.loads(out)['id']}/")["network"] == "host"
+    code, out, err = run(capsys, "submit", "--json", "--", "python", "train.py")
+    assert Client.from_config().get(f"/api/jobs/{json.loads(out)['id']}/")["network"] == "isolated"
+
+
 def test_wait_gives_up_after_its_timeout_with_124(logged_in, project, monkeypatch, capsys):
     monkeypatch.chdir(project)
     _, out, _ = run(capsys, "submit", "--json", "--", "python", "train.py")

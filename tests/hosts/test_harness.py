@@ -75,6 +75,39 @@ def test_hosts_reach_each_other_by_address_but_not_each_others_loopback(emulated
         public.kill()
 
 
+ISOLATED_CONNECT = """
+import socket, sys
+from runtime import netns
+netns.enter_isolated_network()  # what a sandboxed job's launcher does first (runtime/netns.py)
+server = socket.create_server(("127.0.0.1", 0))
+with socket.create_connection(server.getsockname(), timeout=2):
+    print("own loopback: up")
+""" + CONNECT
+
+
+def test_a_jobs_network_namespace_nests_inside_a_host_and_reaches_neither_its_peers_nor_its_host(emulated_hosts):
+    """An agent in an emulated host (or a container) is already in a network namespace: the job's
+    is made from inside it, with a loopback of its own, and reaches nothing of the host's network."""
+    a, b = emulated_hosts(2)
+    public, public_port = serve(b, b.address)
+    local, local_port = serve(a, "127.0.0.1")
+    try:
+        assert connect(a, b.address, public_port) == "got hello from mh-1"  # the host itself reaches b
+        assert connect(a, "127.0.0.1", local_port) == "got hello from mh-0"  # and its own loopback service
+        env = {**os.environ, "PYTHONPATH": a.cluster.repo_root}
+
+        def isolated_connect(addr, port):
+            return a.run([sys.executable, "-c", ISOLATED_CONNECT, addr, str(port)], env=env).stdout.split("\n")
+
+        lines = isolated_connect(b.address, public_port)
+        assert lines[0] == "own loopback: up" and lines[1].startswith("refused"), lines
+        lines = isolated_connect("127.0.0.1", local_port)
+        assert lines[1].startswith("refused"), lines  # not the host's loopback services either
+    finally:
+        public.kill()
+        local.kill()
+
+
 def test_a_host_reaches_nothing_but_the_hosts(emulated_hosts):
     hosts = emulated_hosts(2)
     machine = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True,

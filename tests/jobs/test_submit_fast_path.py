@@ -102,7 +102,7 @@ GOOD_BODIES = {
     "every field": {"team": "team-a", "name": "resnet", "tier": "premium", "accelerator_type": "CPU",
                     "world_size": 8, "min_devices": 2, "entrypoint": "train.py", "args": ["--epochs", "3", ""],
                     "env": {"LR": "0.1", "EMPTY": ""}, "total_steps": 100, "bundle": None,
-                    "if_resume_refused": "restart"},
+                    "if_resume_refused": "restart", "network": "isolated"},
     "team left out": {"name": "demo", "accelerator_type": "CPU", "world_size": 2, "entrypoint": "t.py"},
     "whitespace is stripped as DRF strips it": {"team": " team-a ", "name": "  padded  ", "accelerator_type": "CPU",
                                                  "world_size": 1, "entrypoint": " t.py ", "args": ["  a ", "   "],
@@ -214,6 +214,8 @@ OTHER_BODIES = {
     "bundle too long": {**SPEC, "bundle": "a" * 65},
     "a list": [SPEC],
     "total_steps 0": {**SPEC, "total_steps": 0},
+    "the host network, which the operator denies": {**SPEC, "network": "host"},
+    "an unknown network": {**SPEC, "network": "none"},
 }
 
 

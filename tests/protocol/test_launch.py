@@ -20,6 +20,7 @@ from protocol.launch import (
     Resized,
     ResizeRequest,
     Restored,
+    SandboxSpec,
     Started,
     Stopped,
     StopRequest,
@@ -29,6 +30,7 @@ from protocol.launch import (
     event_line,
     parse_events,
 )
+from protocol.states import JobNetwork
 
 MAP = DeviceMap.from_dict({"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 1}})
 SECONDS = CheckpointSeconds(cut=0.1, dump=0.2, commit=0.3, total=0.6)
@@ -109,3 +111,49 @@ def test_answers_decode_by_command_and_a_failure_as_such():
     resized = ResizeAnswer(step=3, devices=2, device_map=MAP, seconds=0.2)
     assert control_answer_from_dict("resize", resized.to_dict()) == resized
     assert control_answer_from_dict("checkpoint", {"ok": False, "error": "refused"}) == ControlFailure(error="refused")
+
+
+# -- sandbox.json: the job's network (issue 13) ------------------------------------------------------
+def test_a_sandbox_spec_carries_its_network_and_round_trips():
+    spec = SandboxSpec(uid=1_000_007, gid=1_000_007, cgroup_version="v2", cgroup_dirs=("/sys/fs/cgroup/m/j7",),
+                       network=JobNetwork.ISOLATED)
+    wire = json.loads(json.dumps(spec.to_dict()))
+    assert (wire["v"], wire["network"]) == (2, "isolated")
+    assert SandboxSpec.from_dict(wire) == spec
+    assert "network: isolated" in spec.describe()
+
+
+@pytest.mark.parametrize("network", ["none", "", "ISOLATED", 1, ["host"]])
+def test_a_sandbox_spec_with_an_unknown_network_is_refused_by_field(network):
+    with pytest.raises(ProtocolError) as refused:
+        SandboxSpec.from_dict({"v": 2, "uid": 1_000_007, "network": network})
+    assert refused.value.field == "network"
+
+
+def test_a_spec_of_an_agent_that_predates_the_field_reads_as_the_host_network_it_had():
+    old = {"v": 1, "uid": 1_000_007, "gid": 1_000_007}  # what such an agent wrote
+    assert SandboxSpec.from_dict(old).network == JobNetwork.HOST
+
+
+def test_a_launcher_that_predates_the_field_refuses_the_spec_rather_than_run_on_the_host_network():
+    """Such a launcher reads sandbox.json with version 1 of the type (unknown keys ignored): the
+    version makes it refuse, so its launch fails saying why instead of running an isolated job on
+    the node's network."""
+
+    class SandboxSpecVersion1(SandboxSpec):  # what it decodes with: the same fields it knows, version 1
+        VERSION = 1
+
+    wire = SandboxSpec(uid=1_000_007, network=JobNetwork.ISOLATED).to_dict()
+    with pytest.raises(ProtocolError, match=r"protocol version 2 of SandboxSpecVersion1 is newer than this side's 1"):
+        SandboxSpecVersion1.from_dict(wire)
+    assert Progress.VERSION == 1  # every other message keeps the protocol's version
+
+
+@pytest.mark.parametrize(("spec", "nodes", "said"), [
+    (SandboxSpec(uid=7, network=JobNetwork.HOST), 2, "network: host (the job spans hosts; per-job network "
+                                                     "namespaces across hosts are not built)"),
+    (SandboxSpec(uid=7, network=JobNetwork.HOST), 1, "network: host (the job asked for the node's network)"),
+    (SandboxSpec(unconfined_reason="off", network=JobNetwork.HOST), 1, "network: host (unconfined)"),
+], ids=["spans hosts", "asked", "unconfined"])
+def test_the_sandbox_line_says_why_a_job_has_the_host_network(spec, nodes, said):
+    assert spec.describe(nodes=nodes).endswith(said)

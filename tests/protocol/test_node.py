@@ -194,3 +194,13 @@ def test_a_report_says_why_its_copy_was_restarted_from_scratch_and_an_old_one_sa
     report = JobReport(job_id=4, state=CopyState.RUNNING, restarted="the resume was refused: weights differ")
     assert JobReport.from_dict(report.to_dict()).restarted == "the resume was refused: weights differ"
     assert JobReport.from_dict({"job_id": 4, "state": "running"}).restarted is None
+
+
+def test_a_desired_entry_of_an_older_control_plane_is_isolated_and_a_bad_network_is_refused():
+    """An entry without `network` (a control plane that predates it) asks for the safe one."""
+    entry = {"job_id": 7, "action": "run", "generation": 2, "world_size": 1, "devices": 1}
+    assert DesiredJob.from_dict(entry).network == "isolated"
+    assert DesiredJob.from_dict({**entry, "network": "host"}).network == "host"
+    with pytest.raises(ProtocolError) as refused:
+        DesiredJob.from_dict({**entry, "network": "bridge"})
+    assert refused.value.field == "network"

@@ -28,11 +28,16 @@ def make_node(work_dir, *, node_devices=2, mode="enforce", engine="framework", n
     return NodeReconciler(work_dir, engine=engine, checkpoint_every_s=0, workload_root=ROOT, sandbox=sandbox)
 
 
-def entry(job_id, store_root, *, script=PROBE, args=(), indices=(0,), world_size=1, env=None, generation=1):
-    return {"job_id": job_id, "action": "run", "generation": generation, "world_size": world_size,
+def entry(job_id, store_root, *, script=PROBE, args=(), indices=(0,), world_size=1, env=None, generation=1,
+          network=None):
+    """A desired "run" entry as the control plane sends it; `network` None: left out (isolated)."""
+    wire = {"job_id": job_id, "action": "run", "generation": generation, "world_size": world_size,
             "devices": len(indices), "device_indices": list(indices), "entrypoint": str(script),
             "args": [str(a) for a in args], "env": env or {},
             "store": str(pathlib.Path(store_root) / f"job-{job_id}" / f"g{generation}")}
+    if network is not None:
+        wire["network"] = network
+    return wire
 
 
 def workspace(work_dir, job_id):
