@@ -537,7 +537,7 @@ class CheckpointStore:
         first (atomic), so a writer that comes back after all fails cleanly instead of committing
         a checkpoint missing files."""
         now = time.time() if now is None else now
-        removed = []
+        removed: list[tuple[str, int]] = []
         try:
             entries = list(os.scandir(self.root))
         except OSError as exc:
