@@ -36,13 +36,24 @@ job, whoever finds its lock free (the launcher holds a flock on it for its whole
 folder goes with its job dir (the agent removes it after a kill, and old job dirs are collected).
 
 CRIU IS NOT BUILT FOR THIS, and sandboxed jobs are refused CRIU (runtime/sandbox.py
-criu_refusal_for_sandbox). What a dump and restore would need, untried: the rank's mount namespace
-dumped with its bind mounts declared external, `criu dump --external mnt[/tmp]:tmp --external
-mnt[/dev/shm]:shm` plus one `mnt[<path>]:<key>` per path bound back; and at restore each key mapped
-onto the restoring launcher's own new folders and paths, `criu restore --external mnt[tmp]:<new
-<job dir>/tmp> --external mnt[shm]:<new /dev/shm folder>` (older spelling: `--ext-mount-map`),
-those folders made first. What a rank left in /tmp or /dev/shm would not travel (no checkpoint has
-it), and a restored rank that had files open there would fail to restore.
+criu_refusal_for_sandbox). Tried by hand on 2026-12-05 (devlog lead19), with one rank started as
+here (`unshare --pid --fork --mount-proc setsid`, this helper, `setpriv`). A dump and a restore onto
+NEW private folders both worked, run AS THE JOB'S UID in CRIU's unprivileged mode with ambient
+capabilities for criu only; root cannot dump another uid where it lacks CAP_SYS_RESOURCE:
+    criu dump --unprivileged -t PID --external mnt[/tmp]:tmp --external mnt[/dev/shm]:shm
+        --ext-mount-map auto --enable-external-sharing --enable-external-masters
+        (caps: checkpoint_restore, sys_ptrace, sys_admin, sys_chroot)
+    criu restore --unprivileged -d --root / --external mnt[tmp]:<new /tmp folder>
+        --external mnt[shm]:<new /dev/shm folder> --ext-mount-map auto   (the same caps + setpcap)
+The restored rank had its uid and no capability. Building it needs:
+- this helper reopening the rank's stdin, stdout and stderr inside its new namespace, by path.
+  Inherited ones name mounts of the node's namespace, which the dump cannot resolve ("Can't lookup
+  mount").
+- restores run with --leave-stopped, every restored task checked (the job's uid, no capability)
+  before it is let go. criu holds sys_admin there, and images the job's uid could write must not
+  hand the job a capability.
+What a rank left in /tmp or /dev/shm would not travel (no checkpoint has it), and a restored rank
+that had files open there would fail to restore.
 """
 from __future__ import annotations
 
