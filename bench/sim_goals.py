@@ -34,6 +34,8 @@ def main(argv=None):
                    help="keep only the grid's workloads whose name contains one of these (comma-separated)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--rows-from", metavar="JSON", help="judge the runs saved by an earlier --json again (no replay)")
+    p.add_argument("--baselines-from", metavar="JSON",
+                   help="reuse the baselines of an earlier --json run; replay only Meridian (core changes)")
     p.add_argument("--json", metavar="PATH", help="write the rows and every run's summary here")
     args = p.parse_args(argv)
     fleet, workloads, loads, seeds = goals.quick_grid() if args.quick else goals.full_grid()
@@ -56,7 +58,12 @@ def main(argv=None):
         return 0
     print(f"fleet {fleet.name} ({fleet.n_devices} devices); loads {', '.join(f'{x:g}' for x in loads)}; "
           f"seeds {', '.join(map(str, seeds))}; workloads: {'; '.join(w.name for w in workloads)}", flush=True)
-    rows, runs = goals.measure(fleet, workloads, loads, seeds, philly_path=args.trace,
+    stored = None
+    if args.baselines_from:
+        with open(args.baselines_from) as handle:
+            stored = {(r["workload"], float(r["load"]), int(r["seed"])): r["summaries"]
+                      for r in json.load(handle)["runs"]}
+    rows, runs = goals.measure(fleet, workloads, loads, seeds, philly_path=args.trace, stored=stored,
                                progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
     if args.full_trace:
         rows.append(goals.speed_row(by_name("philly"), philly_path=args.trace))

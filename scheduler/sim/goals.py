@@ -229,9 +229,11 @@ def _nanmax(values):
     return max(values) if values else float("nan")
 
 
-def measure(fleet, workloads, loads, seeds, philly_path=None, progress=None, policies=POLICIES):
+def measure(fleet, workloads, loads, seeds, philly_path=None, progress=None, policies=POLICIES, stored=None):
     """Runs the grid; returns (rows, runs) where runs lists (workload, load, seed, {policy: summary},
-    premium demand fits)."""
+    premium demand fits). `stored` maps (workload, load, seed) to an earlier cell: its baselines are
+    reused and only Meridian is replayed (baselines do not change when only the core does); a cell
+    missing from it is a clear error rather than a silently partial row."""
     rows, runs, cache = [], [], {}
     for workload in workloads:
         base = {seed: workload.build(fleet, seed, philly_path, cache) for seed in seeds}
@@ -240,7 +242,13 @@ def measure(fleet, workloads, loads, seeds, philly_path=None, progress=None, pol
             for seed in seeds:
                 trace = base[seed].scaled(load)
                 began = time.perf_counter()
-                cell = run_cell(trace, fleet, seed, policies)
+                if stored is None:
+                    cell = run_cell(trace, fleet, seed, policies)
+                else:
+                    if (workload.name, load, seed) not in stored:
+                        raise ValueError(f"no stored baselines for {workload.name} @{load:g}x seed {seed}")
+                    cell = {k: v for k, v in stored[(workload.name, load, seed)].items() if k != "meridian"}
+                    cell.update(run_cell(trace, fleet, seed, ("meridian",)))
                 cells.append(cell)
                 fits.append(premium_demand_fits(trace, fleet.n_devices))
                 runs.append((workload.name, load, seed, cell, fits[-1]))

@@ -5,6 +5,7 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 from sim_builders import make_jobs
 
 from scheduler.sim import fleet as fleet_module
@@ -77,3 +78,16 @@ def test_saved_runs_are_judged_again_without_a_replay(tmp_path, capsys, monkeypa
     for line in first.splitlines():
         if line.startswith(("1 ", "2 ", "3 ")):
             assert line in again
+
+
+def test_baselines_from_an_earlier_run_give_the_same_rows_and_a_missing_cell_is_an_error(capsys, monkeypatch, tmp_path):
+    # Iterating on the core replays only Meridian: the stored baselines must judge it exactly as
+    # a full replay would, and a cell the stored run lacks must not become a partial row.
+    bench = bench_with_grid(monkeypatch, goals.Workload("multinode 40 jobs", "multinode", n_jobs=40), (1.0,))
+    full, reused = tmp_path / "full.json", tmp_path / "reused.json"
+    assert bench.main(["--quick", "--json", str(full)]) == 0
+    assert bench.main(["--quick", "--baselines-from", str(full), "--json", str(reused)]) == 0
+    capsys.readouterr()
+    assert json.loads(reused.read_text())["rows"] == json.loads(full.read_text())["rows"]
+    with pytest.raises(ValueError, match="no stored baselines"):
+        bench.main(["--quick", "--loads", "2", "--baselines-from", str(full)])
