@@ -52,6 +52,10 @@ ACCEPT_JSON = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()
 
 
+# The fields whose value is one of the serializer's choices (and, left out, its default).
+CHOICE_FIELDS = ("tier", "accelerator_type", "if_resume_refused", "network")
+
+
 class _Spec:
     """What JobSubmitApi.InputSerializer accepts, narrowed to plain JSON values of each field's own
     type, read once from the serializer itself (names, lengths, choices) so the rules stay there."""
@@ -62,8 +66,7 @@ class _Spec:
         fields = JobSubmitApi.InputSerializer().fields
         self.names = frozenset(fields)
         self.max_length = {name: fields[name].max_length for name in ("name", "entrypoint")}
-        self.choices = {name: frozenset(fields[name].choices) for name in
-                        ("tier", "accelerator_type", "if_resume_refused", "network")}
+        self.choices = {name: frozenset(fields[name].choices) for name in CHOICE_FIELDS}
         self.defaults = {name: fields[name].get_default() for name in
                          ("tier", "min_devices", "if_resume_refused", "network")}
         self.integer_range = {name: (fields[name].min_value, fields[name].max_value)
@@ -100,7 +103,7 @@ def spec_if_plain(data) -> tuple[str | None, dict] | None:
         if not text or len(text) > rules.max_length[name]:
             return None
         spec[name] = text
-    for name in ("tier", "accelerator_type", "if_resume_refused", "network"):
+    for name in CHOICE_FIELDS:
         if name not in data and name in rules.defaults:
             spec[name] = rules.defaults[name]
             continue

@@ -12,10 +12,9 @@ A PID-namespace init ignores SIGTERM from outside: stop a rank with SIGKILL.
 
 SANDBOXED RANKS ARE NOT DUMPED (runtime/sandbox.py criu_refusal_for_sandbox refuses them): each
 starts in a mount namespace of its own with the job's private /tmp and /dev/shm bind-mounted over
-the node's (runtime/private_dirs.py). A dump would need those mounts declared external
-(`--external mnt[/tmp]:tmp --external mnt[/dev/shm]:shm`, and one per path bound back) and a
-restore would map the keys onto the restoring launcher's new folders (`--external mnt[tmp]:<dir>`,
-formerly `--ext-mount-map`); neither `dump` nor `restore` below passes them, and it was never tried.
+the node's, and runs as the job's uid. `dump` and `restore` below run criu as root with no
+external mounts. A recipe that dumped and restored such a rank by hand (criu as the job's uid, its
+private folders declared external), and what building it needs, is in runtime/private_dirs.py.
 """
 import contextlib
 import ctypes

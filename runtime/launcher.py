@@ -390,7 +390,7 @@ class Launcher:
         self.engine_reason = f"restarted from scratch (--if-resume-refused restart): the resume was refused: {reason}"
         self.event(Started, world_size=self.world_size, devices=self.devices,
                    reason=self.engine_reason[:2000], device_indices=self.device_indices,
-                   sandbox=self.sandbox.describe(nodes=self.nodes) if self.sandbox else None)
+                   sandbox=self.sandbox.describe() if self.sandbox else None)
         return False
 
     def log_tail(self, rank, lines=20):
@@ -657,7 +657,7 @@ class Launcher:
             self.checkpoints.restore(self, ref, meta)
         self.event(Restored, step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
                    seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices,
-                   sandbox=self.sandbox.describe(nodes=self.nodes) if self.sandbox else None)
+                   sandbox=self.sandbox.describe() if self.sandbox else None)
         return ref
 
     def restore_at_dumped_spool(self, meta):
@@ -709,7 +709,7 @@ class Launcher:
             self.spawn_ranks()
             self.event(Started, world_size=self.world_size, devices=self.devices,
                        reason=self.engine_reason, device_indices=self.device_indices,
-                       sandbox=self.sandbox.describe(nodes=self.nodes) if self.sandbox else None)
+                       sandbox=self.sandbox.describe() if self.sandbox else None)
         spool_files.write_json_atomic(self.job_dir / "launcher.json", {
             "job_id": self.job_id, "pid": os.getpid(), "engine": self.engine,
             "engine_reason": self.engine_reason, "world_size": self.world_size,

@@ -417,6 +417,7 @@ class LaunchSandbox:
         self.cgroup = JobCgroup(spec.cgroup_version, spec.cgroup_dirs) if spec.cgroup_version else None
         self._prefix = self.identity.setpriv_prefix() if self.identity is not None else []
         self.private_dirs: PrivateDirs | None = None  # the ranks' own /tmp and /dev/shm, once made
+        self.nodes = 1  # the hosts the job spans, as `enter` was told (its network line says why "host")
 
     @classmethod
     def from_file(cls, path: os.PathLike | str) -> LaunchSandbox:
@@ -429,6 +430,7 @@ class LaunchSandbox:
         `criu restore` (whose restored tasks stay in criu's cgroup) inherits both. Raises
         SandboxError for an isolated network on a job spanning `nodes` > 1 hosts (its hosts could
         not reach each other) or one the kernel refuses."""
+        self.nodes = nodes
         if self.cgroup is not None:
             self.cgroup.join()
         if self.spec.network == JobNetwork.ISOLATED:
@@ -519,10 +521,10 @@ class LaunchSandbox:
         if self.identity is not None:
             seal_tree(staging, gid=self.identity.gid)
 
-    def describe(self, *, nodes: int = 1) -> str:
+    def describe(self) -> str:
         """The job's `sandbox` line: SandboxSpec.describe, with the private folders once made."""
         private = ", private /tmp and /dev/shm" if self.private_dirs is not None else ""
-        return self.spec.describe(nodes=nodes) + private
+        return self.spec.describe(nodes=self.nodes) + private
 
 
 CAP_SYS_RESOURCE = 24
