@@ -244,7 +244,19 @@ def _print_banner(url):
 
 
 def test(pytest_args):
-    """Runs pytest with a private Redis (unless REDIS_URL is set) and a throwaway data dir."""
+    """Runs pytest with a private Redis (unless REDIS_URL is set) and a throwaway data dir.
+
+    With no arguments (the whole suite) and neither REDIS_URL nor DATABASE_URL set, in two lanes
+    at once (_test_lanes); MERIDIAN_TEST_LANES=1 runs it in one."""
+    if not pytest_args and not os.environ.get("REDIS_URL") and not os.environ.get("DATABASE_URL") \
+            and os.environ.get("MERIDIAN_TEST_LANES", "2") != "1":
+        return _test_lanes()
+    return _pytest_run(pytest_args, output=None)
+
+
+def _pytest_run(pytest_args, *, output):
+    """Runs pytest once with its own private Redis (unless REDIS_URL is set) and data dir; its
+    output goes to `output` (a file) or to this process's. Returns pytest's exit code."""
     env = dict(os.environ)
     scratch = Path(tempfile.mkdtemp(prefix="meridian-test-"))
     env.setdefault("MERIDIAN_DATA_DIR", str(scratch / "data"))
@@ -253,13 +265,39 @@ def test(pytest_args):
         if not env.get("REDIS_URL"):
             redis = PrivateRedis(scratch / "redis.sock").start()
             env["REDIS_URL"] = redis.url
-        print(f"[meridian] tests with REDIS_URL={env['REDIS_URL']} "
+        print(f"[meridian] tests {' '.join(pytest_args)} with REDIS_URL={env['REDIS_URL']} "
               f"DATABASE_URL={env.get('DATABASE_URL', '(SQLite in memory)')}", flush=True)
-        return subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
+        return subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT, env=env,
+                              stdout=output, stderr=subprocess.STDOUT if output else None).returncode
     finally:
         if redis is not None:
             redis.stop()
         subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+def _test_lanes():
+    """The whole suite in two pytest processes at once (tests/conftest.py lane_of): the heavy lane
+    (rank processes, agents, namespaces, browsers; one test at a time among themselves, as they
+    share the machine's cores, /dev/shm, cgroups and bridges) printed as it runs, and the light
+    lane (in-process tests) beside it, printed whole when it ends. Why: the heavy lane is ~80% of
+    the suite's time and mostly waits on its processes; the light lane fits in its gaps instead of
+    after it. Each lane has its own Redis, data dir and (SQLite in memory) database."""
+    print("[meridian] the whole suite in two lanes at once: heavy (printed as it runs) and light "
+          "(printed when it ends); MERIDIAN_TEST_LANES=1 runs one", flush=True)
+    with tempfile.TemporaryFile(mode="w+") as light_output:
+        codes = {}
+        light = threading.Thread(
+            target=lambda: codes.__setitem__("light", _pytest_run(["--lane", "light"], output=light_output)))
+        light.start()
+        codes["heavy"] = _pytest_run(["--lane", "heavy"], output=None)
+        light.join()
+        light_output.seek(0)
+        print("\n[meridian] ===== the light lane's output =====", flush=True)
+        sys.stdout.write(light_output.read())
+    for lane in ("heavy", "light"):
+        print(f"[meridian] {lane} lane: {'passed' if codes[lane] == 0 else f'FAILED (pytest exit {codes[lane]})'}",
+              flush=True)
+    return next((code for code in codes.values() if code != 0), 0)
 
 
 def main(argv=None):

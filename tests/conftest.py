@@ -6,6 +6,8 @@
   carol    is a capacity manager of teams A and B: approves or denies preemptions
   admin    is a global admin (superuser)
 """
+import pathlib
+
 import pytest
 
 from jobs.demo_cast import DEMO_QUOTAS, cast_create
@@ -139,20 +141,47 @@ DATABASE_FIXTURES = {
 }
 
 
+# `./meridian test` with no arguments runs the suite in two lanes at once (portal/launch.py test):
+# the heavy lane holds every test that starts rank processes, agents, namespaces, cgroups or a
+# browser (they share the machine's cores, /dev/shm, cgroups and bridges, so they stay one at a
+# time, as before); the light lane holds the rest (in-process Django, the pure core, units).
+HEAVY_MARKERS = ("runtime", "e2e", "criu", "browser", "slow")
+HEAVY_FOLDERS = ("hosts", "e2e", "runtime", "sandbox")  # whatever their markers say
+ROOT_OF_TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def lane_of(item) -> str:
+    """Returns "heavy" or "light": the lane `item` runs in (see HEAVY_MARKERS)."""
+    if any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
+        return "heavy"
+    try:
+        folder = item.path.resolve().relative_to(ROOT_OF_TESTS).parts[0]
+    except ValueError:
+        return "heavy"  # a test outside tests/: nothing is known of it
+    return "heavy" if folder in HEAVY_FOLDERS else "light"
+
+
 def pytest_addoption(parser):
     parser.addoption("--database-tests-only", action="store_true",
                      help="run only the tests that use the database (CI's PostgreSQL + Redis pass)")
+    parser.addoption("--lane", choices=("heavy", "light"), default=None,
+                     help="run only one lane of the suite (tests/conftest.py lane_of)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--database-tests-only"):
+    lane = config.getoption("--lane")
+    database_only = config.getoption("--database-tests-only")
+    if not lane and not database_only:
         return
     kept, left_out = [], []
     for item in items:
-        uses_database = item.get_closest_marker("django_db") is not None or \
-            DATABASE_FIXTURES & set(getattr(item, "fixturenames", ()))
-        runs_own_stack = any(item.get_closest_marker(name) for name in ("e2e", "browser", "runtime"))
-        (kept if uses_database and not runs_own_stack else left_out).append(item)
+        keep = lane is None or lane_of(item) == lane
+        if keep and database_only:
+            uses_database = item.get_closest_marker("django_db") is not None or \
+                DATABASE_FIXTURES & set(getattr(item, "fixturenames", ()))
+            runs_own_stack = any(item.get_closest_marker(name) for name in ("e2e", "browser", "runtime"))
+            keep = uses_database and not runs_own_stack
+        (kept if keep else left_out).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept

@@ -1,0 +1,36 @@
+"""`./meridian test` runs the suite in two lanes at once (portal/launch.py, tests/conftest.py lane_of):
+every test is in exactly one, and the tests that share the machine (processes, namespaces, cgroups,
+browsers) are all in the heavy lane, which runs them one at a time."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+FILES = [
+    "tests/test_polling.py",                  # no marker, not a heavy folder: light
+    "tests/runtime/test_store.py",            # a heavy folder, whatever its tests' markers
+    "tests/logs/test_chunking.py",            # some tests marked runtime, the others light
+    "tests/browser/test_portal_browser.py",   # marked browser
+]
+
+
+def _collected(*options):
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly",
+                           "-p", "no:cacheprovider", *options, *FILES],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return {line for line in done.stdout.splitlines() if "::" in line}
+
+
+@pytest.mark.timeout(600)
+def test_the_lanes_split_the_suite_and_keep_the_machine_sharing_tests_together():
+    everything, heavy, light = _collected(), _collected("--lane", "heavy"), _collected("--lane", "light")
+    assert heavy and light
+    assert heavy | light == everything and not heavy & light
+    assert {test for test in everything if test.startswith("tests/test_polling.py")} <= light
+    assert {test for test in everything if test.startswith(("tests/runtime/", "tests/browser/"))} <= heavy
+    chunking = {test for test in everything if test.startswith("tests/logs/test_chunking.py")}
+    assert chunking & heavy and chunking & light  # split by marker within one file
