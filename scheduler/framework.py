@@ -487,7 +487,8 @@ def _growers_in_line(tick: Tick) -> list[tuple[int, int]]:
     is_grower = np.zeros(tick.state.n_jobs, np.bool_)
     is_grower[growers] = True
     grows = is_grower[ordered]
-    ahead = np.cumsum(~grows) - ~grows  # pending jobs before each position
+    pending = (~grows).astype(np.int64)
+    ahead = np.cumsum(pending) - pending  # pending jobs before each position
     out = list(zip(ahead[grows].tolist(), ordered[grows].tolist()))
     # a grower after the whole line grows in the resize phase, as before
     return [(a, g) for a, g in out if a < tick.line.size][::-1]
