@@ -6,7 +6,9 @@
   3. place       move jobs off lost/draining nodes and drained regions, then for each job in
                  line find all its devices at once (gang, topology-packed)
   4. preempt     a job that does not fit may shrink, then preempt, cheaper lower-tier jobs
-  5. resize      grow elastic jobs into the devices still idle (work conservation)
+  5. resize      grow elastic jobs into the devices still idle (work conservation); a job
+                 below W that comes before pending jobs in line grows before them, at its
+                 place in line (its missing devices are demand like theirs)
   6. defragment  a gang that fails only because free devices are scattered gets a node or
                  rack freed by migrating small jobs
   7. plan        list the decisions in the order made (a release always precedes the start
@@ -381,6 +383,8 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
         # pending jobs, plus running jobs the drain step sent back to line (lost nodes)
         pending = np.flatnonzero(tick.state.alloc == 0)
         tick.line = policy.order.order(tick, pending)
+        # running jobs below W that come before some pending job grow at their place in line
+        growers = _growers_in_line(tick)
 
     # A job that fails to start leaves the tick as it found it (`_stamp`: no device given or
     # taken, no decision, no budget spent, no approval waited for); the next job alike in
@@ -395,6 +399,9 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
     dead_stamp = None
     n, pos = len(line), 0
     while pos < n:
+        if growers:
+            with clock.phase(PHASES[4]):
+                _grow_ahead_of(tick, growers, pos)
         stamp = _stamp(tick)
         if dead_reason:
             if stamp != dead_stamp:
@@ -453,6 +460,53 @@ def schedule(snapshot: Snapshot, policy: Policy | None = None,
     if timer:
         plan = Plan(decisions=plan.decisions, waiting=plan.waiting, phase_seconds=clock.seconds)
     return plan
+
+
+def _growers_in_line(tick: Tick) -> list[tuple[int, int]]:
+    """Returns the running jobs below W that may grow now into devices free at the start of the
+    line, each with how many pending jobs of the line come before it in the order plugin's order
+    (tier, attained-service queue, fair share, age), last first (a stack for `_grow_ahead_of`).
+
+    A job shrunk for another, or started below W, used to grow only into the devices still idle
+    after every pending job was placed: on a busy fleet a long job shrunk to W/4 for an arrival
+    stayed there for days while younger jobs of its own tier and queue took every device that
+    freed (issue 16: the Philly makespan job ran 1.35 d on one of its four devices). Its missing
+    devices are demand at its place in line, as a pending job's are."""
+    # a resize plugin that offers a per-job step (resize.grow_into_idle's growers and grow_one)
+    growers_of = getattr(tick.policy.resize, "growers", None)
+    if growers_of is None or getattr(tick.policy.resize, "grow_one", None) is None or tick.line.size == 0:
+        return []
+    free_by_type = tick.state.free_count[3].sum(axis=0)
+    if not free_by_type.any():
+        return []
+    growers = growers_of(tick)
+    growers = growers[free_by_type[tick.snapshot.jobs.type_id[growers]] > 0]
+    if growers.size == 0:
+        return []
+    ordered = tick.policy.order.order(tick, np.concatenate([tick.line, growers]))
+    is_grower = np.zeros(tick.state.n_jobs, np.bool_)
+    is_grower[growers] = True
+    grows = is_grower[ordered]
+    pending = (~grows).astype(np.int64)
+    ahead = np.cumsum(pending) - pending  # pending jobs before each position
+    out = list(zip(ahead[grows].tolist(), ordered[grows].tolist()))
+    # a grower after the whole line grows in the resize phase, as before
+    return [(a, g) for a, g in out if a < tick.line.size][::-1]
+
+
+def _grow_ahead_of(tick: Tick, growers: list[tuple[int, int]], pos: int) -> None:
+    """Grows, in order, the jobs of `growers` (a stack, `_growers_in_line`) that come before the
+    pos-th pending job of the line, into devices free now (never the Premium reserve or devices
+    still being released: pools are closed first)."""
+    grow_one = getattr(tick.policy.resize, "grow_one", None)
+    if grow_one is None:
+        return
+    while growers and growers[-1][0] <= pos:
+        _, g = growers.pop()
+        if tick.touched[g] or tick.state.alloc[g] == 0:
+            continue  # shrunk or preempted for a job placed earlier in this tick
+        tick.state.close_pools()
+        grow_one(tick, g, why=REASON_GREW_IN_LINE)
 
 
 def _stamp(tick: Tick) -> tuple:
@@ -539,6 +593,8 @@ def _admit(tick: Tick, j: int) -> bool:
     tick.waiting.pop(j, None)
     return True
 
+
+REASON_GREW_IN_LINE = "its place in line comes before the pending jobs that could take them"
 
 _WAITS_PACKED = ("; it waits for a packed place rather than miss its SLA spread out "
                  "(MERIDIAN_PACKED_TIERS_MAY_SPREAD=1 lets it spread)")

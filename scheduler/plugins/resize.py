@@ -11,6 +11,11 @@ PolicySettings.min_resize_interval_seconds ago is not grown again (no flapping: 
 pauses the job for a cut and moves rank state). A shrink for a higher tier is not held back
 by that interval: its alternative is a preemption or a higher tier waiting.
 
+A job below W does not only grow here, last: the framework (scheduler.framework,
+`_grow_ahead_of`) grows it with `grow_one` before the pending jobs that come after it in line,
+into the devices free at that point, since its missing devices are demand at its place in line
+as a pending job's are. What this phase grows is what no job in line took.
+
 Then repack (`_repack`): a running job spread over more nodes than its count needs (it grew
 into devices on other nodes, or started where only scattered devices were free) moves onto
 devices still idle on the fewest nodes (scheduler.placement_cost: spread runs at 90%).
@@ -38,45 +43,64 @@ class GrowIntoIdle:
         self._repack(tick)
 
     @staticmethod
-    def _grow(tick) -> None:
+    def growers(tick) -> np.ndarray:
+        """Returns the running jobs that may grow now: below W, not touched this tick, and not
+        resized within PolicySettings.min_resize_interval_seconds."""
         snap, jobs, state = tick.snapshot, tick.snapshot.jobs, tick.state
+        settled = snap.now - jobs.last_resize_time >= snap.settings.min_resize_interval_seconds
+        return np.flatnonzero((state.alloc > 0) & (state.alloc < jobs.world_size) & ~tick.touched & settled)
+
+    @staticmethod
+    def _grow(tick) -> None:
+        state, jobs = tick.state, tick.snapshot.jobs
         free_by_type = state.free_count[3].sum(axis=0)
         if not free_by_type.any():
             return
-        settled = snap.now - jobs.last_resize_time >= snap.settings.min_resize_interval_seconds
-        elastic = np.flatnonzero((state.alloc > 0) & (state.alloc < jobs.world_size) & ~tick.touched
-                                 & (free_by_type[jobs.type_id] > 0) & settled)
+        elastic = GrowIntoIdle.growers(tick)
+        elastic = elastic[free_by_type[jobs.type_id[elastic]] > 0]
         if elastic.size == 0:
             return
-        allow_borrowing = snap.settings.allow_borrowing
         for j in tick.policy.order.order(tick, elastic).tolist():
-            k = int(jobs.type_id[j])
-            if free_by_type[k] == 0:
+            if free_by_type[int(jobs.type_id[j])] == 0:
                 continue
-            have = int(state.alloc[j])
-            devices = state.job_devices(j)
-            region = int(snap.accelerators.region[devices[0]])
-            room = int(state.region_free(k)[region])
-            if room == 0:
+            GrowIntoIdle.grow_one(tick, j, free_by_type)
+
+    @staticmethod
+    def grow_one(tick, j: int, free_by_type=None, why: str = "idle {type} no pending job could use") -> bool:
+        """Grows running job j to its largest allowed count that fits near its devices in the
+        devices free now (never the Premium reserve or devices still releasing); returns True
+        if it grew. `free_by_type` (per type, kept current) saves recounting."""
+        snap, jobs, state = tick.snapshot, tick.snapshot.jobs, tick.state
+        if free_by_type is None:
+            free_by_type = state.free_count[3].sum(axis=0)
+        k = int(jobs.type_id[j])
+        have = int(state.alloc[j])
+        if free_by_type[k] == 0 or have == 0 or have >= int(jobs.world_size[j]):
+            return False
+        devices = state.job_devices(j)
+        region = int(snap.accelerators.region[devices[0]])
+        room = int(state.region_free(k)[region])
+        if room == 0:
+            return False
+        room_quota = int(snap.teams.quota[jobs.team[j], k] - tick.team_usage[jobs.team[j], k])
+        larger = [d for d in jobs.allowed_counts(j) if have < d <= have + room
+                  and (snap.settings.allow_borrowing or d - have <= room_quota)]
+        for d in larger:
+            extra = GrowIntoIdle._find_near(tick, j, k, d - have, devices, region)
+            if extra is None:
                 continue
-            room_quota = int(snap.teams.quota[jobs.team[j], k] - tick.team_usage[jobs.team[j], k])
-            larger = [d for d in jobs.allowed_counts(j) if have < d <= have + room
-                      and (allow_borrowing or d - have <= room_quota)]
-            for d in larger:
-                extra = GrowIntoIdle._find_near(tick, j, k, d - have, devices, region)
-                if extra is None:
-                    continue
-                borrowed = tick.borrowed_by(j, d - have)
-                tick.give(j, extra)
-                free_by_type[k] -= d - have
-                new = np.union1d(devices, extra)
-                code = REASON_GREW_BORROWING if borrowed else REASON_GREW
-                note = f"; {borrowed} borrowed over the team's quota (reclaimed first)" if borrowed else ""
-                tick.decisions.append(Resize(
-                    job=j, job_id=int(jobs.ids[j]), devices=tuple(new.tolist()), code=code,
-                    reason=f"grew from {have} to {d} devices: idle {tick.type_name(j)} no pending job "
-                           f"could use{note}", borrowed=borrowed))
-                break
+            borrowed = tick.borrowed_by(j, d - have)
+            tick.give(j, extra)
+            free_by_type[k] -= d - have
+            new = np.union1d(devices, extra)
+            code = REASON_GREW_BORROWING if borrowed else REASON_GREW
+            note = f"; {borrowed} borrowed over the team's quota (reclaimed first)" if borrowed else ""
+            tick.decisions.append(Resize(
+                job=j, job_id=int(jobs.ids[j]), devices=tuple(new.tolist()), code=code,
+                reason=f"grew from {have} to {d} devices: {why.format(type=tick.type_name(j))}{note}",
+                borrowed=borrowed))
+            return True
+        return False
 
     @staticmethod
     def _repack(tick) -> None:

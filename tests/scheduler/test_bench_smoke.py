@@ -42,3 +42,26 @@ def test_the_replay_mode_times_the_simulators_core_calls_cold_and_warm(tmp_path,
     calls = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
              if line.startswith(("cold ", "warm ")) and line.split()[1].isdigit()}
     assert calls["cold"] == calls["warm"] > 0
+
+
+def test_the_job_loss_bench_accounts_for_the_last_jobs_time(capsys):
+    # bench/sim_job_loss.py on a synthetic quick-grid cell (no trace file needed): its waiting /
+    # below W / spread split must not exceed the job's time lost under Meridian (a split that
+    # double-counted would); the decisions listed are the ones the replay applied
+    spec = importlib.util.spec_from_file_location("sim_job_loss_bench", ROOT / "bench" / "sim_job_loss.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from scheduler.sim import goals
+    fleet, workloads, _, _ = goals.quick_grid()
+    trace = next(w for w in workloads if "multinode" in w.name).build(fleet, 0).scaled(1.0)
+    engine, history, summary = bench.replay(trace, fleet, "meridian", 0)
+    assert summary["finished"] == len(trace)
+    for j in list(history)[:200]:
+        waiting, below, spread = bench.losses(engine, history[j], j)
+        lost = engine.finish[j] - engine.submit[j] - trace.duration[j]
+        assert min(waiting, below, spread) >= 0.0
+        assert waiting + below + spread <= lost + 1e-6
+    assert bench.main(["multinode", "0.5", "0", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:2] == ["policy", "makespan"]
+    assert "waiting / below W / spread" in out
