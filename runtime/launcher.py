@@ -583,12 +583,14 @@ class Launcher:
 
     def choose_engine(self) -> tuple[str, str]:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
-        (runtime/sandbox.py criu_refusal_for_sandbox: its private /tmp and /dev/shm, and here a root
-        without CAP_SYS_RESOURCE) gets the framework engine under auto, and --engine criu is refused
-        with the reason. A job spanning hosts gets the framework engine under auto too: a CRIU
-        checkpoint of it restores only onto as many hosts as dumped it (runtime/criu_parts.py), and
-        the control loop resizes and moves such jobs across host counts; `--engine criu` asks for it."""
-        refusal = job_sandbox.criu_refusal_for_sandbox() if self.sandbox and self.sandbox.identity else None
+        (runtime/sandbox.py criu_refusal_for_sandbox: one spanning hosts) gets the framework engine
+        under auto, and --engine criu is refused with the reason; on one host CRIU dumps them as the
+        job's uid (runtime/criu.py), and auto picks it as for an unsandboxed job. A job spanning
+        hosts gets the framework engine under auto too: a CRIU checkpoint of it restores only onto
+        as many hosts as dumped it (runtime/criu_parts.py), and the control loop resizes and moves
+        such jobs across host counts; `--engine criu` asks for it."""
+        refusal = (job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
+                   if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
         if refusal and self.options.engine == engines.AUTO:
@@ -644,7 +646,7 @@ class Launcher:
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
         if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
-            refusal = job_sandbox.criu_refusal_for_sandbox()
+            refusal = job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()

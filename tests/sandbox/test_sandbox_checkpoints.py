@@ -16,7 +16,7 @@ from runtime.criu import check_available
 
 CRIU_OK, CRIU_DETAIL = check_available()
 CRIU_OTHER_UIDS_REFUSAL = mechanisms.criu_refusal_for_other_uids()
-CRIU_SANDBOX_REFUSAL = mechanisms.criu_refusal_for_sandbox()  # always, since the private /tmp and /dev/shm
+CRIU_SANDBOX_REFUSAL = mechanisms.criu_refusal_for_sandbox()
 TRAIN = ROOT / "examples" / "train_mlp.py"
 pytestmark = [pytest.mark.runtime, needs_sandbox]
 
