@@ -176,8 +176,11 @@ def test_a_criu_image_edited_to_hold_a_capability_is_refused_before_the_rank_run
         space = workspace(node_root / "a", job_id)
         workspace(node_root / "b", job_id)
         node_a.reconcile([_train_entry(job_id, store, space / "final.pt", indices=(0,), epochs=30)])
-        poll("the job to run", lambda: ({r.job_id: r.to_dict() for r in node_a.observed()}[job_id]["step"] or 0) >= 3
-             and (node_a.jobs[job_id].job_dir / "control.sock").exists())
+        def running():
+            report = {r.job_id: r.to_dict() for r in node_a.observed()}[job_id]
+            assert report["state"] != "failed", report.get("error")
+            return (report["step"] or 0) >= 3 and (node_a.jobs[job_id].job_dir / "control.sock").exists()
+        poll("the job to run", running)
         node_a.reconcile([{"job_id": job_id, "action": "stop", "generation": 1}])
         stopped = outcome(node_a, job_id)
         assert stopped["state"] == "stopped" and stopped["checkpoint"]["engine"] == "criu", stopped
