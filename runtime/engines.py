@@ -218,6 +218,10 @@ class CriuEngine(Engine):
         rank_logs.carry(launcher, os.path.join(staging, "logs"))
         job = _job_credentials(launcher)
         try:
+            if job is not None:
+                # First, while every rank is parked and none is dumped yet: a private folder that
+                # cannot travel refuses the checkpoint, and a stop, before any rank is gone.
+                self._save_private_dirs(launcher, staging, job)
             for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
                 image_dir = os.path.join(staging, f"rank{process.rank}")
                 criu.dump(process.pid, image_dir, leave_running=not stop, job=job)
@@ -227,19 +231,29 @@ class CriuEngine(Engine):
                     # check that holds whatever they wrote).
                     launcher.sandbox.seal_staging(image_dir)
             if job is not None:
-                self._save_private_dirs(launcher, staging, job)
                 launcher.sandbox.seal_staging(staging)  # criu's logs were the job's uid's too
-        except (RuntimeError, OSError, PrivateDirsError, SandboxError) as exc:
-            if stop:  # some ranks may be dumped (gone) already: the job cannot go on
-                launcher.kill_all()
-                raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}") from None
-            launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
-            raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
+        except (PrivateDirsError, OSError) as exc:
+            if not any(os.path.isdir(os.path.join(staging, f"rank{p.rank}")) for p in launcher.ranks):
+                launcher.resume_ranks(request.id)  # no rank was dumped: the job goes on, a stop too
+                raise LaunchError(f"{request.action} refused at step {step}: {exc}; the job goes on") from None
+            raise self._dump_failed(launcher, request, step, stop, exc) from None
+        except (RuntimeError, SandboxError) as exc:
+            raise self._dump_failed(launcher, request, step, stop, exc) from None
         if not stop:
             launcher.resume_ranks(request.id)
         # The ranks are gone or running again: deduplicating the pages is no part of the downtime
         # of a checkpoint that goes on, and part of a stop's only until the store has it.
         self.pack_pages(launcher, staging)
+
+    @staticmethod
+    def _dump_failed(launcher: Launcher, request: CutRequest, step: int, stop: bool, exc: Exception) -> LaunchError:
+        """Returns the error of a dump that failed; a stop's ranks are ended (some may be dumped,
+        gone, already: the job cannot go on), a checkpoint's go on."""
+        if stop:
+            launcher.kill_all()
+            return LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
+        launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
+        return LaunchError(f"checkpoint failed at step {step}: {exc}")
 
     @staticmethod
     def _save_private_dirs(launcher: Launcher, staging: str, job: criu.JobCredentials) -> None:

@@ -35,25 +35,22 @@ for a move, a failure). A launcher that was killed leaves them: the /dev/shm fol
 job, whoever finds its lock free (the launcher holds a flock on it for its whole life); the /tmp
 folder goes with its job dir (the agent removes it after a kill, and old job dirs are collected).
 
-CRIU IS NOT BUILT FOR THIS, and sandboxed jobs are refused CRIU (runtime/sandbox.py
-criu_refusal_for_sandbox). Tried by hand on 2026-12-05 (devlog lead19), with one rank started as
-here (`unshare --pid --fork --mount-proc setsid`, this helper, `setpriv`). A dump and a restore onto
-NEW private folders both worked, run AS THE JOB'S UID in CRIU's unprivileged mode with ambient
-capabilities for criu only; root cannot dump another uid where it lacks CAP_SYS_RESOURCE:
-    criu dump --unprivileged -t PID --external mnt[/tmp]:tmp --external mnt[/dev/shm]:shm
-        --ext-mount-map auto --enable-external-sharing --enable-external-masters
-        (caps: checkpoint_restore, sys_ptrace, sys_admin, sys_chroot)
-    criu restore --unprivileged -d --root / --external mnt[tmp]:<new /tmp folder>
-        --external mnt[shm]:<new /dev/shm folder> --ext-mount-map auto   (the same caps + setpcap)
-The restored rank had its uid and no capability. Building it needs:
-- this helper reopening the rank's stdin, stdout and stderr inside its new namespace, by path.
-  Inherited ones name mounts of the node's namespace, which the dump cannot resolve ("Can't lookup
-  mount").
-- restores run with --leave-stopped, every restored task checked (the job's uid, no capability)
-  before it is let go. criu holds sys_admin there, and images the job's uid could write must not
-  hand the job a capability.
-What a rank left in /tmp or /dev/shm would not travel (no checkpoint has it), and a restored rank
-that had files open there would fail to restore.
+CRIU (runtime/criu.py, runtime/engines.py CriuEngine): a sandboxed rank is dumped and restored by
+criu run AS THE JOB'S UID in its unprivileged mode (root here may lack CAP_SYS_RESOURCE, which root's
+criu needs for another uid). What that needs from this file:
+- the helper binds each kept path from a folder it opened before the covers (not into the private
+  folder first): a bind made there stays mounted at a node path inside the job dir too, which criu,
+  as the job's uid, cannot reach to recreate it ("Permission denied").
+- the helper reopens stdin, stdout and stderr by path inside the new namespace: inherited ones name
+  mounts of the node's namespace, which the dump cannot resolve ("Can't lookup mount").
+- a restore runs criu inside this helper (no covers, only binds: images, work folder, the new
+  private /tmp at "doors" the job's uid can pass), the job dir that holds them being root's, 0700.
+- the contents of both folders travel in the checkpoint (`save_into`, `load_from`: private-tmp.tar,
+  private-shm.tar, owners and modes kept): a restored rank holding a file open there gets it back at
+  its size. What cannot travel (a device, a fifo, a link leading outside the folder, a file of another
+  uid) refuses the checkpoint, naming it; sockets are left out.
+The dump declares /tmp and /dev/shm external ("tmp", "shm") and the restore maps them onto the NEW
+folders of the restoring launcher; every restored task is checked before it runs (criu.py).
 """
 from __future__ import annotations
 
