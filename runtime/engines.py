@@ -256,7 +256,7 @@ class CriuEngine(Engine):
         return LaunchError(f"checkpoint failed at step {step}: {exc}")
 
     @staticmethod
-    def _save_private_dirs(launcher: Launcher, staging: str, job: criu.JobCredentials) -> None:
+    def _save_private_dirs(launcher: Launcher, staging: os.PathLike | str, job: criu.JobCredentials) -> None:
         """Saves the ranks' private /tmp and /dev/shm into the checkpoint while the ranks are
         parked or gone (runtime/private_dirs.py PrivateDirs.save_into)."""
         dirs = launcher.sandbox.private_dirs if launcher.sandbox is not None else None
