@@ -254,3 +254,26 @@ def test_the_launcher_reads_no_rank_file_through_a_link(tmp_path):
         mechanisms.read_job_file(tmp_path / "out.log")
     with pytest.raises(OSError):
         mechanisms.copy_job_file(tmp_path / "out.log", tmp_path / "copy")
+
+
+@needs_criu
+def test_criu_for_a_sandboxed_job_spanning_hosts_is_refused_by_name_and_auto_says_why():
+    """runtime/criu_parts.py dumps each host's part with root's criu, not as the job's uid: a
+    sandboxed job spanning hosts is refused --engine criu with the reason, and auto gives it the
+    framework engine; on one host it gets CRIU."""
+    import types
+
+    from runtime import launcher
+    from runtime.exits import LaunchError
+
+    def chosen(engine, nodes):
+        sandbox = types.SimpleNamespace(identity=mechanisms.identity_for_job(7, base=UID_BASE))
+        fake = types.SimpleNamespace(sandbox=sandbox, options=types.SimpleNamespace(engine=engine), nodes=nodes)
+        return launcher.Launcher.choose_engine(fake)
+
+    with pytest.raises(LaunchError, match="not built for sandboxed jobs spanning hosts") as refused:
+        chosen("criu", 2)
+    assert refused.value.code == 2
+    name, reason = chosen("auto", 2)
+    assert name == "framework" and "spanning hosts" in reason
+    assert chosen("criu", 1)[0] == "criu" and chosen("auto", 1)[0] == "criu"
