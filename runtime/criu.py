@@ -212,7 +212,7 @@ def _restore_as_job(image_dir, *, work_dir, name, sandboxed: SandboxedRestore):
     job = sandboxed.job
     os.chown(work_dir, job.uid, job.gid)  # criu writes its log and pidfile there
     os.chmod(work_dir, 0o700)
-    doors = {key: os.path.join(sandboxed.doors, key) for key in ("images", "work", "tmp")}
+    doors = {key: os.path.join(sandboxed.doors, key) for key in ("images", "work", "tmp", "root")}
     os.makedirs(sandboxed.doors, exist_ok=True)
     os.chmod(sandboxed.doors, 0o755)
     for door in doors.values():
@@ -221,8 +221,13 @@ def _restore_as_job(image_dir, *, work_dir, name, sandboxed: SandboxedRestore):
     helper = [sys.executable, "-I", os.path.abspath(private_dirs.__file__),
               "--bind", f"{os.path.abspath(image_dir)}={doors['images']}",
               "--bind", f"{os.path.abspath(work_dir)}={doors['work']}",
-              "--bind", f"{sandboxed.tmp}={doors['tmp']}", "--"]
-    args = ["restore", "--unprivileged", "-D", doors["images"], "-d", "--root", "/", "--leave-stopped",
+              "--bind", f"{sandboxed.tmp}={doors['tmp']}", "--flat-bind", f"/={doors['root']}", "--"]
+    # The restored mount namespace starts from a bind of --root WITH the mounts below it: with
+    # "/", it took every mount of criu's namespace (the doors, and criu's own /tmp/cr-tmpfs.*),
+    # which the next dump recorded and the next restore could not recreate as the job's uid
+    # (found: "Can't bind-mount ... .criu-restore/work: Permission denied"). The node's root
+    # alone, flat, is the base: every mount the rank had is in its images (auto-mapped).
+    args = ["restore", "--unprivileged", "-D", doors["images"], "-d", "--root", doors["root"], "--leave-stopped",
             "--pidfile", os.path.join(doors["work"], f"restore-{name}.pid"),
             "--external", f"mnt[{EXTERNAL_TMP}]:{doors['tmp']}",
             "--external", f"mnt[{EXTERNAL_SHM}]:{sandboxed.shm}", "--ext-mount-map", "auto"]

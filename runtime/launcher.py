@@ -322,8 +322,14 @@ class Launcher:
         need are named, so that those under the node's /tmp or /dev/shm stay reachable."""
         if self.sandbox is None:
             return
-        keep = [self.spool, self.store.root, os.path.dirname(self.script), self.runtime_root,
+        keep = [self.spool, os.path.dirname(self.script), self.runtime_root,
                 os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.base_prefix]
+        if self.checkpoints.ranks_write_checkpoint:
+            # Only ranks that write (and, resumed, read) their checkpoint need the store. A CRIU
+            # rank never does, and a bind kept in its mount namespace would be recreated at every
+            # restore: the store folder of its first generation, removed once a newer generation
+            # holds the job's checkpoint (agent/node.py), failed the second move's restore.
+            keep.append(self.store.root)
         if self.workspace is not None:
             keep.append(self.workspace.path)
         if self.options.rendezvous:

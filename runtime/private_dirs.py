@@ -294,14 +294,17 @@ def _mount(libc, source: str | None, target: str, flags: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """--bind SRC=POINT ... --cover NODE_DIR=PRIVATE ... -- COMMAND...: see the module docstring."""
+    """--bind SRC=POINT ... --cover NODE_DIR=PRIVATE ... [--flat-bind SRC=POINT ...] -- COMMAND...: see
+    the module docstring. --flat-bind binds SRC alone, without the mounts below it (a CRIU restore's
+    --root: runtime/criu.py)."""
     split = argv.index("--")
     options, command = argv[:split], argv[split + 1:]
     binds: list[tuple[str, str]] = []
     covers: list[tuple[str, str]] = []
+    flat: list[tuple[str, str]] = []
     for flag, value in zip(options[::2], options[1::2]):
         left, _, right = value.partition("=")
-        (binds if flag == "--bind" else covers).append((left, right))
+        {"--bind": binds, "--cover": covers, "--flat-bind": flat}[flag].append((left, right))
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNS) != 0:
         code = ctypes.get_errno()
@@ -318,6 +321,8 @@ def main(argv: list[str]) -> None:
     for fd, target in sources:
         _mount(libc, f"/proc/self/fd/{fd}", target, MS_BIND | MS_REC)
         os.close(fd)
+    for source, point in flat:
+        _mount(libc, source, point, MS_BIND)
     # The working directory still points into the node's tree (under a covered /tmp it would let
     # relative paths reach the node's /tmp): enter it again by name, in the new tree.
     try:

@@ -48,6 +48,15 @@ def _uids_and_cgroups(pids):
     return seen
 
 
+def _diagnose(job_dir):
+    """The tails of what a launcher wrote in its job dir (events, its output, criu's restore logs)."""
+    text = ""
+    for path in sorted(job_dir.rglob("*")):
+        if path.is_file() and path.suffix in (".jsonl", ".log", ".err", ".out", ".json"):
+            text += f"--- {path} ---\n" + "".join(path.read_text(errors="replace").splitlines(True)[-12:])
+    return text
+
+
 def _confinement(pid, launcher_pid):
     """What a (restored) rank holds: its capability sets and no_new_privs, whether its PID and mount
     namespaces are its own and its network namespace its launcher's, and the interfaces it sees."""
@@ -64,8 +73,11 @@ def _confinement(pid, launcher_pid):
             "node_net_ns": namespace["net"] == os.readlink("/proc/self/ns/net")}
 
 
-def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epochs=8):
+def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epochs=8, via_m=False):
+    """Starts the job on a, stops it there and finishes it on b (with `via_m`, restored on m in
+    between, run on and stopped again there: a checkpoint of a restored copy); returns what it saw."""
     store, outputs = node_root / "store", {}
+    node_m = make_node(node_root / "m", engine=engine) if via_m else None
     node_a = make_node(node_root / "a", engine=engine)
     node_b = make_node(node_root / "b", engine=engine)
     reference = make_node(node_root / "ref", engine=engine)
@@ -94,9 +106,26 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
         launched = json.loads((node_a.jobs[job_id].job_dir / "launcher.json").read_text())
         assert not os.path.exists(launched["private_tmp"]) and not os.path.exists(launched["private_shm"])
         assert stopped["checkpoint"]["engine"] == engine
+        generation = 2
+        if node_m is not None:
+            workspace(node_root / "m", job_id)
+            node_m.reconcile([_train_entry(job_id, store, space_a / "final.pt", indices=(0,), generation=2,
+                                           script=script, epochs=epochs, restore_from=stopped["checkpoint"]["uri"],
+                                           restore_sha256=stopped["checkpoint"]["sha256"])])
+
+            def further():
+                report = {r.job_id: r.to_dict() for r in node_m.observed()}[job_id]
+                assert report["state"] not in ("failed", "finished"), report.get("error")
+                return (report["step"] or 0) >= stopped["checkpoint"]["step"] + 3 \
+                    and (node_m.jobs[job_id].job_dir / "control.sock").exists()
+            poll("the copy restored on m to run on", further)
+            node_m.reconcile([{"job_id": job_id, "action": "stop", "generation": 2}])
+            stopped = outcome(node_m, job_id)
+            assert stopped["state"] == "stopped", stopped.get("error")
+            generation = 3
 
         # The workspace (outputs) follows the job: here, by hand (the workspace code does it).
-        node_b.reconcile([_train_entry(job_id, store, space_a / "final.pt", indices=(1,), generation=2,
+        node_b.reconcile([_train_entry(job_id, store, space_a / "final.pt", indices=(1,), generation=generation,
                                        script=script, epochs=epochs, restore_from=stopped["checkpoint"]["uri"],
                                        restore_sha256=stopped["checkpoint"]["sha256"])])
         os.makedirs(space_a, exist_ok=True)
@@ -104,7 +133,7 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
         def resumed():
             report = {r.job_id: r.to_dict() for r in node_b.observed()}[job_id]
             return report if report["state"] != "starting" and _rank_pids(node_b, job_id) else None
-        report = poll("the copy on b to run", resumed)
+        report = poll("the copy on b to run", resumed, on_timeout=lambda: _diagnose(node_b.jobs[job_id].job_dir))
         assert report["state"] in ("running", "finished"), report.get("error")
         def dropped():
             """The ranks' (uid, cpuset, cores) once none is root any more, "finished" once the job is
@@ -131,7 +160,7 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
         assert finished["restored_step"] == stopped["checkpoint"]["step"]
         assert outcome(reference, job_id + 1)["state"] == "finished"
     finally:
-        for node in (node_a, node_b, reference):
+        for node in (node_a, node_b, reference, *([node_m] if node_m else [])):
             node.kill_all()
     got = torch.load(space_a / "final.pt", weights_only=True)
     want = torch.load(space_ref / "final.pt", weights_only=True)
@@ -146,12 +175,14 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
 @pytest.mark.criu
 @needs_criu
 def test_criu_dumps_a_sandboxed_job_and_restores_it_on_another_node_bit_exactly(node_root):
-    """Stopped on a, restored on b onto b's new private /tmp and /dev/shm: the files each rank held
+    """Stopped on a, restored on m and stopped again there (a restored rank's namespace is dumped in
+    turn: found failing before the restore's --root was the node's root alone), restored on b onto
+    b's new private /tmp and /dev/shm: the files each rank held
     open there since it started come back with what they held (each rank's count of lines equals the
     uninterrupted run's), the final parameters equal the uninterrupted run's, and the restored ranks
     run as the job's uid with no capability, in PID and mount namespaces of their own and in their
     launcher's network namespace (loopback only, not the node's)."""
-    outputs = _stop_on_a_and_finish_on_b(node_root, "criu", 71, script=HOLDING_TMP, epochs=10)
+    outputs = _stop_on_a_and_finish_on_b(node_root, "criu", 71, script=HOLDING_TMP, epochs=10, via_m=True)
     for rank, (got, want) in outputs["held"].items():
         assert got == want and min(got.values()) > 0, (rank, got, want)
     assert "confinement" in outputs, "the restored job finished before its ranks could be looked at"
