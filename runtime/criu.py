@@ -20,8 +20,10 @@ private folders; the paths bound back into them (spool, store, interpreter...) a
 same node paths. The network namespace is the launcher's (runtime/netns.py), which criu runs in: it
 is not dumped, and a restored rank joins the restoring launcher's own (loopback only).
 A restore runs inside the private-dirs helper (runtime/private_dirs.py) so that criu, as the job's
-uid, reaches the new private /tmp, its work folder and the images through bind mounts of a mount
-namespace of its own (the job dir that holds them is root's, 0700). The restored tasks are left
+uid, reaches the new private /tmp, its work folder and the images through bind mounts ("doors") of
+a mount namespace of its own (the job dir that holds them is root's, 0700), with --root on a flat
+bind of the node's root: the restored namespace holds the rank's own mounts and nothing of criu's,
+so a restored rank can be dumped and restored again. The restored tasks are left
 stopped (--leave-stopped) and `restored_refusal` checks every one of them (the job's uid and gid,
 no capability, no_new_privs, the launcher's user and network namespaces and cgroups, its own PID and
 mount namespaces) before anything lets them run: criu holds sys_admin while it restores, and the

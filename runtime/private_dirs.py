@@ -44,7 +44,8 @@ criu needs for another uid). What that needs from this file:
 - the helper reopens stdin, stdout and stderr by path inside the new namespace: inherited ones name
   mounts of the node's namespace, which the dump cannot resolve ("Can't lookup mount").
 - a restore runs criu inside this helper (no covers, only binds: images, work folder, the new
-  private /tmp at "doors" the job's uid can pass), the job dir that holds them being root's, 0700.
+  private /tmp at "doors" the job's uid can pass, the job dir that holds them being root's, 0700;
+  and `--flat-bind /=DOOR`, the node's root without the mounts on it, as criu's --root).
 - the contents of both folders travel in the checkpoint (`save_into`, `load_from`: private-tmp.tar,
   private-shm.tar, owners and modes kept): a restored rank holding a file open there gets it back at
   its size. What cannot travel (a device, a fifo, a link leading outside the folder, a file of another
