@@ -27,9 +27,11 @@ so a restored rank can be dumped and restored again. The restored tasks are left
 stopped (--leave-stopped) and `restored_refusal` checks every one of them (the job's uid and gid,
 no capability, no_new_privs, the launcher's user and network namespaces and cgroups, its own PID and
 mount namespaces) before anything lets them run: criu holds sys_admin while it restores, and the
-images were written by the job's uid (a rank parked at the cut could have edited another's before
-they were sealed). The private folders' CONTENTS travel in the checkpoint (`PrivateDirs.save_into`):
-a restored rank may hold files open there, which criu reopens by path and size.
+images were written by the job's uid. (While criu writes them, every process of the job on this
+host is stopped, and each rank's images are sealed, root's, before any runs again: runtime/engines.py
+CriuEngine.dump. The check holds whatever an image says all the same.) The private folders'
+CONTENTS travel in the checkpoint (`PrivateDirs.save_into`): a restored rank may hold files open
+there, which criu reopens by path and size.
 """
 import contextlib
 import ctypes

@@ -217,6 +217,12 @@ class CriuEngine(Engine):
         # CRIU restores open files only at the same path and size: carry the logs.
         rank_logs.carry(launcher, os.path.join(staging, "logs"))
         job = _job_credentials(launcher)
+        # A sandboxed job's processes are all stopped (SIGSTOP, every process of every rank's tree)
+        # while criu, as the job's uid, writes images that uid could write: a rank parked at the
+        # cut still runs (its threads, its poll for the resume file) and could otherwise edit
+        # another rank's images before they are sealed. criu dumps a stopped task as stopped; a
+        # restore leaves every task stopped anyway until it is checked (restored_refusal).
+        stopped_tasks = _stop_all(launcher) if job is not None else []
         try:
             if job is not None:
                 # First, while every rank is parked and none is dumped yet: a private folder that
@@ -225,10 +231,7 @@ class CriuEngine(Engine):
             for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
                 image_dir = os.path.join(staging, f"rank{process.rank}")
                 criu.dump(process.pid, image_dir, leave_running=not stop, job=job)
-                if job is not None:
-                    # The job's uid wrote it: root's at once, before the next rank's dump (the
-                    # ranks still parked could write into it until then: restored_refusal is the
-                    # check that holds whatever they wrote).
+                if job is not None:  # the job's uid wrote it: root's before anything of the job runs again
                     launcher.sandbox.seal_staging(image_dir)
             if job is not None:
                 launcher.sandbox.seal_staging(staging)  # criu's logs were the job's uid's too
@@ -239,6 +242,8 @@ class CriuEngine(Engine):
             raise self._dump_failed(launcher, request, step, stop, exc) from None
         except (RuntimeError, SandboxError) as exc:
             raise self._dump_failed(launcher, request, step, stop, exc) from None
+        finally:
+            _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
         if not stop:
             launcher.resume_ranks(request.id)
         # The ranks are gone or running again: deduplicating the pages is no part of the downtime
@@ -525,6 +530,45 @@ class FrameworkEngine(Engine):
                 group.close_inner()
             end_children()
             os._exit(EXIT_CUT_STOP)
+
+
+def _stop_all(launcher: Launcher) -> list[int]:
+    """SIGSTOPs every process of every rank's tree (a PID-namespace init gets SIGSTOP from outside);
+    returns their pids, and waits until each is stopped."""
+    stopped: list[int] = []
+    for process in launcher.ranks:
+        try:
+            tree = criu.restored_tasks(process.pid)
+        except OSError:
+            continue  # gone: its dump fails and says so
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for pid in stopped:
+        while time.monotonic() < deadline and _task_state(pid) not in ("T", None):
+            time.sleep(0.002)
+    return stopped
+
+
+def _task_state(pid: int) -> str | None:
+    """Returns the state letter of /proc/<pid>/stat ("T": stopped), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _continue(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def _job_credentials(launcher: Launcher) -> criu.JobCredentials | None:

@@ -119,7 +119,11 @@ def test_a_user_submits_a_folder_follows_its_log_sees_it_preempted_and_resumed_e
     status = json.loads(meridian(plane, "status", "--json", config=config, cwd=project).stdout)
     assert {j["id"] for j in status} >= set(jobs.values())
     plane.wait_state(premium, "running", timeout=120)
-    victims = [j for j in jobs.values() if plane.job(j)["preemption_count"] >= 1]
+    # The victim counts as preempted once its move's last step ran, which can come a tick after the
+    # Premium job runs on the devices it gave back (seen with CRIU, whose stop is quick).
+    victims = poll("the victim's preemption to be recorded",
+                   lambda: [j for j in jobs.values() if plane.job(j)["preemption_count"] >= 1], timeout=120,
+                   on_timeout=lambda: plane.diagnose(premium, *jobs.values()))
     assert len(victims) == 1, plane.diagnose(premium, *jobs.values())
     victim = victims[0]
     uninterrupted = next(j for j in jobs.values() if j != victim)
