@@ -15,11 +15,15 @@ clean environment). Needs root (the sandbox does). For each repeat:
     cut         one checkpoint through the control socket: the launcher's own CheckpointSeconds.total
                 (with the sandbox: the staging folder given to the ranks, then sealed)
     kill        fence() -> every process of the job gone (the sandbox kills through the cgroup)
+    dump        (--engine criu) the engine's part of that checkpoint (CheckpointSeconds.dump: criu
+                dumping the ranks, with the sandbox as the job's uid, its private /tmp and /dev/shm
+                saved into the checkpoint)
+    restore     (--engine criu) a stop, then the same job restored on the same node from it: the
+                Restored event's seconds (with the sandbox: new private folders, their contents put
+                back, criu restoring as the job's uid, every restored task checked before it runs)
 Prints the median of each over the repeats, the ratio on/off and what the network namespace adds
 (isolated - host); then the median time to enter a namespace itself (unshare + loopback up, in a
-child process). CRIU is not measured with the
-sandbox where root lacks CAP_SYS_RESOURCE (runtime/sandbox.py criu_refusal_for_other_uids), which is
-the case on the machines this project is tested on; the script says so.
+child process).
 """
 import argparse
 import os
@@ -33,9 +37,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import json  # noqa: E402
+
 from agent.node import NodeReconciler, pid_alive, read_progress  # noqa: E402
 from agent.sandbox import NodeSandbox, SandboxPolicy  # noqa: E402
-from runtime import sandbox as mechanisms  # noqa: E402
 
 TRAIN = ROOT / "examples" / "train_mlp.py"
 
@@ -83,12 +88,52 @@ def one_run(base, *, mode, network, engine, ranks, job_id):
     launch_s = time.perf_counter() - began
     answer = job.control.checkpoint(timeout_s=120)
     cut_s = float(answer["seconds"]["total"])
+    measured = {"prepare": prepare_s[0], "launch": launch_s, "cut": cut_s, "dump": float(answer["seconds"]["dump"])}
+    if engine == "criu":
+        job = restored_copy(node, entry, job)
+        measured["restore"] = restored_seconds(job)
     pids = [job.pid, *(read_progress(job.job_dir).rank_pids or ())]
     began = time.perf_counter()
     node.fence([job_id], why="bench")
     wait("the job to be gone", lambda: not any(pid_alive(p) for p in pids))
-    kill_s = time.perf_counter() - began
-    return {"prepare": prepare_s[0], "launch": launch_s, "cut": cut_s, "kill": kill_s}
+    measured["kill"] = time.perf_counter() - began
+    return measured
+
+
+def observed(node, job_id):
+    return {r.job_id: r.to_dict() for r in node.observed()}.get(job_id) or {}
+
+
+def restored_copy(node, entry, job):
+    """Stops the job at a checkpoint and starts it again on the same node from that checkpoint;
+    returns the new copy's job (once its ranks run again)."""
+    job_id = entry["job_id"]
+    node.reconcile([{"job_id": job_id, "action": "stop", "generation": 1}])
+    stopped = wait("the stop", lambda: (r := observed(node, job_id)).get("state") in ("stopped", "failed") and r)
+    if stopped["state"] != "stopped":
+        raise SystemExit(f"the stop failed: {stopped.get('error')}")
+    node.reconcile([{**entry, "generation": 2, "restore_from": stopped["checkpoint"]["uri"],
+                     "restore_sha256": stopped["checkpoint"]["sha256"]}])
+    fresh = wait("the restored copy", lambda: node.jobs[job_id] is not job and node.jobs[job_id])
+
+    def restored():
+        report = observed(node, job_id)
+        if report.get("state") == "failed":
+            raise SystemExit(f"the restore failed: {report.get('error')}")
+        return report.get("state") == "running" and (fresh.job_dir / "control.sock").exists()
+    wait("the restored copy to run", restored)
+    return fresh
+
+
+def restored_seconds(job):
+    """Returns the seconds of the Restored event of `job`'s launcher (events.jsonl)."""
+    def event():
+        try:
+            lines = (job.job_dir / "events.jsonl").read_text().splitlines()
+        except OSError:
+            return None
+        return next((json.loads(line) for line in lines if '"restored"' in line), None)
+    return float(wait("the restored event", event)["seconds"])
 
 
 def _netns_enter_seconds() -> float:
@@ -117,8 +162,6 @@ def main():
     options = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the sandbox needs root; run this as root")
-    if options.engine == "criu" and mechanisms.criu_refusal_for_other_uids():
-        raise SystemExit(f"not measurable here: {mechanisms.criu_refusal_for_other_uids()}")
     configs = {"off": ("off", "host"), "host": ("enforce", "host"), "isolated": ("enforce", "isolated")}
     results = {name: [] for name in configs}
     with tempfile.TemporaryDirectory(prefix="sbx-bench-", dir="/tmp") as tmp:
@@ -134,16 +177,13 @@ def main():
           f"median of {options.repeats} (seconds); load average {os.getloadavg()[0]:.2f}")
     print(f"{'phase':<10} {'sandbox off':>12} {'on, host net':>13} {'on, own netns':>14} {'on / off':>9} "
           f"{'netns - host':>13}")
-    for phase in ("prepare", "launch", "cut", "kill"):
+    for phase in ("prepare", "launch", "cut", "dump", *(("restore",) if options.engine == "criu" else ()), "kill"):
         off, host, isolated = (statistics.median(r[phase] for r in results[name]) for name in configs)
         print(f"{phase:<10} {off:>12.4f} {host:>13.4f} {isolated:>14.4f} "
               f"{isolated / off if off else float('nan'):>9.2f} {isolated - host:>+13.4f}")
     entering = statistics.median(_netns_enter_seconds() for _ in range(max(5, options.repeats)))
     print(f"entering a network namespace (unshare + lo up, runtime/netns.py): {entering * 1000:.2f} ms, "
           f"median of {max(5, options.repeats)}")
-    refusal = mechanisms.criu_refusal_for_other_uids()
-    if refusal:
-        print(f"CRIU with the sandbox: not measured here ({refusal})")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from protocol.cut import CutRequest, ResumeFile
 from runtime import criu, rank_logs
 from runtime import spool as spool_files
 from runtime.exits import EXIT_USAGE, LaunchError, end_children
+from runtime.private_dirs import PrivateDirsError
+from runtime.sandbox import SandboxError
 
 if TYPE_CHECKING:  # the launcher imports this module; the engines only call back into it
     from runtime.launcher import Launcher
@@ -200,7 +202,6 @@ class CriuEngine(Engine):
 
     def spawn(self, command: list[str], *, env: dict[str, str], log: IO[bytes]) -> tuple[int, subprocess.Popen]:
         # A sandboxed rank (started through setpriv as the job's uid) needs a /proc of its own.
-        # (Sandboxed jobs are refused CRIU today: runtime/criu.py says why.)
         unprivileged = any(os.path.basename(part) == "setpriv" for part in command)
         popen = subprocess.Popen(criu.namespace_command(command, own_proc=unprivileged), env=env,
                                  stdin=subprocess.DEVNULL,
@@ -215,20 +216,58 @@ class CriuEngine(Engine):
         staging = os.fspath(staging)
         # CRIU restores open files only at the same path and size: carry the logs.
         rank_logs.carry(launcher, os.path.join(staging, "logs"))
+        job = _job_credentials(launcher)
+        # A sandboxed job's processes are all stopped (SIGSTOP, every process of every rank's tree)
+        # while criu, as the job's uid, writes images that uid could write: a rank parked at the
+        # cut still runs (its threads, its poll for the resume file) and could otherwise edit
+        # another rank's images before they are sealed. criu dumps a stopped task as stopped; a
+        # restore leaves every task stopped anyway until it is checked (restored_refusal).
+        stopped_tasks = _stop_all(launcher) if job is not None else []
         try:
+            if job is not None:
+                # First, while every rank is parked and none is dumped yet: a private folder that
+                # cannot travel refuses the checkpoint, and a stop, before any rank is gone.
+                self._save_private_dirs(launcher, staging, job)
             for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
-                criu.dump(process.pid, os.path.join(staging, f"rank{process.rank}"), leave_running=not stop)
-        except RuntimeError as exc:
-            if stop:  # some ranks may be dumped (gone) already: the job cannot go on
-                launcher.kill_all()
-                raise LaunchError(f"stop failed, job ended without a checkpoint: {exc}") from None
-            launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
-            raise LaunchError(f"checkpoint failed at step {step}: {exc}") from None
+                image_dir = os.path.join(staging, f"rank{process.rank}")
+                criu.dump(process.pid, image_dir, leave_running=not stop, job=job)
+                if job is not None:  # the job's uid wrote it: root's before anything of the job runs again
+                    launcher.sandbox.seal_staging(image_dir)
+            if job is not None:
+                launcher.sandbox.seal_staging(staging)  # criu's logs were the job's uid's too
+        except (PrivateDirsError, OSError) as exc:
+            if not any(os.path.isdir(os.path.join(staging, f"rank{p.rank}")) for p in launcher.ranks):
+                launcher.resume_ranks(request.id)  # no rank was dumped: the job goes on, a stop too
+                raise LaunchError(f"{request.action} refused at step {step}: {exc}; the job goes on") from None
+            raise self._dump_failed(launcher, request, step, stop, exc) from None
+        except (RuntimeError, SandboxError) as exc:
+            raise self._dump_failed(launcher, request, step, stop, exc) from None
+        finally:
+            _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
         if not stop:
             launcher.resume_ranks(request.id)
         # The ranks are gone or running again: deduplicating the pages is no part of the downtime
         # of a checkpoint that goes on, and part of a stop's only until the store has it.
         self.pack_pages(launcher, staging)
+
+    @staticmethod
+    def _dump_failed(launcher: Launcher, request: CutRequest, step: int, stop: bool, exc: Exception) -> LaunchError:
+        """Returns the error of a dump that failed; a stop's ranks are ended (some may be dumped,
+        gone, already: the job cannot go on), a checkpoint's go on."""
+        if stop:
+            launcher.kill_all()
+            return LaunchError(f"stop failed, job ended without a checkpoint: {exc}")
+        launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
+        return LaunchError(f"checkpoint failed at step {step}: {exc}")
+
+    @staticmethod
+    def _save_private_dirs(launcher: Launcher, staging: os.PathLike | str, job: criu.JobCredentials) -> None:
+        """Saves the ranks' private /tmp and /dev/shm into the checkpoint while the ranks are
+        parked or gone (runtime/private_dirs.py PrivateDirs.save_into)."""
+        dirs = launcher.sandbox.private_dirs if launcher.sandbox is not None else None
+        if dirs is None:
+            raise LaunchError("internal error: a sandboxed CRIU dump without the ranks' private folders")
+        dirs.save_into(staging, uid=job.uid)
 
     def _dump_spanning_hosts(self, launcher: Launcher, request: CutRequest, step: int,
                              staging: os.PathLike) -> None:
@@ -338,15 +377,52 @@ class CriuEngine(Engine):
         launcher.fresh_spool()
         # Linked before any restored rank writes: this attempt starts at the restored size.
         rank_logs.put_back(launcher, local / "logs")
+        job = _job_credentials(launcher)
+        sandboxed = self._sandboxed_restore(launcher, local, job) if job is not None else None
         try:
             for rank in range(launcher.world_size):
-                pid = criu.restore(images / f"rank{rank}", work_dir=launcher.job_dir / "restore")
+                pid = criu.restore(images / f"rank{rank}", work_dir=launcher.job_dir / "restore",
+                                   sandboxed=sandboxed)
                 launcher.ranks.append(RankProcess(rank, pid))
+            if job is not None:
+                self._let_restored_run(launcher, job)
+        except RuntimeError as exc:
+            for process in launcher.ranks:
+                criu.kill_restored(process.pid)
+            raise LaunchError(f"--resume: {exc}") from None
         finally:
             if images != local:  # the restored ranks no longer need their images
                 shutil.rmtree(images, ignore_errors=True)
         launcher.last_request_id = int(meta["request_id"])
         launcher.resume_ranks(int(meta["request_id"]))
+
+    @staticmethod
+    def _sandboxed_restore(launcher: Launcher, checkpoint: Any, job: criu.JobCredentials) -> criu.SandboxedRestore:
+        """Makes this host's new private /tmp and /dev/shm, puts back what the checkpoint saved of
+        the old ones, and returns where criu restores a sandboxed rank (criu.SandboxedRestore)."""
+        launcher.make_private_dirs()
+        dirs = launcher.sandbox.private_dirs if launcher.sandbox is not None else None
+        if dirs is None:
+            raise LaunchError("internal error: a sandboxed CRIU restore without the ranks' private folders")
+        try:
+            dirs.load_from(checkpoint)
+        except (OSError, PrivateDirsError) as exc:
+            raise LaunchError(f"--resume: the ranks' private /tmp and /dev/shm cannot be put back: {exc}") from None
+        return criu.SandboxedRestore(job=job, tmp=str(dirs.tmp), shm=str(dirs.shm),
+                                     doors=str(launcher.spool / ".criu-restore"))
+
+    @staticmethod
+    def _let_restored_run(launcher: Launcher, job: criu.JobCredentials) -> None:
+        """Checks every restored (stopped) rank before any runs; a refusal kills them all."""
+        for process in launcher.ranks:
+            refusal = criu.restored_refusal(process.pid, job=job)
+            if refusal is not None:
+                for other in launcher.ranks:
+                    criu.kill_restored(other.pid)
+                raise LaunchError(f"--resume: refused, a restored rank did not come back as the sandbox's: {refusal}; "
+                                  "it was killed before it ran", EXIT_USAGE)
+        for process in launcher.ranks:
+            criu.resume_restored(process.pid)
 
     def _restore_part(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
         """Node k of a job spanning hosts restores the ranks of the checkpoint's part node<k>
@@ -454,6 +530,54 @@ class FrameworkEngine(Engine):
                 group.close_inner()
             end_children()
             os._exit(EXIT_CUT_STOP)
+
+
+def _stop_all(launcher: Launcher) -> list[int]:
+    """SIGSTOPs every process of every rank's tree (a PID-namespace init gets SIGSTOP from outside);
+    returns their pids, and waits until each is stopped."""
+    stopped: list[int] = []
+    for process in launcher.ranks:
+        try:
+            tree = criu.restored_tasks(process.pid)
+        except OSError:
+            continue  # gone: its dump fails and says so
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for pid in stopped:
+        while time.monotonic() < deadline and _task_state(pid) not in ("T", None):
+            time.sleep(0.002)
+    return stopped
+
+
+def _task_state(pid: int) -> str | None:
+    """Returns the state letter of /proc/<pid>/stat ("T": stopped), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _continue(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _job_credentials(launcher: Launcher) -> criu.JobCredentials | None:
+    """Returns the credentials criu runs as for a sandboxed job's ranks (runtime/criu.py), None
+    when they run unconfined (root's criu dumps them)."""
+    sandbox = launcher.sandbox
+    if sandbox is None or sandbox.identity is None:
+        return None
+    return criu.JobCredentials(uid=sandbox.identity.uid, gid=sandbox.identity.gid)
 
 
 def _die_with_launcher() -> None:

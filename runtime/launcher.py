@@ -322,8 +322,14 @@ class Launcher:
         need are named, so that those under the node's /tmp or /dev/shm stay reachable."""
         if self.sandbox is None:
             return
-        keep = [self.spool, self.store.root, os.path.dirname(self.script), self.runtime_root,
+        keep = [self.spool, os.path.dirname(self.script), self.runtime_root,
                 os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.base_prefix]
+        if self.checkpoints.ranks_write_checkpoint:
+            # Only ranks that write (and, resumed, read) their checkpoint need the store. A CRIU
+            # rank never does, and a bind kept in its mount namespace would be recreated at every
+            # restore: the store folder of its first generation, removed once a newer generation
+            # holds the job's checkpoint (agent/node.py), failed the second move's restore.
+            keep.append(self.store.root)
         if self.workspace is not None:
             keep.append(self.workspace.path)
         if self.options.rendezvous:
@@ -583,12 +589,14 @@ class Launcher:
 
     def choose_engine(self) -> tuple[str, str]:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
-        (runtime/sandbox.py criu_refusal_for_sandbox: its private /tmp and /dev/shm, and here a root
-        without CAP_SYS_RESOURCE) gets the framework engine under auto, and --engine criu is refused
-        with the reason. A job spanning hosts gets the framework engine under auto too: a CRIU
-        checkpoint of it restores only onto as many hosts as dumped it (runtime/criu_parts.py), and
-        the control loop resizes and moves such jobs across host counts; `--engine criu` asks for it."""
-        refusal = job_sandbox.criu_refusal_for_sandbox() if self.sandbox and self.sandbox.identity else None
+        (runtime/sandbox.py criu_refusal_for_sandbox: one spanning hosts) gets the framework engine
+        under auto, and --engine criu is refused with the reason; on one host CRIU dumps them as the
+        job's uid (runtime/criu.py), and auto picks it as for an unsandboxed job. A job spanning
+        hosts gets the framework engine under auto too: a CRIU checkpoint of it restores only onto
+        as many hosts as dumped it (runtime/criu_parts.py), and the control loop resizes and moves
+        such jobs across host counts; `--engine criu` asks for it."""
+        refusal = (job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
+                   if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
         if refusal and self.options.engine == engines.AUTO:
@@ -644,7 +652,7 @@ class Launcher:
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
         if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
-            refusal = job_sandbox.criu_refusal_for_sandbox()
+            refusal = job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()

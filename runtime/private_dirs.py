@@ -35,25 +35,23 @@ for a move, a failure). A launcher that was killed leaves them: the /dev/shm fol
 job, whoever finds its lock free (the launcher holds a flock on it for its whole life); the /tmp
 folder goes with its job dir (the agent removes it after a kill, and old job dirs are collected).
 
-CRIU IS NOT BUILT FOR THIS, and sandboxed jobs are refused CRIU (runtime/sandbox.py
-criu_refusal_for_sandbox). Tried by hand on 2026-12-05 (devlog lead19), with one rank started as
-here (`unshare --pid --fork --mount-proc setsid`, this helper, `setpriv`). A dump and a restore onto
-NEW private folders both worked, run AS THE JOB'S UID in CRIU's unprivileged mode with ambient
-capabilities for criu only; root cannot dump another uid where it lacks CAP_SYS_RESOURCE:
-    criu dump --unprivileged -t PID --external mnt[/tmp]:tmp --external mnt[/dev/shm]:shm
-        --ext-mount-map auto --enable-external-sharing --enable-external-masters
-        (caps: checkpoint_restore, sys_ptrace, sys_admin, sys_chroot)
-    criu restore --unprivileged -d --root / --external mnt[tmp]:<new /tmp folder>
-        --external mnt[shm]:<new /dev/shm folder> --ext-mount-map auto   (the same caps + setpcap)
-The restored rank had its uid and no capability. Building it needs:
-- this helper reopening the rank's stdin, stdout and stderr inside its new namespace, by path.
-  Inherited ones name mounts of the node's namespace, which the dump cannot resolve ("Can't lookup
-  mount").
-- restores run with --leave-stopped, every restored task checked (the job's uid, no capability)
-  before it is let go. criu holds sys_admin there, and images the job's uid could write must not
-  hand the job a capability.
-What a rank left in /tmp or /dev/shm would not travel (no checkpoint has it), and a restored rank
-that had files open there would fail to restore.
+CRIU (runtime/criu.py, runtime/engines.py CriuEngine): a sandboxed rank is dumped and restored by
+criu run AS THE JOB'S UID in its unprivileged mode (root here may lack CAP_SYS_RESOURCE, which root's
+criu needs for another uid). What that needs from this file:
+- the helper binds each kept path from a folder it opened before the covers (not into the private
+  folder first): a bind made there stays mounted at a node path inside the job dir too, which criu,
+  as the job's uid, cannot reach to recreate it ("Permission denied").
+- the helper reopens stdin, stdout and stderr by path inside the new namespace: inherited ones name
+  mounts of the node's namespace, which the dump cannot resolve ("Can't lookup mount").
+- a restore runs criu inside this helper (no covers, only binds: images, work folder, the new
+  private /tmp at "doors" the job's uid can pass, the job dir that holds them being root's, 0700;
+  and `--flat-bind /=DOOR`, the node's root without the mounts on it, as criu's --root).
+- the contents of both folders travel in the checkpoint (`save_into`, `load_from`: private-tmp.tar,
+  private-shm.tar, owners and modes kept): a restored rank holding a file open there gets it back at
+  its size. What cannot travel (a device, a fifo, a link leading outside the folder, a file of another
+  uid) refuses the checkpoint, naming it; sockets are left out.
+The dump declares /tmp and /dev/shm external ("tmp", "shm") and the restore maps them onto the NEW
+folders of the restoring launcher; every restored task is checked before it runs (criu.py).
 """
 from __future__ import annotations
 
@@ -65,6 +63,7 @@ import pathlib
 import shutil
 import stat
 import sys
+import tarfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -186,6 +185,40 @@ class PrivateDirs:
             args += ["--cover", f"{node_dir}={private}"]
         return args + ["--"]
 
+    def save_into(self, folder: os.PathLike | str, *, uid: int) -> None:
+        """Writes what the ranks left in both folders into `folder` (a CRIU checkpoint's staging
+        folder) as tmp.tar and shm.tar, owners and modes kept: a restored rank finds them again (and
+        the files it holds open there, at their sizes). Raises PrivateDirsError, naming it, for what
+        cannot travel: an entry owned by another uid than the job's or root's, a device or fifo, a
+        link that leads outside its folder. Sockets are left out (a rank at a cut holds none)."""
+        for name, private in ((TMP_ARCHIVE, self.tmp), (SHM_ARCHIVE, self.shm)):
+            def checked(member: tarfile.TarInfo, root: str = str(private)) -> tarfile.TarInfo:
+                if member.uid not in (0, uid):
+                    raise PrivateDirsError(f"{member.name} in the ranks' private folder belongs to uid {member.uid}, "
+                                           f"neither the job's ({uid}) nor root's: refused in a checkpoint")
+                return _travelling(member, root)
+            with tarfile.open(pathlib.Path(folder) / name, "w", format=tarfile.PAX_FORMAT) as archive:
+                for entry in sorted(os.listdir(private)):
+                    try:
+                        archive.add(private / entry, arcname=entry, recursive=True, filter=checked)
+                    except tarfile.FilterError as exc:
+                        raise PrivateDirsError(f"the ranks' private {private}: {exc}: "
+                                               "refused in a checkpoint") from None
+
+    def load_from(self, folder: os.PathLike | str) -> None:
+        """Puts back into both (new) folders what save_into wrote in `folder` (a verified
+        checkpoint), owners and modes kept, nothing outside them. A checkpoint without the archives
+        (none was saved) puts nothing back."""
+        for name, private in ((TMP_ARCHIVE, self.tmp), (SHM_ARCHIVE, self.shm)):
+            path = pathlib.Path(folder) / name
+            if not path.exists():
+                continue
+            with tarfile.open(path, "r") as archive:
+                try:
+                    archive.extractall(private, numeric_owner=True, filter=_travelling)
+                except tarfile.FilterError as exc:
+                    raise PrivateDirsError(f"{path}: {exc}") from None
+
     def remove(self) -> None:
         """Removes both folders and lets the lock go (idempotent)."""
         for folder in (self.tmp, self.shm):
@@ -193,6 +226,17 @@ class PrivateDirs:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+TMP_ARCHIVE, SHM_ARCHIVE = "private-tmp.tar", "private-shm.tar"  # in a CRIU checkpoint
+
+
+def _travelling(member: tarfile.TarInfo, root: str) -> tarfile.TarInfo:
+    """The filter of save_into and load_from: tarfile's "data" checks (no absolute path, nothing
+    and no link leading outside `root`, no device or fifo), with the owner and the mode (bar
+    setuid, setgid, sticky and group/other write) kept, as its "tar" filter does."""
+    tarfile.data_filter(member, root)
+    return tarfile.tar_filter(member, root)
 
 
 def _give(folder: pathlib.Path, gid: int) -> None:
@@ -251,30 +295,72 @@ def _mount(libc, source: str | None, target: str, flags: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """--bind SRC=POINT ... --cover NODE_DIR=PRIVATE ... -- COMMAND...: see the module docstring."""
+    """--bind SRC=POINT ... --cover NODE_DIR=PRIVATE ... [--flat-bind SRC=POINT ...] -- COMMAND...: see
+    the module docstring. --flat-bind binds SRC alone, without the mounts below it (a CRIU restore's
+    --root: runtime/criu.py)."""
     split = argv.index("--")
     options, command = argv[:split], argv[split + 1:]
     binds: list[tuple[str, str]] = []
     covers: list[tuple[str, str]] = []
+    flat: list[tuple[str, str]] = []
     for flag, value in zip(options[::2], options[1::2]):
         left, _, right = value.partition("=")
-        (binds if flag == "--bind" else covers).append((left, right))
+        {"--bind": binds, "--cover": covers, "--flat-bind": flat}[flag].append((left, right))
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNS) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"unshare(CLONE_NEWNS): {os.strerror(code)}")
     _mount(libc, None, "/", MS_REC | MS_PRIVATE)
-    for source, point in binds:  # into the private folders first: the covers carry them along
-        _mount(libc, source, point, MS_BIND | MS_REC)
+    # The paths bound back are opened before the covers hide them, then bound from the open
+    # folder onto their place in the covered tree. (Bound into the private folder first and
+    # carried along by the cover, each also stayed mounted at its node path under the private
+    # folder: a mount CRIU must recreate at a path inside the job dir, which the job's uid,
+    # as which CRIU runs (runtime/criu.py), cannot reach.)
+    sources = [(os.open(source, os.O_PATH | os.O_CLOEXEC), _covered_path(point, covers)) for source, point in binds]
     for node_dir, private in covers:
         _mount(libc, private, node_dir, MS_BIND | MS_REC)
+    for fd, target in sources:
+        _mount(libc, f"/proc/self/fd/{fd}", target, MS_BIND | MS_REC)
+        os.close(fd)
+    for source, point in flat:
+        _mount(libc, source, point, MS_BIND)
     # The working directory still points into the node's tree (under a covered /tmp it would let
     # relative paths reach the node's /tmp): enter it again by name, in the new tree.
     try:
         os.chdir(os.getcwd())
     except OSError:
         os.chdir("/")
+    _reopen_standard_fds()
     os.execvp(command[0], command)
+
+
+def _covered_path(point: str, covers: list[tuple[str, str]]) -> str:
+    """Returns where mount point `point` lies once the covers are in place: inside a private folder,
+    at the same place under the node folder it covers; elsewhere, where it is."""
+    for node_dir, private in covers:
+        if _under(pathlib.PurePath(point), pathlib.PurePath(private)):
+            return os.path.join(node_dir, os.path.relpath(point, private))
+    return point
+
+
+def _reopen_standard_fds() -> None:
+    """Opens stdin, stdout and stderr again by their paths, in this mount namespace. The inherited
+    ones were opened in the node's namespace: CRIU dumps the rank's mount namespace and cannot
+    resolve a file whose mount is not in it ("Can't lookup mount"). One that is no file of a path
+    (a pipe, a socket) or no longer opens is left as it was."""
+    for fd, flags in ((0, os.O_RDONLY), (1, os.O_WRONLY | os.O_APPEND), (2, os.O_WRONLY | os.O_APPEND)):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not path.startswith("/") or path.endswith(" (deleted)"):
+            continue
+        try:
+            fresh = os.open(path, flags | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        os.dup2(fresh, fd)  # dup2's copy is inheritable
+        os.close(fresh)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The sandbox of one job's ranks: an unprivileged uid, only the job's environment, its own cgroup
 and exactly its devices. The mechanisms; the node agent's policy is in agent/sandbox.py.
 
-Who is who (the launcher stays root: CRIU dumps and restores as root):
+Who is who (the launcher stays root; CRIU runs as the job's uid for its ranks: runtime/criu.py):
     agent (root)     creates the job's cgroup (cpuset = the cores behind its devices, a memory
                      limit, a freezer on v1) and its directories' modes, writes <job dir>/sandbox.json
                      (protocol.launch.SandboxSpec, mode 600) and starts the launcher with a clean
@@ -531,11 +531,13 @@ CAP_SYS_RESOURCE = 24
 
 
 def criu_refusal_for_other_uids() -> str | None:
-    """Returns None when CRIU (as root) can dump a rank that runs as another uid here, else why not.
+    """Returns None when CRIU run AS ROOT can dump a rank that runs as another uid here, else why not.
 
     CRIU reads every dumped task's rlimits (prlimit), which the kernel allows across uids only with
     CAP_SYS_RESOURCE. Some container and VM sandboxes give root every capability but that one (the
-    machines this project is tested on do): there a sandboxed job must use the framework engine."""
+    machines this project is tested on do). A sandboxed rank is dumped by criu run as the job's own
+    uid instead (runtime/criu.py JobCredentials), which needs no CAP_SYS_RESOURCE: this says only
+    why root's criu would not do."""
     try:
         with open("/proc/self/status") as handle:
             effective = next(int(line.split()[1], 16) for line in handle if line.startswith("CapEff:"))
@@ -547,16 +549,20 @@ def criu_refusal_for_other_uids() -> str | None:
     return None
 
 
-PRIVATE_DIRS_NOT_FOR_CRIU = (
-    "CRIU is not built for sandboxed ranks: each runs in a mount namespace of its own with the job's private "
-    "/tmp and /dev/shm bind-mounted over the node's (runtime/private_dirs.py), which a dump would have to "
-    "name as external mounts (--external mnt[...]) and a restore map onto the new node's folders "
-    "(--ext-mount-map); neither is built nor proven")
+SPANNING_HOSTS_NOT_FOR_CRIU = (
+    "CRIU is not built for sandboxed jobs spanning hosts: runtime/criu_parts.py dumps each host's part "
+    "with root's criu, not as the job's uid onto each host's private /tmp and /dev/shm (runtime/criu.py); "
+    "such a job uses the framework engine")
 
 
-def criu_refusal_for_sandbox() -> str:
-    """Returns why CRIU cannot checkpoint a sandboxed job's ranks here: always, today (the private
-    /tmp and /dev/shm), and, on machines whose root lacks CAP_SYS_RESOURCE, that first
-    (criu_refusal_for_other_uids). A sandboxed job uses the framework engine."""
-    other_uids = criu_refusal_for_other_uids()
-    return f"{other_uids}; and {PRIVATE_DIRS_NOT_FOR_CRIU}" if other_uids else PRIVATE_DIRS_NOT_FOR_CRIU
+def criu_refusal_for_sandbox(*, nodes: int = 1) -> str | None:
+    """Returns None when CRIU can checkpoint a sandboxed job's ranks on `nodes` host(s) here, else
+    why not. On one host it can: criu runs as the job's uid in its unprivileged mode, with the
+    private /tmp and /dev/shm as external mounts and their contents in the checkpoint
+    (runtime/criu.py). Spanning hosts it cannot (SPANNING_HOSTS_NOT_FOR_CRIU). Whether CRIU itself
+    works here is the engine's own check (criu.check_available)."""
+    if nodes > 1:
+        return SPANNING_HOSTS_NOT_FOR_CRIU
+    if shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not installed: criu runs as the job's uid through it"
+    return None

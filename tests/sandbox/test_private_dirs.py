@@ -169,3 +169,43 @@ def test_what_a_job_writes_to_its_tmp_counts_against_its_workspace_quota(node_ro
     assert ended["state"] == "failed"
     assert "workspace and /tmp hold" in ended["error"] and "above its quota of 97.7 KiB" in ended["error"], ended
     assert "/tmp/huge.bin (195.3 KiB)" in ended["error"], ended
+
+
+def test_what_the_ranks_left_in_their_private_folders_travels_with_owners_and_modes(node_root):
+    """A CRIU checkpoint carries both folders (PrivateDirs.save_into) and a restore puts them into
+    the new ones (load_from), owners and modes kept; what cannot travel is refused, naming it: a
+    link leading outside the folder, a file of another uid (a hard link to a file of the node's)."""
+    uid = gid = 1_650_001
+    os.mkdir(node_root / "a")
+    os.mkdir(node_root / "b")
+    old = private_dirs.PrivateDirs.create(job_dir=node_root / "a", job_id="t1", gid=gid, keep=[])
+    new = private_dirs.PrivateDirs.create(job_dir=node_root / "b", job_id="t2", gid=gid, keep=[])
+    checkpoint = node_root / "checkpoint"
+    checkpoint.mkdir()
+    try:
+        (old.tmp / "cache").mkdir(mode=0o700)
+        (old.tmp / "cache" / "held.txt").write_text("12 steps\n")
+        (old.shm / "area").write_bytes(b"\0" * 4096)
+        (old.tmp / "relative-link").symlink_to("cache/held.txt")
+        for path in (old.tmp / "cache", old.tmp / "cache" / "held.txt", old.shm / "area", old.tmp / "relative-link"):
+            os.lchown(path, uid, gid)
+        os.chmod(old.tmp / "cache" / "held.txt", 0o600)
+        old.save_into(checkpoint, uid=uid)
+        new.load_from(checkpoint)
+        held = new.tmp / "cache" / "held.txt"
+        assert held.read_text() == "12 steps\n" and (new.shm / "area").stat().st_size == 4096
+        assert (held.stat().st_uid, held.stat().st_gid, held.stat().st_mode & 0o777) == (uid, gid, 0o600)
+        assert (new.tmp / "cache").stat().st_uid == uid and os.readlink(new.tmp / "relative-link") == "cache/held.txt"
+        assert (new.tmp.stat().st_uid, new.tmp.stat().st_mode & 0o7777) == (0, private_dirs.DIR_MODE)
+
+        (old.tmp / "escape").symlink_to("/etc/passwd")
+        with pytest.raises(private_dirs.PrivateDirsError, match="escape"):
+            old.save_into(checkpoint, uid=uid)
+        os.unlink(old.tmp / "escape")
+        (old.shm / "the-node's").write_text("root's, not the job's")
+        os.chown(old.shm / "the-node's", 4242, 4242)
+        with pytest.raises(private_dirs.PrivateDirsError, match="belongs to uid 4242"):
+            old.save_into(checkpoint, uid=uid)
+    finally:
+        old.remove()
+        new.remove()
