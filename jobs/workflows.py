@@ -32,7 +32,7 @@ from django.utils import timezone
 
 from fleet.leases import nodes_alive_by_lease
 from fleet.models import Accelerator, Node
-from fleet.services import node_heartbeat_record
+from fleet.services import nodes_heartbeat_record
 from jobs.logs import log_grant
 from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_observe, move_relaunches
@@ -280,7 +280,7 @@ def node_report_apply(*, node, report: Heartbeat | dict, now=None) -> dict:
 
 
 def _telemetry_dict(telemetry: Telemetry | None) -> dict:
-    """Returns the telemetry as fleet.services.node_heartbeat_record reads it: no "utilization"
+    """Returns the telemetry as fleet.services.nodes_heartbeat_record reads it: no "utilization"
     key when the node did not say (its last reading stays)."""
     if telemetry is None:
         return {}
@@ -396,8 +396,8 @@ def node_reports_record(*, beats: Sequence[NodeBeat]) -> list[ReportOutcome]:
             # no need to wait for its WAL flush (the biggest cost of a heartbeat at scale).
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit = off")
-        for beat in beats:
-            node_heartbeat_record(node=beat.node, telemetry=_telemetry_dict(beat.heartbeat.telemetry), now=beat.now)
+        nodes_heartbeat_record(beats=[(beat.node, _telemetry_dict(beat.heartbeat.telemetry), beat.now)
+                                      for beat in beats])
         reporting = [o for o in outcomes if o[0].heartbeat.jobs]
         if not reporting:  # telemetry only: nothing more to read or write
             return [ReportOutcome() for _ in beats]

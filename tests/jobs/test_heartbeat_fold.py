@@ -270,3 +270,27 @@ def test_the_cursor_and_outcomes_are_what_the_folder_wrote(queue, nodes, team_a,
     # the key leaves the progress out
     key = heartbeat_fold.report_key
     assert key(report(job, step=1)) == key(report(job, step=2, steps_per_s=3.0)) != key(report(job, state="stopped"))
+
+
+def test_a_batchs_statements_do_not_grow_with_its_heartbeats(queue, nodes, team_a, alice, submit):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    jobs = [running_on(node, team_a, alice, submit) for node in nodes]
+    ControlLoopLease.objects.get_or_create(name=heartbeat_fold.FOLD_DUTY)  # what the first fold creates
+
+    def fold_statements(senders):
+        for node, job in senders:
+            beat(node, report(job, step=5 + len(senders), steps_per_s=1.0, checkpoint=checkpoint(job, len(senders))))
+        with CaptureQueriesContext(connection) as captured:
+            assert heartbeats_fold().recorded == len(senders)
+        return [q["sql"].split()[0].upper() for q in captured.captured_queries
+                if not q["sql"].upper().startswith(("SAVEPOINT", "RELEASE", "BEGIN", "COMMIT"))]
+
+    one = fold_statements(list(zip(nodes[:1], jobs[:1], strict=True)))
+    two = fold_statements(list(zip(nodes, jobs, strict=True)))
+
+    assert len(two) == len(one), (one, two)
+    assert [Job.objects.get(pk=job.pk).last_checkpoint_step for job in jobs] == [2, 2]
+    assert sorted(NodeTelemetryBucket.objects.values_list("node_id", "heartbeats")) == \
+        sorted([(nodes[0].pk, 2), (nodes[1].pk, 1)])
