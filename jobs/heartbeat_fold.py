@@ -66,6 +66,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from fleet.leases import LEASE_KEY, lease_store
+from fleet.live import pushes_batched
 from fleet.models import Node
 from jobs.models import ControlLoopLease
 from protocol.node import PROGRESS_FIELDS, Heartbeat, Rejection, ReportOutcome
@@ -296,7 +297,7 @@ def heartbeats_fold(*, limit: int = FOLD_BATCH) -> FoldResult:
         logger.warning("heartbeat folder: Redis unreachable (%s)", exc)
         return FoldResult()
     ControlLoopLease.objects.get_or_create(name=FOLD_DUTY)
-    with transaction.atomic():
+    with pushes_batched(), transaction.atomic():  # the batch's page pushes in one hop, after its commit
         # The row's lock (a write: SQLite takes its write lock here too): one folder at a time.
         ControlLoopLease.objects.filter(name=FOLD_DUTY).update(holder=FOLDER, expires_at=timezone.now())
         cursor = ControlLoopLease.objects.filter(name=FOLD_DUTY).values_list("last_tick_stats", flat=True).get()

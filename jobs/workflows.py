@@ -31,6 +31,7 @@ from django.db.models import F, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from fleet.leases import nodes_alive_by_lease
+from fleet.live import pushes_batched
 from fleet.models import Accelerator, Node
 from fleet.services import nodes_heartbeat_record
 from jobs.logs import log_grant
@@ -390,7 +391,8 @@ def node_reports_record(*, beats: Sequence[NodeBeat]) -> list[ReportOutcome]:
         nodes.add(beat.node.pk)
         reported |= ids
     outcomes = [(beat, [], [], []) for beat in beats]  # (beat, accepted, rejected, deferred)
-    with transaction.atomic():
+    # The page pushes of its commit in one hop (when this is the outermost transaction).
+    with pushes_batched(), transaction.atomic():
         if connection.vendor == "postgresql":
             # A heartbeat lost in a database crash is repeated by the next one (level-triggered):
             # no need to wait for its WAL flush (the biggest cost of a heartbeat at scale).
