@@ -77,6 +77,8 @@ def parse_args():
     p.add_argument("--viewers", type=int, default=20, help="portal viewers polling every 5 s (--busy)")
     p.add_argument("--server", choices=("daphne", "uvicorn"), default="daphne",
                    help="the ASGI server of the web processes (uvicorn: with uvloop and httptools)")
+    p.add_argument("--checkpoint-seconds", type=float, default=60.0,
+                   help="how often each hollow copy checkpoints (real jobs: every 10-30 minutes)")
     p.add_argument("--fold", choices=("sync", "async"), default="sync",
                    help="MERIDIAN_HEARTBEAT_FOLD of the web processes (async: with a folder process, its CPU counted)")
     p.add_argument("--skip-history", action="store_true",
@@ -240,7 +242,7 @@ def process_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def hollow_nodes(urls, tokens, n_nodes):
+def hollow_nodes(urls, tokens, n_nodes, *, checkpoint_seconds=60.0):
     """Returns n_nodes hollow nodes (one token each), spread round-robin over the web processes `urls`."""
     import requests
 
@@ -249,7 +251,7 @@ def hollow_nodes(urls, tokens, n_nodes):
     from fleet.models import Node
 
     ids = dict(Node.objects.values_list("hostname", "pk"))
-    nodes = [HollowNode(hostname, devices=8, device_type="H100-80GB",
+    nodes = [HollowNode(hostname, devices=8, device_type="H100-80GB", checkpoint_every_s=checkpoint_seconds,
                         client=ControlPlaneClient(urls[i % len(urls)], token=tokens[hostname],
                                                   session=requests.Session(), retries=2))
              for i, hostname in enumerate(sorted(tokens)[:n_nodes])]
@@ -615,7 +617,8 @@ def run_size(n, args, rng, data_dir):
         start_folder(args, data_dir, env)
     try:
         telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)))
+        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)),
+                             checkpoint_seconds=args.checkpoint_seconds)
         # round 1: every desired state built and sent; rounds 2-3: the agents hold their versions
         pids = [p.pid for p, _ in servers]
         rates = [heartbeat_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
@@ -748,7 +751,8 @@ def main():
     folder_line = ": the folder process's CPU per full heartbeat (warm rounds): " + ", ".join(
         f"{r['n']}: {min(x[4] for x in r['heartbeats'][1:]):.2f} ms, combined with the web's "
         f"{min(x[3] + x[4] for x in r['heartbeats'][1:]):.2f} ms" for r in rows)
-    print(f"MERIDIAN_HEARTBEAT_FOLD={args.fold}" + (folder_line if args.fold == "async" else ""))
+    print(f"MERIDIAN_HEARTBEAT_FOLD={args.fold}, hollow copies checkpoint every {args.checkpoint_seconds:.0f} s"
+          + (folder_line if args.fold == "async" else ""))
     for r in rows:
         beats, fails, cpu_ms, n_leases, n_full, folder_ms = r["mix"]
         print(f"agents beating for a minute of their time ({r['n']}): {n_leases} leases + {n_full} full heartbeats, "
