@@ -294,3 +294,22 @@ def test_a_batchs_statements_do_not_grow_with_its_heartbeats(queue, nodes, team_
     assert [Job.objects.get(pk=job.pk).last_checkpoint_step for job in jobs] == [2, 2]
     assert sorted(NodeTelemetryBucket.objects.values_list("node_id", "heartbeats")) == \
         sorted([(nodes[0].pk, 2), (nodes[1].pk, 1)])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_path_before_django_queues_the_heartbeat_as_it_received_it(queue, nodes, team_a, alice, submit, settings):
+    from fleet.services import node_token_issue
+    from tests.jobs.test_heartbeat_fast_path import post
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    job = running_on(nodes[0], team_a, alice, submit)
+    token = node_token_issue(node=nodes[0])
+    body = {"telemetry": {"utilization": 0.25}, "jobs": [report(job, step=3, steps_per_s=1.0)]}
+
+    status, _, answer, django_answered = post(body, token=token)
+
+    assert (status, django_answered, answer["deferred"]) == (200, False, [job.pk])
+    assert json.loads(queue.xrange(STREAM_KEY)[0][1][b"beat"]) == body  # the bytes as received
+    heartbeats_fold_all()
+    assert Job.objects.get(pk=job.pk).progress_step == 3
+    assert post(body, token=token)[2]["accepted"] == [job.pk]
