@@ -350,7 +350,8 @@ def agent_rounds(nodes, threads, server_pids=(), *, clock, rounds=13, period=5.0
     beats of every hollow node as an agent beats (agent/liveness.py: a lease, or a full heartbeat
     when a report changed, its desired state changed, or every full-heartbeat period), the nodes'
     clocks advancing `period` seconds per round: 13 rounds are a minute of a fleet's life at the
-    defaults (a lease every 5 s, a full heartbeat every 30 s), run as fast as the server answers.
+    defaults (a lease every 5 s, a full heartbeat every 30 s), run as fast as the server answers
+    (with --fold async, each round's heartbeats are recorded by the folder before the next).
     `clock`: [the nodes' current time], advanced here."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -372,7 +373,11 @@ def agent_rounds(nodes, threads, server_pids=(), *, clock, rounds=13, period=5.0
         for _ in range(rounds):
             clock[0] += period
             ok += sum(pool.map(lambda node, now=clock[0]: one(node, now), nodes))
-    folder_drained()
+            # A round is `period` seconds of the agents' life and the folder runs every second: by
+            # the next round it has recorded this one's heartbeats (--fold async; run as fast as the
+            # server answers, a round takes ~1 s here, so without this the agents would hear
+            # "deferred" for reports a real fleet's folder had long recorded).
+            folder_drained()
     seconds = time.perf_counter() - began
     cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
     folder = folder_cpu_seconds() - folder_before
