@@ -30,16 +30,18 @@ def node_heartbeat_answer(*, node, heartbeat: Heartbeat, wire: dict | None = Non
     them, "deferred" otherwise (jobs/heartbeat_fold.py); recorded here after all when it cannot be
     queued (Redis unreachable, the backlog full) and for a node marked lost (its return to ready is
     part of the desired state it must get in this answer)."""
-    outcome = None
+    queued = None
     if settings.MERIDIAN_HEARTBEAT_FOLD == "async" and wire is not None and node.state != Node.State.LOST:
-        outcome = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
-    if outcome is None:
+        queued = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
+    # The serial is read before the desired state is built: every change bumps the serial after it
+    # commits, so the state built next includes every change this serial counts (a recorded report's
+    # own included: its bump ran on commit; a queued one's comes when the folder commits). None
+    # while Redis is down: the agent keeps the lease's. A queued heartbeat's came with the append.
+    if queued is None:
         outcome = node_report_record(node=node, heartbeat=heartbeat)
-    # Read before the desired state is built: every change bumps the serial after it commits, so
-    # the state built next includes every change this serial counts (a recorded report's own
-    # included: its bump ran on commit, above; a queued one's comes when the folder commits). None
-    # while Redis is down: the agent keeps the lease's.
-    serial = desired_serial_of(node_id=node.pk)
+        serial = desired_serial_of(node_id=node.pk)
+    else:
+        outcome, serial = queued
     desired, version = node_desired_answer(node=node, held_version=heartbeat.desired_version)
     return HeartbeatAnswer(desired=desired, desired_version=version, accepted=outcome.accepted,
                            rejected=outcome.rejected, deferred=outcome.deferred,

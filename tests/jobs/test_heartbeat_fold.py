@@ -246,8 +246,12 @@ def test_a_full_backlog_is_recorded_in_the_request(queue, nodes, team_a, alice, 
     assert queue.xlen(STREAM_KEY) == 1
 
 
-def test_a_heartbeat_queued_is_a_lease_of_the_node(queue, nodes):
-    beat(nodes[0])
+def test_a_heartbeat_queued_is_a_lease_of_the_node_and_answers_its_serial(queue, nodes):
+    leases.desired_serials_bump(node_ids=[nodes[0].pk, nodes[0].pk + 1000])
+    leases.desired_serials_bump(node_ids=[nodes[0].pk])
+
+    assert beat(nodes[0])["desired_serial"] == 2 == leases.desired_serial_of(node_id=nodes[0].pk)
+    assert beat(nodes[1])["desired_serial"] == 0
     assert leases.leases_read(node_ids=[nodes[0].pk]).keys() == {nodes[0].pk}
 
 
