@@ -1,23 +1,30 @@
 """Full heartbeats acknowledged at once and folded into the database in batches (issue 18).
 
-    heartbeat_enqueue(node_id=..., wire=..., body=..., now=...) -> ReportOutcome | None   the web path
+    heartbeat_enqueue(node_id=..., wire=..., body=..., now=...) -> (ReportOutcome, serial) | None
+    heartbeat_outcomes_remember(node_id=..., wire=..., outcome=...)   a heartbeat recorded in its request
     heartbeats_fold(limit=...) -> FoldResult           one batch (the folder: jobs.tasks.heartbeats_fold)
     heartbeats_fold_all(max_seconds=...) -> FoldResult  batches until the queue is empty (the task; tests)
 
 With MERIDIAN_HEARTBEAT_FOLD=async (jobs/heartbeats.py) a full heartbeat that was authenticated
-and decoded (protocol.node.Heartbeat: every field bounded) is not recorded in the request. It is
-appended to a Redis stream in one round trip (a Lua script: the append, the node's lease, the
-outcomes the folder recorded for the node, its desired serial), and answered at once with its desired state and with
-what became of its reports as far as the folder can already say:
+and decoded (protocol.node.Heartbeat: every field bounded), from an agent that holds the current
+desired state, is not recorded in the request. It is appended to a Redis stream in one round trip
+(a Lua script: the append, the node's lease, the outcomes the folder recorded for the node, its
+desired serial), and answered at once with what became of its reports as far as the folder can
+already say:
   * a report whose content (all but its progress: protocol.node.PROGRESS_FIELDS) equals that of a
     report the folder recorded for the node answers that report's outcome (accepted, rejected with
     its Rejection, deferred);
   * any other report is "deferred": heard, not decided yet. The agent (agent/liveness.py) sends a
     full heartbeat again at its next beat until the outcome is known. An agent drops a finished copy
     only once it is accepted, so "accepted" is said only of what the folder recorded.
-The desired state is the one the database holds when the heartbeat arrives; the folder's commit
-bumps the node's desired serial (jobs/desired_signal.py) when the report changed it, so the agent's
-next lease brings a full heartbeat that gets the new one.
+A heartbeat from an agent whose desired state is out of date is recorded in its request, as in
+"sync": the changes that reject a report ("fence": the job runs as a newer generation; "cancel")
+change the node's desired state too, and the agent must hear the rejection in the same answer as
+the desired state without the job (from the desired state alone it would stop the copy at a
+consistent cut, checkpointing a copy it must kill; found by the e2e cancel test). So a cached
+outcome is answered only while the desired state it was decided under is the agent's. The folder's
+commit bumps the node's desired serial (jobs/desired_signal.py) when a report changed its desired
+state, so the agent's next lease brings a full heartbeat that gets the new one.
 
 Why a Redis stream and not a table: the append is one command in the round trip the heartbeat pays
 anyway (the lease write), costs no database transaction in the web process (a table's INSERT would
@@ -155,6 +162,21 @@ def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, no
             rejected.append(Rejection.from_dict(outcome))
     return ReportOutcome(accepted=tuple(dict.fromkeys(accepted)), rejected=tuple(rejected),
                          deferred=tuple(dict.fromkeys(deferred))), int(serial or 0)
+
+
+def heartbeat_outcomes_remember(*, node_id: int, wire: dict, outcome: ReportOutcome) -> None:
+    """Records the outcomes of a heartbeat recorded in its request (in async mode) as the folder
+    records its own, so that the node's next queued heartbeat answers them, not older ones. Best
+    effort: without it the next one is answered from older outcomes of other reports (their keys
+    differ) or "deferred"."""
+    store = lease_store()
+    if store is None:
+        return
+    keys = {r["job_id"]: report_key(r) for r in wire.get("jobs") or ()}
+    try:
+        store.set(OUTCOME_KEY.format(node_id=node_id), json.dumps(_outcome_wire(outcome, keys)), ex=OUTCOME_TTL)
+    except _redis_errors() as exc:
+        logger.warning("heartbeat outcomes: Redis unreachable (%s)", exc)
 
 
 # --- the folder -----------------------------------------------------------------------------------

@@ -57,14 +57,40 @@ def checkpoint(job, step, *, generation=0):
             "bytes": 10, "engine": "framework", "sha256": SHA}
 
 
+HELD: dict[int, str] = {}  # node id -> the desired version its agent holds (from its last answer)
+
+
+@pytest.fixture(autouse=True)
+def agents_hold_nothing():
+    HELD.clear()
+
+
 def beat(node, *reports, utilization=0.5):
     """Sends one full heartbeat of `node` through the heartbeat service (what both the DRF view and
-    the path before Django call); returns its answer as a wire dict."""
+    the path before Django call), naming the desired version its last answer gave, as an agent
+    does; returns its answer as a wire dict. Only a heartbeat whose agent holds the current desired
+    state is queued: a node's first one is recorded in its request."""
     wire = {"telemetry": {"utilization": utilization,
                           "devices": [{"index": 0, "utilization": utilization, "memory_used_gb": 9.0}]},
             "jobs": list(reports)}
+    if node.pk in HELD:
+        wire["desired_version"] = HELD[node.pk]
     node = Node.objects.get(pk=node.pk)
-    return node_heartbeat_answer(node=node, heartbeat=Heartbeat.from_dict(wire), wire=wire).to_dict()
+    answer = node_heartbeat_answer(node=node, heartbeat=Heartbeat.from_dict(wire), wire=wire).to_dict()
+    HELD[node.pk] = answer["desired_version"]
+    return answer
+
+
+def synced(*nodes):
+    """Each node's agent fetches its current desired state (a heartbeat without reports), and
+    whatever that queued is recorded: the next heartbeats are queued while nothing changes."""
+    answers = [beat(node) for node in nodes]
+    heartbeats_fold_all()
+    return answers
+
+
+def buckets():
+    return dict(NodeTelemetryBucket.objects.values_list("node_id", "heartbeats"))
 
 
 def report(job, state="running", **fields):
@@ -74,12 +100,14 @@ def report(job, state="running", **fields):
 def test_a_queued_report_is_deferred_until_folded_then_answered_with_what_the_folder_decided(
         queue, nodes, team_a, alice, submit):
     job = running_on(nodes[0], team_a, alice, submit)
+    [synced_answer] = synced(nodes[0])
+    assert [j["job_id"] for j in synced_answer["desired"]["jobs"]] == [job.pk]
 
     first = beat(nodes[0], report(job, step=7, steps_per_s=1.5), report(job.__class__(pk=job.pk + 1000)))
 
     assert first["deferred"] == [job.pk, job.pk + 1000] and first["accepted"] == [] and first["rejected"] == []
     assert Job.objects.get(pk=job.pk).progress_step == 0  # not recorded yet
-    assert [j["job_id"] for j in first["desired"]["jobs"]] == [job.pk]  # the desired state is answered at once
+    assert first["desired"] is None  # the agent holds the current one
     result = heartbeats_fold_all()
     assert (result.entries, result.recorded) == (1, 1)
     assert Job.objects.get(pk=job.pk).progress_step == 7
@@ -107,6 +135,8 @@ def test_folding_leads_to_the_state_recording_in_the_request_leads_to(queue, nod
         return (job.state, job.progress_step, job.last_checkpoint_step, Checkpoint.objects.filter(job=job).count(),
                 sorted(JobEvent.objects.filter(job=job).values_list("type", flat=True)))
 
+    synced(nodes[1])
+    queued = 0
     for fields in steps:
         settings.MERIDIAN_HEARTBEAT_FOLD = "sync"
         said = dict(fields, checkpoint=fields.get("checkpoint") and checkpoint(sync_job, fields["checkpoint"]["step"]))
@@ -115,10 +145,12 @@ def test_folding_leads_to_the_state_recording_in_the_request_leads_to(queue, nod
         settings.MERIDIAN_HEARTBEAT_FOLD = "async"
         said = dict(fields, checkpoint=fields.get("checkpoint") and checkpoint(async_job, fields["checkpoint"]["step"]))
         answer = beat(nodes[1], report(async_job, **{k: v for k, v in said.items() if v is not None}))
-        # deferred, or (the checkpoint repeated at another step) accepted as that report was
-        assert answer["deferred" if fields["step"] != 30 else "accepted"] == [async_job.pk]
-        heartbeats_fold_all()
+        # queued (deferred, or accepted when it repeats a report already decided), or recorded in its
+        # request when the last fold changed the desired state (a checkpoint changes restore_from)
+        assert async_job.pk in answer["deferred"] + answer["accepted"]
+        queued += heartbeats_fold_all().recorded
         assert seen(async_job) == seen(sync_job), fields
+    assert queued >= 2
     assert seen(async_job)[:4] == (Job.State.SUCCEEDED, 40, 20, 1)
 
 
@@ -142,6 +174,7 @@ def test_a_report_the_node_may_not_make_is_recorded_by_no_one(queue, nodes, team
 def test_several_beats_of_one_node_are_coalesced_and_recorded_in_their_order(queue, nodes, team_a, alice, submit):
     job = running_on(nodes[0], team_a, alice, submit)
     other = running_on(nodes[1], team_a, alice, submit)
+    synced(*nodes)
     for step in (1, 2, 3):  # progress only: the first two are superseded by the third
         beat(nodes[0], report(job, step=step, steps_per_s=1.0))
     beat(nodes[1], report(other, step=4))
@@ -153,11 +186,14 @@ def test_several_beats_of_one_node_are_coalesced_and_recorded_in_their_order(que
     job.refresh_from_db()
     assert (job.state, job.progress_step) == (Job.State.SUCCEEDED, 5)
     assert Job.objects.get(pk=other.pk).progress_step == 4
-    assert beat(nodes[0], report(job, state="finished", step=5))["accepted"] == [job.pk]
+    said = json.loads(queue.get(OUTCOME_KEY.format(node_id=nodes[0].pk)))
+    assert said == {str(job.pk): [heartbeat_fold.report_key(report(job, state="finished", step=5)), "a"]}
 
 
 def test_a_folder_that_dies_before_its_commit_loses_nothing(queue, nodes, team_a, alice, submit, monkeypatch):
     job = running_on(nodes[0], team_a, alice, submit)
+    synced(*nodes)
+    before = buckets()
     beat(nodes[0], report(job, step=12, checkpoint=checkpoint(job, 12)))
     beat(nodes[1])
     crash = RuntimeError("the folder died mid-batch")
@@ -170,20 +206,21 @@ def test_a_folder_that_dies_before_its_commit_loses_nothing(queue, nodes, team_a
         with pytest.raises(RuntimeError):
             heartbeats_fold()
     assert Job.objects.get(pk=job.pk).last_checkpoint_step is None  # rolled back, all of it
-    assert not NodeTelemetryBucket.objects.exists()
+    assert buckets() == before
     assert queue.xlen(STREAM_KEY) == 2
 
     result = heartbeats_fold_all()  # the next folder reads the pending entries again
 
     assert (result.entries, result.recorded) == (2, 2)
     assert Job.objects.get(pk=job.pk).last_checkpoint_step == 12
-    assert sorted(NodeTelemetryBucket.objects.values_list("node_id", "heartbeats")) == \
-        sorted([(nodes[0].pk, 1), (nodes[1].pk, 1)])
+    assert buckets() == {node.pk: before[node.pk] + 1 for node in nodes}
     assert queue.xlen(STREAM_KEY) == 0
 
 
 def test_a_folder_that_dies_after_its_commit_records_nothing_twice(queue, nodes, team_a, alice, submit, monkeypatch):
     job = running_on(nodes[0], team_a, alice, submit)
+    synced(nodes[0])
+    before = buckets()
     beat(nodes[0], report(job, step=12, checkpoint=checkpoint(job, 12)))
 
     def unacknowledged(store, **_):
@@ -200,11 +237,12 @@ def test_a_folder_that_dies_after_its_commit_records_nothing_twice(queue, nodes,
     assert queue.xlen(STREAM_KEY) == 0
     assert Checkpoint.objects.filter(job=job).count() == 1
     assert JobEvent.objects.filter(job=job, type=JobEvent.Type.CHECKPOINTED).count() == 1
-    assert NodeTelemetryBucket.objects.get(node=nodes[0]).heartbeats == 1  # counted once
+    assert buckets()[nodes[0].pk] == before[nodes[0].pk] + 1  # counted once
 
 
 def test_a_duplicated_report_recorded_twice_changes_nothing_twice(queue, nodes, team_a, alice, submit):
     job = running_on(nodes[0], team_a, alice, submit)
+    synced(nodes[0])
     said = report(job, step=12, checkpoint=checkpoint(job, 12))
     beat(nodes[0], said)
     heartbeats_fold_all()
@@ -212,8 +250,9 @@ def test_a_duplicated_report_recorded_twice_changes_nothing_twice(queue, nodes, 
     before = (job.last_checkpoint_step, job.last_checkpoint_at, Checkpoint.objects.filter(job=job).count(),
               JobEvent.objects.filter(job=job).count())
 
+    HELD[nodes[0].pk] = synced(nodes[0])[0]["desired_version"]
     beat(nodes[0], said)  # the agent sends it again (its answer was lost), folded in a later batch
-    heartbeats_fold_all()
+    assert heartbeats_fold_all().recorded == 1
 
     job.refresh_from_db()
     assert (job.last_checkpoint_step, job.last_checkpoint_at, Checkpoint.objects.filter(job=job).count(),
@@ -226,6 +265,7 @@ def test_with_redis_unreachable_the_heartbeat_is_recorded_in_the_request(nodes, 
     leases._down_until = 0.0
     job = running_on(nodes[0], team_a, alice, submit)
     try:
+        beat(nodes[0])  # the agent holds the current desired state
         answer = beat(nodes[0], report(job, step=8))
     finally:
         leases._down_until = 0.0
@@ -237,6 +277,7 @@ def test_with_redis_unreachable_the_heartbeat_is_recorded_in_the_request(nodes, 
 def test_a_full_backlog_is_recorded_in_the_request(queue, nodes, team_a, alice, submit, settings):
     settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG = 1
     job = running_on(nodes[0], team_a, alice, submit)
+    synced(nodes[0])
     assert beat(nodes[0], report(job, step=1))["deferred"] == [job.pk]
 
     answer = beat(nodes[0], report(job, step=2))  # the folder is behind: one entry waits
@@ -247,11 +288,14 @@ def test_a_full_backlog_is_recorded_in_the_request(queue, nodes, team_a, alice, 
 
 
 def test_a_heartbeat_queued_is_a_lease_of_the_node_and_answers_its_serial(queue, nodes):
+    synced(*nodes)
+    queue.delete(leases.LEASE_KEY)
     leases.desired_serials_bump(node_ids=[nodes[0].pk, nodes[0].pk + 1000])
     leases.desired_serials_bump(node_ids=[nodes[0].pk])
 
     assert beat(nodes[0])["desired_serial"] == 2 == leases.desired_serial_of(node_id=nodes[0].pk)
     assert beat(nodes[1])["desired_serial"] == 0
+    assert queue.xlen(STREAM_KEY) == 2  # both queued
     assert leases.leases_read(node_ids=[nodes[0].pk]).keys() == {nodes[0].pk}
 
 
@@ -265,6 +309,7 @@ def test_a_batch_may_not_hold_two_beats_of_one_node(nodes, db):
 
 def test_the_cursor_and_outcomes_are_what_the_folder_wrote(queue, nodes, team_a, alice, submit):
     job = running_on(nodes[0], team_a, alice, submit)
+    synced(nodes[0])
     beat(nodes[0], report(job, step=1))
     entry = queue.xrange(STREAM_KEY)[0][0].decode()
     heartbeats_fold_all()
@@ -284,6 +329,7 @@ def test_a_batchs_statements_do_not_grow_with_its_heartbeats(queue, nodes, team_
     ControlLoopLease.objects.get_or_create(name=heartbeat_fold.FOLD_DUTY)  # what the first fold creates
 
     def fold_statements(senders):
+        synced(*(node for node, _job in senders))  # the last checkpoint changed the desired state
         for node, job in senders:
             beat(node, report(job, step=5 + len(senders), steps_per_s=1.0, checkpoint=checkpoint(job, len(senders))))
         with CaptureQueriesContext(connection) as captured:
@@ -296,8 +342,6 @@ def test_a_batchs_statements_do_not_grow_with_its_heartbeats(queue, nodes, team_
 
     assert len(two) == len(one), (one, two)
     assert [Job.objects.get(pk=job.pk).last_checkpoint_step for job in jobs] == [2, 2]
-    assert sorted(NodeTelemetryBucket.objects.values_list("node_id", "heartbeats")) == \
-        sorted([(nodes[0].pk, 2), (nodes[1].pk, 1)])
 
 
 @pytest.mark.django_db(transaction=True)
@@ -308,12 +352,34 @@ def test_the_path_before_django_queues_the_heartbeat_as_it_received_it(queue, no
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     job = running_on(nodes[0], team_a, alice, submit)
     token = node_token_issue(node=nodes[0])
-    body = {"telemetry": {"utilization": 0.25}, "jobs": [report(job, step=3, steps_per_s=1.0)]}
+    held = post({"jobs": []}, token=token)[2]["desired_version"]  # recorded in its request: no version held
+    body = {"telemetry": {"utilization": 0.25}, "jobs": [report(job, step=3, steps_per_s=1.0)],
+            "desired_version": held}
 
     status, _, answer, django_answered = post(body, token=token)
 
-    assert (status, django_answered, answer["deferred"]) == (200, False, [job.pk])
-    assert json.loads(queue.xrange(STREAM_KEY)[0][1][b"beat"]) == body  # the bytes as received
+    assert (status, django_answered, answer["deferred"], answer["desired"]) == (200, False, [job.pk], None)
+    assert [json.loads(fields[b"beat"]) for _id, fields in queue.xrange(STREAM_KEY)] == [body]  # as received
     heartbeats_fold_all()
     assert Job.objects.get(pk=job.pk).progress_step == 3
     assert post(body, token=token)[2]["accepted"] == [job.pk]
+
+
+def test_a_cancelled_jobs_copy_hears_cancel_with_the_desired_state_that_drops_it(queue, nodes, team_a, alice, submit):
+    from jobs.services import job_cancel, job_event_add
+
+    job = running_on(nodes[0], team_a, alice, submit)
+    job_event_add(job=job, type=JobEvent.Type.PLACED, reason="placed", extra={"nodes": [nodes[0].hostname]})
+    synced(nodes[0])
+    assert beat(nodes[0], report(job, step=4))["deferred"] == [job.pk]
+    heartbeats_fold_all()
+    assert beat(nodes[0], report(job, step=5))["accepted"] == [job.pk]  # the folder's outcome, queued again
+    heartbeats_fold_all()
+
+    job_cancel(job=Job.objects.get(pk=job.pk), by=alice)
+    answer = beat(nodes[0], report(job, step=6))  # its agent holds the desired state that lists the job
+
+    # Recorded in its request: from the new desired state alone the agent would stop the copy at a
+    # cut (a checkpoint of a cancelled job); with "cancel" it kills it and removes its store.
+    assert [(r["job_id"], r["cancel"]) for r in answer["rejected"]] == [(job.pk, True)]
+    assert answer["accepted"] == [] and answer["desired"]["jobs"] == []
