@@ -1,6 +1,6 @@
 """Full heartbeats acknowledged at once and folded into the database in batches (issue 18).
 
-    heartbeat_enqueue(node_id=..., wire=..., body=..., now=...) -> (ReportOutcome, serial) | None
+    heartbeat_enqueue(node_id=..., wire=..., body=..., now=...) -> ReportOutcome | None
     heartbeat_outcomes_remember(node_id=..., wire=..., outcome=...)   a heartbeat recorded in its request
     heartbeats_fold(limit=...) -> FoldResult           one batch (the folder: jobs.tasks.heartbeats_fold)
     heartbeats_fold_all(max_seconds=...) -> FoldResult  batches until the queue is empty (the task; tests)
@@ -8,8 +8,8 @@
 With MERIDIAN_HEARTBEAT_FOLD=async (jobs/heartbeats.py) a full heartbeat that was authenticated
 and decoded (protocol.node.Heartbeat: every field bounded), from an agent that holds the current
 desired state, is not recorded in the request. It is appended to a Redis stream in one round trip
-(a Lua script: the append, the node's lease, the outcomes the folder recorded for the node, its
-desired serial), and answered at once with what became of its reports as far as the folder can
+(a Lua script: the append, the node's lease, the outcomes the folder recorded for the node), and
+answered at once with what became of its reports as far as the folder can
 already say:
   * a report whose content (all but its progress: protocol.node.PROGRESS_FIELDS) equals that of a
     report the folder recorded for the node answers that report's outcome (accepted, rejected with
@@ -72,7 +72,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from fleet.leases import DESIRED_SERIAL_KEY, LEASE_KEY, lease_store
+from fleet.leases import LEASE_KEY, lease_store
 from fleet.live import pushes_batched
 from fleet.models import Node
 from jobs.models import ControlLoopLease
@@ -93,15 +93,13 @@ QUEUED_BODY_MAX = 64 * 1024
 
 ACCEPTED, DEFERRED = "a", "d"
 
-# KEYS: stream, lease hash, the node's outcomes, the desired serials; ARGV: backlog limit, node id,
-# now, body. Returns nil when the backlog is full (nothing appended), else [the node's outcomes ("" when
-# none), its desired serial ("" when never bumped)]: the serial the answer carries, read before the
-# desired state is built (jobs/heartbeats.py), in the same round trip.
+# KEYS: stream, lease hash, the node's outcomes; ARGV: backlog limit, node id, now, body.
+# Returns nil when the backlog is full (nothing appended), else the node's outcomes ("" when none).
 _ENQUEUE_SCRIPT = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
 redis.call('XADD', KEYS[1], '*', 'node', ARGV[2], 'at', ARGV[3], 'beat', ARGV[4])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-return {redis.call('GET', KEYS[3]) or '', redis.call('HGET', KEYS[4], ARGV[2]) or ''}
+return redis.call('GET', KEYS[3]) or ''
 """
 _scripts: dict[int, object] = {}
 
@@ -121,12 +119,12 @@ def _redis_errors():
 
 
 def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, now: float | None = None
-                      ) -> tuple[ReportOutcome, int] | None:
+                      ) -> ReportOutcome | None:
     """Appends node `node_id`'s heartbeat (`wire`: its decoded JSON, already checked to decode as a
     Heartbeat; `body`: its bytes as received, else `wire` is encoded) to the queue and records the
-    node's lease; returns (what can be said of its reports now (see the module doc), the node's
-    desired serial read after the append), or None when it was not queued (Redis unreachable, the
-    backlog full, the body too large): the caller records it itself."""
+    node's lease; returns what can be said of its reports now (see the module doc), or None when
+    it was not queued (Redis unreachable, the backlog full, the body too large): the caller records
+    it itself."""
     store = lease_store()
     if store is None:
         return None
@@ -139,16 +137,15 @@ def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, no
     if len(body) > QUEUED_BODY_MAX:
         return None
     try:
-        answer = script(keys=[STREAM_KEY, LEASE_KEY, OUTCOME_KEY.format(node_id=node_id), DESIRED_SERIAL_KEY],
+        held = script(keys=[STREAM_KEY, LEASE_KEY, OUTCOME_KEY.format(node_id=node_id)],
                       args=[settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG, node_id, repr(now), body])
     except _redis_errors() as exc:
         logger.warning("heartbeat queue: Redis unreachable (%s); recorded in the request", exc)
         return None
-    if answer is None:
+    if held is None:
         logger.warning("heartbeat queue: %s entries wait (the folder is down or behind); recorded in the request",
                        settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG)
         return None
-    held, serial = answer
     outcomes = json.loads(held) if held else {}
     accepted, rejected, deferred = [], [], []
     for report in wire.get("jobs") or ():
@@ -161,7 +158,7 @@ def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, no
         else:
             rejected.append(Rejection.from_dict(outcome))
     return ReportOutcome(accepted=tuple(dict.fromkeys(accepted)), rejected=tuple(rejected),
-                         deferred=tuple(dict.fromkeys(deferred))), int(serial or 0)
+                         deferred=tuple(dict.fromkeys(deferred)))
 
 
 def heartbeat_outcomes_remember(*, node_id: int, wire: dict, outcome: ReportOutcome) -> None:

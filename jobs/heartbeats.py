@@ -38,9 +38,8 @@ def node_heartbeat_answer(*, node, heartbeat: Heartbeat, wire: dict | None = Non
         serial = desired_serial_of(node_id=node.pk)
         desired, version = node_desired_answer(node=node, held_version=heartbeat.desired_version)
         if desired is None:
-            queued = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
-            if queued is not None:
-                outcome = queued[0]
+            outcome = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
+            if outcome is not None:
                 return HeartbeatAnswer(desired=None, desired_version=version, accepted=outcome.accepted,
                                        rejected=outcome.rejected, deferred=outcome.deferred,
                                        heartbeat_seconds=settings.MERIDIAN_AGENT_HEARTBEAT_SECONDS,
