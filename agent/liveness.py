@@ -23,13 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.client import ControlPlaneClient, ControlPlaneError, TokenRejected
-from protocol.node import HeartbeatAnswer, JobReport, LeaseAnswer
+from protocol.node import PROGRESS_FIELDS, HeartbeatAnswer, JobReport, LeaseAnswer
 
 log = logging.getLogger("agent.liveness")
 
-# Report fields that change on every beat of a running copy and are sent with the periodic full
-# heartbeat only: the copy's progress.
-PROGRESS_FIELDS = ("step", "steps_per_s")
 DEFAULT_FULL_HEARTBEAT_SECONDS = 30.0
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/control_plane.py [--sizes 10000,100000]
         [--db postgres://postgres@127.0.0.1:5432/meridian_bench_cl] [--redis redis://127.0.0.1:6379/7]
-        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16] [--server daphne|uvicorn]
+        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16] [--server daphne|uvicorn] [--fold sync|async]
 
 Per size, on a fresh database:
   1. a synthetic fleet (8 H100 per node, 2 regions) and jobs filling ~85% of it plus ~10% more
@@ -34,6 +34,10 @@ Per size, on a fresh database:
      fleet.tasks.telemetry_rollup rolling them all at once (catch-up) into cluster minutes, node
      hours and cluster hours; its steady per-minute run (one more minute); then a day later
      deleting the expired minutes in batches (rows and size left, after VACUUM).
+--fold async (MERIDIAN_HEARTBEAT_FOLD=async): the web processes queue full heartbeats and a folder
+process of its own (jobs.heartbeat_fold.heartbeats_fold_all in a loop, as the Celery task runs it)
+records them; each round waits for the queue to drain, and the folder's CPU per beat is printed
+beside the web processes' and added to it ("combined"): both are control-plane CPU.
 The machine is shared and has 2 cores; daphne, PostgreSQL and this process share them.
 """
 from __future__ import annotations
@@ -73,6 +77,10 @@ def parse_args():
     p.add_argument("--viewers", type=int, default=20, help="portal viewers polling every 5 s (--busy)")
     p.add_argument("--server", choices=("daphne", "uvicorn"), default="daphne",
                    help="the ASGI server of the web processes (uvicorn: with uvloop and httptools)")
+    p.add_argument("--checkpoint-seconds", type=float, default=60.0,
+                   help="how often each hollow copy checkpoints (real jobs: every 10-30 minutes)")
+    p.add_argument("--fold", choices=("sync", "async"), default="sync",
+                   help="MERIDIAN_HEARTBEAT_FOLD of the web processes (async: with a folder process, its CPU counted)")
     p.add_argument("--skip-history", action="store_true",
                    help="leave out steps 6-7 (e.g. to run this bench against code from before the history)")
     return p.parse_args()
@@ -117,7 +125,8 @@ def reset_tables():
     from fleet import leases
 
     store = leases.lease_store()  # the bench's own Redis database (--redis): its lease keys only
-    store.delete(leases.LEASE_KEY, leases.DESIRED_SERIAL_KEY, leases.DESIRED_NODES_KEY)
+    store.delete(leases.LEASE_KEY, leases.DESIRED_SERIAL_KEY, leases.DESIRED_NODES_KEY, "meridian:heartbeats",
+                 *store.keys("meridian:heartbeat-outcome:*"))
 
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE jobs_jobevent, jobs_checkpoint, jobs_preemptionrequest, jobs_replica, jobs_job, "
@@ -233,7 +242,7 @@ def process_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def hollow_nodes(urls, tokens, n_nodes):
+def hollow_nodes(urls, tokens, n_nodes, *, checkpoint_seconds=60.0):
     """Returns n_nodes hollow nodes (one token each), spread round-robin over the web processes `urls`."""
     import requests
 
@@ -242,7 +251,7 @@ def hollow_nodes(urls, tokens, n_nodes):
     from fleet.models import Node
 
     ids = dict(Node.objects.values_list("hostname", "pk"))
-    nodes = [HollowNode(hostname, devices=8, device_type="H100-80GB",
+    nodes = [HollowNode(hostname, devices=8, device_type="H100-80GB", checkpoint_every_s=checkpoint_seconds,
                         client=ControlPlaneClient(urls[i % len(urls)], token=tokens[hostname],
                                                   session=requests.Session(), retries=2))
              for i, hostname in enumerate(sorted(tokens)[:n_nodes])]
@@ -251,18 +260,68 @@ def hollow_nodes(urls, tokens, n_nodes):
     return nodes
 
 
+FOLDER = [None]  # --fold async: the folder process (start_folder)
+
+# The folder process of --fold async: heartbeats_fold_all in a loop (the Celery task's body), a
+# pause of MERIDIAN_HEARTBEAT_FOLD_SECONDS when the queue is empty, until SIGINT.
+FOLD_LOOP = """
+import signal, sys, time
+sys.path[:0] = [{root!r}, {bench!r}]
+import control_plane as cp
+class Args: db, redis = {db!r}, {redis!r}
+cp.setup_django(Args, {data_dir!r})
+from django.conf import settings
+from jobs.heartbeat_fold import heartbeats_fold_all
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+print("READY", flush=True)
+while not stop:
+    if not heartbeats_fold_all(max_seconds=5.0).entries:
+        time.sleep(settings.MERIDIAN_HEARTBEAT_FOLD_SECONDS)
+"""
+
+
+def start_folder(args, data_dir, env):
+    code = FOLD_LOOP.format(root=str(ROOT), bench=str(ROOT / "bench"), db=args.db, redis=args.redis,
+                            data_dir=str(data_dir))
+    folder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if folder.stdout.readline().strip() != "READY":
+        raise RuntimeError(f"the folder process did not start: {folder.communicate()[0][-2000:]}")
+    FOLDER[0] = folder
+    return folder
+
+
+def folder_cpu_seconds() -> float:
+    return process_cpu_seconds(FOLDER[0].pid) if FOLDER[0] is not None else 0.0
+
+
+def folder_drained(*, timeout=300.0) -> None:
+    """Waits until the folder has recorded every queued heartbeat (--fold async)."""
+    if FOLDER[0] is None:
+        return
+    from fleet.leases import lease_store
+
+    store, deadline = lease_store(), time.monotonic() + timeout
+    while store.xlen("meridian:heartbeats") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def timed_round(one, nodes, threads, server_pids):
     """Runs one(node) for every node on `threads` threads; returns (successes, wall seconds, the
-    servers' CPU ms per success: all web processes together, NaN without their pids)."""
+    servers' CPU ms per success: all web processes together, NaN without their pids, the folder's
+    CPU ms per success: 0 without --fold async). The wall time ends when the folder is done too."""
     from concurrent.futures import ThreadPoolExecutor
 
     began = time.perf_counter()
-    cpu_before = sum(process_cpu_seconds(pid) for pid in server_pids)
+    cpu_before, folder_before = sum(process_cpu_seconds(pid) for pid in server_pids), folder_cpu_seconds()
     with ThreadPoolExecutor(threads) as pool:
         ok = sum(pool.map(one, nodes))
+    folder_drained()
     seconds = time.perf_counter() - began
     cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
-    return ok, seconds, cpu / max(ok, 1) * 1000 if server_pids else float("nan")
+    folder = folder_cpu_seconds() - folder_before
+    return ok, seconds, cpu / max(ok, 1) * 1000 if server_pids else float("nan"), folder / max(ok, 1) * 1000
 
 
 def lease_round(nodes, threads, server_pids=(), *, authenticated=True):
@@ -281,16 +340,18 @@ def lease_round(nodes, threads, server_pids=(), *, authenticated=True):
         except Exception:  # noqa: BLE001 - counted as a failure
             return False
 
-    ok, seconds, cpu_ms = timed_round(one, nodes, threads, server_pids)
+    ok, seconds, cpu_ms, _folder_ms = timed_round(one, nodes, threads, server_pids)
     return ok / seconds, len(nodes) - ok, cpu_ms
 
 
 def agent_rounds(nodes, threads, server_pids=(), *, clock, rounds=13, period=5.0):
-    """Returns (beats/s, failures, server CPU ms per beat, leases, full heartbeats) of `rounds`
+    """Returns (beats/s, failures, server CPU ms per beat, leases, full heartbeats, the folder's CPU
+    ms per beat: --fold async) of `rounds`
     beats of every hollow node as an agent beats (agent/liveness.py: a lease, or a full heartbeat
     when a report changed, its desired state changed, or every full-heartbeat period), the nodes'
     clocks advancing `period` seconds per round: 13 rounds are a minute of a fleet's life at the
-    defaults (a lease every 5 s, a full heartbeat every 30 s), run as fast as the server answers.
+    defaults (a lease every 5 s, a full heartbeat every 30 s), run as fast as the server answers
+    (with --fold async, each round's heartbeats are recorded by the folder before the next).
     `clock`: [the nodes' current time], advanced here."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -304,7 +365,7 @@ def agent_rounds(nodes, threads, server_pids=(), *, clock, rounds=13, period=5.0
             return False
 
     began = time.perf_counter()
-    cpu_before = sum(process_cpu_seconds(pid) for pid in server_pids)
+    cpu_before, folder_before = sum(process_cpu_seconds(pid) for pid in server_pids), folder_cpu_seconds()
     leases_before = sum(n.planner.counts["leases"] for n in nodes)
     full_before = sum(n.planner.counts["full"] for n in nodes)
     ok = 0
@@ -312,12 +373,18 @@ def agent_rounds(nodes, threads, server_pids=(), *, clock, rounds=13, period=5.0
         for _ in range(rounds):
             clock[0] += period
             ok += sum(pool.map(lambda node, now=clock[0]: one(node, now), nodes))
+            # A round is `period` seconds of the agents' life and the folder runs every second: by
+            # the next round it has recorded this one's heartbeats (--fold async; run as fast as the
+            # server answers, a round takes ~1 s here, so without this the agents would hear
+            # "deferred" for reports a real fleet's folder had long recorded).
+            folder_drained()
     seconds = time.perf_counter() - began
     cpu = sum(process_cpu_seconds(pid) for pid in server_pids) - cpu_before
+    folder = folder_cpu_seconds() - folder_before
     counts["failures"] = rounds * len(nodes) - ok
     return (ok / seconds, counts["failures"], cpu / max(ok, 1) * 1000 if server_pids else float("nan"),
             sum(n.planner.counts["leases"] for n in nodes) - leases_before,
-            sum(n.planner.counts["full"] for n in nodes) - full_before)
+            sum(n.planner.counts["full"] for n in nodes) - full_before, folder / max(ok, 1) * 1000)
 
 
 def heartbeat_round(nodes, threads, server_pids=()):
@@ -336,8 +403,8 @@ def heartbeat_round(nodes, threads, server_pids=()):
         except Exception:  # noqa: BLE001 - counted as a failure
             return False
 
-    ok, seconds, cpu_ms = timed_round(one, nodes, threads, server_pids)
-    return ok / seconds, ok * 8 / seconds, len(nodes) - ok, cpu_ms
+    ok, seconds, cpu_ms, folder_ms = timed_round(one, nodes, threads, server_pids)
+    return ok / seconds, ok * 8 / seconds, len(nodes) - ok, cpu_ms, folder_ms
 
 
 HISTORY_TABLES = ("fleet_nodetelemetrybucket", "fleet_clustertelemetrybucket")
@@ -551,9 +618,12 @@ def run_size(n, args, rng, data_dir):
     Job.objects.filter(state=Job.State.SCHEDULED).update(state=Job.State.RUNNING, last_started_at=now)
     env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # daphne's thread pool must not hoard connections
     servers = [start_daphne(env) for _ in range(args.web_processes)]
+    if args.fold == "async":
+        start_folder(args, data_dir, env)
     try:
         telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)))
+        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)),
+                             checkpoint_seconds=args.checkpoint_seconds)
         # round 1: every desired state built and sent; rounds 2-3: the agents hold their versions
         pids = [p.pid for p, _ in servers]
         rates = [heartbeat_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
@@ -580,6 +650,12 @@ def run_size(n, args, rng, data_dir):
         for daphne, _ in servers:
             daphne.terminate()
             daphne.wait(timeout=20)
+        if FOLDER[0] is not None:
+            import signal
+
+            FOLDER[0].send_signal(signal.SIGINT)
+            FOLDER[0].communicate(timeout=120)
+            FOLDER[0] = None
     steady = []
     for _ in range(args.ticks):
         now = now + timedelta(seconds=5)
@@ -605,6 +681,7 @@ def run_size(n, args, rng, data_dir):
 def main():
     args = parse_args()
     SERVER[0] = args.server
+    os.environ["MERIDIAN_HEARTBEAT_FOLD"] = args.fold
     import numpy as np
 
     ensure_database(args.db)
@@ -676,19 +753,27 @@ def main():
         print(f"{r['n']:>8} | {max(x[0] for x in r['heartbeats'][1:]):>6.0f} {hb_cpu:>9.2f} {1000 / hb_cpu:>9.0f} | "
               f"{max(x[0] for x in r['leases'][1:]):>7.0f} {lease_cpu:>12.2f} {1000 / lease_cpu:>13.0f} "
               f"{sum(x[1] for x in r['leases']):>4} | {max(x[0] for x in r['floor']):>7.0f} {floor_cpu:>10.2f}")
+    folder_line = ": the folder process's CPU per full heartbeat (warm rounds): " + ", ".join(
+        f"{r['n']}: {min(x[4] for x in r['heartbeats'][1:]):.2f} ms, combined with the web's "
+        f"{min(x[3] + x[4] for x in r['heartbeats'][1:]):.2f} ms" for r in rows)
+    print(f"MERIDIAN_HEARTBEAT_FOLD={args.fold}, hollow copies checkpoint every {args.checkpoint_seconds:.0f} s"
+          + (folder_line if args.fold == "async" else ""))
     for r in rows:
-        beats, fails, cpu_ms, n_leases, n_full = r["mix"]
+        beats, fails, cpu_ms, n_leases, n_full, folder_ms = r["mix"]
         print(f"agents beating for a minute of their time ({r['n']}): {n_leases} leases + {n_full} full heartbeats, "
               f"{cpu_ms:.2f} ms web CPU per beat on average = {1000 / cpu_ms:.0f} beats/s per core "
-              f"({beats:.0f} beats/s wall, {fails} failed)")
+              f"({beats:.0f} beats/s wall, {fails} failed); folder {folder_ms:.2f} ms per beat, combined "
+              f"{cpu_ms + folder_ms:.2f} ms = {1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU")
     for r in rows:
         if r["busy"] is None:
             continue
         b = r["busy"]
-        beats, fails, cpu_ms, n_leases, n_full = b["mix"]
+        beats, fails, cpu_ms, n_leases, n_full, folder_ms = b["mix"]
         print(f"the same beside the tick and {args.viewers} portal viewers ({r['n']}, {b['seconds']:.0f} s): "
               f"{n_leases} leases + {n_full} full heartbeats, {cpu_ms:.2f} ms web CPU per beat = "
-              f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); "
+              f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); folder "
+              f"{folder_ms:.2f} ms per beat, combined {cpu_ms + folder_ms:.2f} ms = "
+              f"{1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU; "
               f"{b['ticks']} ticks meanwhile, median {b['tick_median']:.2f} s, max {b['tick_max']:.2f} s "
               f"(tick process CPU {b['cpu']['tick']:.1f} s); {b['requests']} portal requests, {b['failed']} failed, "
               f"median {b['latency_median'] * 1000:.0f} ms, p99 {b['latency_p99'] * 1000:.0f} ms "

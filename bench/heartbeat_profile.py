@@ -2,7 +2,7 @@
 
     BENCH_REDIS_URL=redis://127.0.0.1:6379/12 PYTHONPATH=$PWD .venv/bin/python bench/heartbeat_profile.py \
         [--size 16000] [--nodes 200] [--db postgres://postgres@127.0.0.1:5432/meridian_bench_hbp] \
-        [--profile DIR] [--reuse]
+        [--profile DIR] [--fold sync|async|both]
 
 A fleet and its jobs as bench/control_plane.py builds them (8 H100 per node, ~95% placed by one
 tick), then `--nodes` hollow nodes (agent/hollow.py) send full heartbeats through the real agent
@@ -16,6 +16,12 @@ bench/control_plane.py measures those). Four kinds of heartbeat, each once from 
               restore_from, so the answer carries it whole)
   steady      a report on every copy, each repeating its last checkpoint (what an agent sends
               between checkpoints once its copies have one)
+
+--fold (MERIDIAN_HEARTBEAT_FOLD; "both": sync first, then async, on the same fleet): with async the
+request only queues the report (jobs/heartbeat_fold.py) and the folder records the round's
+heartbeats afterwards, in this process (jobs.heartbeat_fold.heartbeats_fold_all); its CPU per
+heartbeat is printed apart ("folder") and added to the request's ("combined"): the folder's CPU is
+control-plane CPU too.
 
 For each: the median and mean CPU milliseconds per heartbeat (time.process_time, this process
 only: the database's own work is not in it), the SQL statements per heartbeat, the jobs
@@ -54,6 +60,8 @@ def parse_args():
     p.add_argument("--redis", default=os.environ.get("BENCH_REDIS_URL", cp.DEFAULT_REDIS))
     p.add_argument("--profile", default="", help="write one cProfile per kind of heartbeat into this folder")
     p.add_argument("--top", type=int, default=30, help="functions printed per profile")
+    p.add_argument("--fold", choices=("sync", "async", "both"), default="sync",
+                   help="MERIDIAN_HEARTBEAT_FOLD: record in the request, or queue and fold (both: one then the other)")
     return p.parse_args()
 
 
@@ -136,15 +144,26 @@ def send(node, kind, now):
     return len(reports)
 
 
+def fold():
+    """Runs the heartbeat folder until the queue is empty; returns (CPU seconds, beats recorded)."""
+    from jobs.heartbeat_fold import heartbeats_fold_all
+
+    began = time.process_time()
+    result = heartbeats_fold_all()
+    return time.process_time() - began, result.recorded
+
+
 def measure(nodes, kind, clock):
-    """Returns {cpu ms per heartbeat: list, jobs: list} of one heartbeat of `kind` from every node."""
+    """Returns {cpu: [ms per heartbeat], jobs: [reports per heartbeat], folder: ms per heartbeat} of
+    one heartbeat of `kind` from every node (folder: 0 when recorded in the request)."""
     clock[0] += 5.0
     cpu, jobs = [], []
     for node in nodes:
         began = time.process_time()
         jobs.append(send(node, kind, clock[0]))
         cpu.append((time.process_time() - began) * 1000)
-    return {"cpu": cpu, "jobs": jobs}
+    folder_seconds, _ = fold()
+    return {"cpu": cpu, "jobs": jobs, "folder": folder_seconds * 1000 / len(nodes)}
 
 
 def statements(nodes, kind, clock):
@@ -178,10 +197,43 @@ def main():
         clock[0] += 5.0
         for node in nodes:
             node.beat(now=clock[0])
+        fold()
+    modes = ("sync", "async") if args.fold == "both" else (args.fold,)
+    tables = {}
+    for mode in modes:
+        settings.MERIDIAN_HEARTBEAT_FOLD = mode
+        tables[mode] = run_kinds(args, nodes, clock)
+    print(f"\nfull heartbeats in process (Django test client, no HTTP server): {len(nodes)} hollow nodes, "
+          f"{args.size} accelerators on PostgreSQL")
+    print("cpu ms: the request's (median, mean, p90); folder: the heartbeat folder's CPU per heartbeat of the round "
+          "(MERIDIAN_HEARTBEAT_FOLD=async only); combined: mean + folder")
+    print(f"{'mode':>5} {'kind':>10} | {'jobs/hb':>7} | {'cpu ms median':>13} {'mean':>6} {'p90':>6} | "
+          f"{'folder':>6} {'combined':>8} | {'statements':>10}")
+    for mode, (results, queries) in tables.items():
+        for kind in KINDS:
+            cpu = sorted(results[kind]["cpu"])
+            folder = results[kind]["folder"]
+            print(f"{mode:>5} {kind:>10} | {statistics.mean(results[kind]['jobs']):>7.1f} | "
+                  f"{statistics.median(cpu):>13.2f} {statistics.mean(cpu):>6.2f} {cpu[int(len(cpu) * 0.9)]:>6.2f} | "
+                  f"{folder:>6.2f} {statistics.mean(cpu) + folder:>8.2f} | {len(queries[kind]):>10}")
+    for mode, (_results, queries) in tables.items():
+        for kind in KINDS:
+            print(f"\nstatements of one {kind} heartbeat ({mode}; async: the request's only):")
+            for sql in queries[kind]:
+                print("   ", sql[:160])
+    print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def run_kinds(args, nodes, clock):
+    """Returns ({kind: measure(...)}, {kind: statements}) of the four kinds, after one warm-up round."""
+    for node in nodes:  # warm-up in this mode: the outcomes known, each process cache filled
+        node.beat(now=clock[0])
+    fold()
     results, queries = {}, {}
     for kind in KINDS:
         results[kind] = measure(nodes, kind, clock)
         queries[kind] = statements(nodes, kind, clock)
+        fold()
         if args.profile:
             folder = pathlib.Path(args.profile)
             folder.mkdir(parents=True, exist_ok=True)
@@ -190,24 +242,21 @@ def main():
             profiler.enable()
             for node in nodes:
                 send(node, kind, clock[0])
+            fold()
             profiler.disable()
-            profiler.dump_stats(folder / f"{kind}.prof")
+            name = f"{kind}-{settings_mode()}"
+            profiler.dump_stats(folder / f"{name}.prof")
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
-            print(f"\n=== profile: {kind} ({len(nodes)} heartbeats), by cumulative time ===")
+            print(f"\n=== profile: {name} ({len(nodes)} heartbeats, and the folder), by cumulative time ===")
             print(text.getvalue()[-12000:])
-    print(f"\nfull heartbeats in process (Django test client, no HTTP server): {len(nodes)} hollow nodes, "
-          f"{args.size} accelerators on PostgreSQL")
-    print(f"{'kind':>10} | {'jobs/hb':>7} | {'cpu ms median':>13} {'mean':>6} {'p90':>6} | {'statements':>10}")
-    for kind in KINDS:
-        cpu = sorted(results[kind]["cpu"])
-        print(f"{kind:>10} | {statistics.mean(results[kind]['jobs']):>7.1f} | {statistics.median(cpu):>13.2f} "
-              f"{statistics.mean(cpu):>6.2f} {cpu[int(len(cpu) * 0.9)]:>6.2f} | {len(queries[kind]):>10}")
-    for kind in KINDS:
-        print(f"\nstatements of one {kind} heartbeat:")
-        for sql in queries[kind]:
-            print("   ", sql[:160])
-    print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return results, queries
+
+
+def settings_mode():
+    from django.conf import settings
+
+    return settings.MERIDIAN_HEARTBEAT_FOLD
 
 
 if __name__ == "__main__":

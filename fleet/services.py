@@ -223,30 +223,66 @@ def node_heartbeat_record(*, node, telemetry, now):
     `node` itself is updated too (last_heartbeat, state, utilization), so callers need not
     refetch it.
     """
-    node_changes = {"last_heartbeat": now}
-    if node.state == Node.State.LOST:
-        # Back from the dead (its old jobs moved on): ready, or draining while an operator's drain stands.
-        node_changes["state"] = Node.State.DRAINING if node.drained_at is not None else Node.State.READY
-    if "utilization" in telemetry:
-        node_changes.update(utilization=_reading(telemetry.get("utilization")), telemetry_at=now)
-    _node_columns_write(node_id=node.pk, changes=node_changes)
-    for field, value in node_changes.items():  # the caller's instance is current: no refetch needed
-        setattr(node, field, value)
-    readings = _device_readings(telemetry.get("devices"))
-    if readings:
-        written = _accelerator_readings_write(node_id=node.pk, readings=readings)
-        _node_bucket_add(node_id=node.pk, written=written, now=now)
+    nodes_heartbeat_record(beats=[(node, telemetry, now)])
 
 
-def _node_columns_write(*, node_id, changes):
-    """UPDATE fleet_node SET <changes> WHERE id = node_id, as the ORM's update() writes it (each
-    value prepared by its field) without compiling a query: it runs on every heartbeat."""
-    fields = [Node._meta.get_field(name) for name in changes]
-    assignments = ", ".join(f"{connection.ops.quote_name(field.column)} = %s" for field in fields)
-    params = [field.get_db_prep_save(changes[field.name], connection) for field in fields]
+def nodes_heartbeat_record(*, beats):
+    """Records the heartbeats `beats` ([(node, telemetry, now)], each as node_heartbeat_record
+    records one; at most one per node) in three statements however many nodes (the heartbeat
+    folder records a batch of nodes' heartbeats at once: jobs/heartbeat_fold.py), plus one per
+    other set of node columns written (a lost node back, a heartbeat without a utilization)."""
+    if len({node.pk for node, _t, _n in beats}) != len(beats):
+        raise ValueError("nodes_heartbeat_record: one heartbeat per node")
+    by_columns: dict[tuple[str, ...], list[tuple[int, dict]]] = {}
+    readings_of = {}
+    for node, telemetry, now in beats:
+        node_changes = {"last_heartbeat": now}
+        if node.state == Node.State.LOST:
+            # Back from the dead (its old jobs moved on): ready, or draining while an operator's drain stands.
+            node_changes["state"] = Node.State.DRAINING if node.drained_at is not None else Node.State.READY
+        if "utilization" in telemetry:
+            node_changes.update(utilization=_reading(telemetry.get("utilization")), telemetry_at=now)
+        by_columns.setdefault(tuple(node_changes), []).append((node.pk, node_changes))
+        for field, value in node_changes.items():  # the caller's instance is current: no refetch needed
+            setattr(node, field, value)
+        readings = _device_readings(telemetry.get("devices"))
+        if readings:
+            readings_of[node.pk] = (readings, now)
+    for columns, changes in by_columns.items():
+        _nodes_columns_write(columns=columns, changes=changes)
+    if readings_of:
+        written = _accelerator_readings_write(readings_of={node_id: r for node_id, (r, _now) in readings_of.items()})
+        _node_buckets_add(written={node_id: (written.get(node_id, []), now)
+                                   for node_id, (_r, now) in readings_of.items()})
+
+
+def _cast(field) -> str:
+    """A parameter typed as `field`'s column on PostgreSQL (which reads bare VALUES parameters as
+    text); bare on SQLite, whose CAST to a date type would turn a timestamp's text into a number."""
+    return f"CAST(%s AS {field.db_type(connection)})" if connection.vendor == "postgresql" else "%s"
+
+
+def _nodes_columns_write(*, columns, changes):
+    """UPDATE fleet_node SET <columns> for several nodes in one statement ([(node id, {column: value})]),
+    each value prepared by its field as the ORM's update() prepares it, without compiling a query:
+    it runs for every batch of heartbeats."""
+    fields = [Node._meta.get_field(name) for name in columns]
+    table = connection.ops.quote_name(Node._meta.db_table)
+    names = [connection.ops.quote_name(field.column) for field in fields]
+    if len(changes) == 1:  # one node (a heartbeat recorded in its request): the plain UPDATE
+        node_id, values = changes[0]
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {table} SET {', '.join(f'{name} = %s' for name in names)} WHERE id = %s",
+                           [*(field.get_db_prep_save(values[field.name], connection) for field in fields), node_id])
+        return
+    row = "(" + ", ".join(["CAST(%s AS BIGINT)" if connection.vendor == "postgresql" else "%s",
+                           *(_cast(field) for field in fields)]) + ")"
+    params = [x for node_id, values in changes
+              for x in (node_id, *(field.get_db_prep_save(values[field.name], connection) for field in fields))]
+    assignments = ", ".join(f"{name} = changed.{name}" for name in names)
     with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET {assignments} WHERE id = %s",
-                       [*params, node_id])
+        cursor.execute(f"WITH changed(id, {', '.join(names)}) AS (VALUES {', '.join([row] * len(changes))}) "
+                       f"UPDATE {table} SET {assignments} FROM changed WHERE {table}.id = changed.id", params)
 
 
 def _reading(value, *, maximum=1.0):
@@ -270,22 +306,27 @@ def _device_readings(devices):
     return readings
 
 
-def _accelerator_readings_write(*, node_id, readings):
-    """Writes the latest readings onto the node's Accelerator rows in one UPDATE ... FROM ...
-    RETURNING (PostgreSQL, SQLite >= 3.35); returns [(type, utilization, memory_used_gb)] of the
-    devices it matched. The CASTs type the VALUES list (PostgreSQL reads bare parameters as text)."""
+def _accelerator_readings_write(*, readings_of):
+    """Writes the latest readings onto the nodes' Accelerator rows in one UPDATE ... FROM ...
+    RETURNING (PostgreSQL, SQLite >= 3.35): `readings_of` {node id: {index: (utilization,
+    memory_used_gb)}}; returns {node id: [(type, utilization, memory_used_gb)]} of the devices it
+    matched. The CASTs type the VALUES list (PostgreSQL reads bare parameters as text)."""
     table = Accelerator._meta.db_table
     index = connection.ops.quote_name("index")
-    values = ", ".join(["(CAST(%s AS INTEGER), CAST(%s AS DOUBLE PRECISION), CAST(%s AS DOUBLE PRECISION))"]
-                       * len(readings))
-    params = [x for i, (u, m) in readings.items() for x in (i, u, m)]
-    sql = (f"WITH reading(idx, utilization, memory_used_gb) AS (VALUES {values}) "
+    values = ", ".join(["(CAST(%s AS BIGINT), CAST(%s AS INTEGER), CAST(%s AS DOUBLE PRECISION), "
+                        "CAST(%s AS DOUBLE PRECISION))"] * sum(len(r) for r in readings_of.values()))
+    params = [x for node_id, readings in readings_of.items() for i, (u, m) in readings.items()
+              for x in (node_id, i, u, m)]
+    sql = (f"WITH reading(node_id, idx, utilization, memory_used_gb) AS (VALUES {values}) "
            f"UPDATE {table} SET utilization = reading.utilization, memory_used_gb = reading.memory_used_gb "
-           f"FROM reading WHERE {table}.node_id = %s AND {table}.{index} = reading.idx "
-           f"RETURNING {table}.type, {table}.utilization, {table}.memory_used_gb")
+           f"FROM reading WHERE {table}.node_id = reading.node_id AND {table}.{index} = reading.idx "
+           f"RETURNING {table}.node_id, {table}.type, {table}.utilization, {table}.memory_used_gb")
+    written: dict[int, list] = {}
     with connection.cursor() as cursor:
-        cursor.execute(sql, params + [node_id])
-        return cursor.fetchall()
+        cursor.execute(sql, params)
+        for node_id, type_name, utilization, memory in cursor.fetchall():
+            written.setdefault(node_id, []).append((type_name, utilization, memory))
+    return written
 
 
 TELEMETRY_STAT_FIELDS = ("heartbeats", "device_samples", "utilization_sum", "utilization_max",
@@ -293,37 +334,40 @@ TELEMETRY_STAT_FIELDS = ("heartbeats", "device_samples", "utilization_sum", "uti
 _MAX_FIELDS = ("utilization_max", "memory_used_gb_max")
 
 
-def _node_bucket_add(*, node_id, written, now):
-    """Folds one heartbeat's device readings into the node's current minute, one row per
-    accelerator type, in one INSERT ... ON CONFLICT DO UPDATE (adds counts and sums, keeps maxima).
-    A device without a utilization reading is left out of the history."""
-    per_type = {}
-    for type_name, utilization, memory in written:
-        if utilization is None:
-            continue
-        stats = per_type.setdefault(type_name, [0, 0.0, 0.0, 0.0, 0.0])
-        stats[0] += 1
-        stats[1] += utilization
-        stats[2] = max(stats[2], utilization)
-        stats[3] += memory or 0.0
-        stats[4] = max(stats[4], memory or 0.0)
-    if not per_type:
+def _node_buckets_add(*, written):
+    """Folds each node's heartbeat's device readings into its current minute, one row per node and
+    accelerator type, in one INSERT ... ON CONFLICT DO UPDATE (adds counts and sums, keeps maxima):
+    `written` {node id: ([(type, utilization, memory_used_gb)], now)}. A device without a
+    utilization reading is left out of the history."""
+    rows = []
+    for node_id, (devices, now) in written.items():
+        per_type = {}
+        for type_name, utilization, memory in devices:
+            if utilization is None:
+                continue
+            stats = per_type.setdefault(type_name, [0, 0.0, 0.0, 0.0, 0.0])
+            stats[0] += 1
+            stats[1] += utilization
+            stats[2] = max(stats[2], utilization)
+            stats[3] += memory or 0.0
+            stats[4] = max(stats[4], memory or 0.0)
+        start = connection.ops.adapt_datetimefield_value(telemetry_bucket_start(now, TelemetryResolution.MINUTE))
+        rows += [(node_id, TelemetryResolution.MINUTE, start, type_name, *stats)
+                 for type_name, stats in per_type.items()]
+    if not rows:
         return
     table = NodeTelemetryBucket._meta.db_table
-    start = connection.ops.adapt_datetimefield_value(telemetry_bucket_start(now, TelemetryResolution.MINUTE))
     key = ("node_id", "resolution", "bucket_start", "accelerator_type")
     greatest = "GREATEST" if connection.vendor == "postgresql" else "MAX"  # SQLite's MAX(a, b) is scalar
     updates = ", ".join(
         f"{f} = {greatest}({table}.{f}, excluded.{f})" if f in _MAX_FIELDS else f"{f} = {table}.{f} + excluded.{f}"
         for f in TELEMETRY_STAT_FIELDS
     )
-    rows = ", ".join(["(%s, %s, %s, %s, 1, %s, %s, %s, %s, %s)"] * len(per_type))
-    params = [x for type_name, stats in per_type.items()
-              for x in (node_id, TelemetryResolution.MINUTE, start, type_name, *stats)]
-    sql = (f"INSERT INTO {table} ({', '.join(key + TELEMETRY_STAT_FIELDS)}) VALUES {rows} "
+    values = ", ".join(["(%s, %s, %s, %s, 1, %s, %s, %s, %s, %s)"] * len(rows))
+    sql = (f"INSERT INTO {table} ({', '.join(key + TELEMETRY_STAT_FIELDS)}) VALUES {values} "
            f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}")
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, [x for row in rows for x in row])
 
 
 # --- telemetry history: rollups and retention ------------------------------------------------------

@@ -197,7 +197,8 @@ class NodeHeartbeatApi(AgentApi):
                    summary="Report telemetry and observed jobs; get the desired state")
     def post(self, request):
         heartbeat = _decoded(HeartbeatSerializer, request)
-        return Response(node_heartbeat_answer(node=request.auth, heartbeat=heartbeat).to_dict())
+        wire = request.data if isinstance(request.data, dict) else None  # what the folder decodes again
+        return Response(node_heartbeat_answer(node=request.auth, heartbeat=heartbeat, wire=wire).to_dict())
 
 
 class NodeDesiredStateApi(AgentApi):

@@ -62,7 +62,7 @@ def _node_token(headers) -> str | None:
         return None  # DRF decodes with errors="replace": its 401 then
 
 
-def _heartbeat(token: str, heartbeat: Heartbeat):
+def _heartbeat(token: str, heartbeat: Heartbeat, wire: dict, body: bytes):
     """In Django's sync thread: returns the HeartbeatAnswer, or FALLBACK when Django must answer
     (nothing was written). Raises what the service raised."""
     from django.db import connection
@@ -79,7 +79,7 @@ def _heartbeat(token: str, heartbeat: Heartbeat):
         return FALLBACK  # Django meets the same error and answers it
     if node is None:
         return FALLBACK  # Django's 401
-    return node_heartbeat_answer(node=node, heartbeat=heartbeat)
+    return node_heartbeat_answer(node=node, heartbeat=heartbeat, wire=wire, body=body)
 
 
 async def _answer(send, status: int, body: bytes, *, host: str, secure: bool, extra=()) -> None:
@@ -102,10 +102,11 @@ async def heartbeat_app(scope, receive, send, *, django_app, error_answer: Error
         await django_app(scope, receive, send)
         return
     body, messages = await _read_body(receive, limit=FAST_BODY_MAX)
-    heartbeat = None
+    heartbeat = wire = None
     if body is not None:
         try:
-            heartbeat = Heartbeat.from_dict(json.loads(body.decode("utf-8")))
+            wire = json.loads(body.decode("utf-8"))
+            heartbeat = Heartbeat.from_dict(wire)
         except (ValueError, RecursionError):  # ProtocolError is a ValueError
             heartbeat = None
     if heartbeat is None:
@@ -113,7 +114,7 @@ async def heartbeat_app(scope, receive, send, *, django_app, error_answer: Error
         return
     host, secure = checked
     try:
-        answer = await sync_to_async(_heartbeat)(token, heartbeat)
+        answer = await sync_to_async(_heartbeat)(token, heartbeat, wire, body)
     except Exception as exc:  # noqa: BLE001 - the service failed: answered as DRF would, not replayed
         status, data, extra = error_answer(exc)
         await _answer(send, status, JSONRenderer().render(data), host=host, secure=secure,

@@ -12,10 +12,13 @@
   jobs.tasks.move_advance            completes a move's steps already observed (enqueued by reports)
   jobs.tasks.artifacts_gc            beat, every 10 min: jobs.bundles.artifacts_collect (unreferenced bundles,
                                      expired outputs, stores no agent removed; also `manage.py artifacts_gc`)
+  jobs.tasks.heartbeats_fold         beat, every MERIDIAN_HEARTBEAT_FOLD_SECONDS: jobs.heartbeat_fold
+                                     (queued full heartbeats recorded in batches, until the queue is empty)
 """
 import logging
 
 from celery import shared_task
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -82,6 +85,15 @@ def move_advance(move_id):
     from jobs.moves import move_advance as advance
 
     return advance(move_id=move_id)
+
+
+@shared_task(name="jobs.tasks.heartbeats_fold", ignore_result=True)
+def heartbeats_fold():
+    from jobs.heartbeat_fold import heartbeats_fold_all
+
+    # Bounded so a long backlog does not hold the worker past the next beat's run (which expires).
+    result = heartbeats_fold_all(max_seconds=max(5.0, settings.MERIDIAN_HEARTBEAT_FOLD_SECONDS * 5))
+    return {"entries": result.entries, "recorded": result.recorded, "coalesced": result.coalesced}
 
 
 @shared_task(name="jobs.tasks.records_retention", ignore_result=True)

@@ -21,18 +21,21 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
-from datetime import timedelta
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, OuterRef, Q, Subquery
+from django.db.models import F, Q
 from django.utils import timezone
 
 from fleet.leases import nodes_alive_by_lease
+from fleet.live import pushes_batched
 from fleet.models import Accelerator, Node
-from fleet.services import node_heartbeat_record
+from fleet.services import nodes_heartbeat_record
 from jobs.logs import log_grant
-from jobs.models import Checkpoint, Job, JobEvent, Move, Replica
+from jobs.models import Bundle, Checkpoint, Job, JobEvent, Move, Replica
 from jobs.moves import move_observe, move_relaunches
 from jobs.services import (
     CheckpointNew,
@@ -91,10 +94,13 @@ def job_store_uri(job_id, *, generation=None):
 # --- desired state -------------------------------------------------------------------------------
 
 
-def job_workspace_fields(job) -> dict:
-    """The desired entry's bundle digest, outputs folder and workspace quota (jobs/bundles.py)."""
+def job_workspace_fields(job, *, bundle_sha256=None) -> dict:
+    """The desired entry's bundle digest (`bundle_sha256` when the caller read it, else job.bundle's),
+    outputs folder and workspace quota (jobs/bundles.py)."""
     from jobs.bundles import job_outputs_uri
-    return {"bundle": job.bundle.sha256 if job.bundle_id else None, "outputs": job_outputs_uri(job.pk),
+    if bundle_sha256 is None and job.bundle_id:
+        bundle_sha256 = job.bundle.sha256
+    return {"bundle": bundle_sha256, "outputs": job_outputs_uri(job.pk),
             "workspace_quota_bytes": settings.MERIDIAN_WORKSPACE_QUOTA_BYTES or None}
 
 
@@ -115,19 +121,16 @@ def node_desired_state_build(*, node) -> DesiredState:
     A job the agent runs that is not listed must be stopped with a checkpoint. Three queries.
     """
     devices, spans = _replicas_here_and_spans(node.pk)
-    moves = {m.job_id: m for m in Move.objects.filter(
-        Q(job_id__in=list(devices)) | Q(from_node_id=node.pk), state=Move.State.ACTIVE).only(
-        "job_id", "kind", "step", "from_node_id", "from_generation", "to_generation")}
-    newest_checkpoint = Checkpoint.objects.filter(job_id=OuterRef("pk"), retired_at__isnull=True).order_by(
-        "-step", "-id")
-    jobs = Job.objects.filter(pk__in=list(devices)).select_related("bundle").only(
-        "id", "name", "state", "world_size", "min_devices", "entrypoint", "args", "env", "tier",
-        "total_steps", "last_checkpoint_step", "generation", "bundle__sha256", "if_resume_refused",
-        "network",
-    ).annotate(restore_from=Subquery(newest_checkpoint.values("uri")[:1]),
-               restore_sha256=Subquery(newest_checkpoint.values("sha256")[:1]))
+    # Raw statements (the ORM's converters still apply): compiling the ORM's took ~60% of a rebuild's CPU.
+    job_ids = sorted(devices)
+    if job_ids:
+        moves_sql = _select_rows(Move) + f" WHERE (job_id IN ({_marks(job_ids)}) OR from_node_id = %s) AND state = %s"
+    else:
+        moves_sql = _select_rows(Move) + " WHERE from_node_id = %s AND state = %s"
+    moves = {m.job_id: m for m in Move.objects.raw(moves_sql, [*job_ids, node.pk, str(Move.State.ACTIVE)])}
+    jobs = Job.objects.raw(_DESIRED_JOBS_SQL.format(marks=_marks(job_ids)), job_ids) if job_ids else ()
     entries = []
-    for job in jobs.order_by("id"):
+    for job in jobs:
         move = moves.get(job.pk)
         # A migration's new copy, or a resize's across hosts (a relaunch), starts once the old copy's
         # checkpoint is stored: until then it waits, and the old one is told to stop.
@@ -147,7 +150,7 @@ def node_desired_state_build(*, node) -> DesiredState:
                            world_size=job.world_size),
             if_resume_refused=ResumeRefused(job.if_resume_refused), network=JobNetwork(job.network),
             log_grant=log_grant(job_id=job.pk, generation=job.generation, node_id=node.pk),
-            **job_workspace_fields(job),
+            **job_workspace_fields(job, bundle_sha256=job.bundle_sha256),
         ))
     listed = {e.job_id for e in entries}
     for move in moves.values():
@@ -230,20 +233,34 @@ def _select_rows(model) -> str:
 
 
 _JOBS_SQL = _select_rows(Job) + " WHERE id IN ({marks})"
+_C, _B = Checkpoint._meta.db_table, Bundle._meta.db_table
+# The jobs of a desired state with their bundle's digest and their newest live checkpoint's uri and
+# digest (the checkpoint the agent restores: highest step, of equal steps the newest row).
+_NEWEST_CHECKPOINT = (f"FROM {_C} c WHERE c.job_id = j.id AND c.retired_at IS NULL "
+                      f"ORDER BY c.step DESC, c.id DESC LIMIT 1")
+_DESIRED_JOBS_SQL = (
+    "SELECT " + ", ".join(f"j.{connection.ops.quote_name(f.column)}" for f in Job._meta.concrete_fields)
+    + f", b.sha256 AS bundle_sha256, (SELECT c.uri {_NEWEST_CHECKPOINT}) AS restore_from, "
+    f"(SELECT c.sha256 {_NEWEST_CHECKPOINT}) AS restore_sha256 "
+    f"FROM {_J} j LEFT JOIN {_B} b ON b.id = j.bundle_id WHERE j.id IN ({{marks}}) ORDER BY j.id"
+)
 _MOVES_SQL = _select_rows(Move) + " WHERE job_id IN ({marks}) AND state = %s"
 
 
-def _placements_of(node_id, job_ids) -> tuple[set[int], dict[int, int]]:
-    """Returns (those of `job_ids` with a replica on node `node_id`'s devices, {job id: the node of
-    its rank 0}) in one query: the rows of the node's own replicas and of every rank 0."""
+def _placements_of(node_ids, job_ids) -> tuple[set[tuple[int, int]], dict[int, int]]:
+    """Returns ({(job id, node id)} of those of `job_ids` with a replica on the devices of one of
+    `node_ids`, {job id: the node of its rank 0}) in one query: the rows of those nodes' own
+    replicas and of every rank 0."""
     placed, leaders = set(), {}
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT r.job_id, r.rank, a.node_id FROM {_R} r JOIN {_A} a ON a.id = r.device_id "
-                       f"WHERE r.job_id IN ({_marks(job_ids)}) AND (a.node_id = %s OR r.rank = 0)", [*job_ids, node_id])
+                       f"WHERE r.job_id IN ({_marks(job_ids)}) AND (a.node_id IN ({_marks(node_ids)}) OR r.rank = 0)",
+                       [*job_ids, *node_ids])
         rows = cursor.fetchall()
+    wanted = set(node_ids)
     for job_id, rank, device_node in rows:
-        if device_node == node_id:
-            placed.add(job_id)
+        if device_node in wanted:
+            placed.add((job_id, device_node))
         if rank == 0:
             leaders[job_id] = device_node
     return placed, leaders
@@ -275,7 +292,7 @@ def node_report_apply(*, node, report: Heartbeat | dict, now=None) -> dict:
 
 
 def _telemetry_dict(telemetry: Telemetry | None) -> dict:
-    """Returns the telemetry as fleet.services.node_heartbeat_record reads it: no "utilization"
+    """Returns the telemetry as fleet.services.nodes_heartbeat_record reads it: no "utilization"
     key when the node did not say (its last reading stays)."""
     if telemetry is None:
         return {}
@@ -354,97 +371,134 @@ ended is accepted (recording nothing). A final report repeated after the job end
     rejected: the agent reports it again).
     Idempotent: a repeated report is a no-op.
     """
-    now = now or timezone.now()
-    accepted, rejected, deferred = [], [], []
-    with transaction.atomic():
+    return node_reports_record(beats=[NodeBeat(node=node, heartbeat=heartbeat, now=now or timezone.now())])[0]
+
+
+@dataclass(frozen=True)
+class NodeBeat:
+    """One heartbeat to record: the node it came from (authenticated), its report, when it was received."""
+
+    node: Node
+    heartbeat: Heartbeat
+    now: datetime
+
+
+def node_reports_record(*, beats: Sequence[NodeBeat]) -> list[ReportOutcome]:
+    """Records several nodes' heartbeats at once, each as node_report_record records one (the same
+    rules, fencing included); returns their ReportOutcomes in order. The heartbeat folder
+    (jobs/heartbeat_fold.py) calls it with a batch of queued heartbeats; node_report_record with one.
+
+    The reads (jobs, placements, moves, recorded checkpoints) and the writes of progress and new
+    checkpoints are one statement each for the whole batch, so each heartbeat must be judged on
+    the database as it was before the batch: no two beats may come from the same node or report
+    on the same job (ValueError; the folder puts such beats in later batches, in their order).
+    One transaction: a failure records nothing of any beat.
+    """
+    nodes, reported = set(), set()
+    for beat in beats:
+        ids = {entry.job_id for entry in beat.heartbeat.jobs}
+        if beat.node.pk in nodes or ids & reported:
+            raise ValueError("node_reports_record: two beats of one node, or two reports on one job, in one batch")
+        nodes.add(beat.node.pk)
+        reported |= ids
+    outcomes = [(beat, [], [], []) for beat in beats]  # (beat, accepted, rejected, deferred)
+    # The page pushes of its commit in one hop (when this is the outermost transaction).
+    with pushes_batched(), transaction.atomic():
         if connection.vendor == "postgresql":
             # A heartbeat lost in a database crash is repeated by the next one (level-triggered):
             # no need to wait for its WAL flush (the biggest cost of a heartbeat at scale).
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit = off")
-        node_heartbeat_record(node=node, telemetry=_telemetry_dict(heartbeat.telemetry), now=now)
-        observed = heartbeat.jobs
-        if not observed:  # telemetry only: nothing more to read or write
-            return ReportOutcome()
-        ids = list({entry.job_id for entry in observed})
+        nodes_heartbeat_record(beats=[(beat.node, _telemetry_dict(beat.heartbeat.telemetry), beat.now)
+                                      for beat in beats])
+        reporting = [o for o in outcomes if o[0].heartbeat.jobs]
+        if not reporting:  # telemetry only: nothing more to read or write
+            return [ReportOutcome() for _ in beats]
+        ids = sorted(reported)
         # Raw queries (the ORM's converters still apply): compiling them cost more CPU than running them.
         jobs = {job.pk: job for job in Job.objects.raw(_JOBS_SQL.format(marks=_marks(ids)), ids)}
         # Where rank 0 of each job lies: the leader of a job that spans hosts speaks for all of it.
-        placed, leaders = _placements_of(node.pk, ids)
+        placed, leaders = _placements_of(sorted({o[0].node.pk for o in reporting}), ids)
         moves = {m.job_id: m for m in Move.objects.raw(_MOVES_SQL.format(marks=_marks(ids)),
                                                        [*ids, str(Move.State.ACTIVE)])}
         # The reports that are applied (below), with their jobs and moves: the progress of them all
         # is written first, in one statement, then each one's checkpoint and state.
         applying = []
-        for entry in observed:
-            job = jobs.get(entry.job_id)
-            if job is None:
-                rejected.append(_not_yours(entry.job_id))
-                continue
-            here = job.pk in placed
-            move = moves.get(job.pk)
-            old_node = move is not None and move.ran_old_copy_on(node.pk)
-            if entry.generation is None:  # an agent that does not say (hollow nodes, older agents)
-                generation = move.from_generation if old_node and not here else job.generation
-            else:
-                generation = entry.generation
-            old_copy = old_node and generation == move.from_generation
-            current = here and generation == job.generation
-            if not (current or old_copy):
-                if here:  # the node holds the job, but runs a copy of another generation
-                    rejected.append(Rejection(job_id=job.pk, fence=True,
-                                              error=f"stale copy: generation {generation}, the job now runs as "
-                                                    f"generation {job.generation}; kill it without a checkpoint"))
-                elif job.state == S.CANCELLED and _last_placed_on(job, node):
-                    if entry.state in LIVE_COPY_STATES:
-                        rejected.append(Rejection(job_id=job.pk, cancel=True,
-                                                  error="the job was cancelled; kill it without a checkpoint"))
-                    else:  # its copy here ended: nothing to kill, nothing recorded
-                        accepted.append(job.pk)
-                elif _final_report_repeated(job=job, node=node, generation=generation, entry=entry):
-                    # The answer to its first final report was lost (found by the chaos soak: a
-                    # partition cut the connection after the commit). Fenced, the agent would keep
-                    # the finished job's checkpoint store for ever; accepted, it removes it.
-                    accepted.append(job.pk)
+        for beat, accepted, rejected, deferred in reporting:
+            node, now = beat.node, beat.now
+            for entry in beat.heartbeat.jobs:
+                job = jobs.get(entry.job_id)
+                if job is None:
+                    rejected.append(_not_yours(entry.job_id))
+                    continue
+                here = (job.pk, node.pk) in placed
+                move = moves.get(job.pk)
+                old_node = move is not None and move.ran_old_copy_on(node.pk)
+                if entry.generation is None:  # an agent that does not say (hollow nodes, older agents)
+                    generation = move.from_generation if old_node and not here else job.generation
                 else:
-                    rejected.append(_not_yours(job.pk))
-                continue
-            problem = _checkpoint_problem(job=job, generation=generation, entry=entry)
-            if problem is not None:
-                field, why = problem
-                rejected.append(Rejection(job_id=job.pk, error=f"{field}: {why}; nothing of this report was recorded"))
-                continue
-            leader = leaders.get(job.pk) in (None, node.pk)
-            if current and not leader:
-                # A follower host of a job that spans hosts: its copy's state is the leader's to
-                # report (the leader ends when any host fails); its own step is not the job's.
-                accepted.append(job.pk)
-                continue
-            if current and entry.state == CopyState.FAILED and _a_host_is_silent(job, node, now=now):
-                # Most likely the leader failed because a host of the job went silent: the lost-node
-                # sweep restarts the job from its last checkpoint; the report waits until then.
-                deferred.append(job.pk)
-                continue
-            applying.append((job, entry, current, move, generation))
-        _progress_write({job.pk: _progress_of(job, entry) for job, entry, current, _m, _g in applying
+                    generation = entry.generation
+                old_copy = old_node and generation == move.from_generation
+                current = here and generation == job.generation
+                if not (current or old_copy):
+                    if here:  # the node holds the job, but runs a copy of another generation
+                        rejected.append(Rejection(job_id=job.pk, fence=True,
+                                                  error=f"stale copy: generation {generation}, the job now runs as "
+                                                        f"generation {job.generation}; kill it without a checkpoint"))
+                    elif job.state == S.CANCELLED and _last_placed_on(job, node):
+                        if entry.state in LIVE_COPY_STATES:
+                            rejected.append(Rejection(job_id=job.pk, cancel=True,
+                                                      error="the job was cancelled; kill it without a checkpoint"))
+                        else:  # its copy here ended: nothing to kill, nothing recorded
+                            accepted.append(job.pk)
+                    elif _final_report_repeated(job=job, node=node, generation=generation, entry=entry):
+                        # The answer to its first final report was lost (found by the chaos soak: a
+                        # partition cut the connection after the commit). Fenced, the agent would keep
+                        # the finished job's checkpoint store for ever; accepted, it removes it.
+                        accepted.append(job.pk)
+                    else:
+                        rejected.append(_not_yours(job.pk))
+                    continue
+                problem = _checkpoint_problem(job=job, generation=generation, entry=entry)
+                if problem is not None:
+                    field, why = problem
+                    rejected.append(Rejection(job_id=job.pk,
+                                              error=f"{field}: {why}; nothing of this report was recorded"))
+                    continue
+                leader = leaders.get(job.pk) in (None, node.pk)
+                if current and not leader:
+                    # A follower host of a job that spans hosts: its copy's state is the leader's to
+                    # report (the leader ends when any host fails); its own step is not the job's.
+                    accepted.append(job.pk)
+                    continue
+                if current and entry.state == CopyState.FAILED and _a_host_is_silent(job, node, now=now):
+                    # Most likely the leader failed because a host of the job went silent: the lost-node
+                    # sweep restarts the job from its last checkpoint; the report waits until then.
+                    deferred.append(job.pk)
+                    continue
+                applying.append((job, entry, current, move, generation, beat, accepted, deferred))
+        _progress_write({job.pk: _progress_of(job, entry) for job, entry, current, *_ in applying
                          if current and entry.step is not None})
         checkpointed = _checkpoints_recorded(
             {(job.pk, entry.checkpoint.uri) for job, entry, *_ in applying if _checkpoint_reported(entry)})
         # The new checkpoints of all reports at once (each job instance refreshed), before any state
-        # changes, as one report at a time records its checkpoint first.
+        # changes, as one report at a time records its checkpoint first. Stamped with the newest
+        # beat's time (one statement writes them all).
         new = {}
         for job, entry, *_ in applying:
             if _checkpoint_reported(entry) and (job.pk, entry.checkpoint.uri) not in checkpointed:
                 new.setdefault((job.pk, entry.checkpoint.uri), _checkpoint_new(job, entry))
-        checkpoints_record(checkpoints=list(new.values()), now=now)
+        if new:
+            checkpoints_record(checkpoints=list(new.values()), now=max(beat.now for beat in beats))
         checkpointed |= new.keys()
-        for job, entry, current, move, generation in applying:
-            result = _observed_apply(job=job, entry=entry, current=current, node=node, now=now,
+        for job, entry, current, move, generation, beat, accepted, deferred in applying:
+            result = _observed_apply(job=job, entry=entry, current=current, node=beat.node, now=beat.now,
                                      checkpointed=checkpointed)
             if move is not None:
-                move_observe(move=move, generation=generation, node=node, entry=entry, now=now)
+                move_observe(move=move, generation=generation, node=beat.node, entry=entry, now=beat.now)
             (deferred if result == "deferred" else accepted).append(job.pk)
-    return ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
+    return [ReportOutcome(accepted=tuple(accepted), rejected=tuple(rejected), deferred=tuple(deferred))
+            for _beat, accepted, rejected, deferred in outcomes]
 
 
 def _progress_of(job, entry: JobReport) -> tuple[float | None, int | None]:

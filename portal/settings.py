@@ -299,6 +299,14 @@ MERIDIAN_SUBMIT_FAST_PATH = _env_int("MERIDIAN_SUBMIT_FAST_PATH", 1, minimum=0) 
 # DRF (jobs/heartbeat_api.py: the same answer, without the middleware, DRF and a connection checkout
 # per request); 0 sends every heartbeat through Django.
 MERIDIAN_HEARTBEAT_FAST_PATH = _env_int("MERIDIAN_HEARTBEAT_FAST_PATH", 1, minimum=0) == 1
+# How a full heartbeat's report is recorded (jobs/heartbeat_fold.py): "async" queues it (Redis) and
+# answers at once, the folder (jobs.tasks.heartbeats_fold, every MERIDIAN_HEARTBEAT_FOLD_SECONDS)
+# records the queue in batches, and a report is answered "deferred" until the folder decided it;
+# "sync" records it in the request (what every heartbeat did before). With Redis unreachable, or
+# more than MERIDIAN_HEARTBEAT_FOLD_BACKLOG heartbeats waiting, "async" records in the request too.
+MERIDIAN_HEARTBEAT_FOLD = _env_choice("MERIDIAN_HEARTBEAT_FOLD", "sync", choices=("sync", "async"))
+MERIDIAN_HEARTBEAT_FOLD_SECONDS = _env_float("MERIDIAN_HEARTBEAT_FOLD_SECONDS", 1.0, minimum=0.1)
+MERIDIAN_HEARTBEAT_FOLD_BACKLOG = _env_int("MERIDIAN_HEARTBEAT_FOLD_BACKLOG", 50_000, minimum=1)
 # The fast path's statements are prepared on the server once per connection (jobs.bulk.cursor_prepared);
 # 0 for an external pooler in transaction mode that cannot carry them (PgBouncer before 1.21).
 MERIDIAN_DB_PREPARED_STATEMENTS = _env_int("MERIDIAN_DB_PREPARED_STATEMENTS", 1, minimum=0) == 1
@@ -374,6 +382,10 @@ CELERY_BEAT_SCHEDULE = {
     # Liveness leases (Redis) -> Node.last_heartbeat, one batched UPDATE (fleet.leases.leases_flush).
     "leases-flush": {"task": "fleet.tasks.leases_flush", "schedule": MERIDIAN_LEASE_FLUSH_SECONDS,
                      "options": {"expires": MERIDIAN_LEASE_FLUSH_SECONDS}},
+    # Queued full heartbeats (MERIDIAN_HEARTBEAT_FOLD=async) recorded in batches (jobs/heartbeat_fold.py);
+    # scheduled in "sync" too, so a queue left by an earlier "async" run is drained (one XLEN when empty).
+    "heartbeats-fold": {"task": "jobs.tasks.heartbeats_fold", "schedule": MERIDIAN_HEARTBEAT_FOLD_SECONDS,
+                        "options": {"expires": MERIDIAN_HEARTBEAT_FOLD_SECONDS}},
 }
 
 CHANNEL_LAYERS = {

@@ -79,9 +79,9 @@ class Message:
                                 f"{cls.VERSION}; "
                                 "upgrade this side first")
         values = {}
-        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for field, hint, optional in _plan(cls):
             name = _join(path, field.name)
-            if field.name not in obj or (obj[field.name] is None and _optional(_hints(cls)[field.name])):
+            if field.name not in obj or (obj[field.name] is None and optional):
                 if field.default is not dataclasses.MISSING:
                     values[field.name] = field.default
                     continue
@@ -90,7 +90,7 @@ class Message:
                     continue
                 if field.name not in obj:
                     raise ProtocolError(name, "is required")
-            value = _decode(_hints(cls)[field.name], obj[field.name], name)
+            value = _decode(hint, obj[field.name], name)
             _check_bounds(field, value, name)
             values[field.name] = value
         return cls(**values)
@@ -190,13 +190,61 @@ def _is_union(hint: Any) -> bool:
     return get_origin(hint) in (typing.Union, types.UnionType)
 
 
-def _decode(hint: Any, value: Any, path: str) -> Any:
+_plans: dict[type, tuple] = {}
+
+
+def _plan(cls: type) -> tuple:
+    """Returns ((field, its type hint, whether it may be null), ...) of message type `cls`, worked
+    out once per type: decoding asked typing for the same answers for every field of every message."""
+    plan = _plans.get(cls)
+    if plan is None:
+        hints = _hints(cls)
+        plan = _plans[cls] = tuple((field, hints[field.name], _optional(hints[field.name]))
+                                   for field in dataclasses.fields(cls))
+    return plan
+
+
+_shapes: dict[Any, tuple] = {}
+
+
+def _shape(hint: Any) -> tuple:
+    """Returns what _decode needs to know of a type hint, worked out once per hint: (kind, ...)."""
+    shape = _shapes.get(hint)
+    if shape is not None:
+        return shape
     if hint is Any:
+        shape = ("any",)
+    elif _is_union(hint):
+        shape = ("union", tuple(option for option in get_args(hint) if option is not type(None)),
+                 type(None) in get_args(hint))
+    elif get_origin(hint) is Literal:
+        shape = ("literal", get_args(hint))
+    elif get_origin(hint) is tuple:
+        args = get_args(hint)
+        shape = ("items", args[0]) if len(args) == 2 and args[1] is Ellipsis else ("fixed", args)
+    elif get_origin(hint) is dict:
+        shape = ("dict", *get_args(hint))
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        shape = ("enum", hint, tuple(member.value for member in hint))
+    elif isinstance(hint, type) and issubclass(hint, Message):
+        shape = ("message", hint)
+    elif hint in (bool, int, float, str):
+        shape = (hint.__name__,)
+    else:
+        shape = ("unsupported",)
+    _shapes[hint] = shape
+    return shape
+
+
+def _decode(hint: Any, value: Any, path: str) -> Any:
+    shape = _shape(hint)
+    kind = shape[0]
+    if kind == "any":
         return value
-    if _is_union(hint):
-        options = [option for option in get_args(hint) if option is not type(None)]
+    if kind == "union":
+        options, nullable = shape[1], shape[2]
         if value is None:
-            if type(None) in get_args(hint):
+            if nullable:
                 return None
             raise ProtocolError(path, "must not be null")
         if len(options) == 1:
@@ -208,48 +256,49 @@ def _decode(hint: Any, value: Any, path: str) -> Any:
             except ProtocolError as exc:
                 errors.append(exc.problem)
         raise ProtocolError(path, " or ".join(errors))
-    origin = get_origin(hint)
-    if origin is Literal:
-        if value not in get_args(hint) or isinstance(value, bool):
-            raise ProtocolError(path, f"must be one of {', '.join(map(repr, get_args(hint)))}, not {value!r}")
+    if kind == "literal":
+        if value not in shape[1] or isinstance(value, bool):
+            raise ProtocolError(path, f"must be one of {', '.join(map(repr, shape[1]))}, not {value!r}")
         return value
-    if origin is tuple:
+    if kind == "items":
         if not isinstance(value, (list, tuple)):
             raise ProtocolError(path, f"must be a list, not {_kind(value)}")
-        args = get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], item, f"{path}.{i}") for i, item in enumerate(value))
+        return tuple(_decode(shape[1], item, f"{path}.{i}") for i, item in enumerate(value))
+    if kind == "fixed":
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(path, f"must be a list, not {_kind(value)}")
+        args = shape[1]
         if len(value) != len(args):
             raise ProtocolError(path, f"must be a list of {len(args)} items, not {len(value)}")
         return tuple(_decode(arg, item, f"{path}.{i}") for i, (arg, item) in enumerate(zip(args, value)))
-    if origin is dict:
+    if kind == "dict":
         if not isinstance(value, dict):
             raise ProtocolError(path, f"must be a JSON object, not {_kind(value)}")
-        key_hint, value_hint = get_args(hint)
+        key_hint, value_hint = shape[1], shape[2]
         return {_decode(key_hint, key, f"{path}.{key}"): _decode(value_hint, item, f"{path}.{key}")
                 for key, item in value.items()}
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        values = [member.value for member in hint]
+    if kind == "enum":
+        values = shape[2]
         if isinstance(value, bool) or not isinstance(value, (str, int)) or value not in values:
             raise ProtocolError(path, f"must be one of {', '.join(map(repr, values))}, not {value!r}")
-        return hint(value)
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return hint.from_dict(value, path=path)
-    if hint is bool:
+        return shape[1](value)
+    if kind == "message":
+        return shape[1].from_dict(value, path=path)
+    if kind == "bool":
         if not isinstance(value, bool):
             raise ProtocolError(path, f"must be true or false, not {_kind(value)}")
         return value
-    if hint is int:
+    if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProtocolError(path, f"must be an integer, not {_kind(value)}")
         return value
-    if hint is float:
+    if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProtocolError(path, f"must be a number, not {_kind(value)}")
         if not math.isfinite(value):
             raise ProtocolError(path, "must be a finite number")
         return float(value)
-    if hint is str:
+    if kind == "str":
         if not isinstance(value, str):
             raise ProtocolError(path, f"must be a string, not {_kind(value)}")
         return value

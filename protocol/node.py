@@ -171,6 +171,12 @@ class JobReport(Message):
     host_failure: bool = False
 
 
+# Report fields that change on every beat of a running copy (its progress): agents send them with
+# the periodic full heartbeat only (agent/liveness.py), and the control plane's heartbeat folder
+# tells a report it already decided from one it did not by all the rest (jobs/heartbeat_fold.py).
+PROGRESS_FIELDS = ("step", "steps_per_s")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     """POST heartbeat/: the node's telemetry and a report on every copy it holds."""
@@ -285,8 +291,9 @@ class Rejection(Message):
 class ReportOutcome(Message):
     """What the control plane did with a heartbeat's job reports (jobs.workflows.node_report_record).
 
-    accepted: recorded; rejected: refused (see Rejection); deferred: a final state that must wait
-    (the agent reports it again)."""
+    accepted: recorded; rejected: refused (see Rejection); deferred: not decided yet, the agent
+    reports it again (a final state that must wait, or a report queued for the control plane's
+    heartbeat folder that it has not recorded yet: jobs/heartbeat_fold.py)."""
 
     accepted: tuple[int, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
     rejected: tuple[Rejection, ...] = bounded(default=(), max_length=MAX_JOBS_PER_NODE)
