@@ -260,18 +260,21 @@ def hollow_nodes(urls, tokens, n_nodes, *, checkpoint_seconds=60.0):
     return nodes
 
 
-FOLDER = [None]  # --fold async: the folder process (start_folder)
-
-# The folder process of --fold async: heartbeats_fold_all in a loop (the Celery task's body), a
-# pause of MERIDIAN_HEARTBEAT_FOLD_SECONDS when the queue is empty, until SIGINT.
-FOLD_LOOP = """
-import signal, sys, time
+# What the bench's helper processes (the folder, the tick) run first: Django on the bench's database.
+LOOP_PREAMBLE = """
+import json, signal, sys, time
 sys.path[:0] = [{root!r}, {bench!r}]
 import control_plane as cp
 class Args: db, redis = {db!r}, {redis!r}
 cp.setup_django(Args, {data_dir!r})
 from django.conf import settings
-from jobs.heartbeat_fold import heartbeats_fold_all
+"""
+
+FOLDER = [None]  # --fold async: the folder process (start_folder)
+
+# The folder process of --fold async: heartbeats_fold_all in a loop (the Celery task's body), a
+# pause of MERIDIAN_HEARTBEAT_FOLD_SECONDS when the queue is empty, until SIGINT.
+FOLD_LOOP = LOOP_PREAMBLE + """from jobs.heartbeat_fold import heartbeats_fold_all
 stop = []
 signal.signal(signal.SIGINT, lambda *_: stop.append(1))
 print("READY", flush=True)
@@ -493,14 +496,7 @@ def history_day(hours):
 # The tick process of --busy: ticks as the Celery worker does, every MERIDIAN_TICK_SECONDS, until
 # SIGINT, which ends it between two ticks (its lease released, so the bench's own ticks run after);
 # prints each tick's wall seconds.
-TICK_LOOP = """
-import json, signal, sys, time
-sys.path[:0] = [{root!r}, {bench!r}]
-import control_plane as cp
-class Args: db, redis = {db!r}, {redis!r}
-cp.setup_django(Args, {data_dir!r})
-from django.conf import settings
-from jobs.tick import tick_run
+TICK_LOOP = LOOP_PREAMBLE + """from jobs.tick import tick_run
 stop = []
 signal.signal(signal.SIGINT, lambda *_: stop.append(1))
 print("READY", flush=True)
