@@ -73,7 +73,8 @@ def _store_failed(exc: Exception, what: str) -> None:
                    REDIS_RETRY_AFTER_SECONDS)
 
 
-def _redis_errors():
+def redis_errors():
+    """Returns the exceptions of an unreachable or failing Redis (also jobs/heartbeat_fold.py)."""
     import redis
 
     return (redis.RedisError, OSError)
@@ -103,7 +104,7 @@ def leases_read(*, node_ids: Iterable[int]) -> dict[int, datetime] | None:
                 moment = _moment(raw) if raw is not None else None
                 if moment is not None:
                     leases[node_id] = moment
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         _store_failed(exc, "reading leases")
         return None
     return leases
@@ -126,7 +127,7 @@ def leases_flush(*, now: datetime) -> int:
         return 0
     try:
         raw = store.hgetall(LEASE_KEY)
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         _store_failed(exc, "flushing leases")
         return 0
     leases, forget = [], []
@@ -163,7 +164,7 @@ def leases_flush(*, now: datetime) -> int:
     if forget:
         try:
             store.hdel(LEASE_KEY, *forget)
-        except _redis_errors() as exc:
+        except redis_errors() as exc:
             _store_failed(exc, "forgetting old leases")
     return updated
 
@@ -175,7 +176,7 @@ def desired_serial_of(*, node_id: int) -> int | None:
         return None
     try:
         return int(store.hget(DESIRED_SERIAL_KEY, node_id) or 0)
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         _store_failed(exc, "reading a desired serial")
         return None
 
@@ -216,7 +217,7 @@ def desired_serials_bump(*, job_nodes: Mapping[int, set[int]] | None = None, nod
         for start in range(0, len(bumped), CHUNK):
             pipe.eval(_BUMP_SCRIPT, 1, DESIRED_SERIAL_KEY, *bumped[start:start + CHUNK])
         pipe.execute()
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         _store_failed(exc, "bumping desired serials")
         return set()
     return bump

@@ -72,7 +72,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from fleet.leases import LEASE_KEY, lease_store
+from fleet.leases import LEASE_KEY, lease_store, redis_errors
 from fleet.live import pushes_batched
 from fleet.models import Node
 from jobs.models import ControlLoopLease
@@ -112,10 +112,9 @@ def report_key(report: dict) -> str:
                            digest_size=12).hexdigest()
 
 
-def _redis_errors():
-    import redis
-
-    return (redis.RedisError, OSError)
+def report_keys(wire: dict) -> dict:
+    """Returns {job id: report_key} of a heartbeat's wire dict."""
+    return {r["job_id"]: report_key(r) for r in wire.get("jobs") or ()}
 
 
 def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, now: float | None = None
@@ -139,7 +138,7 @@ def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, no
     try:
         held = script(keys=[STREAM_KEY, LEASE_KEY, OUTCOME_KEY.format(node_id=node_id)],
                       args=[settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG, node_id, repr(now), body])
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         logger.warning("heartbeat queue: Redis unreachable (%s); recorded in the request", exc)
         return None
     if held is None:
@@ -169,10 +168,10 @@ def heartbeat_outcomes_remember(*, node_id: int, wire: dict, outcome: ReportOutc
     store = lease_store()
     if store is None:
         return
-    keys = {r["job_id"]: report_key(r) for r in wire.get("jobs") or ()}
+    keys = report_keys(wire)
     try:
         store.set(OUTCOME_KEY.format(node_id=node_id), json.dumps(_outcome_wire(outcome, keys)), ex=OUTCOME_TTL)
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         logger.warning("heartbeat outcomes: Redis unreachable (%s)", exc)
 
 
@@ -188,10 +187,8 @@ class FoldResult:
     rounds: int = 0
 
     def __add__(self, other: FoldResult) -> FoldResult:
-        return FoldResult(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
-
-    def astuple(self):
-        return (self.entries, self.recorded, self.coalesced, self.skipped, self.rounds)
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return FoldResult(*(a + b for a, b in pairs))
 
 
 @dataclass
@@ -240,7 +237,7 @@ def _decode(entry_id, fields) -> _Beat | None:
         return _Beat(entry=entry_id, node_id=int(fields["node"]),
                      now=datetime.fromtimestamp(float(fields["at"]), tz=dt_timezone.utc), wire=wire,
                      heartbeat=Heartbeat.from_dict(wire),  # checked again: what is recorded is decoded here
-                     keys={r["job_id"]: report_key(r) for r in wire.get("jobs") or ()})
+                     keys=report_keys(wire))
     except (KeyError, ValueError, TypeError) as exc:  # only the web path writes here: a bug, said loudly
         logger.error("heartbeat queue: entry %s unreadable (%s); dropped", entry_id, exc)
         return None
@@ -315,7 +312,7 @@ def heartbeats_fold(*, limit: int = FOLD_BATCH) -> FoldResult:
     try:
         if not store.xlen(STREAM_KEY):
             return FoldResult()
-    except _redis_errors() as exc:
+    except redis_errors() as exc:
         logger.warning("heartbeat folder: Redis unreachable (%s)", exc)
         return FoldResult()
     ControlLoopLease.objects.get_or_create(name=FOLD_DUTY)
@@ -351,7 +348,7 @@ def heartbeats_fold(*, limit: int = FOLD_BATCH) -> FoldResult:
     ids = [entry_id for entry_id, _ in entries]
     try:
         _acknowledge(store, ids=ids, outcomes=outcomes)
-    except _redis_errors() as exc:  # recorded: the entries are skipped when read again (the cursor)
+    except redis_errors() as exc:  # recorded: the entries are skipped when read again (the cursor)
         logger.warning("heartbeat folder: could not acknowledge %d entries (%s)", len(ids), exc)
     return FoldResult(entries=len(entries), recorded=len(beats), coalesced=coalesced, skipped=skipped,
                       rounds=len(rounds))

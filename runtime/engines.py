@@ -264,10 +264,7 @@ class CriuEngine(Engine):
     def _save_private_dirs(launcher: Launcher, staging: os.PathLike | str, job: criu.JobCredentials) -> None:
         """Saves the ranks' private /tmp and /dev/shm into the checkpoint while the ranks are
         parked or gone (runtime/private_dirs.py PrivateDirs.save_into)."""
-        dirs = launcher.sandbox.private_dirs if launcher.sandbox is not None else None
-        if dirs is None:
-            raise LaunchError("internal error: a sandboxed CRIU dump without the ranks' private folders")
-        dirs.save_into(staging, uid=job.uid)
+        _private_dirs(launcher).save_into(staging, uid=job.uid)
 
     def _dump_spanning_hosts(self, launcher: Launcher, request: CutRequest, step: int,
                              staging: os.PathLike) -> None:
@@ -401,9 +398,7 @@ class CriuEngine(Engine):
         """Makes this host's new private /tmp and /dev/shm, puts back what the checkpoint saved of
         the old ones, and returns where criu restores a sandboxed rank (criu.SandboxedRestore)."""
         launcher.make_private_dirs()
-        dirs = launcher.sandbox.private_dirs if launcher.sandbox is not None else None
-        if dirs is None:
-            raise LaunchError("internal error: a sandboxed CRIU restore without the ranks' private folders")
+        dirs = _private_dirs(launcher)
         try:
             dirs.load_from(checkpoint)
         except (OSError, PrivateDirsError) as exc:
@@ -530,6 +525,14 @@ class FrameworkEngine(Engine):
                 group.close_inner()
             end_children()
             os._exit(EXIT_CUT_STOP)
+
+
+def _private_dirs(launcher: Launcher):
+    """Returns the sandboxed ranks' private /tmp and /dev/shm (runtime/private_dirs.py PrivateDirs)."""
+    dirs = launcher.sandbox.private_dirs if launcher.sandbox is not None else None
+    if dirs is None:
+        raise LaunchError("internal error: a sandboxed CRIU checkpoint without the ranks' private folders")
+    return dirs
 
 
 def _stop_all(launcher: Launcher) -> list[int]:
