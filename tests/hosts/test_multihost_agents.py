@@ -271,6 +271,14 @@ def launcher_events(host, kind):
     return [event for event in map(json.loads, found.splitlines()) if event.get("event") == kind]
 
 
+def restored_after(host, seen, cp, job_id):
+    """Waits until `host`'s launchers wrote more than `seen` "restored" events; returns them all."""
+    def more():
+        found = launcher_events(host, "restored")
+        return found if len(found) > seen else None
+    return poll(f"{host.name}'s launcher to restore", more, timeout=600, on_timeout=lambda: cp.diagnose(job_id))
+
+
 @pytest.mark.criu
 @pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")
 @pytest.mark.timeout(2400)  # about 4 min on an idle 2-core machine
@@ -301,9 +309,13 @@ def test_a_criu_job_on_two_hosts_is_preempted_restored_on_two_other_hosts_and_su
     start_agent(2, engine="criu", checkpoint_every=0), start_agent(3, engine="criu", checkpoint_every=0)
     poll("the job to run on mh-2 and mh-3", lambda: runs_on(cp, job, hosts=["mh-2", "mh-3"]), timeout=900,
          on_timeout=lambda: cp.diagnose(job))
-    for host in (cluster[2], cluster[3]):  # each host restored its own ranks' process images
-        restored = launcher_events(host, "restored")
+    # Each host restored its own ranks' process images. The job runs once its launchers start; a
+    # launcher writes "restored" only when criu is done, so wait for it.
+    restored_before = {}
+    for host in (cluster[2], cluster[3]):
+        restored = restored_after(host, 0, cp, job)
         assert [(e["engine"], e["step"]) for e in restored] == [("criu", preempted_at)], (restored, cp.diagnose(job))
+        restored_before[host.name] = len(restored)
     say(f"restored from its CRIU images on {placement(cp, job)}")
 
     # One of its hosts killed: restored again from the same images, on mh-2 and a replacement host
@@ -315,8 +327,9 @@ def test_a_criu_job_on_two_hosts_is_preempted_restored_on_two_other_hosts_and_su
          on_timeout=lambda: cp.diagnose(job))
     again = placement(cp, job)
     for host in (cluster[int(name[-1])] for name in again):  # from the same images, not from scratch
-        restored = launcher_events(host, "restored")
-        assert restored and (restored[-1]["engine"], restored[-1]["step"]) == ("criu", preempted_at), \
+        before = restored_before.get(host.name, 0)
+        restored = restored_after(host, before, cp, job)
+        assert (restored[-1]["engine"], restored[-1]["step"]) == ("criu", preempted_at), \
             (host.name, restored, cp.diagnose(job))
     say(f"restored again on {again}")
     cp.wait_state(premium, "succeeded", timeout=600)
