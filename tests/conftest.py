@@ -185,3 +185,23 @@ def pytest_collection_modifyitems(config, items):
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
+
+
+# Seconds per test file (setup + call + teardown), printed after a run of many files: CI's log
+# keeps only its tail, and the suite's time is spent file by file (fixtures, stacks, hosts).
+SECONDS_BY_FILE: dict[str, float] = {}
+FILES_SHOWN = 25
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    SECONDS_BY_FILE[path] = SECONDS_BY_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(SECONDS_BY_FILE) <= 5:
+        return
+    total = sum(SECONDS_BY_FILE.values())
+    terminalreporter.section(f"slowest {FILES_SHOWN} files (of {len(SECONDS_BY_FILE)}, {total:.0f} s in tests)")
+    for path, seconds in sorted(SECONDS_BY_FILE.items(), key=lambda item: -item[1])[:FILES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
