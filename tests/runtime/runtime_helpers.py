@@ -107,22 +107,30 @@ def load_state(path):
     return torch.load(path, weights_only=False)
 
 
+def assert_same_bits(expected, actual, path="state"):
+    """Tensors torch.equal with the same dtype, dicts with the same keys, sequences of the same
+    length, anything else ==, all the way down; a failure names the path that differs."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: a tensor became {type(actual).__name__}"
+        assert expected.dtype == actual.dtype and torch.equal(expected, actual), \
+            f"{path} differs (max abs diff {(expected.double() - actual.double()).abs().max()})"
+    elif isinstance(expected, dict):
+        assert expected.keys() == actual.keys(), path
+        for key in expected:
+            assert_same_bits(expected[key], actual[key], f"{path}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), path
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_same_bits(e, a, f"{path}/{i}")
+    else:
+        assert expected == actual, f"{path}: {expected!r} != {actual!r}"
+
+
 def assert_same_state(expected_path, actual_path):
-    """torch.equal on every parameter and every optimizer state tensor."""
+    """The saved parameters and optimizer state (every tensor, every setting) are the same bits."""
     expected, actual = load_state(expected_path), load_state(actual_path)
-    assert expected["params"].keys() == actual["params"].keys()
-    for name, tensor in expected["params"].items():
-        assert torch.equal(tensor, actual["params"][name]), f"parameter {name} differs"
-    exp_opt, act_opt = expected["optimizer"], actual["optimizer"]
-    assert exp_opt["param_groups"] == act_opt["param_groups"]
-    assert exp_opt["state"].keys() == act_opt["state"].keys()
-    for index, state in exp_opt["state"].items():
-        for key, value in state.items():
-            other = act_opt["state"][index][key]
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, other), f"optimizer state {index}.{key} differs"
-            else:
-                assert value == other, f"optimizer state {index}.{key} differs"
+    assert_same_bits({"params": expected["params"], "optimizer": expected["optimizer"]},
+                     {"params": actual["params"], "optimizer": actual["optimizer"]})
 
 
 _references = {}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runtime import framework, store
+from tests.runtime.runtime_helpers import assert_same_bits, load_state
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "framework_scripts"
@@ -46,27 +47,6 @@ def _run_ok(script, args, **env):
     return proc
 
 
-def _assert_equal_states(expected, actual, path="state"):
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), path
-        assert expected.dtype == actual.dtype and torch.equal(expected, actual), \
-            f"{path} differs (max abs diff {(expected.double() - actual.double()).abs().max()})"
-    elif isinstance(expected, dict):
-        assert expected.keys() == actual.keys(), path
-        for key in expected:
-            _assert_equal_states(expected[key], actual[key], f"{path}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(expected) == len(actual), path
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            _assert_equal_states(e, a, f"{path}/{i}")
-    else:
-        assert expected == actual, f"{path}: {expected!r} != {actual!r}"
-
-
-def _load(path):
-    return torch.load(path, weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Final states of uninterrupted runs, one per script configuration, computed once."""
@@ -77,7 +57,7 @@ def uninterrupted(tmp_path_factory):
         if args not in cache:
             out = root / f"run-{len(cache)}.pt"
             _run_ok(MLP, ["--out", out, *args])
-            cache[args] = _load(out)
+            cache[args] = load_state(out)
         return cache[args]
     return get
 
@@ -111,7 +91,7 @@ def _preempt_and_resume(tmp_path, script, args, cut_step, **env):
 def test_single_process_script_resumes_bit_exactly(tmp_path, uninterrupted, cut_step, args):
     expected = uninterrupted(*args)
     out, final_step = _preempt_and_resume(tmp_path, MLP, args, cut_step)
-    _assert_equal_states(expected, _load(out))
+    assert_same_bits(expected, load_state(out))
     assert final_step == MLP_STEPS
 
 
@@ -125,7 +105,7 @@ def test_a_resumed_run_can_be_preempted_and_resumed_again(tmp_path, uninterrupte
             TEST_SAVE_DIR=ckpt2)
     out = tmp_path / "final.pt"
     _run_ok(MLP, ["--out", out], MERIDIAN_RESUME=ckpt2)
-    _assert_equal_states(uninterrupted(), _load(out))
+    assert_same_bits(uninterrupted(), load_state(out))
 
 
 def _free_port():
@@ -158,7 +138,7 @@ def _run_ddp(tmp_path, out, **env):
 def ddp_uninterrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     _run_ddp(root, root / "base.pt")
-    return [_load(f"{root}/base.pt.rank{r}") for r in range(2)]
+    return [load_state(f"{root}/base.pt.rank{r}") for r in range(2)]
 
 
 @pytest.mark.parametrize("cut_step", [4, 7], ids=["cut-4-epoch-end", "cut-7"])
@@ -168,7 +148,7 @@ def test_two_rank_ddp_script_resumes_bit_exactly(tmp_path, ddp_uninterrupted, cu
     assert sorted(p.name for p in ckpt.iterdir()) == ["rank-0", "rank-1"]
     _run_ddp(tmp_path, tmp_path / "resumed.pt", MERIDIAN_RESUME=ckpt)
     for r in range(2):
-        _assert_equal_states(ddp_uninterrupted[r], _load(f"{tmp_path}/resumed.pt.rank{r}"))
+        assert_same_bits(ddp_uninterrupted[r], load_state(f"{tmp_path}/resumed.pt.rank{r}"))
 
 
 # --------------------------------------------------------------------------- refusals

@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.runtime.runtime_helpers import Job, needs_criu, unique_id
+from tests.runtime.runtime_helpers import Job, assert_same_bits, load_state, needs_criu, unique_id
 
 pytestmark = pytest.mark.runtime
 
@@ -49,26 +48,6 @@ def run_ok(name, cwd, *args, **env):
     proc = run_script(name, cwd, *args, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def assert_equal(expected, actual, path="final"):
-    if isinstance(expected, torch.Tensor):
-        assert torch.equal(expected, actual), \
-            f"{path} differs (max abs diff {(expected.double() - actual.double()).abs().max()})"
-    elif isinstance(expected, dict):
-        assert expected.keys() == actual.keys(), path
-        for key in expected:
-            assert_equal(expected[key], actual[key], f"{path}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(expected) == len(actual), path
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            assert_equal(e, a, f"{path}/{i}")
-    else:
-        assert expected == actual, f"{path}: {expected!r} != {actual!r}"
-
-
-def load(path):
-    return torch.load(path, weights_only=False)
 
 
 def cut_and_resume(name, tmp_path, *args, migrate=False, **env):
@@ -117,12 +96,12 @@ def test_framework_resumes_bit_exactly(name, migrate, tmp_path):
     if name == "compiled.py" and not _compile_works():
         pytest.skip("torch.compile (inductor) does not run on this machine's CPU toolchain")
     run_ok(name, tmp_path / "uninterrupted", TEST_STEP_FILE=tmp_path / "steps-uninterrupted.json")
-    expected = load(tmp_path / "uninterrupted" / "final.pt")
+    expected = load_state(tmp_path / "uninterrupted" / "final.pt")
     where, proc = cut_and_resume(name, tmp_path, migrate=migrate)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = json.loads((tmp_path / "steps-uninterrupted.json").read_text())["step"]
     assert steps > CUT_STEP and json.loads((tmp_path / "step.json").read_text())["step"] == steps
-    assert_equal(expected, load(where / "final.pt"))
+    assert_same_bits(expected, load_state(where / "final.pt"))
 
 
 def test_framework_resumes_an_unseeded_but_seed_independent_script_exactly(tmp_path):
@@ -135,7 +114,7 @@ def test_framework_resumes_an_unseeded_but_seed_independent_script_exactly(tmp_p
     run_ok(name, first, TEST_CUT_STEP=CUT_STEP, TEST_SAVE_DIR=tmp_path / "ckpt", TEST_CUT_CONTINUE=1)
     proc = run_script(name, tmp_path / "node-b", MERIDIAN_RESUME=tmp_path / "ckpt")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_equal(load(first / "final.pt"), load(tmp_path / "node-b" / "final.pt"))
+    assert_same_bits(load_state(first / "final.pt"), load_state(tmp_path / "node-b" / "final.pt"))
 
 
 # --------------------------------------------------------------------------- framework: refused
@@ -284,10 +263,10 @@ def test_criu_resumes_exactly_what_the_framework_engine_refuses(name, tmp_path, 
     answer = first.control.checkpoint(at_step=CUT_STEP)
     assert answer["step"] == CUT_STEP and answer["engine"] == "criu"
     first.finish(0)
-    expected = load(out)
+    expected = load_state(out)
     out.unlink()
     resumed = Job(node, ranks=1, script=CORPUS / name, out=out, engine="criu", job_id=job_id,
                   resume=True)
     jobs.append(resumed)
     resumed.finish(0)
-    assert_equal(expected, load(out))
+    assert_same_bits(expected, load_state(out))
