@@ -594,13 +594,14 @@ class Launcher:
 
     def choose_engine(self) -> tuple[str, str]:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
-        (runtime/sandbox.py criu_refusal_for_sandbox: one spanning hosts) gets the framework engine
-        under auto, and --engine criu is refused with the reason; on one host CRIU dumps them as the
-        job's uid (runtime/criu.py), and auto picks it as for an unsandboxed job. A job spanning
-        hosts gets the framework engine under auto too: a CRIU checkpoint of it restores only onto
-        as many hosts as dumped it (runtime/criu_parts.py), and the control loop resizes and moves
-        such jobs across host counts; `--engine criu` asks for it."""
-        refusal = (job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
+        (runtime/sandbox.py criu_refusal_for_sandbox: no setpriv) gets the framework engine under
+        auto, and --engine criu is refused with the reason; otherwise CRIU dumps them as the job's
+        uid (runtime/criu.py), on one host or each host's part (runtime/criu_parts.py), and auto
+        picks it as for an unsandboxed job. A job spanning hosts gets the framework engine under
+        auto, sandboxed or not: a CRIU checkpoint of it restores only onto as many hosts as dumped
+        it (runtime/criu_parts.py), and the control loop resizes and moves such jobs across host
+        counts; `--engine criu` asks for it."""
+        refusal = (job_sandbox.criu_refusal_for_sandbox()
                    if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
@@ -657,7 +658,7 @@ class Launcher:
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
         if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
-            refusal = job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
+            refusal = job_sandbox.criu_refusal_for_sandbox()
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()
