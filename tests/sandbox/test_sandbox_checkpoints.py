@@ -106,6 +106,7 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
         launched = json.loads((node_a.jobs[job_id].job_dir / "launcher.json").read_text())
         assert not os.path.exists(launched["private_tmp"]) and not os.path.exists(launched["private_shm"])
         assert stopped["checkpoint"]["engine"] == engine
+        outputs["left_out"] = [stopped["checkpoint"].get("left_out")]
         generation = 2
         if node_m is not None:
             workspace(node_root / "m", job_id)
@@ -122,6 +123,7 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
             node_m.reconcile([{"job_id": job_id, "action": "stop", "generation": 2}])
             stopped = outcome(node_m, job_id)
             assert stopped["state"] == "stopped", stopped.get("error")
+            outputs["left_out"].append(stopped["checkpoint"].get("left_out"))
             generation = 3
 
         # The workspace (outputs) follows the job: here, by hand (the workspace code does it).
@@ -185,6 +187,11 @@ def test_criu_dumps_a_sandboxed_job_and_restores_it_on_another_node_bit_exactly(
     outputs = _stop_on_a_and_finish_on_b(node_root, "criu", 71, script=HOLDING_TMP, epochs=10, via_m=True)
     for rank, (got, want) in outputs["held"].items():
         assert got == want and min(got.values()) > 0, (rank, got, want)
+    # Each rank's stale socket file is left out of a's checkpoint, and said so in the agent's report
+    # (and so in the job's checkpointed event); m's copy never had them, so its checkpoint left nothing out.
+    first, second = outputs["left_out"]
+    assert [line.split(":")[0] for line in first] == ["/tmp/stale-rank0.sock", "/tmp/stale-rank1.sock"], first
+    assert all("stale unix socket file" in line for line in first) and not second, outputs["left_out"]
     assert "confinement" in outputs, "the restored job finished before its ranks could be looked at"
     for seen in outputs["confinement"]:
         assert seen["caps"] == {"CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapAmb": 0}, seen
