@@ -413,7 +413,8 @@ class LocalJob:
                     self.manifest_digests = dict([*list(self.manifest_digests.items())[-3:],
                                                   (event.checkpoint, digest)])
                 return CheckpointReport(step=event.step, uri=event.checkpoint, bytes=event.bytes,
-                                        engine=event.engine or "framework", sha256=digest)
+                                        engine=event.engine or "framework", sha256=digest,
+                                        left_out=event.left_out)
         return None
 
     def last_cut(self, events: list[LaunchEvent] | None = None) -> CutReport | None:

@@ -919,6 +919,16 @@ class CheckpointNew:
     uri: str
     size_bytes: int
     sha256: str = ""
+    left_out: tuple[str, ...] = ()  # what the checkpoint could not carry, with why (its node said)
+
+
+def _left_out_reason(left_out: tuple[str, ...]) -> str:
+    """Returns the reason of a checkpoint's event: "" when it carried the whole job, else what it left
+    out (the first line, and how many more its extra_data lists), within JobEvent.reason's 500."""
+    if not left_out:
+        return ""
+    more = f" (+{len(left_out) - 1} more: see extra_data.left_out)" if len(left_out) > 1 else ""
+    return f"left out of the checkpoint: {left_out[0]}"[:500 - len(more)] + more
 
 
 def checkpoints_record(*, checkpoints: Sequence[CheckpointNew], now=None) -> list[Checkpoint]:
@@ -951,8 +961,9 @@ def checkpoints_record(*, checkpoints: Sequence[CheckpointNew], now=None) -> lis
                 [x for job_id, new in newest.items() for x in (job_id, new.step, new.size_bytes)] + [at, at])
         desired_changed(job_ids=newest)  # as job_event_add does
         JobEvent.objects.bulk_create([
-            JobEvent(job=new.job, type=JobEvent.Type.CHECKPOINTED,
-                     extra_data={"step": new.step, "engine": new.engine, "bytes": new.size_bytes, "uri": new.uri})
+            JobEvent(job=new.job, type=JobEvent.Type.CHECKPOINTED, reason=_left_out_reason(new.left_out),
+                     extra_data={"step": new.step, "engine": new.engine, "bytes": new.size_bytes, "uri": new.uri,
+                                 **({"left_out": list(new.left_out)} if new.left_out else {})})
             for new in checkpoints])
         fresh = Job.objects.in_bulk(list(newest))
         jobs = {id(new.job): new.job for new in checkpoints}  # each instance given, once

@@ -46,6 +46,7 @@ from jobs.services import (
     job_generation_bump,
     job_transition,
 )
+from protocol.launch import left_out_lines
 from protocol.node import (
     SHA256_HEX,
     DesiredJob,
@@ -511,7 +512,8 @@ def _progress_of(job, entry: JobReport) -> tuple[float | None, int | None]:
 def _checkpoint_new(job, entry: JobReport) -> CheckpointNew:
     checkpoint = entry.checkpoint
     return CheckpointNew(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework", uri=checkpoint.uri,
-                         size_bytes=checkpoint.bytes, sha256=checkpoint.sha256)
+                         size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
+                         left_out=left_out_lines(checkpoint.left_out))
 
 
 def _checkpoint_reported(entry: JobReport) -> bool:

@@ -12,6 +12,7 @@ On the control socket (runtime/control.py), one request and one answer per conne
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union
 
@@ -21,6 +22,8 @@ from protocol.states import JobNetwork, LaunchState
 
 MAX_ERROR = 20000  # characters: an error carries a log tail
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_LEFT_OUT = 20  # lines of a checkpoint's left_out on the wire; its manifest keeps them all
+MAX_LEFT_OUT_LINE = 500  # characters
 
 CheckpointAction = Literal["checkpoint", "stop"]
 
@@ -79,6 +82,19 @@ class CheckpointTaken(LaunchEvent):
     # `bytes` is what the store holds for this checkpoint itself; a CRIU checkpoint whose pages
     # are deduplicated also needs its base (runtime/criu_pages.py), named here
     base: str | None = bounded(default=None, max_length=MAX_PATH)
+    # What this checkpoint leaves out of the job's state, one line each with why (left_out_lines):
+    # a sandboxed job's stale unix socket files in its private /tmp (runtime/private_dirs.py)
+    left_out: tuple[str, ...] = bounded(default=(), max_length=MAX_LEFT_OUT + 1)
+
+
+def left_out_lines(lines: Sequence[str]) -> tuple[str, ...]:
+    """Returns `lines` (what a checkpoint left out) bounded for an event or a report: at most
+    MAX_LEFT_OUT lines of at most MAX_LEFT_OUT_LINE characters, and a last line that says how many
+    more the checkpoint's manifest lists."""
+    kept = tuple(line if len(line) <= MAX_LEFT_OUT_LINE else line[:MAX_LEFT_OUT_LINE - 1] + "…"
+                 for line in list(lines)[:MAX_LEFT_OUT])
+    more = len(lines) - len(kept)
+    return kept + ((f"… and {more} more (the checkpoint's manifest lists them all)",) if more > 0 else ())
 
 
 @dataclass(frozen=True, kw_only=True)

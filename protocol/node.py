@@ -24,6 +24,7 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
+from protocol.launch import MAX_LEFT_OUT
 from protocol.message import Message, bounded
 from protocol.states import CopyState, CutAction, DesiredAction, JobNetwork, JobState, ResumeRefused
 
@@ -125,6 +126,9 @@ class CheckpointReport(Message):
     bytes: int = bounded(default=0, minimum=0, maximum=2**62)
     engine: str | None = bounded(default=None, max_length=16)  # "criu" | "framework"
     sha256: str | None = bounded(default=None, max_length=64, pattern=SHA256_HEX)  # of MANIFEST.json
+    # What the checkpoint left out of the job's state, with why (protocol.launch.left_out_lines);
+    # the control plane writes them into the job's "checkpointed" event
+    left_out: tuple[str, ...] = bounded(default=(), max_length=MAX_LEFT_OUT + 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,14 @@ by the leader (node 0), whose folder holds one part per host:
     node<k>/rank<r>/        CRIU's images of rank r, for each r of node k's block of ranks
     node<k>/logs/           those ranks' logs (CRIU restores an open file only at its path and size)
     node<k>/dump-rank<r>.log  CRIU's own log of the dump
+    node<k>/private-tmp.tar, private-shm.tar   a sandboxed job's: what its ranks on host k left in
+                            their private /tmp and /dev/shm (runtime/private_dirs.py); the part
+                            manifest's meta `left_out` says what those copies could not carry
+
+A sandboxed job's part is dumped and restored exactly as a sandboxed job of one host is
+(runtime/engines.py dump_host_ranks and CriuEngine._restore_host_ranks, which both paths call):
+criu as the job's uid with ambient capabilities, the private folders as external mounts, each
+rank's images sealed root's, every restored task checked before it runs.
 
 At a cut every host's launcher dumps its parked ranks (left running: they stay parked, with no
 socket open, until the leader decides) into its part of the staging folder the leader named in
@@ -38,9 +46,10 @@ a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (no
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from runtime import criu, rank_logs
+from runtime import rank_logs
 from runtime import store as checkpoint_store
 from runtime.multihost import node_ranks
 
@@ -76,30 +85,33 @@ def staging_for_node(store_root, staging_dir: str) -> Path:
     return folder
 
 
-def dump_part(launcher, request, step: int, staging) -> str:
+def dump_part(launcher, request, step: int, staging, *,
+              dump_ranks: Callable[..., tuple[str, ...]]) -> str:
     """Dumps this node's ranks, parked at the cut `request` after `step`, into its part of
-    `staging`, leaving them running (still parked); writes the part manifest and returns its
-    sha256. Raises RuntimeError (a CRIU dump failed) or CheckpointError; the ranks are then still
-    parked and the caller lets them go on."""
+    `staging` with `dump_ranks` (runtime/engines.py dump_host_ranks, the one-host dump's own),
+    leaving them running (still parked); writes the part manifest (with what the part left out,
+    `left_out`) and returns its sha256. Raises RuntimeError (a CRIU dump failed), CheckpointError,
+    or what dump_ranks raises; the ranks are then still parked and the caller lets them go on."""
     part = part_dir(staging, launcher.node_rank)
     part.mkdir()
     rank_logs.carry(launcher, part / "logs")
-    for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
-        criu.dump(process.pid, part / f"rank{process.rank}", leave_running=True)
+    left_out = dump_ranks(launcher, part, leave_running=True)
     files = checkpoint_store.hash_tree(part)
     checkpoint_store.write_manifest(part, files, meta={
         "node": launcher.node_rank, "ranks": [process.rank for process in launcher.ranks],
-        "request_id": request.id, "step": step, "spool": str(launcher.spool)})
+        "request_id": request.id, "step": step, "spool": str(launcher.spool), "left_out": list(left_out)})
     checkpoint_store.fsync_dir(staging)
     return checkpoint_store.manifest_sha256(part)
 
 
 def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step: int,
-                 reported: dict[int, str | None]) -> None:
+                 reported: dict[int, str | None]) -> tuple[str, ...]:
     """Checks that `staging` holds the part of every node 0..nodes-1 as the module docstring says,
-    node k's manifest with sha256 `reported[k]`, and nothing else. Returns None; raises PartError
-    naming the first node whose part is missing or bad, and why."""
+    node k's manifest with sha256 `reported[k]`, and nothing else. Returns what the parts left out
+    (their manifests' `left_out`, each line prefixed "node k: "); raises PartError naming the
+    first node whose part is missing or bad, and why."""
     staging = Path(staging)
+    left_out: list[str] = []
     expected = {part_dir(staging, node).name for node in range(nodes)}
     strays = sorted(entry.name for entry in staging.iterdir() if entry.name not in expected)
     for node in range(nodes):
@@ -126,9 +138,14 @@ def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step:
         if wrong:
             raise PartError(f"node {node}'s part is not the one of this cut: it says {wrong}, "
                             f"the cut is {want}")
+        notes = meta.get("left_out") or []
+        if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
+            raise PartError(f"node {node}'s part manifest has a left_out that is not a list of lines")
+        left_out.extend(f"node {node}: {note}" for note in notes)
     if strays:
         raise PartError(f"the checkpoint's staging folder holds {strays[:5]} besides the parts of its "
                         f"{nodes} nodes")
+    return tuple(left_out)
 
 
 def part_spool(ref_path, node: int) -> str | None:

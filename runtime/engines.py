@@ -28,10 +28,11 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from protocol.cut import CutRequest, ResumeFile
-from runtime import criu, rank_logs
+from runtime import criu, private_dirs, rank_logs
 from runtime import spool as spool_files
 from runtime.exits import EXIT_USAGE, LaunchError, end_children
 from runtime.private_dirs import PrivateDirsError
@@ -130,10 +131,12 @@ class Engine(ABC):
 
     @abstractmethod
     def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
-             stop: bool, timeout_s: float) -> None:
+             stop: bool, timeout_s: float) -> tuple[str, ...]:
         """Called once every rank reported ready at the cut `request` (after `step`): writes the checkpoint's
         files into `staging` (the launcher commits it). With `stop`, the ranks are gone when this
         returns (or, on a job spanning hosts, wait at the cut until settle()); without, they go on.
+        Returns what the checkpoint leaves out of the job's state, one line each with why (the
+        launcher records them in the checkpoint's manifest and event); () when nothing.
         Raises LaunchError when no checkpoint was written."""
 
     def dump_part(self, launcher: Launcher, request: CutRequest, step: int) -> str:
@@ -209,32 +212,14 @@ class CriuEngine(Engine):
         return criu.namespace_init_pid(popen.pid), popen
 
     def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
-             stop: bool, timeout_s: float) -> None:
+             stop: bool, timeout_s: float) -> tuple[str, ...]:
         if launcher.nodes > 1:
-            self._dump_spanning_hosts(launcher, request, step, staging)
-            return
+            return self._dump_spanning_hosts(launcher, request, step, staging)
         staging = os.fspath(staging)
         # CRIU restores open files only at the same path and size: carry the logs.
         rank_logs.carry(launcher, os.path.join(staging, "logs"))
-        job = _job_credentials(launcher)
-        # A sandboxed job's processes are all stopped (SIGSTOP, every process of every rank's tree)
-        # while criu, as the job's uid, writes images that uid could write: a rank parked at the
-        # cut still runs (its threads, its poll for the resume file) and could otherwise edit
-        # another rank's images before they are sealed. criu dumps a stopped task as stopped; a
-        # restore leaves every task stopped anyway until it is checked (restored_refusal).
-        stopped_tasks = _stop_all(launcher) if job is not None else []
         try:
-            if job is not None:
-                # First, while every rank is parked and none is dumped yet: a private folder that
-                # cannot travel refuses the checkpoint, and a stop, before any rank is gone.
-                self._save_private_dirs(launcher, staging, job)
-            for process in launcher.ranks:  # serially: parallel dumps race inside CRIU
-                image_dir = os.path.join(staging, f"rank{process.rank}")
-                criu.dump(process.pid, image_dir, leave_running=not stop, job=job)
-                if job is not None:  # the job's uid wrote it: root's before anything of the job runs again
-                    launcher.sandbox.seal_staging(image_dir)
-            if job is not None:
-                launcher.sandbox.seal_staging(staging)  # criu's logs were the job's uid's too
+            left_out = dump_host_ranks(launcher, staging, leave_running=not stop)
         except (PrivateDirsError, OSError) as exc:
             if not any(os.path.isdir(os.path.join(staging, f"rank{p.rank}")) for p in launcher.ranks):
                 launcher.resume_ranks(request.id)  # no rank was dumped: the job goes on, a stop too
@@ -242,13 +227,12 @@ class CriuEngine(Engine):
             raise self._dump_failed(launcher, request, step, stop, exc) from None
         except (RuntimeError, SandboxError) as exc:
             raise self._dump_failed(launcher, request, step, stop, exc) from None
-        finally:
-            _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
         if not stop:
             launcher.resume_ranks(request.id)
         # The ranks are gone or running again: deduplicating the pages is no part of the downtime
         # of a checkpoint that goes on, and part of a stop's only until the store has it.
         self.pack_pages(launcher, staging)
+        return left_out
 
     @staticmethod
     def _dump_failed(launcher: Launcher, request: CutRequest, step: int, stop: bool, exc: Exception) -> LaunchError:
@@ -260,14 +244,8 @@ class CriuEngine(Engine):
         launcher.resume_ranks(request.id)  # a failed dump leaves the rank running
         return LaunchError(f"checkpoint failed at step {step}: {exc}")
 
-    @staticmethod
-    def _save_private_dirs(launcher: Launcher, staging: os.PathLike | str, job: criu.JobCredentials) -> None:
-        """Saves the ranks' private /tmp and /dev/shm into the checkpoint while the ranks are
-        parked or gone (runtime/private_dirs.py PrivateDirs.save_into)."""
-        _private_dirs(launcher).save_into(staging, uid=job.uid)
-
     def _dump_spanning_hosts(self, launcher: Launcher, request: CutRequest, step: int,
-                             staging: os.PathLike) -> None:
+                             staging: os.PathLike) -> tuple[str, ...]:
         """Leader of a job spanning hosts: dumps its own part, then checks every host's part
         (runtime/criu_parts.py). Every rank stays parked until settle()."""
         from runtime import criu_parts, multihost
@@ -278,8 +256,8 @@ class CriuEngine(Engine):
             raise LaunchError("internal error: a job spanning hosts without its peers")
         reported: dict[int, str | None] = {}
         try:
-            reported[0] = criu_parts.dump_part(launcher, request, step, staging)
-        except (RuntimeError, OSError, CheckpointError) as exc:
+            reported[0] = criu_parts.dump_part(launcher, request, step, staging, dump_ranks=dump_host_ranks)
+        except (RuntimeError, OSError, CheckpointError, PrivateDirsError, SandboxError) as exc:
             raise LaunchError(f"{action} failed at step {step} on node 0: {exc}; no checkpoint was "
                               "committed and the job goes on") from None
         reported.update(multihost.reported_parts(peers, request.id))
@@ -289,8 +267,8 @@ class CriuEngine(Engine):
             multihost.announce_outcome(peers, request.id, multihost.OUTCOME_DUMPED)
             launcher.resume_ranks(request.id)
         try:
-            criu_parts.verify_parts(staging, nodes=launcher.nodes, world_size=launcher.world_size,
-                                    request_id=request.id, step=step, reported=reported)
+            return criu_parts.verify_parts(staging, nodes=launcher.nodes, world_size=launcher.world_size,
+                                           request_id=request.id, step=step, reported=reported)
         except CheckpointError as exc:
             raise LaunchError(f"{action} refused at step {step}: {exc}; no checkpoint was committed "
                               "and the job goes on") from None
@@ -300,8 +278,8 @@ class CriuEngine(Engine):
         from runtime.store import CheckpointError
         try:
             staging = criu_parts.staging_for_node(launcher.store.root, request.staging_dir or "")
-            return criu_parts.dump_part(launcher, request, step, staging)
-        except (RuntimeError, OSError, CheckpointError) as exc:
+            return criu_parts.dump_part(launcher, request, step, staging, dump_ranks=dump_host_ranks)
+        except (RuntimeError, OSError, CheckpointError, PrivateDirsError, SandboxError) as exc:
             raise LaunchError(f"node {launcher.node_rank} could not dump its part: {exc}") from None
 
     def settle(self, launcher: Launcher, request: CutRequest, *, committed: bool, stop: bool) -> None:
@@ -374,10 +352,24 @@ class CriuEngine(Engine):
         launcher.fresh_spool()
         # Linked before any restored rank writes: this attempt starts at the restored size.
         rank_logs.put_back(launcher, local / "logs")
-        job = _job_credentials(launcher)
-        sandboxed = self._sandboxed_restore(launcher, local, job) if job is not None else None
         try:
-            for rank in range(launcher.world_size):
+            self._restore_host_ranks(launcher, images, saved=local, ranks=range(launcher.world_size))
+        finally:
+            if images != local:  # the restored ranks no longer need their images
+                shutil.rmtree(images, ignore_errors=True)
+        launcher.last_request_id = int(meta["request_id"])
+        launcher.resume_ranks(int(meta["request_id"]))
+
+    def _restore_host_ranks(self, launcher: Launcher, images: Any, *, saved: Any, ranks: Iterable[int]) -> None:
+        """Restores this host's `ranks` from images/rank<r>, a job of one host or one host's part of
+        a job spanning hosts alike. A sandboxed job's: onto this host's new private /tmp and
+        /dev/shm, holding what `saved` (the checkpoint, or the part) kept of the old ones, by criu as
+        the job's uid, each rank left stopped until every one passed criu.restored_refusal. Raises
+        LaunchError after killing every rank it restored."""
+        job = _job_credentials(launcher)
+        sandboxed = self._sandboxed_restore(launcher, saved, job) if job is not None else None
+        try:
+            for rank in ranks:
                 pid = criu.restore(images / f"rank{rank}", work_dir=launcher.job_dir / "restore",
                                    sandboxed=sandboxed)
                 launcher.ranks.append(RankProcess(rank, pid))
@@ -387,11 +379,6 @@ class CriuEngine(Engine):
             for process in launcher.ranks:
                 criu.kill_restored(process.pid)
             raise LaunchError(f"--resume: {exc}") from None
-        finally:
-            if images != local:  # the restored ranks no longer need their images
-                shutil.rmtree(images, ignore_errors=True)
-        launcher.last_request_id = int(meta["request_id"])
-        launcher.resume_ranks(int(meta["request_id"]))
 
     @staticmethod
     def _sandboxed_restore(launcher: Launcher, checkpoint: Any, job: criu.JobCredentials) -> criu.SandboxedRestore:
@@ -433,9 +420,7 @@ class CriuEngine(Engine):
         launcher.restore_at_dumped_spool({"spool": spool})
         launcher.fresh_spool()
         rank_logs.put_back(launcher, part / "logs")
-        for rank in launcher.local_ranks:
-            pid = criu.restore(part / f"rank{rank}", work_dir=launcher.job_dir / "restore")
-            launcher.ranks.append(RankProcess(rank, pid))
+        self._restore_host_ranks(launcher, part, saved=part, ranks=launcher.local_ranks)
         launcher.last_request_id = int(meta["request_id"])
         launcher.resume_ranks(int(meta["request_id"]))
 
@@ -486,10 +471,11 @@ class FrameworkEngine(Engine):
         return popen.pid, popen
 
     def dump(self, launcher: Launcher, request: CutRequest, step: int, staging: os.PathLike, *,
-             stop: bool, timeout_s: float) -> None:
+             stop: bool, timeout_s: float) -> tuple[str, ...]:
         # The ranks wrote their state into staging before they reported "saved".
         if stop:
             launcher.wait_all_exit(timeout_s)
+        return ()
 
     def restore(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
         launcher.fresh_spool()
@@ -525,6 +511,40 @@ class FrameworkEngine(Engine):
                 group.close_inner()
             end_children()
             os._exit(EXIT_CUT_STOP)
+
+
+def dump_host_ranks(launcher: Launcher, folder: os.PathLike | str, *, leave_running: bool) -> tuple[str, ...]:
+    """Dumps this host's ranks, parked at a cut, into folder/rank<r> (serially: parallel dumps race
+    inside CRIU), for a job of one host (folder: the staging folder) and for one host's part of a
+    job spanning hosts (runtime/criu_parts.py) alike; returns what the private folders' copy left
+    out (PrivateDirs.save_into), () for an unsandboxed job.
+
+    A sandboxed job's: every process of every rank's tree is stopped (SIGSTOP) while criu, as the
+    job's uid (criu.JobCredentials), writes images that uid could write: a rank parked at the cut
+    still runs (its threads, its poll for the resume file) and could otherwise edit another rank's
+    images before they are sealed. First, before any rank is dumped, the private /tmp and /dev/shm
+    are saved into `folder` (what cannot travel raises PrivateDirsError then, with no rank dumped);
+    each rank's images are sealed (root's) as soon as written, `folder` last (criu's logs). criu
+    dumps a stopped task as stopped; a restore leaves every task stopped until it is checked
+    (criu.restored_refusal); what was stopped here runs on once this returns or raises.
+    Raises PrivateDirsError, OSError, RuntimeError (criu) or SandboxError (a seal)."""
+    job = _job_credentials(launcher)
+    stopped_tasks = _stop_all(launcher) if job is not None else []
+    try:
+        left_out: tuple[str, ...] = ()
+        if job is not None:
+            left_out = _private_dirs(launcher).save_into(
+                folder, uid=job.uid, held_sockets=private_dirs.bound_unix_sockets(stopped_tasks))
+        for process in launcher.ranks:
+            image_dir = os.path.join(folder, f"rank{process.rank}")
+            criu.dump(process.pid, image_dir, leave_running=leave_running, job=job)
+            if job is not None:  # the job's uid wrote it: root's before anything of the job runs again
+                launcher.sandbox.seal_staging(image_dir)
+        if job is not None:
+            launcher.sandbox.seal_staging(folder)  # criu's logs were the job's uid's too
+        return left_out
+    finally:
+        _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
 
 
 def _private_dirs(launcher: Launcher):

@@ -64,6 +64,7 @@ from protocol.launch import (
     Stopped,
     StopRequest,
     event_line,
+    left_out_lines,
 )
 from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
@@ -519,7 +520,7 @@ class Launcher:
                 raise LaunchError(f"{action} refused at step {step}: "
                                   + "; ".join(f"rank {k}: {v.problem()}" for k, v in errors.items()))
             dump_began = time.monotonic()
-            self.checkpoints.dump(self, request, step, staging, stop=stop, timeout_s=timeout_s)
+            left_out = self.checkpoints.dump(self, request, step, staging, stop=stop, timeout_s=timeout_s)
             dump_s = time.monotonic() - dump_began
             if self.sandbox is not None and self.checkpoints.ranks_write_checkpoint:
                 self.sandbox.seal_staging(staging)
@@ -532,7 +533,10 @@ class Launcher:
                 "devices": self.devices, "device_map": self.device_map.plain(),
                 "device_indices": list(self.device_indices) if self.device_indices is not None else None,
                 "action": action, "script": self.script, "args": list(self.options.args),
-                "workspace": str(self.workspace.path) if self.workspace else None})
+                "workspace": str(self.workspace.path) if self.workspace else None,
+                # What the checkpoint could not carry (stale socket files of the private /tmp):
+                # kept with it, said in its event (and so in the job's events), never dropped unsaid.
+                "left_out": list(left_out)})
             commit_s = time.monotonic() - commit_began
             job_workspace.point_latest(self.workspace, saved, step=step, checkpoint=ref.uri)
         except BaseException:
@@ -546,7 +550,8 @@ class Launcher:
                                     total=round(time.monotonic() - began, 4))
         kinds = {report.cut_kind for report in reports.values()}
         self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
-                   seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base)
+                   seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base,
+                   left_out=left_out_lines(left_out))
         return CheckpointAnswer(step=step, engine=self.engine, checkpoint=ref.uri, bytes=ref.bytes,
                                 seconds=seconds)
 
@@ -589,13 +594,14 @@ class Launcher:
 
     def choose_engine(self) -> tuple[str, str]:
         """Returns (engine, why) for --engine; a sandboxed job whose ranks CRIU cannot dump here
-        (runtime/sandbox.py criu_refusal_for_sandbox: one spanning hosts) gets the framework engine
-        under auto, and --engine criu is refused with the reason; on one host CRIU dumps them as the
-        job's uid (runtime/criu.py), and auto picks it as for an unsandboxed job. A job spanning
-        hosts gets the framework engine under auto too: a CRIU checkpoint of it restores only onto
-        as many hosts as dumped it (runtime/criu_parts.py), and the control loop resizes and moves
-        such jobs across host counts; `--engine criu` asks for it."""
-        refusal = (job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
+        (runtime/sandbox.py criu_refusal_for_sandbox: no setpriv) gets the framework engine under
+        auto, and --engine criu is refused with the reason; otherwise CRIU dumps them as the job's
+        uid (runtime/criu.py), on one host or each host's part (runtime/criu_parts.py), and auto
+        picks it as for an unsandboxed job. A job spanning hosts gets the framework engine under
+        auto, sandboxed or not: a CRIU checkpoint of it restores only onto as many hosts as dumped
+        it (runtime/criu_parts.py), and the control loop resizes and moves such jobs across host
+        counts; `--engine criu` asks for it."""
+        refusal = (job_sandbox.criu_refusal_for_sandbox()
                    if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
             raise LaunchError(f"--engine criu: {refusal}; use --engine framework or auto", EXIT_USAGE)
@@ -652,7 +658,7 @@ class Launcher:
         self.use_engine(ref.engine)
         refusal = self.checkpoints.can_resume(meta)
         if refusal is None and ref.engine == "criu" and self.sandbox and self.sandbox.identity:
-            refusal = job_sandbox.criu_refusal_for_sandbox(nodes=self.nodes)
+            refusal = job_sandbox.criu_refusal_for_sandbox()
         if refusal is not None:
             raise LaunchError(f"--resume: {refusal}", EXIT_USAGE)
         self.checkpoints.prepare()

@@ -49,12 +49,18 @@ criu needs for another uid). What that needs from this file:
 - the contents of both folders travel in the checkpoint (`save_into`, `load_from`: private-tmp.tar,
   private-shm.tar, owners and modes kept): a restored rank holding a file open there gets it back at
   its size. What cannot travel (a device, a fifo, a link leading outside the folder, a file of another
-  uid) refuses the checkpoint, naming it; sockets are left out.
+  uid) refuses the checkpoint, naming it. A unix socket file cannot travel either (a copied file is
+  no socket): one that a process of the job holds bound (`bound_unix_sockets`: a server a rank
+  started, listening there) refuses the checkpoint, naming it, since after a restore its clients
+  would find nothing; a stale one (its process ended, the file stayed) is left out and RECORDED:
+  save_into returns it with the reason, and the checkpoint's manifest and event say so
+  (runtime/engines.py, runtime/launcher.py).
 The dump declares /tmp and /dev/shm external ("tmp", "shm") and the restore maps them onto the NEW
 folders of the restoring launcher; every restored task is checked before it runs (criu.py).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -185,12 +191,33 @@ class PrivateDirs:
             args += ["--cover", f"{node_dir}={private}"]
         return args + ["--"]
 
-    def save_into(self, folder: os.PathLike | str, *, uid: int) -> None:
+    def save_into(self, folder: os.PathLike | str, *, uid: int,
+                  held_sockets: frozenset[str] | None = None) -> tuple[str, ...]:
         """Writes what the ranks left in both folders into `folder` (a CRIU checkpoint's staging
         folder) as tmp.tar and shm.tar, owners and modes kept: a restored rank finds them again (and
-        the files it holds open there, at their sizes). Raises PrivateDirsError, naming it, for what
-        cannot travel: an entry owned by another uid than the job's or root's, a device or fifo, a
-        link that leads outside its folder. Sockets are left out (a rank at a cut holds none)."""
+        the files it holds open there, at their sizes). Returns what was left out, one line each
+        with why: the stale unix socket files (no process of the job holds them bound), which a
+        copy cannot make sockets again. Raises PrivateDirsError, naming it, for what cannot
+        travel: a socket file a process of the job holds bound (`held_sockets`, the paths as the
+        ranks see them: bound_unix_sockets; one bound at a relative path counts as every socket
+        file, since where it lies is unknown), an entry owned by another uid than the job's or
+        root's, a device or fifo, a link that leads outside its folder."""
+        held = held_sockets or frozenset()
+        unknown_place = sorted(path for path in held if not path.startswith("/"))
+        left_out: list[str] = []
+        for node_dir, private in self.covers():
+            for socket_file in _socket_files(private):
+                seen = f"{node_dir}/{socket_file}"
+                if seen in held or unknown_place:
+                    why = ("a process of the job holds it bound" if seen in held else
+                           f"a process of the job holds a unix socket bound at the relative path "
+                           f"{unknown_place[0]!r}, which may be this one")
+                    raise PrivateDirsError(f"{seen} is a unix socket and {why} (a server listening there): a "
+                                           "checkpoint cannot carry a live socket (a copied file is no socket), "
+                                           "so the restored job would find it gone; refused. Close it before "
+                                           "the cut, or use the framework engine")
+                left_out.append(f"{seen}: a stale unix socket file (no process of the job holds it): not saved, "
+                                "a restored job does not find it")
         for name, private in ((TMP_ARCHIVE, self.tmp), (SHM_ARCHIVE, self.shm)):
             def checked(member: tarfile.TarInfo, root: str = str(private)) -> tarfile.TarInfo:
                 if member.uid not in (0, uid):
@@ -204,6 +231,7 @@ class PrivateDirs:
                     except tarfile.FilterError as exc:
                         raise PrivateDirsError(f"the ranks' private {private}: {exc}: "
                                                "refused in a checkpoint") from None
+        return tuple(left_out)
 
     def load_from(self, folder: os.PathLike | str) -> None:
         """Puts back into both (new) folders what save_into wrote in `folder` (a verified
@@ -229,6 +257,52 @@ class PrivateDirs:
 
 
 TMP_ARCHIVE, SHM_ARCHIVE = "private-tmp.tar", "private-shm.tar"  # in a CRIU checkpoint
+
+
+def _socket_files(folder: pathlib.Path) -> list[str]:
+    """Returns the paths (relative to `folder`) of the unix socket files under it, sorted: tarfile
+    skips a socket without a word (TarFile.add), so save_into looks for them itself."""
+    found = []
+    for root, _dirs, files in os.walk(folder):
+        for entry in files:
+            path = pathlib.Path(root) / entry
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    found.append(str(path.relative_to(folder)))
+    return sorted(found)
+
+
+def bound_unix_sockets(pids: list[int]) -> frozenset[str]:
+    """Returns the paths at which the processes `pids` hold unix sockets bound, as those processes
+    see them (/proc/<pid>/net/unix of each one's network namespace, matched to the socket inodes of
+    its /proc/<pid>/fd): absolute, or relative to where the process was when it bound. Abstract
+    sockets (no file) and processes that are gone are left out."""
+    held: set[str] = set()
+    tables: dict[str, dict[str, str]] = {}  # network namespace -> socket inode -> bound path
+    for pid in pids:
+        try:
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+            if netns not in tables:
+                tables[netns] = _unix_socket_paths(pid)
+            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        for target in inodes:
+            if target.startswith("socket:[") and target[8:-1] in tables[netns]:
+                held.add(tables[netns][target[8:-1]])
+    return frozenset(held)
+
+
+def _unix_socket_paths(pid: int) -> dict[str, str]:
+    """Returns {socket inode: path} of the bound, non-abstract unix sockets /proc/<pid>/net/unix lists."""
+    paths = {}
+    with open(f"/proc/{pid}/net/unix") as handle:
+        next(handle, None)  # the header
+        for line in handle:
+            fields = line.split(None, 7)
+            if len(fields) == 8 and not fields[7].startswith("@"):
+                paths[fields[6]] = fields[7].rstrip("\n")
+    return paths
 
 
 def _travelling(member: tarfile.TarInfo, root: str) -> tarfile.TarInfo:

@@ -549,20 +549,12 @@ def criu_refusal_for_other_uids() -> str | None:
     return None
 
 
-SPANNING_HOSTS_NOT_FOR_CRIU = (
-    "CRIU is not built for sandboxed jobs spanning hosts: runtime/criu_parts.py dumps each host's part "
-    "with root's criu, not as the job's uid onto each host's private /tmp and /dev/shm (runtime/criu.py); "
-    "such a job uses the framework engine")
-
-
-def criu_refusal_for_sandbox(*, nodes: int = 1) -> str | None:
-    """Returns None when CRIU can checkpoint a sandboxed job's ranks on `nodes` host(s) here, else
-    why not. On one host it can: criu runs as the job's uid in its unprivileged mode, with the
-    private /tmp and /dev/shm as external mounts and their contents in the checkpoint
-    (runtime/criu.py). Spanning hosts it cannot (SPANNING_HOSTS_NOT_FOR_CRIU). Whether CRIU itself
-    works here is the engine's own check (criu.check_available)."""
-    if nodes > 1:
-        return SPANNING_HOSTS_NOT_FOR_CRIU
+def criu_refusal_for_sandbox() -> str | None:
+    """Returns None when CRIU can checkpoint a sandboxed job's ranks here, else why not: criu runs
+    as the job's uid in its unprivileged mode, with the private /tmp and /dev/shm as external mounts
+    and their contents in the checkpoint (runtime/criu.py), on one host and on each host of a job
+    spanning hosts alike (runtime/engines.py dump_host_ranks, runtime/criu_parts.py). Whether CRIU
+    itself works here is the engine's own check (criu.check_available)."""
     if shutil.which("setpriv") is None:
         return "setpriv (util-linux) is not installed: criu runs as the job's uid through it"
     return None

@@ -58,6 +58,13 @@ def _image_paths_under_tmp() -> list[str]:
 
 
 STATE_ROOT = "/var/tmp/meridian-hosts"  # not under /tmp: each host mounts its own /tmp
+# The shared stores, one folder per tag, outside the hidden STATE_ROOT/<tag>: a host's bind of its
+# store lies on the machine's root file system, and a sandboxed rank's mount namespace holds it, so
+# criu, restoring that namespace AS THE JOB'S UID (runtime/criu.py), re-binds it from its path on
+# that file system: under the harness's hidden folder (a tmpfs of mode 700 over STATE_ROOT/<tag>)
+# that path was unreachable ("Can't bind-mount ... /run/meridian-store: Permission denied"). A real
+# fleet's store is a file system of its own (NFS, Lustre), mapped by its mount point instead.
+STORE_ROOT = "/var/tmp/meridian-host-stores"
 FREEZER_ROOT = "/sys/fs/cgroup/freezer"
 STORE_MOUNT = "/run/meridian-store"  # where every host sees the shared store
 NODE_DIR = "/run/meridian-node"  # node-local, per host
@@ -164,6 +171,7 @@ def _teardown_tag(tag):
         if link.startswith(f"{PREFIX}{tag}"):
             _ip("link", "delete", link, check=False)
     shutil.rmtree(os.path.join(STATE_ROOT, tag), ignore_errors=True)
+    shutil.rmtree(os.path.join(STORE_ROOT, tag), ignore_errors=True)
 
 
 def sweep_leftovers():
@@ -171,8 +179,9 @@ def sweep_leftovers():
     process is gone (a test run that was killed before its finalizers ran). Returns the tags."""
     swept = []
     tags = set()
-    if os.path.isdir(STATE_ROOT):
-        tags.update(os.listdir(STATE_ROOT))
+    for root in (STATE_ROOT, STORE_ROOT):
+        if os.path.isdir(root):
+            tags.update(os.listdir(root))
     for link in _links():
         if link.startswith(PREFIX) and len(link) >= len(PREFIX) + 4:
             tags.add(link[len(PREFIX):len(PREFIX) + 4])
@@ -340,16 +349,17 @@ class EmulatedHosts:
             raise HarnessError(reason)
         sweep_leftovers()
         self.tag = secrets.token_hex(2)
-        while os.path.exists(os.path.join(STATE_ROOT, self.tag)):
+        while any(os.path.exists(os.path.join(root, self.tag)) for root in (STATE_ROOT, STORE_ROOT)):
             self.tag = secrets.token_hex(2)
         self.subnet = _free_subnet()
         self.bridge = f"{PREFIX}{self.tag}"
         self.state_dir = os.path.join(STATE_ROOT, self.tag)
-        self.store_dir = os.path.join(self.state_dir, "store")  # the shared store, root side
+        self.store_dir = os.path.join(STORE_ROOT, self.tag)  # the shared store, root side (see STORE_ROOT)
         self.repo_root = repo_root or os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
         self.control_plane_addr = f"{SUBNET_BASE}.{self.subnet}.1" if control_plane else None
         self.hosts = []
+        os.makedirs(self.state_dir)
         os.makedirs(self.store_dir)
         os.chmod(self.store_dir, 0o1777)
         with open(os.path.join(self.state_dir, "owner"), "w") as handle:

@@ -1,6 +1,7 @@
 """CRIU across emulated hosts: one checkpoint of the whole job with every host's part
-(runtime/criu_parts.py), restored on other hosts bit-exactly; a part that is not there, or not
-what it was, is never committed nor restored."""
+(runtime/criu_parts.py), restored on other hosts bit-exactly, for an unconfined job and for a
+sandboxed one (its ranks as the job's uid with private /tmp and /dev/shm; criu as that uid on each
+host, as on one); a part that is not there, or not what it was, is never committed nor restored."""
 import json
 import os
 
@@ -9,6 +10,7 @@ from multihost_jobs import REPO, assert_equal_states, start_job, wait_job
 from polling import poll
 from test_multihost_cut import check_all, control, load, progress_step
 
+from protocol.launch import SandboxSpec
 from runtime import criu
 from runtime.store import CheckpointStore
 
@@ -20,6 +22,7 @@ CRIU_OK, CRIU_DETAIL = criu.check_available()
 
 pytestmark = [pytest.mark.runtime, pytest.mark.slow, pytest.mark.criu,
               pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")]
+JOB_UID = 1_650_100  # the sandboxed job's uid and gid on every host (no passwd entry needed)
 
 
 def events(host, job_id):
@@ -27,16 +30,35 @@ def events(host, job_id):
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_other_hosts_bit_exact(emulated_hosts):
+def _sandbox_args(cluster):
+    """The launcher arguments of a sandboxed job (what a node agent gives: runtime/sandbox.py), its
+    spec in the shared store: uid and gid JOB_UID, the node's network (the job spans hosts), no
+    cgroup (the emulated hosts' own is a v1 freezer)."""
+    path = os.path.join(cluster.store_dir, "sandbox.json")
+    with open(path, "w") as handle:
+        json.dump(SandboxSpec(uid=JOB_UID, gid=JOB_UID).to_dict(), handle)
+    os.chmod(path, 0o600)
+    return ("--sandbox", f"{cluster[0].store}/sandbox.json")
+
+
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["unconfined", "sandboxed"])
+def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_other_hosts_bit_exact(
+        emulated_hosts, sandboxed):
+    """Sandboxed: the ranks run as JOB_UID with private /tmp and /dev/shm on each host; each host's
+    part is dumped by criu as that uid (runtime/engines.py dump_host_ranks) and sealed root's, and
+    restored on hosts that never ran the job onto their new private folders, every restored task
+    checked (criu.restored_refusal) before it runs; the result is bit-exact against an unconfined,
+    uninterrupted run."""
     cluster = emulated_hosts(4)
     store = f"{cluster[0].store}/ckpt"
+    sandbox = _sandbox_args(cluster) if sandboxed else ()
     _, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, engine="criu",
                              args=[f"{cluster[0].store}/reference.pt", *ARGS])
     check_all(wait_job(processes))
 
     out = f"{cluster[0].store}/moved.pt"
     job_id, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, engine="criu",
-                                  args=[out, *ARGS], launcher_args=("--store", store))
+                                  args=[out, *ARGS], launcher_args=("--store", store, *sandbox))
     answer = control(cluster[0], job_id, "checkpoint", at_step=6)
     assert answer.get("answer", {}).get("step") == 6, answer
     assert answer["answer"]["engine"] == "criu"
@@ -53,15 +75,26 @@ def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_othe
     assert sorted(os.listdir(ref.path)) == ["MANIFEST.json", "node0", "node1"]  # one checkpoint, both parts
     for node, ranks in ((0, ("rank0", "rank1")), (1, ("rank2", "rank3"))):
         assert {name for name in os.listdir(ref.path / f"node{node}") if name.startswith("rank")} == set(ranks)
+    if sandboxed:
+        for node in (0, 1):  # each host saved its private folders into its part
+            assert {"private-tmp.tar", "private-shm.tar"} <= set(os.listdir(ref.path / f"node{node}"))
+        for path in ref.path.rglob("*"):  # written by criu as the job's uid, sealed root's before any rank ran
+            info = path.lstat()
+            assert info.st_uid == 0 and not info.st_mode & 0o022, path
 
     # Restored on two other hosts, which never ran the job: other addresses, fresh /run, /tmp, /dev/shm.
     _, processes = start_job(cluster.hosts[2:4], ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
-                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-b")
+                             launcher_args=("--store", store, "--resume", *sandbox), job_id=job_id + "-b")
     check_all(wait_job(processes))
     for host in cluster.hosts[2:4]:
         restored = [e for e in events(host, job_id + "-b") if e.get("event") == "restored"]
         assert len(restored) == 1 and restored[0]["step"] == 6 and restored[0]["engine"] == "criu", restored
         assert restored[0]["checkpoint"] == f"file://{store}/{ref.path.name}"
+        # The restored event is written only after every rank of the host passed restored_refusal
+        # (as JOB_UID, no capability, no_new_privs, its own PID and mount namespaces) and ran on.
+        if sandboxed:
+            assert restored[0]["sandbox"].startswith(f"uid {JOB_UID}, gid {JOB_UID}"), restored[0]["sandbox"]
+            assert restored[0]["sandbox"].endswith("private /tmp and /dev/shm"), restored[0]["sandbox"]
     assert_equal_states(load(cluster, "reference.pt"), load(cluster, "moved.pt"))
 
     # The same checkpoint with one byte of host 1's part changed is never restored, on any host.
@@ -71,7 +104,7 @@ def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_othe
         handle.seek(0)
         handle.write(bytes([first[0] ^ 0xFF]))
     _, processes = start_job(cluster.hosts[2:4], ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
-                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-c")
+                             launcher_args=("--store", store, "--resume", *sandbox), job_id=job_id + "-c")
     results = wait_job(processes, timeout=300)
     # Each host checks the part it restores (runtime/criu_parts.py): host 1 refuses its part, naming
     # the file, and the leader, which waits for every host's check before it restores, refuses too

@@ -7,6 +7,7 @@ saw the files the agent (root) had left there."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -207,5 +208,60 @@ def test_what_the_ranks_left_in_their_private_folders_travels_with_owners_and_mo
         with pytest.raises(private_dirs.PrivateDirsError, match="belongs to uid 4242"):
             old.save_into(checkpoint, uid=uid)
     finally:
+        old.remove()
+        new.remove()
+
+
+LISTENER = """
+import socket, sys, time
+server = socket.socket(socket.AF_UNIX)
+server.bind("/tmp/live.sock")
+server.listen()
+print("listening", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_stale_socket_file_is_left_out_and_said_and_a_live_one_refuses_the_checkpoint(node_root):
+    """A socket file cannot travel as a file (tarfile skipped it without a word). One that a process
+    of the job holds bound (a server listening in the job's /tmp, seen there as /tmp/live.sock)
+    refuses the checkpoint by name: restored, its clients would find nothing. A stale one (its
+    process gone, the file left) does not block the checkpoint: it is left out, and save_into
+    returns it with why (the checkpoint's manifest and event carry the line)."""
+    uid = gid = 1_650_002
+    os.mkdir(node_root / "a")
+    os.mkdir(node_root / "b")
+    keep = [os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.base_prefix]
+    old = private_dirs.PrivateDirs.create(job_dir=node_root / "a", job_id="s1", gid=gid, keep=keep)
+    new = private_dirs.PrivateDirs.create(job_dir=node_root / "b", job_id="s2", gid=gid, keep=keep)
+    checkpoint = node_root / "checkpoint"
+    checkpoint.mkdir()
+    listener = subprocess.Popen([*old.command(), sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "listening"
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(old.shm / "stale.sock"))
+        stale.close()  # its file stays
+        (old.tmp / "kept.txt").write_text("kept")
+        for path in (old.tmp / "live.sock", old.shm / "stale.sock", old.tmp / "kept.txt"):
+            os.lchown(path, uid, gid)
+        held = private_dirs.bound_unix_sockets([listener.pid, os.getpid()])
+        assert "/tmp/live.sock" in held, held
+        with pytest.raises(private_dirs.PrivateDirsError, match=r"/tmp/live.sock is a unix socket and a process of the "
+                                                                 r"job holds it bound .*refused"):
+            old.save_into(checkpoint, uid=uid, held_sockets=held)
+
+        listener.kill()
+        listener.wait()
+        held = private_dirs.bound_unix_sockets([os.getpid()])
+        left_out = old.save_into(checkpoint, uid=uid, held_sockets=held)
+        assert [line.split(":")[0] for line in left_out] == ["/tmp/live.sock", "/dev/shm/stale.sock"], left_out
+        assert all("stale unix socket file" in line for line in left_out)
+        new.load_from(checkpoint)
+        assert (new.tmp / "kept.txt").read_text() == "kept"
+        assert not (new.tmp / "live.sock").exists() and not (new.shm / "stale.sock").exists()
+    finally:
+        listener.kill()
+        listener.wait()
         old.remove()
         new.remove()

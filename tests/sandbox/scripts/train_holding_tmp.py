@@ -2,7 +2,9 @@
 the whole run: each rank opens /tmp/steps-rank<r>.txt and /dev/shm/steps-rank<r>.txt once, appends a
 line per optimizer step, and at the end writes how many lines each holds (read back by path) to
 <--out>.held-rank<r>.json. A CRIU checkpoint must carry both files (their contents and the open
-descriptors) for the counts to equal an uninterrupted run's.
+descriptors) for the counts to equal an uninterrupted run's. Each rank also leaves a stale unix
+socket file, /tmp/stale-rank<r>.sock (bound, then closed), which a checkpoint cannot carry and must
+say it left out (runtime/private_dirs.py save_into).
 
     train_holding_tmp.py --out PATH [train_mlp.py's other arguments]
 """
@@ -10,6 +12,7 @@ import json
 import os
 import pathlib
 import runpy
+import socket
 import sys
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -17,6 +20,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 TRAIN = pathlib.Path(__file__).resolve().parents[3] / "examples" / "train_mlp.py"
 out = sys.argv[sys.argv.index("--out") + 1]
 rank = os.environ.get("RANK", "0")
+stale = socket.socket(socket.AF_UNIX)
+stale.bind(f"/tmp/stale-rank{rank}.sock")
+stale.close()  # the file stays
 held = {path: open(path, "a", buffering=1) for path in (f"/tmp/steps-rank{rank}.txt", f"/dev/shm/steps-rank{rank}.txt")}
 
 
