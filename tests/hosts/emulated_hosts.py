@@ -198,9 +198,25 @@ def sweep_leftovers():
             pass
         if owner and _pid_alive(owner):
             continue
+        if owner is None and _made_lately(tag):
+            continue  # another run's harness between making its folders and writing its owner file
         _teardown_tag(tag)
         swept.append(tag)
     return swept
+
+
+OWNERLESS_GRACE_S = 60
+
+
+def _made_lately(tag):
+    """True when a folder of `tag` was made less than OWNERLESS_GRACE_S ago."""
+    for root in (STATE_ROOT, STORE_ROOT):
+        try:
+            if time.time() - os.stat(os.path.join(root, tag)).st_mtime < OWNERLESS_GRACE_S:
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _free_subnet():

@@ -192,7 +192,7 @@ def test_close_removes_everything_and_a_sweep_removes_what_a_dead_harness_left(e
     tag, pids = cluster.tag, [host.init_pid for host in cluster]
     cluster.close()
     assert not [link for link in harness._links() if link.startswith(harness.PREFIX + tag)]
-    assert not os.path.exists(cluster.state_dir)
+    assert not os.path.exists(cluster.state_dir) and not os.path.exists(cluster.store_dir)
     assert not [name for name in os.listdir(harness.FREEZER_ROOT) if name.startswith(harness.PREFIX + tag)]
     assert not [pid for pid in pids if harness.process_running(pid)]
 
@@ -202,4 +202,4 @@ def test_close_removes_everything_and_a_sweep_removes_what_a_dead_harness_left(e
     assert left.tag in harness.sweep_leftovers()
     assert not [link for link in harness._links() if link.startswith(harness.PREFIX + left.tag)]
     assert not harness.process_running(left[0].init_pid)
-    assert not os.path.exists(left.state_dir)
+    assert not os.path.exists(left.state_dir) and not os.path.exists(left.store_dir)
