@@ -21,6 +21,9 @@ The settings keep what Meridian ran under daphne 4.2.3's defaults:
   its connection);
 - WebSockets: a ping after 20 s idle, closed 30 s after an unanswered ping, messages of at most
   1 MiB, no per-message compression (daphne offered none; it costs CPU per push);
+- on SIGTERM or SIGINT, requests and WebSockets still open get 10 s to end before they are
+  cancelled (daphne's --application-close-timeout; uvicorn's default waits without a limit, and a
+  live page's open WebSocket would hold a stop until the supervisor's SIGKILL);
 - an access line per request on stdout (daphne's default; `--no-access-log` leaves it out);
 - no lifespan events (Django and Channels have none).
 Not kept: daphne closed a WebSocket after 24 h whatever happened on it (`--websocket_timeout`);
@@ -40,6 +43,7 @@ KEEP_ALIVE_SECONDS = 60  # daphne's (Twisted's) idle-connection timeout
 WS_PING_INTERVAL_SECONDS = 20  # daphne's --ping-interval default
 WS_PING_TIMEOUT_SECONDS = 30  # daphne's --ping-timeout default
 WS_MAX_MESSAGE_BYTES = 1024 * 1024  # daphne's --websocket-max-message-size default
+SHUTDOWN_SECONDS = 10  # daphne's --application-close-timeout default
 
 
 def web_server_argv(*, bin_dir: Path | str, bind: str = "127.0.0.1", port: int | None = None,
@@ -59,7 +63,7 @@ def web_server_argv(*, bin_dir: Path | str, bind: str = "127.0.0.1", port: int |
         str(Path(bin_dir) / "uvicorn"), APPLICATION, *listen,
         "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio",
         "--no-proxy-headers", "--lifespan", "off",
-        "--timeout-keep-alive", str(KEEP_ALIVE_SECONDS),
+        "--timeout-keep-alive", str(KEEP_ALIVE_SECONDS), "--timeout-graceful-shutdown", str(SHUTDOWN_SECONDS),
         "--ws-ping-interval", str(WS_PING_INTERVAL_SECONDS), "--ws-ping-timeout", str(WS_PING_TIMEOUT_SECONDS),
         "--ws-max-size", str(WS_MAX_MESSAGE_BYTES), "--ws-per-message-deflate", "false",
         *([] if access_log else ["--no-access-log"]),

@@ -40,6 +40,8 @@ def test_it_keeps_daphnes_timeouts_and_websocket_limits():
     assert params["timeout_keep_alive"] == KEEP_ALIVE_SECONDS == 60
     assert (params["ws_ping_interval"], params["ws_ping_timeout"]) == (20, 30)
     assert params["ws_max_size"] == 1024 * 1024 and params["ws_per_message_deflate"] is False
+    # an open WebSocket (a live page) must not hold a stop forever: daphne gave the app 10 s
+    assert params["timeout_graceful_shutdown"] == 10
 
 
 def test_it_listens_on_a_unix_socket_or_an_inherited_socket_and_on_exactly_one_thing():
