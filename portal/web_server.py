@@ -7,9 +7,10 @@ portal's live pages) through the `websockets` package's sans-I/O protocol. `./me
 end-to-end and browser harnesses, the benches and the production docs all start the web server
 through `web_server_argv`, so a setting changes in one place.
 
-Why uvicorn (it replaced daphne in session 21): per request it costs less than half of daphne's CPU
-(bench/control_plane.py --server daphne,uvicorn; docs/results.md), and the agents' leases, the
-most frequent request Meridian serves, are mostly that per-request floor.
+Why uvicorn (it replaced daphne in session 21): its per-request floor is a third to a half of
+daphne's CPU and a lease 1.35-2.35x cheaper, the agents' minute of beats 1.3-1.5x
+(bench/control_plane.py --server daphne,uvicorn; docs/results.md#asgi-servers); the leases are 5 of
+an agent's 6 beats, and a lease is mostly that floor.
 
 The settings keep what Meridian ran under daphne 4.2.3's defaults:
 - proxy headers are not read by the server (`--no-proxy-headers`): Django alone decides what to
