@@ -5,7 +5,7 @@ workspace costs at a checkpoint (first save, unchanged, one file changed).
 
 Upload: a project folder holding one incompressible file of each size is packed
 (protocol.bundle.pack), then sent with the CLI's path (HEAD, then PUT /api/bundles/<sha256>/)
-to a real control plane (daphne + Django + SQLite, the e2e harness's stack, on this machine:
+to a real control plane (uvicorn + Django + SQLite, the e2e harness's stack, on this machine:
 loopback, so the figure is the server's receive + hash + check + store, not a network's).
 A second send of the same bundle is a HEAD only (stored once).
 
@@ -78,7 +78,7 @@ def bench_upload(sizes_mb, scratch):
             archive.unlink()
     finally:
         plane.stop()
-    print("\nUpload through the API (HEAD + PUT /api/bundles/<sha256>/, loopback, daphne)")
+    print("\nUpload through the API (HEAD + PUT /api/bundles/<sha256>/, loopback, uvicorn)")
     table(rows, ["file MB", "archive MB", "pack s", "upload s", "upload MB/s", "re-send ms (HEAD only)"])
 
 

@@ -7,7 +7,7 @@ What runs (all of it torn down at the end, also on failure or Ctrl-C):
 - its own PostgreSQL cluster (initdb into a temp folder, a free port, run as the `postgres` OS user
   when the soak runs as root: postgres refuses root) and its own redis-server (unix socket). It
   never touches the machine's PostgreSQL on 5432 or Redis on 6379;
-- --web daphne processes behind a round-robin TCP forwarder, two Celery workers, Celery beat;
+- --web web processes (uvicorn, portal.web_server) behind a round-robin TCP forwarder, two Celery workers, Celery beat;
 - --agents local node agents (agent.main, 1 CPU device each, framework engine), each behind a TCP
   forwarder of its own that the soak can cut (a network partition). Local agents, not the emulated
   hosts of tests/hosts: those need a network namespace, a bridge and a PID namespace per host,
@@ -19,7 +19,7 @@ What runs (all of it torn down at the end, also on failure or Ctrl-C):
 Chaos (a seeded random.Random; one event every --chaos-every seconds on average): an agent
 SIGKILLed and restarted; an agent lost for good (SIGKILL of the agent and its jobs: the machine
 died; a fresh node joins in its place); an agent frozen (SIGSTOP, SIGCONT a few seconds later); an
-agent partitioned (its forwarder cut, healed later); a daphne, a Celery worker or beat SIGKILLed and
+agent partitioned (its forwarder cut, healed later); a web process, a Celery worker or beat SIGKILLed and
 restarted; Redis SIGKILLed and restarted (it keeps nothing: every queued task is gone); PostgreSQL
 stopped with `-m immediate` (a crash) and restarted.
 
@@ -74,6 +74,8 @@ from harness import (  # noqa: E402
     prepare_database,
 )
 from polling import poll  # noqa: E402
+
+from portal.web_server import web_server_argv  # noqa: E402
 
 SCRIPT = "bench/runtime_scripts/soak_train.py"
 METRICS_TOKEN = "soak-metrics-token"
@@ -205,8 +207,7 @@ class SoakStack(ControlPlane):
         return self
 
     def spawn_web(self, index):
-        return self._spawn(f"web{index}", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.web_ports[index]),
-                                           "portal.asgi:application"])
+        return self._spawn(f"web{index}", web_server_argv(bin_dir=BIN, port=self.web_ports[index]))
 
     def spawn_worker(self, index):
         return self._spawn(f"worker{index}", [str(BIN / "celery"), "-A", "portal", "worker", "--loglevel", "INFO",
@@ -217,7 +218,7 @@ class SoakStack(ControlPlane):
                                     "--schedule", str(self.dir / "data" / "beat-schedule")])
 
     def kill_process(self, name):
-        """SIGKILLs the process group of a control-plane process (daphne, a worker, beat)."""
+        """SIGKILLs the process group of a control-plane process (a web process, a worker, beat)."""
         process = self.processes[name]
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -938,7 +939,7 @@ def main():
     parser.add_argument("--minutes", type=float, default=30.0, help="how long to submit and break things")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--web", type=int, default=3, help="daphne processes")
+    parser.add_argument("--web", type=int, default=3, help="web processes (uvicorn)")
     parser.add_argument("--every", type=float, default=4.0, help="mean seconds between submissions")
     parser.add_argument("--chaos-every", type=float, default=12.0, help="mean seconds between chaos events")
     parser.add_argument("--max-active", type=int, default=10, help="unfinished jobs at most (the rest wait to be sent)")

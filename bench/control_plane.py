@@ -2,15 +2,16 @@
 
     .venv/bin/python bench/control_plane.py [--sizes 10000,100000]
         [--db postgres://postgres@127.0.0.1:5432/meridian_bench_cl] [--redis redis://127.0.0.1:6379/7]
-        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16] [--server daphne|uvicorn] [--fold sync|async]
+        [--ticks 3] [--heartbeat-nodes 2000] [--http-threads 16]
+        [--server uvicorn|daphne,uvicorn,...] [--fold sync|async]
 
 Per size, on a fresh database:
   1. a synthetic fleet (8 H100 per node, 2 regions) and jobs filling ~85% of it plus ~10% more
      waiting (W in {1,2,4,8}, a tier mix, half of them elastic), bulk-inserted (setup, not timed);
   2. the placement tick (every job starts: the heaviest apply) - timed;
-  3. heartbeats with per-device telemetry from hollow agents over HTTP (a real daphne server,
-     the real agent API, one node token each) - heartbeats and device samples ingested per second,
-     and daphne's own CPU per heartbeat (user + system, from /proc: the part of the cost that
+  3. heartbeats with per-device telemetry from hollow agents over HTTP (real web processes, the
+     real agent API, one node token each) - heartbeats and device samples ingested per second,
+     and the web server's own CPU per heartbeat (user + system, from /proc: the part of the cost that
      does not depend on how busy the shared machine is);
   3a. with --busy: the agents' minute of beats (below) again, with the fleet's tick running beside
      it (a process ticking every MERIDIAN_TICK_SECONDS, as the Celery worker does) and --viewers
@@ -18,8 +19,8 @@ Per size, on a fresh database:
      process of their own: the web CPU per beat of the agents' processes, the ticks' durations
      meanwhile, the viewers' answers and latency;
   3b. the liveness lease from the same hollow nodes (POST /api/agent/lease/, answered before
-     Django: fleet/lease_api.py) - leases per second and daphne's CPU per lease, beside the full
-     heartbeat's; and daphne's per-request floor (an unauthenticated lease: a 401 before any Redis
+     Django: fleet/lease_api.py) - leases per second and the web CPU per lease, beside the full
+     heartbeat's; and the server's per-request floor (an unauthenticated lease: a 401 before any Redis
      or database work);
   4. steady-state ticks (all jobs running, the rest waiting) - tick latency end to end split
      into snapshot / plan / apply, and database rows written per tick (measured by
@@ -38,7 +39,10 @@ Per size, on a fresh database:
 process of its own (jobs.heartbeat_fold.heartbeats_fold_all in a loop, as the Celery task runs it)
 records them; each round waits for the queue to drain, and the folder's CPU per beat is printed
 beside the web processes' and added to it ("combined"): both are control-plane CPU.
-The machine is shared and has 2 cores; daphne, PostgreSQL and this process share them.
+Steps 3-3b run once per server named in --server (comma-separated; uvicorn as portal.web_server
+starts it, or daphne with its defaults, what served Meridian before session 21), each on fresh hollow
+nodes against the same fleet, and a table puts them side by side with the daphne/uvicorn ratios.
+The machine is shared and has 2 cores; the web processes, PostgreSQL and this process share them.
 """
 from __future__ import annotations
 
@@ -68,15 +72,17 @@ def parse_args():
     p.add_argument("--ticks", type=int, default=3)
     p.add_argument("--heartbeat-nodes", type=int, default=1000)
     p.add_argument("--http-threads", type=int, default=8)
-    p.add_argument("--web-processes", type=int, default=2, help="daphne processes the hollow nodes spread over")
+    p.add_argument("--web-processes", type=int, default=2, help="web processes the hollow nodes spread over")
     p.add_argument("--inproc-heartbeats", type=int, default=500)
     p.add_argument("--history-hours", type=int, default=6, help="hours of per-node minute buckets to bulk-fill")
     p.add_argument("--drop", action="store_true", help="drop the database afterwards")
     p.add_argument("--busy", action="store_true",
                    help="measure the agents' beats again with the tick and portal viewers running beside them")
     p.add_argument("--viewers", type=int, default=20, help="portal viewers polling every 5 s (--busy)")
-    p.add_argument("--server", choices=("daphne", "uvicorn"), default="daphne",
-                   help="the ASGI server of the web processes (uvicorn: with uvloop and httptools)")
+    p.add_argument("--server", default="uvicorn",
+                   help="the ASGI server(s) of the web processes, comma-separated, each measured in turn on the "
+                        "same fleet (e.g. daphne,uvicorn,daphne,uvicorn): uvicorn (Meridian's, portal.web_server) "
+                        "or daphne (before session 21)")
     p.add_argument("--checkpoint-seconds", type=float, default=60.0,
                    help="how often each hollow copy checkpoints (real jobs: every 10-30 minutes)")
     p.add_argument("--fold", choices=("sync", "async"), default="sync",
@@ -208,18 +214,16 @@ def build_fleet_and_jobs(n_accelerators, rng):
     return tokens, len(jobs)
 
 
-SERVER = ["daphne"]  # --server, set by main()
+def start_web(env, server):
+    """Starts one web process: `server` "uvicorn" (Meridian's, as portal.web_server runs it) or
+    "daphne" (what served Meridian before session 21, with its defaults); returns (process, its URL)."""
+    from portal.web_server import web_server_argv
 
-
-def start_daphne(env):
-    """Starts one web process (daphne, or uvicorn with --server uvicorn); returns (process, its URL)."""
     port = free_port()
-    log = open(env["MERIDIAN_DATA_DIR"] + "/daphne.log", "ab")
+    log = open(env["MERIDIAN_DATA_DIR"] + f"/{server}.log", "ab")
     bin_dir = pathlib.Path(sys.executable).parent
-    if SERVER[0] == "uvicorn":
-        command = [str(bin_dir / "uvicorn"), "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-                   "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--lifespan", "off",
-                   "--log-level", "warning"]
+    if server == "uvicorn":
+        command = web_server_argv(bin_dir=bin_dir, port=port)
     else:
         command = [str(bin_dir / "daphne"), "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -233,7 +237,7 @@ def start_daphne(env):
         except requests.RequestException:
             time.sleep(0.3)
     process.kill()
-    raise RuntimeError("daphne did not start; see daphne.log")
+    raise RuntimeError(f"{server} did not start; see {server}.log")
 
 
 def process_cpu_seconds(pid):
@@ -330,7 +334,7 @@ def timed_round(one, nodes, threads, server_pids):
 def lease_round(nodes, threads, server_pids=(), *, authenticated=True):
     """Returns (leases/s, failures, server CPU ms per lease) for one lease from each hollow node
     (POST /api/agent/lease/, answered before Django: fleet/lease_api.py). `authenticated=False`
-    sends no token: the 401 the lease handler answers without Redis or the database is daphne's
+    sends no token: the 401 the lease handler answers without Redis or the database is the server's
     own per-request floor (HTTP parsing, the ASGI hop), the least any request through it costs."""
 
     def one(node):
@@ -513,8 +517,8 @@ class BusyPlane:
     """--busy: the fleet's tick in a process of its own and portal viewers on a web process of
     their own, for as long as the `with` block runs; .summary() says what they did meanwhile."""
 
-    def __init__(self, args, data_dir, env):
-        self.args, self.data_dir, self.env = args, data_dir, env
+    def __init__(self, args, data_dir, env, server):
+        self.args, self.data_dir, self.env, self.server = args, data_dir, env, server
 
     def __enter__(self):
         import threading
@@ -526,7 +530,7 @@ class BusyPlane:
         user, _ = get_user_model().objects.get_or_create(username="bench-viewer",
                                                          defaults={"is_superuser": True, "is_staff": True})
         token = Token.objects.get_or_create(user=user)[0].key
-        self.portal, url = start_daphne(self.env)
+        self.portal, url = start_web(self.env, self.server)
         # Nodes that do not beat (all but --heartbeat-nodes) must not be found lost by this tick.
         env = dict(self.env, MERIDIAN_NODE_LOST_AFTER_SECONDS="1e9", MERIDIAN_LOG_LEVEL="WARNING",
                    PYTHONPATH=str(ROOT))
@@ -597,6 +601,50 @@ def timed_tick(now):
     return result, wall, rows
 
 
+def heartbeat_stage(args, tokens, data_dir, server):
+    """Steps 3, 3a and 3b with `server` as the web processes' ASGI server, on fresh hollow nodes
+    (the fleet and its jobs as the stages before left them); returns its figures."""
+    env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # the servers' thread pools must not hoard connections
+    servers = [start_web(env, server) for _ in range(args.web_processes)]
+    if args.fold == "async":
+        start_folder(args, data_dir, env)
+    try:
+        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)),
+                             checkpoint_seconds=args.checkpoint_seconds)
+        # round 1: every desired state built and sent; rounds 2-3: the agents hold their versions
+        pids = [p.pid for p, _ in servers]
+        rates = [heartbeat_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
+        # the liveness lease beside it (3 rounds; the first warms each process's token map), and the
+        # server's floor: an unauthenticated lease, refused before any Redis or database work
+        lease_rates = [lease_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
+        floor_rates = [lease_round(nodes, args.http_threads, server_pids=pids, authenticated=False)
+                       for _ in range(2)]
+        # the mix: every node beating as an agent does, over a minute of its (simulated) time
+        # warm-up: a first full heartbeat, one that reports the jobs adopted, one that learns the serial
+        clock = [time.monotonic()]
+        agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock, rounds=3)
+        mix = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
+        busy = None
+        if args.busy:
+            with BusyPlane(args, data_dir, env, server) as plane:
+                began = time.perf_counter()
+                mix_busy = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
+                seconds = time.perf_counter() - began
+            busy = {"mix": mix_busy, "seconds": seconds, **plane.summary()}
+    finally:
+        for process, _ in servers:
+            process.terminate()
+            process.wait(timeout=20)
+        if FOLDER[0] is not None:
+            import signal
+
+            FOLDER[0].send_signal(signal.SIGINT)
+            FOLDER[0].communicate(timeout=120)
+            FOLDER[0] = None
+    return {"server": server, "heartbeats": rates, "leases": lease_rates, "floor": floor_rates, "mix": mix,
+            "busy": busy, "load": os.getloadavg()[0]}
+
+
 def run_size(n, args, rng, data_dir):
     from datetime import timedelta
 
@@ -612,46 +660,10 @@ def run_size(n, args, rng, data_dir):
     placement, placement_wall, placement_rows = timed_tick(now)
     # The agents report their jobs running (what their first heartbeats do), in bulk here.
     Job.objects.filter(state=Job.State.SCHEDULED).update(state=Job.State.RUNNING, last_started_at=now)
-    env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # daphne's thread pool must not hoard connections
-    servers = [start_daphne(env) for _ in range(args.web_processes)]
-    if args.fold == "async":
-        start_folder(args, data_dir, env)
-    try:
-        telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        nodes = hollow_nodes([url for _, url in servers], tokens, min(args.heartbeat_nodes, len(tokens)),
-                             checkpoint_seconds=args.checkpoint_seconds)
-        # round 1: every desired state built and sent; rounds 2-3: the agents hold their versions
-        pids = [p.pid for p, _ in servers]
-        rates = [heartbeat_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
-        # the liveness lease beside it (3 rounds; the first warms each process's token map), and the
-        # daphne floor: an unauthenticated lease, refused before any Redis or database work
-        lease_rates = [lease_round(nodes, args.http_threads, server_pids=pids) for _ in range(3)]
-        floor_rates = [lease_round(nodes, args.http_threads, server_pids=pids, authenticated=False)
-                       for _ in range(2)]
-        # the mix: every node beating as an agent does, over a minute of its (simulated) time
-        # warm-up: a first full heartbeat, one that reports the jobs adopted, one that learns the serial
-        clock = [time.monotonic()]
-        agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock, rounds=3)
-        mix = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
-        busy = None
-        if args.busy:
-            with BusyPlane(args, data_dir, env) as plane:
-                began = time.perf_counter()
-                mix_busy = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
-                seconds = time.perf_counter() - began
-            busy = {"mix": mix_busy, "seconds": seconds, **plane.summary()}
-        telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
-        heartbeat_history_rows = None if args.skip_history else history_rows()
-    finally:
-        for daphne, _ in servers:
-            daphne.terminate()
-            daphne.wait(timeout=20)
-        if FOLDER[0] is not None:
-            import signal
-
-            FOLDER[0].send_signal(signal.SIGINT)
-            FOLDER[0].communicate(timeout=120)
-            FOLDER[0] = None
+    telemetry_before = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
+    stages = [heartbeat_stage(args, tokens, data_dir, server) for server in args.server.split(",")]
+    telemetry_after = table_bytes("fleet_node", "fleet_accelerator", *HISTORY_TABLES)
+    heartbeat_history_rows = None if args.skip_history else history_rows()
     steady = []
     for _ in range(args.ticks):
         now = now + timedelta(seconds=5)
@@ -668,15 +680,93 @@ def run_size(n, args, rng, data_dir):
     inproc = inproc_heartbeats(min(args.inproc_heartbeats, len(tokens)))
     history = None if args.skip_history else history_day(args.history_hours)
     return {"accrual": accrual, "n": n, "jobs": n_jobs, "setup_s": setup_s,
-            "placement": (placement, placement_wall, placement_rows), "steady": steady, "heartbeats": rates,
-            "leases": lease_rates, "floor": floor_rates, "mix": mix, "busy": busy,
+            "placement": (placement, placement_wall, placement_rows), "steady": steady, "stages": stages,
             "telemetry_bytes": (telemetry_before, telemetry_after),
             "heartbeat_history_rows": heartbeat_history_rows, "inproc": inproc, "history": history}
 
 
+def stage_figures(stage) -> dict:
+    """Returns a heartbeat stage's figures in ms of web CPU per request (warm rounds, best) and per
+    beat of the agents' minute (web + folder: control-plane CPU)."""
+    mix = stage["mix"][2] + stage["mix"][5]
+    busy = stage["busy"]["mix"][2] + stage["busy"]["mix"][5] if stage["busy"] else float("nan")
+    return {"heartbeat": min(x[3] for x in stage["heartbeats"][1:]), "lease": min(x[2] for x in stage["leases"][1:]),
+            "floor": min(x[2] for x in stage["floor"]), "mix": mix, "busy": busy}
+
+
+def print_stage(n, stage, args):
+    server, figures = stage["server"], stage_figures(stage)
+    print(f"\n--- {n} accelerators, {server} (load average {stage['load']:.1f} at its end)")
+    print("heartbeats per round (hb/s, web CPU ms/hb; round 1 builds and sends every desired state): " + ", ".join(
+        f"{x[0]:.0f}/s {x[3]:.1f} ms" for x in stage["heartbeats"]))
+    print(f"liveness lease vs full heartbeat (web CPU per request, all {server} processes; warm rounds, best):")
+    header = (f"{'accel':>8} | {'hb/s':>6} {'cpu ms/hb':>9} {'hb/s/core':>9} | {'lease/s':>7} {'cpu ms/lease':>12} "
+              f"{'leases/s/core':>13} {'fail':>4} | {'floor/s':>7} {'cpu ms/401':>10}")
+    print(header)
+    print("-" * len(header))
+    print(f"{n:>8} | {max(x[0] for x in stage['heartbeats'][1:]):>6.0f} {figures['heartbeat']:>9.2f} "
+          f"{1000 / figures['heartbeat']:>9.0f} | {max(x[0] for x in stage['leases'][1:]):>7.0f} "
+          f"{figures['lease']:>12.2f} {1000 / figures['lease']:>13.0f} {sum(x[1] for x in stage['leases']):>4} | "
+          f"{max(x[0] for x in stage['floor']):>7.0f} {figures['floor']:>10.2f}")
+    folder_line = (f": the folder process's CPU per full heartbeat (warm rounds): "
+                   f"{min(x[4] for x in stage['heartbeats'][1:]):.2f} ms, combined with the web's "
+                   f"{min(x[3] + x[4] for x in stage['heartbeats'][1:]):.2f} ms")
+    print(f"MERIDIAN_HEARTBEAT_FOLD={args.fold}, hollow copies checkpoint every {args.checkpoint_seconds:.0f} s"
+          + (folder_line if args.fold == "async" else ""))
+    beats, fails, cpu_ms, n_leases, n_full, folder_ms = stage["mix"]
+    print(f"agents beating for a minute of their time: {n_leases} leases + {n_full} full heartbeats, "
+          f"{cpu_ms:.2f} ms web CPU per beat on average = {1000 / cpu_ms:.0f} beats/s per core "
+          f"({beats:.0f} beats/s wall, {fails} failed); folder {folder_ms:.2f} ms per beat, combined "
+          f"{cpu_ms + folder_ms:.2f} ms = {1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU")
+    if stage["busy"] is not None:
+        b = stage["busy"]
+        beats, fails, cpu_ms, n_leases, n_full, folder_ms = b["mix"]
+        print(f"the same beside the tick and {args.viewers} portal viewers ({b['seconds']:.0f} s): "
+              f"{n_leases} leases + {n_full} full heartbeats, {cpu_ms:.2f} ms web CPU per beat = "
+              f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); folder "
+              f"{folder_ms:.2f} ms per beat, combined {cpu_ms + folder_ms:.2f} ms = "
+              f"{1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU; "
+              f"{b['ticks']} ticks meanwhile, median {b['tick_median']:.2f} s, max {b['tick_max']:.2f} s "
+              f"(tick process CPU {b['cpu']['tick']:.1f} s); {b['requests']} portal requests, {b['failed']} failed, "
+              f"median {b['latency_median'] * 1000:.0f} ms, p99 {b['latency_p99'] * 1000:.0f} ms "
+              f"(their web process: {b['cpu']['portal']:.1f} s CPU)")
+    print("leases per round (leases/s, web CPU ms/lease; round 1 loads each process's token map): " + ", ".join(
+        f"{x[0]:.0f}/s {x[2]:.2f} ms" for x in stage["leases"]))
+
+
+def print_server_comparison(rows):
+    """The servers side by side, in the order they ran (repeat a server in --server to see the
+    noise): ms of CPU per request or beat, and beats per second per core of control-plane CPU."""
+    print("\nASGI servers side by side (ms of CPU; the agents' minute: web + folder per beat, in brackets "
+          "beats/s per core of control-plane CPU)")
+    header = (f"{'accel':>8} {'server':>8} {'load':>5} | {'floor':>6} {'lease':>6} {'full hb':>7} | "
+              f"{'minute, alone':>15} {'minute, busy':>15}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        for stage in r["stages"]:
+            f = stage_figures(stage)
+            print(f"{r['n']:>8} {stage['server']:>8} {stage['load']:>5.1f} | {f['floor']:>6.2f} {f['lease']:>6.2f} "
+                  f"{f['heartbeat']:>7.2f} | {f['mix']:>6.2f} ({1000 / f['mix']:>5.0f}) "
+                  f"{f['busy']:>6.2f} ({1000 / f['busy']:>5.0f})")
+        by_server: dict = {}
+        for stage in r["stages"]:
+            by_server.setdefault(stage["server"], []).append(stage_figures(stage))
+        if {"daphne", "uvicorn"} <= by_server.keys():
+            import statistics
+
+            ratio = {key: statistics.median(x[key] for x in by_server["daphne"])
+                     / statistics.median(x[key] for x in by_server["uvicorn"])
+                     for key in ("floor", "lease", "heartbeat", "mix", "busy")}
+            print(f"{r['n']:>8} daphne/uvicorn (medians): floor {ratio['floor']:.2f}x, lease {ratio['lease']:.2f}x, "
+                  f"full heartbeat {ratio['heartbeat']:.2f}x, minute alone {ratio['mix']:.2f}x, "
+                  f"beside the tick and the portal {ratio['busy']:.2f}x")
+
+
 def main():
     args = parse_args()
-    SERVER[0] = args.server
+    if not set(args.server.split(",")) <= {"daphne", "uvicorn"}:
+        raise SystemExit(f"--server: daphne or uvicorn, comma-separated; not {args.server!r}")
     os.environ["MERIDIAN_HEARTBEAT_FOLD"] = args.fold
     import numpy as np
 
@@ -691,7 +781,9 @@ def main():
     print()
     print(f"control loop on PostgreSQL ({urlparse(args.db).path.lstrip('/')}) + Redis, 2 shared cores; "
           f"{args.ticks} steady ticks, heartbeats from {args.heartbeat_nodes} hollow nodes x 3 rounds "
-          f"over HTTP ({args.web_processes} {args.server} processes, {args.http_threads} client threads)")
+          f"over HTTP ({args.web_processes} web processes of each of {args.server}, "
+          f"{args.http_threads} client threads; "
+          f"the heartbeat columns: {args.server.split(',')[0]})")
     header = (f"{'accel':>8} {'jobs':>7} | {'place tick s':>12} {'starts':>7} {'rows':>8} | "
               f"{'steady tick s':>13} {'snap':>6} {'plan':>6} {'apply':>6} {'rows/tick':>9} | "
               f"{'hb/s':>6} {'cpu ms/hb':>10} {'dev samples/s':>13} {'fail':>4} | {'telemetry MB before→after':>25} | "
@@ -703,10 +795,11 @@ def main():
         steady = r["steady"]
         med = sorted(steady, key=lambda s: s[1])[len(steady) // 2]
         result, wall, rows_written = med
-        warm = r["heartbeats"][1:]  # the agents hold their desired-state versions
+        first = r["stages"][0]["heartbeats"]  # the first --server's
+        warm = first[1:]  # the agents hold their desired-state versions
         hb = max(rate[0] for rate in warm)
         samples = max(rate[1] for rate in warm)
-        fails = sum(rate[2] for rate in r["heartbeats"])
+        fails = sum(rate[2] for rate in first)
         server_cpu = min(rate[3] for rate in warm)
         before, after = r["telemetry_bytes"]
         print(f"{r['n']:>8} {r['jobs']:>7} | {placement_wall:>12.2f} {placement.counts.get('start', 0):>7} "
@@ -733,49 +826,10 @@ def main():
                   f"{h['minute_s']:>9.2f} | "
                   f"{h['prune_s']:>11.2f} {h['deleted']:>8} | {h['left'][0]:>9} {h['left'][1] / 2**20:>7.1f}")
         print("(MB left: the table files keep the freed space for new rows after VACUUM; they do not grow further)")
-    print("\nheartbeats per round (hb/s, web CPU ms/hb; round 1 builds and sends every desired state): " + "; ".join(
-        f"{r['n']}: " + ", ".join(f"{x[0]:.0f}/s {x[3]:.1f} ms" for x in r["heartbeats"]) for r in rows))
-    print("heartbeats per second per core of web CPU (1000 / warm ms/hb): " + ", ".join(
-        f"{r['n']}: {1000 / min(x[3] for x in r['heartbeats'][1:]):.0f}" for r in rows))
-    print("\nliveness lease vs full heartbeat (web CPU per request, all daphne processes; warm rounds, best):")
-    header = (f"{'accel':>8} | {'hb/s':>6} {'cpu ms/hb':>9} {'hb/s/core':>9} | {'lease/s':>7} {'cpu ms/lease':>12} "
-              f"{'leases/s/core':>13} {'fail':>4} | {'floor/s':>7} {'cpu ms/401':>10}")
-    print(header)
-    print("-" * len(header))
     for r in rows:
-        hb_cpu = min(x[3] for x in r["heartbeats"][1:])
-        lease_cpu = min(x[2] for x in r["leases"][1:])
-        floor_cpu = min(x[2] for x in r["floor"])
-        print(f"{r['n']:>8} | {max(x[0] for x in r['heartbeats'][1:]):>6.0f} {hb_cpu:>9.2f} {1000 / hb_cpu:>9.0f} | "
-              f"{max(x[0] for x in r['leases'][1:]):>7.0f} {lease_cpu:>12.2f} {1000 / lease_cpu:>13.0f} "
-              f"{sum(x[1] for x in r['leases']):>4} | {max(x[0] for x in r['floor']):>7.0f} {floor_cpu:>10.2f}")
-    folder_line = ": the folder process's CPU per full heartbeat (warm rounds): " + ", ".join(
-        f"{r['n']}: {min(x[4] for x in r['heartbeats'][1:]):.2f} ms, combined with the web's "
-        f"{min(x[3] + x[4] for x in r['heartbeats'][1:]):.2f} ms" for r in rows)
-    print(f"MERIDIAN_HEARTBEAT_FOLD={args.fold}, hollow copies checkpoint every {args.checkpoint_seconds:.0f} s"
-          + (folder_line if args.fold == "async" else ""))
-    for r in rows:
-        beats, fails, cpu_ms, n_leases, n_full, folder_ms = r["mix"]
-        print(f"agents beating for a minute of their time ({r['n']}): {n_leases} leases + {n_full} full heartbeats, "
-              f"{cpu_ms:.2f} ms web CPU per beat on average = {1000 / cpu_ms:.0f} beats/s per core "
-              f"({beats:.0f} beats/s wall, {fails} failed); folder {folder_ms:.2f} ms per beat, combined "
-              f"{cpu_ms + folder_ms:.2f} ms = {1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU")
-    for r in rows:
-        if r["busy"] is None:
-            continue
-        b = r["busy"]
-        beats, fails, cpu_ms, n_leases, n_full, folder_ms = b["mix"]
-        print(f"the same beside the tick and {args.viewers} portal viewers ({r['n']}, {b['seconds']:.0f} s): "
-              f"{n_leases} leases + {n_full} full heartbeats, {cpu_ms:.2f} ms web CPU per beat = "
-              f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); folder "
-              f"{folder_ms:.2f} ms per beat, combined {cpu_ms + folder_ms:.2f} ms = "
-              f"{1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU; "
-              f"{b['ticks']} ticks meanwhile, median {b['tick_median']:.2f} s, max {b['tick_max']:.2f} s "
-              f"(tick process CPU {b['cpu']['tick']:.1f} s); {b['requests']} portal requests, {b['failed']} failed, "
-              f"median {b['latency_median'] * 1000:.0f} ms, p99 {b['latency_p99'] * 1000:.0f} ms "
-              f"(their web process: {b['cpu']['portal']:.1f} s CPU)")
-    print("leases per round (leases/s, web CPU ms/lease; round 1 loads each process's token map): " + "; ".join(
-        f"{r['n']}: " + ", ".join(f"{x[0]:.0f}/s {x[2]:.2f} ms" for x in r["leases"]) for r in rows))
+        for stage in r["stages"]:
+            print_stage(r["n"], stage, args)
+    print_server_comparison(rows)
     print(f"\nload average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\nsteady ticks (all): " + "; ".join(
         f"{r['n']}: " + ", ".join(f"{s[1]:.2f}s/{s[2]} rows" for s in r["steady"]) for r in rows))

@@ -2,7 +2,7 @@
 
 The path measured is the production one end to end: the line is appended to the rank's log
 file (a write(2), as a rank's line-buffered print does), the agent's LogShipper (agent/logs.py,
-polling every --poll seconds; the agent's default is 0.2 s) reads it and POSTs it to daphne
+polling every --poll seconds; the agent's default is 0.2 s) reads it and POSTs it to uvicorn
 (/api/agent/logs/: fencing, the LogChunk insert, the push on commit), Channels + Redis push
 "jobs.log_appended" to the page's WebSocket, the page fetches GET /api/jobs/<id>/logs/ from its
 cursor and appends the text. Each time runs from just before the write to the page's
@@ -66,7 +66,7 @@ def main():
         server.stop()
 
     database = database_name()
-    print(f"\nlog latency, print → visible in the browser ({database}, daphne, Channels + Redis, Chromium), "
+    print(f"\nlog latency, print → visible in the browser ({database}, uvicorn, Channels + Redis, Chromium), "
           f"{args.prints} prints each\n")
     print(f"{'shipper poll (s)':>17} {'median ms':>10} {'p90 ms':>8} {'min ms':>8} {'max ms':>8}")
     for poll_s, times in results.items():

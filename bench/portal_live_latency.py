@@ -1,9 +1,9 @@
 """Live-update latency of the portal: from a change written to the database through the
-services to the browser showing it, in real Chromium against daphne + Channels + Redis.
+services to the browser showing it, in real Chromium against uvicorn + Channels + Redis.
 
 The portal is the browser tests' (tests/browser/browser_harness.py): a private database
 (SQLite file, or a fresh PostgreSQL database when DATABASE_URL points at one), a private
-redis-server (or REDIS_URL), daphne on a free port. Two measurements, --rounds each:
+redis-server (or REDIS_URL), uvicorn on a free port. Two measurements, --rounds each:
 
   job page    job_transition(...) of a job whose detail page is open → the state badge
               shows the new state (its data-rendered-at, the browser's Date.now() after
@@ -110,7 +110,7 @@ def main():
 
     database = database_name()
     redis = "REDIS_URL" if os.environ.get("REDIS_URL") else "private redis-server (unix socket)"
-    print(f"\nlive-update latency, event in database → browser redrawn ({database}, {redis}, daphne, Chromium)\n")
+    print(f"\nlive-update latency, event in database → browser redrawn ({database}, {redis}, uvicorn, Chromium)\n")
     print(f"{'page':<12} {'rounds':>6} {'min ms':>7} {'median ms':>10} {'p95 ms':>7} {'max ms':>7}")
     print("-" * 54)
     for label, values in (("job page", job_page_ms), ("fleet page", fleet_page_ms)):

@@ -5,7 +5,8 @@
         [--db postgres://postgres@127.0.0.1:5432/meridian_bench_submit] [--redis redis://127.0.0.1:6379/4]
 
 Per backend (the embedded default, SQLite; and PostgreSQL), on a fresh database: --web-processes
-daphne processes as the production profile runs them (MERIDIAN_PROFILE=production, DEBUG off), all
+web processes (uvicorn, portal.web_server) as the production profile runs them
+(MERIDIAN_PROFILE=production, DEBUG off), all
 accepting on one listening socket (the kernel spreads the connections), the real API and token
 authentication. Then, per client count, --jobs `POST /api/jobs/` from that many client threads
 (one keep-alive connection each): rate, p50 and p99 latency, errors (any answer but 201); and one
@@ -36,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.control_plane import ensure_database  # noqa: E402
+from portal.web_server import web_server_argv  # noqa: E402
 
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/meridian_bench_submit"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/4"
@@ -105,16 +107,15 @@ def fresh_postgres(url):
 
 
 def start_web(env, processes, data_dir, code):
-    """Returns (the daphne processes, port): `processes` daphne servers on one listening socket."""
+    """Returns (the web processes, port): `processes` web servers (portal.web_server) on one listening socket."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1024)
     port = listener.getsockname()[1]
-    log = open(data_dir / "daphne.log", "ab")
-    servers = [subprocess.Popen([sys.executable, "-m", "daphne", "--fd", str(listener.fileno()),
-                                 "portal.asgi:application"], cwd=code, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, pass_fds=[listener.fileno()])
+    log = open(data_dir / "web.log", "ab")
+    servers = [subprocess.Popen(web_server_argv(bin_dir=pathlib.Path(sys.executable).parent, fd=listener.fileno()),
+                                cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=[listener.fileno()])
                for _ in range(processes)]
     listener.close()
     deadline = time.monotonic() + 90
@@ -128,7 +129,7 @@ def start_web(env, processes, data_dir, code):
             time.sleep(0.3)
     for server in servers:
         server.kill()
-    raise RuntimeError(f"daphne did not start; see {data_dir / 'daphne.log'}")
+    raise RuntimeError(f"the web server did not start; see {data_dir / 'web.log'}")
 
 
 def job_body(i, *, team=True):
@@ -310,7 +311,8 @@ def main():
                     server.terminate()
                 for server in servers:
                     server.wait(timeout=30)
-    print(f"\n{args.web_processes} daphne processes per backend; {os.cpu_count()} cores; jobs held (no tick runs)")
+    print(f"\n{args.web_processes} web processes (uvicorn) per backend; {os.cpu_count()} cores; "
+          "jobs held (no tick runs)")
     print(f"code: {args.code}")
     print("cpu ms/job: the web processes' and the database backends' CPU per job (user + system): what a job")
     print("costs the servers whatever else the machine runs; 1000 / it is the jobs per second one core could take;")

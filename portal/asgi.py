@@ -1,5 +1,5 @@
-"""ASGI entry point (daphne): HTTP through Django, WebSockets through Channels; the agents'
-liveness lease (POST /api/agent/lease/) before Django (fleet.lease_api.LeaseRouter), and
+"""ASGI entry point (served by uvicorn: portal/web_server.py): HTTP through Django, WebSockets
+through Channels; the agents' liveness lease (POST /api/agent/lease/) before Django (fleet.lease_api.LeaseRouter), and
 submissions by API token (POST /api/jobs/) and the agents' full heartbeats (POST
 /api/agent/heartbeat/) before Django when they certainly can be (jobs.submit_api.FastPathRouter, made by
 SubmitRouter and
@@ -18,7 +18,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 if settings.MERIDIAN_SERVE_STATIC:
-    # daphne serves no static files itself; at scale put a CDN or nginx in front and
+    # the web server serves no static files itself; at scale put a CDN or nginx in front and
     # set MERIDIAN_SERVE_STATIC=0.
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 

@@ -4,11 +4,12 @@
     python -m portal.launch test [pytest args...]
 
 `run` starts a private Redis (unless REDIS_URL is set), migrates, seeds the demo fleet
-and users, then supervises daphne (ASGI), a Celery worker and Celery beat, and the demo
-fleet's node agents (agent/embedded.py); Ctrl-C (or SIGTERM) stops everything, children first.
+and users, then supervises the ASGI web server (uvicorn, portal/web_server.py), a Celery worker
+and Celery beat, and the demo fleet's node agents (agent/embedded.py); Ctrl-C (or SIGTERM) stops
+everything, children first.
 
 No Django import at module level: this process only supervises; Django runs in the
-children (manage.py, daphne, celery).
+children (manage.py, uvicorn, celery).
 """
 import argparse
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from agent.embedded import embedded_env_defaults, embedded_processes
 from portal.private_redis import PrivateRedis, PrivateRedisError
+from portal.web_server import web_server_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_LOGINS = (
@@ -196,7 +198,7 @@ def run(args):
         print("[meridian] " + context.manage(*seed_args).strip().replace("\n", "\n[meridian] "), flush=True)
 
         specs = [
-            ProcessSpec("web", [_bin("daphne"), "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]),
+            ProcessSpec("web", web_server_argv(bin_dir=Path(sys.executable).parent, port=port)),
             ProcessSpec("worker", [_bin("celery"), "-A", "portal", "worker", "--loglevel", "INFO",
                                    "--concurrency", "2", "--hostname", f"meridian-{port}@%h"]),
             ProcessSpec("beat", [_bin("celery"), "-A", "portal", "beat", "--loglevel", "INFO",
@@ -209,7 +211,7 @@ def run(args):
             python=context.python, url=context.url, root=context.root, data_dir=data_dir,
             enrollment_token=env["MERIDIAN_AGENT_ENROLLMENT_TOKEN"], demo_workload=args.demo_workload)]
         # The web server first: the agents register with it as they start (on a loaded machine
-        # daphne took seconds to listen, and agents started beside it gave up).
+        # the web server took seconds to listen, and agents started beside it gave up).
         supervisor.start(specs[0], env)
         if not _wait_for_port(port, process=supervisor.children[0][1], timeout=180):
             raise LaunchError("the web server did not start; see the [web] lines above")

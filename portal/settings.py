@@ -119,7 +119,7 @@ CSRF_TRUSTED_ORIGINS = [
 ]
 
 INSTALLED_APPS = [
-    "daphne",
+    "daphne",  # its ASGI `runserver` for development; Meridian serves with uvicorn (portal/web_server.py)
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -196,7 +196,7 @@ def _private_sqlite_file(name):
 
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     _private_sqlite_file(DATABASES["default"].get("NAME"))
-    # The embedded database is shared by daphne, a Celery worker and beat: WAL lets
+    # The embedded database is shared by the web server, a Celery worker and beat: WAL lets
     # readers go on while one writer writes, IMMEDIATE transactions take the write
     # lock up front (no "database is locked" on lock upgrade), and the timeout waits
     # for the lock instead of failing.
@@ -210,7 +210,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and _env_in
     # Django's PostgreSQL connection pool (psycopg-pool): each process opens at most
     # MERIDIAN_DB_POOL_MAX_SIZE connections, however many threads ASGI runs views in, and a request
     # hands its connection back when it ends. CONN_MAX_AGE=60 without it kept one connection per
-    # worker thread, and 32 clients against 2 daphne processes ran PostgreSQL out of connections
+    # worker thread, and 32 clients against 2 daphne processes (then the server) ran PostgreSQL out of connections
     # ("too many clients already", issue 18). The server's max_connections must cover
     # (web processes + Celery worker processes + beat) * max_size (docs/operator-guide.md).
     # A request that waits longer than the timeout for a connection fails instead of hanging.

@@ -4,14 +4,15 @@
                 PostgreSQL database on the server DATABASE_URL names), migrated and seeded
                 with the demo cast and a 64-device CPU fleet in a subprocess; a private
                 Redis (.venv/bin/redis-server on a unix socket; REDIS_URL when set) as the
-                channel layer; daphne serving portal.asgi on a free port in a subprocess.
+                channel layer; the web server (portal.web_server: uvicorn) serving portal.asgi
+                on a free port in a subprocess.
   server.call(f) runs f with this process's Django (database connection and channel
                 layer) pointed at the server's database and Redis, so a test drives
                 changes through the real services (job_transition, ...) and they reach
                 the browser exactly as in production.
   chromium_launch()  Debian's Chromium through Playwright.
 
-The server never shares pytest-django's test database: daphne runs in another process,
+The server never shares pytest-django's test database: the web server runs in another process,
 and pytest-django's SQLite test database lives in memory.
 """
 import os
@@ -30,6 +31,8 @@ from urllib.parse import urlparse
 from urllib.request import urlopen
 
 from polling import poll
+
+from portal.web_server import web_server_argv
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -73,7 +76,7 @@ def free_port():
 
 def _die_with_parent():
     """preexec_fn: the child gets SIGTERM when the test process dies, even by SIGKILL, so a
-    killed test run leaves no daphne or redis-server behind (Linux prctl PR_SET_PDEATHSIG)."""
+    killed test run leaves no web server or redis-server behind (Linux prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -95,7 +98,7 @@ class PortalServer:
     def __init__(self):
         self.workdir = Path(tempfile.mkdtemp(prefix="meridian-browser-"))
         self.redis = None
-        self.daphne = None
+        self.web = None
         self.pg_database = None
         self.database_url = None
         self.redis_url = None
@@ -110,7 +113,7 @@ class PortalServer:
             self._start_database()
             self._start_redis()
             self._seed()
-            self._start_daphne()
+            self._start_web()
         except BaseException:
             self.stop()
             raise
@@ -119,7 +122,7 @@ class PortalServer:
     def stop(self):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        _stop(self.daphne)
+        _stop(self.web)
         _stop(self.redis)
         self._drop_database()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -199,27 +202,27 @@ class PortalServer:
         if result.returncode:
             raise RuntimeError(f"migrating and seeding the browser database failed:\n{result.stderr[-4000:]}")
 
-    def _start_daphne(self):
+    def _start_web(self):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = self.workdir / "daphne.log"
+        self.log_path = self.workdir / "web.log"
         log = open(self.log_path, "wb")
-        self.daphne = subprocess.Popen(
-            [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"],
+        self.web = subprocess.Popen(
+            web_server_argv(bin_dir=Path(PYTHON).parent, port=port),
             cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
         log.close()
 
         def serving():
-            if self.daphne.poll() is not None:
-                raise RuntimeError(f"daphne exited with {self.daphne.returncode}:\n{self.log_tail()}")
+            if self.web.poll() is not None:
+                raise RuntimeError(f"the web server exited with {self.web.returncode}:\n{self.log_tail()}")
             try:
                 with urlopen(f"{self.url}/accounts/login/", timeout=2) as response:
                     return response.status == 200
             except OSError:
                 return False
 
-        poll(f"daphne at {self.url}", serving, timeout=START_TIMEOUT_S)
+        poll(f"the web server at {self.url}", serving, timeout=START_TIMEOUT_S)
 
     def log_tail(self, chars=4000):
         try:

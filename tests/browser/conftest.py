@@ -1,4 +1,4 @@
-"""Fixtures of the browser tests: one real portal (daphne + Redis + a private database)
+"""Fixtures of the browser tests: one real portal (uvicorn + Redis + a private database)
 and one headless Chromium for the session; a fresh browser context per test."""
 import pytest
 from browser_harness import PortalServer, chromium_launch, chromium_missing_reason, log_in

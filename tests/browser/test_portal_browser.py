@@ -1,4 +1,4 @@
-"""The portal in real Chromium (Playwright) against daphne + Channels + Redis.
+"""The portal in real Chromium (Playwright) against uvicorn + Channels + Redis.
 
 Changes are driven through the same services the control loop calls (job_transition,
 preemption_request_create, ...), from this process on the server's database; the pages

@@ -1,5 +1,5 @@
-"""The end-to-end stack, for real: a private Redis, daphne (the ASGI app), a Celery worker and
-Celery beat, node agents (agent.main) that run jobs through the real runtime (meridian-run,
+"""The end-to-end stack, for real: a private Redis, the ASGI web server (portal.web_server: uvicorn),
+a Celery worker and Celery beat, node agents (agent.main) that run jobs through the real runtime (meridian-run,
 framework engine). Talks to it only through the HTTP API, as users and agents do.
 
 Everything lives in one temp dir (SQLite file, Redis socket, agents' work dirs, the checkpoint
@@ -21,6 +21,8 @@ import time
 
 import requests
 from polling import poll
+
+from portal.web_server import web_server_argv
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -145,7 +147,7 @@ class ControlPlane:
         self.dir = pathlib.Path(base_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.bind = bind  # daphne's address: the emulated hosts' bridge address (tests/hosts) or loopback
+        self.bind = bind  # the web server's address: the emulated hosts' bridge address (tests/hosts) or loopback
         self.url = f"http://{bind}:{self.port}"
         self.processes = {}
         self.agents = {}
@@ -191,7 +193,7 @@ class ControlPlane:
             shutil.copyfile(template_db, db)
         else:
             prepare_database(self.env)
-        self._spawn("web", [str(BIN / "daphne"), "-b", self.bind, "-p", str(self.port), "portal.asgi:application"])
+        self._spawn("web", web_server_argv(bin_dir=BIN, bind=self.bind, port=self.port))
         self._spawn("worker", [str(BIN / "celery"), "-A", "portal", "worker", "--loglevel", "INFO", "--pool", "solo",
                                "--hostname", f"e2e-{self.port}@%h"])
         self._spawn("beat", [str(BIN / "celery"), "-A", "portal", "beat", "--loglevel", "INFO",

@@ -1,4 +1,4 @@
-"""End to end: real Redis, daphne, Celery worker and beat, node agents, the real runtime (framework
+"""End to end: real Redis, uvicorn, Celery worker and beat, node agents, the real runtime (framework
 checkpoint engine, named explicitly in harness.ENGINE; CRIU too where a test says so) on CPU slots.
 Every wait polls with a deadline. Each test starts its own control plane from a migrated template database."""
 import json

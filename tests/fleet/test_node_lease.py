@@ -159,6 +159,22 @@ def test_marking_a_node_lost_bumps_its_desired_serial(lease_redis, nodes, django
     assert status == 200 and body["desired_serial"] == 1
 
 
+
+def test_a_lease_answers_its_own_nodes_serial_and_survives_a_redis_that_forgot_its_script(lease_redis, nodes):
+    """The lease's one command is a Lua script called by its digest (EVALSHA): a Redis restarted, or
+    one whose scripts were flushed, no longer knows it, and the lease must load it again, not 503."""
+    (node, token), (other, _) = nodes
+    leases.desired_serials_bump(node_ids=[node.pk, other.pk])
+    leases.desired_serials_bump(node_ids=[node.pk])
+    lease_redis.script_flush()
+
+    first = lease({"node_id": node.pk}, token=token)
+    again = lease({"node_id": node.pk}, token=token)
+
+    assert first == again == (200, first[1]) and first[1]["desired_serial"] == 2
+    assert leases.leases_read(node_ids=[node.pk, other.pk]).keys() == {node.pk}
+
+
 def test_placing_and_cancelling_a_job_bumps_the_serial_of_its_node_only(
         lease_redis, nodes, settings, alice, team_a, submit, django_capture_on_commit_callbacks):
     from jobs.models import Replica

@@ -1,5 +1,5 @@
 """Real agents on separate emulated hosts (issue 14, Tests): a control plane on this machine,
-reachable from the hosts only over their bridge (daphne bound to the bridge's address), a real
+reachable from the hosts only over their bridge (uvicorn bound to the bridge's address), a real
 `meridian-agent` inside each emulated host (its own network, mounts and PIDs), the store the
 one shared mount. Framework engine, and CRIU in the third test.
 

@@ -9,6 +9,8 @@ import signal
 from harness import BIN
 from polling import poll
 
+from portal.web_server import web_server_argv
+
 CHATTY = "tests/logs/chatty_train.py"
 
 
@@ -20,7 +22,7 @@ def start_agent(plane, hostname, *, devices=1, extra=(), checkpoint_every=3.0):
 
 
 def stop_web(plane):
-    """Kills the control plane's web server (daphne) only: agents and jobs go on."""
+    """Kills the control plane's web server (uvicorn) only: agents and jobs go on."""
     process = plane.processes["web"]
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
@@ -28,7 +30,7 @@ def stop_web(plane):
 
 
 def start_web(plane):
-    plane._spawn("web", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(plane.port), "portal.asgi:application"])
+    plane._spawn("web", web_server_argv(bin_dir=BIN, port=plane.port))
     poll("the web server", plane._answers, timeout=90, on_timeout=plane.logs)
 
 

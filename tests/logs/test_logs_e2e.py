@@ -1,4 +1,4 @@
-"""Live logs end to end: real daphne, Celery, Redis, agents and runtime (framework engine).
+"""Live logs end to end: real uvicorn, Celery, Redis, agents and runtime (framework engine).
 
 The agent's disk buffer: the control plane's web server is killed while a job prints, then
 started again: nothing printed meanwhile is lost up to the agent's backlog limit; beyond it

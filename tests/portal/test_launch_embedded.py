@@ -1,4 +1,4 @@
-"""`./meridian run`'s engine end to end: private Redis, migrate, seed, daphne, Celery
+"""`./meridian run`'s engine end to end: private Redis, migrate, seed, uvicorn, Celery
 worker and beat; the portal answers; Ctrl-C stops every child and the private Redis."""
 import os
 import signal

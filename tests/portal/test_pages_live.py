@@ -1,7 +1,7 @@
 """The pages' WebSocket consumer (portal.pages.consumers.LiveConsumer) through Channels'
 WebsocketCommunicator and an in-memory channel layer: who may join which group, and
 what a push carries to whom. The browser tests (tests/browser/) run the same consumer
-behind daphne with Redis."""
+behind uvicorn with Redis."""
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.routing import URLRouter
