@@ -694,6 +694,16 @@ def stage_figures(stage) -> dict:
             "floor": min(x[2] for x in stage["floor"]), "mix": mix, "busy": busy}
 
 
+def minute_text(mix) -> str:
+    """The agents' minute of beats (a stage's "mix" figures) in words: its beats, their CPU per beat
+    in the web processes and the folder, and the beats per second per core that makes."""
+    beats, fails, cpu_ms, n_leases, n_full, folder_ms = mix
+    return (f"{n_leases} leases + {n_full} full heartbeats, {cpu_ms:.2f} ms web CPU per beat = "
+            f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); folder "
+            f"{folder_ms:.2f} ms per beat, combined {cpu_ms + folder_ms:.2f} ms = "
+            f"{1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU")
+
+
 def print_stage(n, stage, args):
     server, figures = stage["server"], stage_figures(stage)
     print(f"\n--- {n} accelerators, {server} (load average {stage['load']:.1f} at its end)")
@@ -713,19 +723,11 @@ def print_stage(n, stage, args):
                    f"{min(x[3] + x[4] for x in stage['heartbeats'][1:]):.2f} ms")
     print(f"MERIDIAN_HEARTBEAT_FOLD={args.fold}, hollow copies checkpoint every {args.checkpoint_seconds:.0f} s"
           + (folder_line if args.fold == "async" else ""))
-    beats, fails, cpu_ms, n_leases, n_full, folder_ms = stage["mix"]
-    print(f"agents beating for a minute of their time: {n_leases} leases + {n_full} full heartbeats, "
-          f"{cpu_ms:.2f} ms web CPU per beat on average = {1000 / cpu_ms:.0f} beats/s per core "
-          f"({beats:.0f} beats/s wall, {fails} failed); folder {folder_ms:.2f} ms per beat, combined "
-          f"{cpu_ms + folder_ms:.2f} ms = {1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU")
+    print(f"agents beating for a minute of their time: {minute_text(stage['mix'])}")
     if stage["busy"] is not None:
         b = stage["busy"]
-        beats, fails, cpu_ms, n_leases, n_full, folder_ms = b["mix"]
         print(f"the same beside the tick and {args.viewers} portal viewers ({b['seconds']:.0f} s): "
-              f"{n_leases} leases + {n_full} full heartbeats, {cpu_ms:.2f} ms web CPU per beat = "
-              f"{1000 / cpu_ms:.0f} beats/s per core ({beats:.0f} beats/s wall, {fails} failed); folder "
-              f"{folder_ms:.2f} ms per beat, combined {cpu_ms + folder_ms:.2f} ms = "
-              f"{1000 / (cpu_ms + folder_ms):.0f} beats/s per core of control-plane CPU; "
+              f"{minute_text(b['mix'])}; "
               f"{b['ticks']} ticks meanwhile, median {b['tick_median']:.2f} s, max {b['tick_max']:.2f} s "
               f"(tick process CPU {b['cpu']['tick']:.1f} s); {b['requests']} portal requests, {b['failed']} failed, "
               f"median {b['latency_median'] * 1000:.0f} ms, p99 {b['latency_p99'] * 1000:.0f} ms "

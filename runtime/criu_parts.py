@@ -46,7 +46,6 @@ a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (no
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from runtime import rank_logs
@@ -85,17 +84,18 @@ def staging_for_node(store_root, staging_dir: str) -> Path:
     return folder
 
 
-def dump_part(launcher, request, step: int, staging, *,
-              dump_ranks: Callable[..., tuple[str, ...]]) -> str:
+def dump_part(launcher, request, step: int, staging) -> str:
     """Dumps this node's ranks, parked at the cut `request` after `step`, into its part of
-    `staging` with `dump_ranks` (runtime/engines.py dump_host_ranks, the one-host dump's own),
+    `staging` by the one-host dump's own code (runtime/engines.py dump_host_ranks),
     leaving them running (still parked); writes the part manifest (with what the part left out,
     `left_out`) and returns its sha256. Raises RuntimeError (a CRIU dump failed), CheckpointError,
-    or what dump_ranks raises; the ranks are then still parked and the caller lets them go on."""
+    or what dump_host_ranks raises; the ranks are then still parked and the caller lets them go on."""
+    from runtime.engines import dump_host_ranks  # not at the top: runtime.engines imports this module
+
     part = part_dir(staging, launcher.node_rank)
     part.mkdir()
     rank_logs.carry(launcher, part / "logs")
-    left_out = dump_ranks(launcher, part, leave_running=True)
+    left_out = dump_host_ranks(launcher, part, leave_running=True)
     files = checkpoint_store.hash_tree(part)
     checkpoint_store.write_manifest(part, files, meta={
         "node": launcher.node_rank, "ranks": [process.rank for process in launcher.ranks],

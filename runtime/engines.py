@@ -256,7 +256,7 @@ class CriuEngine(Engine):
             raise LaunchError("internal error: a job spanning hosts without its peers")
         reported: dict[int, str | None] = {}
         try:
-            reported[0] = criu_parts.dump_part(launcher, request, step, staging, dump_ranks=dump_host_ranks)
+            reported[0] = criu_parts.dump_part(launcher, request, step, staging)
         except (RuntimeError, OSError, CheckpointError, PrivateDirsError, SandboxError) as exc:
             raise LaunchError(f"{action} failed at step {step} on node 0: {exc}; no checkpoint was "
                               "committed and the job goes on") from None
@@ -278,7 +278,7 @@ class CriuEngine(Engine):
         from runtime.store import CheckpointError
         try:
             staging = criu_parts.staging_for_node(launcher.store.root, request.staging_dir or "")
-            return criu_parts.dump_part(launcher, request, step, staging, dump_ranks=dump_host_ranks)
+            return criu_parts.dump_part(launcher, request, step, staging)
         except (RuntimeError, OSError, CheckpointError, PrivateDirsError, SandboxError) as exc:
             raise LaunchError(f"node {launcher.node_rank} could not dump its part: {exc}") from None
 
