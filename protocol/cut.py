@@ -113,9 +113,17 @@ class ResumeFile(Message):
     # rank of a job spanning hosts may be on another host than the one it was dumped on. None:
     # the one it has (MERIDIAN_NODE_ADDR).
     node_addr: str | None = bounded(default=None, max_length=255)
+    # The job's hosts now and this rank's host among them: a CRIU-restored rank may have been dumped
+    # with another number of hosts (runtime/criu_parts.py); it sets LOCAL_RANK, LOCAL_WORLD_SIZE,
+    # NODE_RANK and GROUP_RANK from them. None: the layout it has.
+    nodes: int | None = bounded(default=None, minimum=1, maximum=MAX_RANKS)
+    node_rank: int | None = bounded(default=None, minimum=0, maximum=MAX_RANKS)
 
     def __post_init__(self) -> None:
         check_device_indices(self.device_indices, len(self.devices.devices))
+        if (self.nodes is None) != (self.node_rank is None) or (
+                self.nodes is not None and self.node_rank is not None and self.node_rank >= self.nodes):
+            raise ProtocolError("node_rank", f"{self.node_rank} is not a host of {self.nodes}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,13 +32,33 @@ part of the downtime); a stop's ranks are ended only once the checkpoint is comm
 or bad part commits nothing: the leader withdraws the cut and every host lets its parked ranks
 go on: the job goes on, after a checkpoint and after a stop alike.
 
-At restore, node k of the new launch restores the ranks of part node<k> (the same block of ranks,
-on whichever host runs node k now), after its store verified the checkpoint's manifest (pinned to
-the digest the control plane recorded), the files outside every part, and its own part's files:
-each host checks what it restores, so a job on N hosts reads its checkpoint once in all, not N
-times (`other_parts`, CheckpointStore.skip_folders); a bad part fails the restore of its host. The number of
-hosts must be the one the checkpoint was dumped on: a restored rank keeps its place in the host
-chain of the reduction (runtime/hostchain.py) and its LOCAL_RANK; other host counts are refused.
+At restore, node j of a new launch on M hosts restores its block of ranks (runtime/multihost.py
+node_ranks for M), each rank r from the folder it was dumped into: part node<k> of a checkpoint
+dumped on N hosts (k = r // (W/N)), or the checkpoint itself for one dumped on one host
+(`restore_sources`). M may differ from N (2 hosts x 2 ranks -> 1 host x 4, and back): the same
+host count puts node k's part back on node k; M < N merges parts onto a host; M > N splits one.
+Its store verified the checkpoint's manifest (pinned to the digest the control plane recorded),
+the files outside every part, and the parts it restores from: each host checks what it restores,
+so a job on N hosts restored on N reads its checkpoint once in all, not N times (`unread_parts`,
+CheckpointStore.skip_parts_of); a bad part fails the restore of every host that reads it.
+
+What makes another host count exact: nothing a restored rank kept in memory of its old layout
+decides anything after the restore. Its PIDs live in a PID namespace of its own (runtime/criu.py),
+so ranks of two parts never collide on one host. Its virtual group rebuilt nothing at the cut and
+builds its inner group anew at the resume: the shared area and the host chain come from the host
+keys the ranks all-gather then, where they now run (runtime/vpg.py InnerGroup), and every path
+reduces in rank order (the same bits on 1, 2 or 4 hosts). Its cores are the restoring host's (the
+resume file's DeviceMap), and so are gloo's bind address, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK
+and GROUP_RANK in its os.environ (protocol.cut.ResumeFile: nodes, node_rank, node_addr), set
+before the script goes on. What Meridian promises about the environment: a value the script
+COPIED from it before the cut (LOCAL_RANK in a variable) keeps the old layout's number; on CPU
+devices nothing of Meridian's depends on it, so training is bit-exact; a script that itself acts
+on a copied LOCAL_RANK (each host's local rank 0 writes a file, say) acts on the old layout.
+Refused by name instead of restored (`regroup_refusal`): parts that name different spool paths
+(one launcher hosts one spool); a sandboxed job whose merged or split part left files in the
+ranks' private /tmp or /dev/shm (which ranks share them would change); a GPU job (its ranks'
+CUDA devices were picked by their old LOCAL_RANK and nothing maps them anew; the CRIU engine
+dumps no CUDA state here at all yet).
 
 Parts are stored whole: the memory pages of a one-host CRIU checkpoint are deduplicated against
 a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (not built).
@@ -46,6 +66,7 @@ a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (no
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import rank_logs
@@ -154,3 +175,102 @@ def part_spool(ref_path, node: int) -> str | None:
     manifest = checkpoint_store.read_manifest(part_dir(ref_path, node))
     spool = (manifest.get("meta") or {}).get("spool")
     return spool if isinstance(spool, str) else None
+
+
+def dumped_nodes(meta: dict) -> int:
+    """Returns how many hosts dumped the CRIU checkpoint of manifest meta `meta` (1: no parts)."""
+    nodes = meta.get("nodes") or 1
+    return nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else 1
+
+
+def parts_read(*, dumped: int, world_size: int, nodes: int, node_rank: int) -> tuple[int, ...]:
+    """Returns the parts (dumped node numbers) whose ranks node `node_rank` of `nodes` restores, for
+    a checkpoint `dumped` hosts made (() when it has no parts: one host dumped it). Raises
+    ValueError when `dumped` or `nodes` does not divide world_size."""
+    if dumped == 1:
+        return ()
+    per_part = len(node_ranks(world_size=world_size, nodes=dumped, node_rank=0))
+    mine = node_ranks(world_size=world_size, nodes=nodes, node_rank=node_rank)
+    return tuple(sorted({rank // per_part for rank in mine}))
+
+
+def unread_parts(meta: dict, *, world_size: int, nodes: int, node_rank: int) -> frozenset[str]:
+    """The folder names of the parts node `node_rank` of `nodes` neither restores nor checks at a
+    resume from the checkpoint of manifest meta `meta` (CheckpointStore.skip_parts_of): the parts
+    of ranks other hosts restore. A meta whose host count does not fit the job skips nothing (the
+    restore then refuses it)."""
+    dumped = dumped_nodes(meta)
+    if dumped == 1:
+        return frozenset()  # no parts: everything is this host's to check
+    try:
+        read = parts_read(dumped=dumped, world_size=world_size, nodes=nodes, node_rank=node_rank)
+    except ValueError:
+        return frozenset()
+    return frozenset(part_dir("", node).name for node in range(dumped) if node not in read)
+
+
+@dataclass(frozen=True)
+class RestoreSource:
+    """One folder a host restores ranks from: a part, or a checkpoint one host dumped."""
+
+    folder: Path  # holds rank<r>/ (CRIU's images), logs/, a sandboxed job's private-*.tar
+    ranks: tuple[int, ...]  # the ranks restored from it on this host
+    dumped_ranks: tuple[int, ...]  # every rank dumped into it (more than `ranks`: the part is split)
+    spool: str | None  # the spool path its ranks had when they were dumped
+
+
+@dataclass(frozen=True)
+class RestoreSources:
+    """What node `node_rank` of a new launch restores of a CRIU checkpoint, and from where."""
+
+    sources: tuple[RestoreSource, ...]
+    dumped: int  # how many hosts dumped the checkpoint
+
+    @property
+    def regrouped(self) -> bool:
+        """True when the ranks restored on this host are not exactly the ranks one host dumped
+        (parts merged, or a part split): the host count changed."""
+        return len(self.sources) != 1 or self.sources[0].ranks != self.sources[0].dumped_ranks
+
+    @property
+    def spool(self) -> str | None:
+        """The one spool path every source's ranks had (None: none named)."""
+        return self.sources[0].spool
+
+    def images_of(self, rank: int) -> Path:
+        return next(source.folder for source in self.sources if rank in source.ranks)
+
+
+def restore_sources(ref_path, meta: dict, *, world_size: int, nodes: int, node_rank: int) -> RestoreSources:
+    """Returns where node `node_rank` of `nodes` finds each rank it restores of the checkpoint at
+    `ref_path` (verified by the store), its manifest meta `meta`. Raises PartError when a part it
+    needs names no usable manifest, or when the sources name different spool paths (a restored
+    rank goes on using its own, and one launcher hosts one spool)."""
+    dumped = dumped_nodes(meta)
+    mine = tuple(node_ranks(world_size=world_size, nodes=nodes, node_rank=node_rank))
+    if dumped == 1:
+        spool = meta.get("spool")
+        return RestoreSources(sources=(RestoreSource(folder=Path(ref_path), ranks=mine,
+                                                     dumped_ranks=tuple(range(world_size)),
+                                                     spool=spool if isinstance(spool, str) else None),),
+                              dumped=1)
+    try:
+        read = parts_read(dumped=dumped, world_size=world_size, nodes=nodes, node_rank=node_rank)
+    except ValueError as exc:
+        raise PartError(f"the checkpoint says {dumped} hosts dumped it, which does not fit its "
+                        f"{world_size} ranks: {exc}") from None
+    sources = []
+    for part in read:
+        try:
+            spool = part_spool(ref_path, part)
+        except checkpoint_store.CheckpointError as exc:
+            raise PartError(f"no usable part for node {part}: {exc}") from None
+        dumped_ranks = tuple(node_ranks(world_size=world_size, nodes=dumped, node_rank=part))
+        sources.append(RestoreSource(folder=part_dir(ref_path, part), spool=spool, dumped_ranks=dumped_ranks,
+                                     ranks=tuple(rank for rank in mine if rank in dumped_ranks)))
+    spools = sorted({str(source.spool) for source in sources})
+    if len(spools) > 1:
+        raise PartError(f"the parts this host restores ({', '.join(source.folder.name for source in sources)}) "
+                        f"were dumped with different spool paths {spools}: a restored rank goes on using its "
+                        "own, and one launcher hosts one spool; restore them onto as many hosts as dumped them")
+    return RestoreSources(sources=tuple(sources), dumped=dumped)

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from protocol.cut import CutRequest, ResumeFile
@@ -323,54 +323,60 @@ class CriuEngine(Engine):
         return None if ok else f"the checkpoint needs CRIU, which is unavailable: {detail}"
 
     def restore(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
-        # The store was verified (sha256 of every image); CRIU only reads the images, so they are
-        # restored straight from it (a shared filesystem on a fleet). Put the rank logs back at
-        # their paths and sizes, then restore each rank into a new PID namespace.
-        # A checkpoint whose pages are deduplicated (runtime/criu_pages.py) is rebuilt into a
-        # local folder first, from its own pages and its base's (both verified by the store).
-        from runtime import criu_pages
+        # The store was verified (sha256 of every image, or of every part this host restores from:
+        # runtime/criu_parts.py); CRIU only reads the images, so they are restored straight from it
+        # (a shared filesystem on a fleet). Put the rank logs back at their paths and sizes, then
+        # restore each rank into a new PID namespace. This host's ranks come from the one-host
+        # checkpoint or from the parts that hold them, whatever host count dumped it.
+        # A checkpoint whose pages are deduplicated (runtime/criu_pages.py; one host's only) is
+        # rebuilt into a local folder first, from its own pages and its base's (both verified).
+        from runtime import criu_pages, criu_parts
         from runtime.store import CheckpointError, read_manifest
-        nodes = int(meta.get("nodes") or 1)
-        if nodes != launcher.nodes:
-            raise LaunchError(f"--resume: checkpoint {ref.uri} holds CRIU images of {nodes} host(s) and "
-                              f"this launch spans {launcher.nodes}: a CRIU checkpoint is restored onto as "
-                              "many hosts as it was dumped on (its ranks keep their place among the "
-                              "hosts); the framework engine can change the count", EXIT_USAGE)
-        if nodes > 1:
-            self._restore_part(launcher, ref, meta)
-            return
+        try:
+            plan = criu_parts.restore_sources(ref.path, meta, world_size=launcher.world_size,
+                                              nodes=launcher.nodes, node_rank=launcher.node_rank)
+        except CheckpointError as exc:
+            raise LaunchError(f"--resume: checkpoint {ref.uri}: {exc}", EXIT_USAGE) from None
+        refusal = regroup_refusal(launcher, plan)
+        if refusal is not None:
+            raise LaunchError(f"--resume: checkpoint {ref.uri} was dumped on {plan.dumped} host(s) and this "
+                              f"launch spans {launcher.nodes}: {refusal}; restore it onto {plan.dumped} "
+                              "host(s), or use the framework engine", EXIT_USAGE)
+        images = {source.folder: source.folder for source in plan.sources}
         local = ref.path
-        images = local
-        if criu_pages.is_packed(local):
+        if plan.dumped == 1 and criu_pages.is_packed(local):
             try:
-                images = criu_pages.unpack(local, launcher.job_dir / "restore" / "images",
-                                           read_manifest(local))
+                images[local] = criu_pages.unpack(local, launcher.job_dir / "restore" / "images",
+                                                  read_manifest(local))
             except (OSError, CheckpointError) as exc:
                 raise LaunchError(f"--resume: checkpoint {ref.uri} cannot be rebuilt: {exc}",
                                   EXIT_USAGE) from None
-        launcher.restore_at_dumped_spool(meta)
+        launcher.restore_at_dumped_spool({"spool": plan.spool})
         launcher.fresh_spool()
         # Linked before any restored rank writes: this attempt starts at the restored size.
-        rank_logs.put_back(launcher, local / "logs")
+        rank_logs.put_back(launcher, *(source.folder / "logs" for source in plan.sources))
         try:
-            self._restore_host_ranks(launcher, images, saved=local, ranks=range(launcher.world_size))
+            self._restore_host_ranks(launcher, {rank: images[source.folder] for source in plan.sources
+                                                for rank in source.ranks},
+                                     saved=[source.folder for source in plan.sources])
         finally:
-            if images != local:  # the restored ranks no longer need their images
-                shutil.rmtree(images, ignore_errors=True)
+            for source, folder in images.items():
+                if folder != source:  # the restored ranks no longer need their rebuilt images
+                    shutil.rmtree(folder, ignore_errors=True)
         launcher.last_request_id = int(meta["request_id"])
         launcher.resume_ranks(int(meta["request_id"]))
 
-    def _restore_host_ranks(self, launcher: Launcher, images: Any, *, saved: Any, ranks: Iterable[int]) -> None:
-        """Restores this host's `ranks` from images/rank<r>, a job of one host or one host's part of
-        a job spanning hosts alike. A sandboxed job's: onto this host's new private /tmp and
-        /dev/shm, holding what `saved` (the checkpoint, or the part) kept of the old ones, by criu as
-        the job's uid, each rank left stopped until every one passed criu.restored_refusal. Raises
-        LaunchError after killing every rank it restored."""
+    def _restore_host_ranks(self, launcher: Launcher, images: dict[int, Path], *, saved: list[Path]) -> None:
+        """Restores this host's ranks, rank r from images[r]/rank<r>, a job of one host or one host's
+        share of a job spanning hosts alike. A sandboxed job's: onto this host's new private /tmp and
+        /dev/shm, holding what the `saved` folders (the checkpoint, or the parts) kept of the old
+        ones, by criu as the job's uid, each rank left stopped until every one passed
+        criu.restored_refusal. Raises LaunchError after killing every rank it restored."""
         job = _job_credentials(launcher)
         sandboxed = self._sandboxed_restore(launcher, saved, job) if job is not None else None
         try:
-            for rank in ranks:
-                pid = criu.restore(images / f"rank{rank}", work_dir=launcher.job_dir / "restore",
+            for rank in sorted(images):
+                pid = criu.restore(images[rank] / f"rank{rank}", work_dir=launcher.job_dir / "restore",
                                    sandboxed=sandboxed)
                 launcher.ranks.append(RankProcess(rank, pid))
             if job is not None:
@@ -381,13 +387,15 @@ class CriuEngine(Engine):
             raise LaunchError(f"--resume: {exc}") from None
 
     @staticmethod
-    def _sandboxed_restore(launcher: Launcher, checkpoint: Any, job: criu.JobCredentials) -> criu.SandboxedRestore:
-        """Makes this host's new private /tmp and /dev/shm, puts back what the checkpoint saved of
-        the old ones, and returns where criu restores a sandboxed rank (criu.SandboxedRestore)."""
+    def _sandboxed_restore(launcher: Launcher, saved: list[Path], job: criu.JobCredentials) -> criu.SandboxedRestore:
+        """Makes this host's new private /tmp and /dev/shm, puts back what the `saved` folders kept
+        of the old ones (several only when every one kept nothing: regroup_refusal), and returns
+        where criu restores a sandboxed rank (criu.SandboxedRestore)."""
         launcher.make_private_dirs()
         dirs = _private_dirs(launcher)
         try:
-            dirs.load_from(checkpoint)
+            for folder in saved:
+                dirs.load_from(folder)
         except (OSError, PrivateDirsError) as exc:
             raise LaunchError(f"--resume: the ranks' private /tmp and /dev/shm cannot be put back: {exc}") from None
         return criu.SandboxedRestore(job=job, tmp=str(dirs.tmp), shm=str(dirs.shm),
@@ -405,24 +413,6 @@ class CriuEngine(Engine):
                                   "it was killed before it ran", EXIT_USAGE)
         for process in launcher.ranks:
             criu.resume_restored(process.pid)
-
-    def _restore_part(self, launcher: Launcher, ref: CheckpointRef, meta: dict[str, Any]) -> None:
-        """Node k of a job spanning hosts restores the ranks of the checkpoint's part node<k>
-        (runtime/criu_parts.py; the store verified every part's files)."""
-        from runtime import criu_parts
-        from runtime.store import CheckpointError
-        part = criu_parts.part_dir(ref.path, launcher.node_rank)
-        try:
-            spool = criu_parts.part_spool(ref.path, launcher.node_rank)
-        except CheckpointError as exc:
-            raise LaunchError(f"--resume: checkpoint {ref.uri} has no usable part for node "
-                              f"{launcher.node_rank}: {exc}", EXIT_USAGE) from None
-        launcher.restore_at_dumped_spool({"spool": spool})
-        launcher.fresh_spool()
-        rank_logs.put_back(launcher, part / "logs")
-        self._restore_host_ranks(launcher, part, saved=part, ranks=launcher.local_ranks)
-        launcher.last_request_id = int(meta["request_id"])
-        launcher.resume_ranks(int(meta["request_id"]))
 
     def cut(self, runtime: RankRuntime, request: CutRequest, step: int) -> None:
         from runtime import localreduce, vpg
@@ -444,8 +434,7 @@ class CriuEngine(Engine):
                 break
             time.sleep(0.005)
         resume = ResumeFile.from_dict(payload)
-        if resume.node_addr:  # restored on another host of a job spanning hosts: gloo binds there
-            os.environ["MERIDIAN_NODE_ADDR"] = resume.node_addr
+        follow_host_layout(resume, rank=runtime.rank, world_size=runtime.world_size)
         runtime.connection.update(addr=resume.master_addr, port=resume.master_port, prefix=resume.key_prefix)
         runtime.move_to(resume.devices, resume.device_indices)
         runtime.slot.acquire()
@@ -513,6 +502,21 @@ class FrameworkEngine(Engine):
             os._exit(EXIT_CUT_STOP)
 
 
+def follow_host_layout(resume: ResumeFile, *, rank: int, world_size: int) -> None:
+    """Sets this (resumed) rank's os.environ to the host it runs on now, as the resume file says: gloo's
+    bind address (MERIDIAN_NODE_ADDR, read at every rebuild of the inner group) and the torchrun
+    names LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and GROUP_RANK. A CRIU-restored rank may have been
+    dumped on another host, or with another number of hosts (runtime/criu_parts.py). What the
+    script copied from them before the cut keeps the old values: Meridian cannot reach its memory."""
+    if resume.node_addr:
+        os.environ["MERIDIAN_NODE_ADDR"] = resume.node_addr
+    if resume.nodes is None or resume.node_rank is None:
+        return
+    per_node = world_size // resume.nodes
+    os.environ.update({"LOCAL_RANK": str(rank - resume.node_rank * per_node), "LOCAL_WORLD_SIZE": str(per_node),
+                       "NODE_RANK": str(resume.node_rank), "GROUP_RANK": str(resume.node_rank)})
+
+
 def dump_host_ranks(launcher: Launcher, folder: os.PathLike | str, *, leave_running: bool) -> tuple[str, ...]:
     """Dumps this host's ranks, parked at a cut, into folder/rank<r> (serially: parallel dumps race
     inside CRIU), for a job of one host (folder: the staging folder) and for one host's part of a
@@ -545,6 +549,32 @@ def dump_host_ranks(launcher: Launcher, folder: os.PathLike | str, *, leave_runn
         return left_out
     finally:
         _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
+
+
+def regroup_refusal(launcher: Launcher, plan: Any) -> str | None:
+    """Returns why this host cannot restore its ranks of a CRIU checkpoint as `plan`
+    (criu_parts.RestoreSources) regroups them, or None: nothing is regrouped (the host count is
+    the one that dumped it), or the regrouping is exact (runtime/criu_parts.py says what binds a
+    restored rank to its old layout and what does not).
+
+    Refused: a GPU job (each rank's CUDA device was picked by its old LOCAL_RANK, and nothing maps
+    it anew); a sandboxed job whose regrouped part left anything in the ranks' private /tmp or
+    /dev/shm (ranks that shared those files would no longer, or ranks of two hosts would share
+    them: which files each rank sees after the cut would change)."""
+    if not plan.regrouped:
+        return None
+    sandbox = launcher.sandbox
+    if sandbox is not None and sandbox.spec.device_kind == "gpu":
+        return ("a GPU job's restored rank keeps the CUDA device its old LOCAL_RANK picked, and no "
+                "device map rewrites it (the CRIU engine dumps no CUDA state here yet)")
+    if _job_credentials(launcher) is not None:
+        for source in plan.sources:
+            entries = private_dirs.saved_entries(source.folder)
+            if entries:
+                how = "split over hosts" if source.ranks != source.dumped_ranks else "merged with another host's"
+                return (f"ranks {list(source.dumped_ranks)} shared a private /tmp and /dev/shm holding "
+                        f"{entries[:5]} ({source.folder.name}, {how}): which ranks share those files would change")
+    return None
 
 
 def _private_dirs(launcher: Launcher):

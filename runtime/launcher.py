@@ -28,6 +28,7 @@ Exit codes: 0 the script finished; 75 stopped after a checkpoint (resume with --
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -162,7 +163,10 @@ class Launcher:
                 device_cores=self.sandbox.device_cores(self.device_indices) if self.sandbox else None))
         except (ValueError, job_sandbox.SandboxError) as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
-        self.node_addr = options.node_addr
+        # The address this host's ranks bind gloo to. One host: loopback, whatever --node-addr says
+        # (every peer and the store are local, and a sandboxed job's network is loopback only); a
+        # CRIU checkpoint of several hosts restored onto one is then bound there too.
+        self.node_addr = options.node_addr if self.nodes > 1 else "127.0.0.1"
         try:
             self.local_ranks = multihost.node_ranks(world_size=self.world_size, nodes=self.nodes,
                                                     node_rank=self.node_rank)
@@ -176,8 +180,10 @@ class Launcher:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(options.store or (self.job_dir / "checkpoints"),
                                      keep=options.keep, accepted_file=self.job_dir / ACCEPTED_FILE)
-        if self.nodes > 1:  # each host checks the part of a CRIU checkpoint it restores, and what all share
-            self.store.skip_folders = criu_parts.other_parts(nodes=self.nodes, node_rank=self.node_rank)
+        # Each host checks the parts of a CRIU checkpoint it restores from, and what all share: which
+        # parts those are depends on how many hosts dumped the checkpoint (runtime/criu_parts.py).
+        self.store.skip_parts_of = functools.partial(criu_parts.unread_parts, world_size=self.world_size,
+                                                     nodes=self.nodes, node_rank=self.node_rank)
         self.workspace = job_workspace.from_options(options, self.job_dir)  # None: no --workspace
         self._quota_checked_at = 0.0
         self.nonce = uuid.uuid4().hex[:10]
@@ -493,10 +499,12 @@ class Launcher:
         self.checkpoints.abandon(self, request_id)
 
     def resume_ranks(self, request_id):
+        # The host's address and the job's host layout every time: a CRIU-restored rank may have
+        # been dumped on another host, or with another number of hosts (runtime/criu_parts.py).
         resume = ResumeFile(master_addr=self.master_addr, master_port=self.master_port,
                             key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
-                            device_indices=self.device_indices,
-                            node_addr=self.node_addr if self.nodes > 1 else None)
+                            device_indices=self.device_indices, node_addr=self.node_addr,
+                            nodes=self.nodes, node_rank=self.node_rank)
         spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), resume.to_dict())
 
     def do_checkpoint(self, *, stop, at_step=None, timeout_s=DEFAULT_TIMEOUT_S) -> CheckpointAnswer:

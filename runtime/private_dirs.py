@@ -259,6 +259,23 @@ class PrivateDirs:
 TMP_ARCHIVE, SHM_ARCHIVE = "private-tmp.tar", "private-shm.tar"  # in a CRIU checkpoint
 
 
+def saved_entries(folder: os.PathLike | str) -> list[str]:
+    """Returns what save_into kept in `folder` (a verified checkpoint or part) of the ranks' private
+    folders, as "/tmp/<name>" and "/dev/shm/<name>" lines (sorted, top level and below); [] when
+    it kept nothing or has no archives. Raises PrivateDirsError for an archive tarfile cannot read."""
+    found: list[str] = []
+    for name, seen_as in ((TMP_ARCHIVE, "/tmp"), (SHM_ARCHIVE, "/dev/shm")):
+        path = pathlib.Path(folder) / name
+        if not path.exists():
+            continue
+        try:
+            with tarfile.open(path, "r") as archive:
+                found.extend(f"{seen_as}/{member.name}" for member in archive.getmembers())
+        except tarfile.TarError as exc:
+            raise PrivateDirsError(f"{path}: {exc}") from None
+    return sorted(found)
+
+
 def _socket_files(folder: pathlib.Path) -> list[str]:
     """Returns the paths (relative to `folder`) of the unix socket files under it, sorted: tarfile
     skips a socket without a word (TarFile.add), so save_into looks for them itself."""

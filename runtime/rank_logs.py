@@ -178,12 +178,14 @@ def carry(launcher: Launcher, folder) -> None:
                 copy_job_file(source, folder / carried.format(rank=rank))
 
 
-def put_back(launcher: Launcher, folder) -> None:
+def put_back(launcher: Launcher, *folders) -> None:
     """Puts the logs a CRIU checkpoint carried back at their spool paths (and sizes; the job's own
-    files), before the ranks are restored, and links them (link)."""
-    folder = pathlib.Path(folder)
-    for rank in _local_ranks(launcher):
-        for stream, (_, _, carried) in STREAMS.items():
-            if (folder / carried.format(rank=rank)).exists():
-                shutil.copyfile(folder / carried.format(rank=rank), spool_log_path(launcher.spool, rank, stream))
+    files), before the ranks are restored, and links them (link), once. Each of this host's ranks
+    finds its logs in one of `folders` (the checkpoint's, or those of the parts it restores from:
+    runtime/criu_parts.py)."""
+    for folder in map(pathlib.Path, folders):
+        for rank in _local_ranks(launcher):
+            for stream, (_, _, carried) in STREAMS.items():
+                if (folder / carried.format(rank=rank)).exists():
+                    shutil.copyfile(folder / carried.format(rank=rank), spool_log_path(launcher.spool, rank, stream))
     link(launcher)  # gives them to the job's uid under a sandbox

@@ -55,6 +55,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("runtime.store")
@@ -491,11 +492,15 @@ class CheckpointStore:
         # resume checks the newest checkpoint and then the one it restores, the same one; its
         # base alone is hundreds of MB to hash again.
         self._verified: dict[str, tuple] = {}
-        # Top-level folders of a checkpoint whose files this process does not check: the other
-        # hosts' parts of a CRIU checkpoint spanning hosts (set by the launcher of node k of N:
-        # runtime/criu_parts.other_parts). Each host restores and checks its own part only, so a
-        # job on N hosts reads its checkpoint once in all, not N times.
+        # Top-level folders of a checkpoint whose files this process does not check: the parts of
+        # a CRIU checkpoint spanning hosts that this host does not restore. Each host restores and
+        # checks only the parts it restores from, so a job on N hosts reads its checkpoint once in
+        # all, not N times. `skip_folders`: the same for every checkpoint; `skip_parts_of`: a
+        # function of a checkpoint's manifest meta (set by the launcher of node k of N:
+        # runtime/criu_parts.unread_parts), since which parts a host restores depends on how many
+        # hosts dumped the checkpoint, which may not be how many restore it.
         self.skip_folders: frozenset[str] = frozenset()
+        self.skip_parts_of: Callable[[dict], frozenset[str]] | None = None
         if not os.access(self.root, os.W_OK):
             raise CheckpointError(f"checkpoint store {self.root} is not writable")
 
@@ -674,7 +679,8 @@ class CheckpointStore:
         return None
 
     def _files_signature(self, directory: Path, manifest: dict) -> tuple | None:
-        names = [(directory, rel) for rel in manifest["files"] if not _under(rel, self.skip_folders)]
+        skipped = self._skipped(manifest)
+        names = [(directory, rel) for rel in manifest["files"] if not _under(rel, skipped)]
         names.append((directory, MANIFEST_NAME))
         for base in manifest.get("bases") or []:
             base_dir = directory.parent / str(base.get("name"))
@@ -691,6 +697,13 @@ class CheckpointStore:
             signature.append((str(folder), rel, stat.st_ino, stat.st_size, stat.st_mtime_ns))
         return tuple(signature)
 
+    def _skipped(self, manifest: dict) -> frozenset[str]:
+        """The top-level folders of the checkpoint of `manifest` whose files are not checked here."""
+        if self.skip_parts_of is None:
+            return self.skip_folders
+        meta = manifest.get("meta")
+        return self.skip_folders | self.skip_parts_of(meta if isinstance(meta, dict) else {})
+
     def _verify_dir(self, directory: Path, manifest: dict) -> dict:
         """verify_dir, once per process for files that did not change since."""
         key = str(directory)
@@ -698,7 +711,7 @@ class CheckpointStore:
         if signature is not None and self._verified.get(key) == signature:
             return manifest
         self._verified.pop(key, None)
-        verify_dir(directory, manifest, skip_folders=self.skip_folders)
+        verify_dir(directory, manifest, skip_folders=self._skipped(manifest))
         if signature is not None:
             self._verified[key] = signature
         return manifest

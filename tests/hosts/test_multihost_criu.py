@@ -115,6 +115,33 @@ def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_othe
     for host in cluster.hosts[2:4]:
         assert not [e for e in events(host, job_id + "-c") if e.get("event") == "restored"]
 
+    # Another host count (runtime/criu_parts.py): with the byte put back, the same checkpoint is
+    # restored onto ONE host (its 4 ranks from both parts: one PID namespace each, one spool, the
+    # one-host area instead of the chain, gloo bound to the new host), stopped there, and that
+    # one-host checkpoint restored onto 2 hosts again; the job ends bit-exact.
+    with open(image, "r+b") as handle:
+        handle.write(first)
+    os.remove(os.path.join(cluster.store_dir, "moved.pt"))  # the restored ranks write it again
+    _, processes = start_job(cluster.hosts[2:3], ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
+                             launcher_args=("--store", store, "--resume", *sandbox), job_id=job_id + "-d")
+    answer = control(cluster[2], job_id + "-d", "stop")
+    stopped_at = answer.get("answer", {}).get("step")
+    assert stopped_at is not None and stopped_at >= 6, answer
+    results = wait_job(processes, timeout=300)
+    assert [code for code, _ in results] == [75], results
+    restored = [e for e in events(cluster[2], job_id + "-d") if e.get("event") == "restored"]
+    assert len(restored) == 1 and restored[0]["step"] == 6, restored
+    assert not os.path.exists(os.path.join(cluster.store_dir, "moved.pt")), "the job ended before it was stopped"
+    one_host = CheckpointStore(os.path.join(cluster.store_dir, "ckpt")).latest_good()
+    assert one_host.step == stopped_at and not (one_host.path / "node0").exists()  # one host's layout: no parts
+    _, processes = start_job(cluster.hosts[2:4], ranks=4, script=DDP_SCRIPT, engine="criu", args=[out, *ARGS],
+                             launcher_args=("--store", store, "--resume", *sandbox), job_id=job_id + "-e")
+    check_all(wait_job(processes))
+    for host in cluster.hosts[2:4]:
+        restored = [e for e in events(host, job_id + "-e") if e.get("event") == "restored"]
+        assert len(restored) == 1 and restored[0]["step"] == stopped_at, restored
+    assert_equal_states(load(cluster, "reference.pt"), load(cluster, "moved.pt"))
+
 
 def test_a_host_whose_part_cannot_reach_the_shared_store_commits_no_checkpoint_and_the_job_goes_on(emulated_hosts):
     cluster = emulated_hosts(2)

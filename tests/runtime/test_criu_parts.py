@@ -8,12 +8,11 @@ import pytest
 
 from runtime import criu_parts, engines
 from runtime import store as checkpoint_store
-from runtime.exits import LaunchError
 
 REQUEST_ID, STEP = 1700000000000, 6
 
 
-def write_part(staging, node, *, ranks, step=STEP):
+def write_part(staging, node, *, ranks, step=STEP, spool="/run/meridian/j"):
     """Writes node `node`'s part as dump_part lays it out (a stand-in page image per rank);
     returns its manifest's sha256."""
     part = criu_parts.part_dir(staging, node)
@@ -22,7 +21,7 @@ def write_part(staging, node, *, ranks, step=STEP):
         (part / f"rank{rank}" / "pages-1.img").write_bytes(bytes([rank]) * 8192)
     (part / "logs").mkdir()
     checkpoint_store.write_manifest(part, checkpoint_store.hash_tree(part), meta={
-        "node": node, "ranks": list(ranks), "request_id": REQUEST_ID, "step": step, "spool": "/run/meridian/j"})
+        "node": node, "ranks": list(ranks), "request_id": REQUEST_ID, "step": step, "spool": spool})
     return checkpoint_store.manifest_sha256(part)
 
 
@@ -104,14 +103,84 @@ def test_a_follower_whose_store_lacks_the_leaders_staging_folder_is_told_its_sto
         criu_parts.staging_for_node(staging.parent, "/somewhere/ckpt-000000000001-1")
 
 
-@pytest.mark.parametrize(("dumped_on", "restoring_on"), [(2, 1), (1, 2), (2, 4)], ids=["2->1", "1->2", "2->4"])
-def test_a_criu_checkpoint_is_restored_only_onto_as_many_hosts_as_dumped_it(dumped_on, restoring_on):
-    launcher = types.SimpleNamespace(nodes=restoring_on, node_rank=0)
-    ref = types.SimpleNamespace(uri="file:///store/ckpt-000000000006-1", path=None)
-    with pytest.raises(LaunchError, match=f"CRIU images of {dumped_on} host\\(s\\) and this launch spans "
-                                          f"{restoring_on}") as caught:
-        engines.CriuEngine().restore(launcher, ref, {"nodes": dumped_on, "request_id": REQUEST_ID})
-    assert caught.value.code == 2
+def committed_parts(tmp_path, *, nodes, world_size=4, spools=None):
+    """A checkpoint folder with the parts of `nodes` hosts (as dump_part writes them), host k's
+    spool path spools[k] (default: the same on every host, as agents and meridian-run name it)."""
+    folder = tmp_path / "ckpt-000000000006-1"
+    per_node = world_size // nodes
+    for node in range(nodes):
+        write_part(folder, node, ranks=range(node * per_node, (node + 1) * per_node),
+                   **({"spool": spools[node]} if spools else {}))
+    return folder
+
+
+@pytest.mark.parametrize(("dumped_on", "restoring_on", "node_rank", "expected"), [
+    (2, 2, 1, {"node1": (2, 3)}),
+    (2, 1, 0, {"node0": (0, 1), "node1": (2, 3)}),  # merged: one host restores both parts
+    (2, 4, 3, {"node1": (3,)}),  # split: node 3 of 4 restores rank 3 of node 1's part
+    (4, 2, 1, {"node2": (2,), "node3": (3,)}),
+], ids=["2->2", "2->1", "2->4", "4->2"])
+def test_each_host_restores_its_ranks_from_the_parts_that_hold_them_whatever_host_count_dumped_them(
+        tmp_path, dumped_on, restoring_on, node_rank, expected):
+    folder = committed_parts(tmp_path, nodes=dumped_on)
+    plan = criu_parts.restore_sources(folder, {"nodes": dumped_on}, world_size=4, nodes=restoring_on,
+                                      node_rank=node_rank)
+    assert {source.folder.name: source.ranks for source in plan.sources} == expected
+    assert plan.regrouped == (dumped_on != restoring_on) and plan.spool == "/run/meridian/j"
+    for source in plan.sources:
+        for rank in source.ranks:
+            assert plan.images_of(rank) == source.folder and (source.folder / f"rank{rank}").is_dir()
+    # The parts it does not restore from are the ones its store does not check.
+    unread = criu_parts.unread_parts({"nodes": dumped_on}, world_size=4, nodes=restoring_on, node_rank=node_rank)
+    assert unread == {f"node{k}" for k in range(dumped_on)} - set(expected)
+
+
+def test_a_checkpoint_of_one_host_is_restored_on_two_each_host_its_block_of_ranks(tmp_path):
+    meta = {"nodes": 1, "spool": "/run/meridian/j1-0-42"}
+    plans = [criu_parts.restore_sources(tmp_path, meta, world_size=4, nodes=2, node_rank=node) for node in (0, 1)]
+    assert [plan.sources[0].ranks for plan in plans] == [(0, 1), (2, 3)]
+    assert all(plan.regrouped and plan.spool == "/run/meridian/j1-0-42" and plan.images_of(2 * k) == tmp_path
+               for k, plan in enumerate(plans))
+    assert criu_parts.unread_parts(meta, world_size=4, nodes=2, node_rank=1) == set()  # no parts: all read
+
+
+def test_parts_dumped_with_different_spool_paths_are_not_merged_onto_one_host(tmp_path):
+    folder = committed_parts(tmp_path, nodes=2, spools=["/run/meridian/a", "/run/meridian/b"])
+    with pytest.raises(criu_parts.PartError, match=r"different spool paths \['/run/meridian/a', '/run/meridian/b'\]"):
+        criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=1, node_rank=0)
+    # On as many hosts as dumped them, each host has one spool: restored as before.
+    plan = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=2, node_rank=1)
+    assert plan.spool == "/run/meridian/b"
+
+
+def _sandboxed_launcher(device_kind="cpu"):
+    identity = types.SimpleNamespace(uid=1_650_100, gid=1_650_100)
+    return types.SimpleNamespace(sandbox=types.SimpleNamespace(
+        spec=types.SimpleNamespace(device_kind=device_kind), identity=identity))
+
+
+def test_a_regrouped_restore_of_a_gpu_job_or_of_private_files_that_ranks_shared_is_refused_by_name(tmp_path):
+    import tarfile
+    folder = committed_parts(tmp_path, nodes=2)
+    merged = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=1, node_rank=0)
+    same = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=2, node_rank=0)
+    unconfined = types.SimpleNamespace(sandbox=None)
+    assert engines.regroup_refusal(unconfined, merged) is None
+    assert "GPU job" in engines.regroup_refusal(_sandboxed_launcher("gpu"), merged)
+    assert engines.regroup_refusal(_sandboxed_launcher("gpu"), same) is None  # not regrouped
+    # Empty private folders (empty archives) travel anywhere; a file that ranks 2 and 3 shared does not.
+    for node in (0, 1):
+        for name in ("private-tmp.tar", "private-shm.tar"):
+            tarfile.open(criu_parts.part_dir(folder, node) / name, "w").close()
+    assert engines.regroup_refusal(_sandboxed_launcher(), merged) is None
+    shared = tmp_path / "cache.bin"
+    shared.write_bytes(b"x")
+    with tarfile.open(criu_parts.part_dir(folder, 1) / "private-shm.tar", "w") as archive:
+        archive.add(shared, arcname="cache.bin")
+    refusal = engines.regroup_refusal(_sandboxed_launcher(), merged)
+    assert "ranks [2, 3] shared a private /tmp and /dev/shm holding ['/dev/shm/cache.bin']" in refusal, refusal
+    assert "merged" in refusal
+    assert engines.regroup_refusal(_sandboxed_launcher(), same) is None
 
 
 def test_auto_gives_a_job_spanning_hosts_the_framework_engine_and_criu_only_when_asked(monkeypatch):

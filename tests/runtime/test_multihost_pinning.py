@@ -68,5 +68,9 @@ def test_on_a_gpu_node_each_hosts_ranks_see_only_that_hosts_gpus(tmp_path, monke
 def test_each_host_checks_at_a_resume_the_part_of_the_checkpoint_it_restores_not_the_others(tmp_path, monkeypatch):
     # runtime/criu_parts.py: a job on N hosts reads its checkpoint once in all, not N times.
     monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
-    assert _launcher(tmp_path, node_rank=1, indices="0,1,2,3").store.skip_folders == {"node0"}
-    assert _launcher(tmp_path, node_rank=0, indices="0,1,2,3").store.skip_folders == {"node1"}
+    follower, leader = (_launcher(tmp_path, node_rank=node, indices="0,1,2,3").store for node in (1, 0))
+    assert follower.skip_parts_of({"nodes": 2}) == {"node0"} and leader.skip_parts_of({"nodes": 2}) == {"node1"}
+    # Dumped on 4 hosts (W = 8: 2 ranks a part), restored on 2: each host reads the 2 parts of its ranks.
+    assert follower.skip_parts_of({"nodes": 4}) == {"node0", "node1"}
+    assert leader.skip_parts_of({"nodes": 4}) == {"node2", "node3"}
+    assert leader.skip_parts_of({"nodes": 1}) == set()  # dumped on one host: no parts, everything is read
