@@ -26,6 +26,7 @@ bytes are the same (a sha256 collision is not a practical event).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -230,13 +231,26 @@ def _copy_runs(mapping: np.ndarray, own_blob: Path, base_blob: Path | None, targ
                 src = fds[int(source[start])]
                 offset, length, at = int(page[start]) * PAGE, (end - start) * PAGE, start * PAGE
                 while length:
-                    copied = os.copy_file_range(src, out.fileno(), length, offset, at)
+                    copied = _copy_range(src, out.fileno(), length, offset, at)
                     if copied <= 0:
                         raise PagesError(f"{target}: short copy from its blob")
                     offset, at, length = offset + copied, at + copied, length - copied
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+
+def _copy_range(src: int, dst: int, length: int, offset: int, at: int) -> int:
+    """copy_file_range, or a read and a write where the kernel refuses it between the two files'
+    filesystems (EXDEV: found restoring from a store mounted apart from the job's folder, as a
+    shared store on a fleet is; tests/hosts/test_multihost_criu.py). Returns the bytes copied."""
+    try:
+        return os.copy_file_range(src, dst, length, offset, at)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    chunk = os.pread(src, min(length, 8 << 20), offset)
+    return os.pwrite(dst, chunk, at) if chunk else 0
 
 
 def _blob(path) -> np.ndarray:
