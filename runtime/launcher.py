@@ -606,9 +606,10 @@ class Launcher:
         auto, and --engine criu is refused with the reason; otherwise CRIU dumps them as the job's
         uid (runtime/criu.py), on one host or each host's part (runtime/criu_parts.py), and auto
         picks it as for an unsandboxed job. A job spanning hosts gets the framework engine under
-        auto, sandboxed or not: a CRIU checkpoint of it restores only onto as many hosts as dumped
-        it (runtime/criu_parts.py), and the control loop resizes and moves such jobs across host
-        counts; `--engine criu` asks for it."""
+        auto, sandboxed or not: a CRIU checkpoint of it restores onto another host count
+        (runtime/criu_parts.py), but the control loop's moves of such a job with CRIU are not proven
+        through agents yet, and a sandboxed job's shared private files refuse a regrouping;
+        `--engine criu` asks for it."""
         refusal = (job_sandbox.criu_refusal_for_sandbox()
                    if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
@@ -618,8 +619,8 @@ class Launcher:
             return name, f"auto: {refusal}"
         if self.nodes > 1 and self.options.engine == engines.AUTO:
             name, _ = choose_engine("framework")
-            return name, (f"auto: a job spanning {self.nodes} hosts; a CRIU checkpoint of it could be restored "
-                          "only onto as many hosts (ask --engine criu for that)")
+            return name, (f"auto: a job spanning {self.nodes} hosts; CRIU's moves of it through the control loop "
+                          "are not proven yet (ask --engine criu for that)")
         return choose_engine(self.options.engine)
 
     def use_engine(self, name: str) -> None:
