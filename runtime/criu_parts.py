@@ -54,11 +54,15 @@ before the script goes on. What Meridian promises about the environment: a value
 COPIED from it before the cut (LOCAL_RANK in a variable) keeps the old layout's number; on CPU
 devices nothing of Meridian's depends on it, so training is bit-exact; a script that itself acts
 on a copied LOCAL_RANK (each host's local rank 0 writes a file, say) acts on the old layout.
-Refused by name instead of restored (`regroup_refusal`): parts that name different spool paths
-(one launcher hosts one spool); a sandboxed job whose merged or split part left files in the
-ranks' private /tmp or /dev/shm (which ranks share them would change); a GPU job (its ranks'
-CUDA devices were picked by their old LOCAL_RANK and nothing maps them anew; the CRIU engine
-dumps no CUDA state here at all yet).
+A sandboxed job's private /tmp and /dev/shm: parts merged onto one host put what each saved
+into that host's new folders (torch leaves /tmp/torchinductor_<user> on every host: alike, it
+merges); a part split over hosts gives each host a copy of what its ranks shared, so what one of
+them writes there after the cut, those now on another host no longer see.
+Refused by name instead of restored (runtime/engines.py `regroup_refusal`): parts that name
+different spool paths (one launcher hosts one spool); merged parts that saved one path of their
+private folders differently (one host's folders cannot hold both); a GPU job (its ranks' CUDA
+devices were picked by their old LOCAL_RANK and nothing maps them anew; the CRIU engine dumps no
+CUDA state here at all yet).
 
 Parts are stored whole: the memory pages of a one-host CRIU checkpoint are deduplicated against
 a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (not built).

@@ -558,22 +558,20 @@ def regroup_refusal(launcher: Launcher, plan: Any) -> str | None:
     restored rank to its old layout and what does not).
 
     Refused: a GPU job (each rank's CUDA device was picked by its old LOCAL_RANK, and nothing maps
-    it anew); a sandboxed job whose regrouped part left anything in the ranks' private /tmp or
-    /dev/shm (ranks that shared those files would no longer, or ranks of two hosts would share
-    them: which files each rank sees after the cut would change)."""
+    it anew); a sandboxed job whose parts merged onto this host saved one path of their private
+    /tmp or /dev/shm differently (one host's folders cannot hold both). A part split over hosts
+    gives each host a copy of what its ranks shared (said in docs/status.md)."""
     if not plan.regrouped:
         return None
     sandbox = launcher.sandbox
     if sandbox is not None and sandbox.spec.device_kind == "gpu":
         return ("a GPU job's restored rank keeps the CUDA device its old LOCAL_RANK picked, and no "
                 "device map rewrites it (the CRIU engine dumps no CUDA state here yet)")
-    if _job_credentials(launcher) is not None:
-        for source in plan.sources:
-            entries = private_dirs.saved_entries(source.folder)
-            if entries:
-                how = "split over hosts" if source.ranks != source.dumped_ranks else "merged with another host's"
-                return (f"ranks {list(source.dumped_ranks)} shared a private /tmp and /dev/shm holding "
-                        f"{entries[:5]} ({source.folder.name}, {how}): which ranks share those files would change")
+    if _job_credentials(launcher) is not None and len(plan.sources) > 1:
+        conflicts = private_dirs.saved_conflicts([source.folder for source in plan.sources])
+        if conflicts:
+            return (f"the hosts merged here left different files at the same path of their private /tmp "
+                    f"or /dev/shm, which one host's cannot hold both of: {conflicts[:5]}")
     return None
 
 

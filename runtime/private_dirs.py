@@ -64,6 +64,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import os
 import pathlib
 import shutil
@@ -259,21 +260,33 @@ class PrivateDirs:
 TMP_ARCHIVE, SHM_ARCHIVE = "private-tmp.tar", "private-shm.tar"  # in a CRIU checkpoint
 
 
-def saved_entries(folder: os.PathLike | str) -> list[str]:
-    """Returns what save_into kept in `folder` (a verified checkpoint or part) of the ranks' private
-    folders, as "/tmp/<name>" and "/dev/shm/<name>" lines (sorted, top level and below); [] when
-    it kept nothing or has no archives. Raises PrivateDirsError for an archive tarfile cannot read."""
-    found: list[str] = []
-    for name, seen_as in ((TMP_ARCHIVE, "/tmp"), (SHM_ARCHIVE, "/dev/shm")):
-        path = pathlib.Path(folder) / name
-        if not path.exists():
-            continue
-        try:
-            with tarfile.open(path, "r") as archive:
-                found.extend(f"{seen_as}/{member.name}" for member in archive.getmembers())
-        except tarfile.TarError as exc:
-            raise PrivateDirsError(f"{path}: {exc}") from None
-    return sorted(found)
+def saved_conflicts(folders) -> list[str]:
+    """Returns what the private folders saved in several `folders` (parts of a checkpoint restored
+    together onto one host, each with what its host's ranks left) hold at one path but not alike
+    (another kind of entry, mode, owner, or content), as "/tmp/<name>: <which folders>" lines,
+    sorted; [] when putting them all into one host's folders loses nothing (a path in several is
+    the same there: a folder, or a file with the same bytes). Raises PrivateDirsError for an
+    archive tarfile cannot read."""
+    seen: dict[str, tuple[tuple, str]] = {}
+    conflicts = set()
+    for folder in map(pathlib.Path, folders):
+        for name, shown_as in ((TMP_ARCHIVE, "/tmp"), (SHM_ARCHIVE, "/dev/shm")):
+            path = folder / name
+            if not path.exists():
+                continue
+            try:
+                with tarfile.open(path, "r") as archive:
+                    for member in archive.getmembers():
+                        content = archive.extractfile(member) if member.isfile() else None
+                        digest = hashlib.sha256(content.read()).hexdigest() if content is not None else None
+                        key = (member.type, member.mode, member.uid, member.gid, member.linkname, digest)
+                        where = f"{shown_as}/{member.name}"
+                        if where in seen and seen[where][0] != key:
+                            conflicts.add(f"{where}: differs between {seen[where][1]} and {folder.name}")
+                        seen.setdefault(where, (key, folder.name))
+            except tarfile.TarError as exc:
+                raise PrivateDirsError(f"{path}: {exc}") from None
+    return sorted(conflicts)
 
 
 def _socket_files(folder: pathlib.Path) -> list[str]:

@@ -159,7 +159,7 @@ def _sandboxed_launcher(device_kind="cpu"):
         spec=types.SimpleNamespace(device_kind=device_kind), identity=identity))
 
 
-def test_a_regrouped_restore_of_a_gpu_job_or_of_private_files_that_ranks_shared_is_refused_by_name(tmp_path):
+def test_a_regrouped_restore_of_a_gpu_job_or_of_private_files_that_clash_is_refused_by_name(tmp_path):
     import tarfile
     folder = committed_parts(tmp_path, nodes=2)
     merged = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=1, node_rank=0)
@@ -168,18 +168,28 @@ def test_a_regrouped_restore_of_a_gpu_job_or_of_private_files_that_ranks_shared_
     assert engines.regroup_refusal(unconfined, merged) is None
     assert "GPU job" in engines.regroup_refusal(_sandboxed_launcher("gpu"), merged)
     assert engines.regroup_refusal(_sandboxed_launcher("gpu"), same) is None  # not regrouped
-    # Empty private folders (empty archives) travel anywhere; a file that ranks 2 and 3 shared does not.
+
+    def save(node, name, files):
+        with tarfile.open(criu_parts.part_dir(folder, node) / name, "w") as archive:
+            for arcname, content in files.items():
+                source = tmp_path / "source"
+                if content is None:
+                    source.mkdir(exist_ok=True)
+                else:
+                    source.write_bytes(content)
+                archive.add(source, arcname=arcname, recursive=False)
+                source.rmdir() if content is None else source.unlink()
+    # What torch leaves in every host's /tmp (found on emulated hosts), and a file both hosts wrote
+    # alike, merge: one host's folders hold them as each host did.
     for node in (0, 1):
-        for name in ("private-tmp.tar", "private-shm.tar"):
-            tarfile.open(criu_parts.part_dir(folder, node) / name, "w").close()
+        save(node, "private-tmp.tar", {"torchinductor_meridian": None, "same.txt": b"alike"})
+        save(node, "private-shm.tar", {})
     assert engines.regroup_refusal(_sandboxed_launcher(), merged) is None
-    shared = tmp_path / "cache.bin"
-    shared.write_bytes(b"x")
-    with tarfile.open(criu_parts.part_dir(folder, 1) / "private-shm.tar", "w") as archive:
-        archive.add(shared, arcname="cache.bin")
+    save(1, "private-shm.tar", {"cache.bin": b"host 1"})  # only host 1 has it: merges too
+    assert engines.regroup_refusal(_sandboxed_launcher(), merged) is None
+    save(0, "private-shm.tar", {"cache.bin": b"host 0"})  # both, not alike: refused, naming it
     refusal = engines.regroup_refusal(_sandboxed_launcher(), merged)
-    assert "ranks [2, 3] shared a private /tmp and /dev/shm holding ['/dev/shm/cache.bin']" in refusal, refusal
-    assert "merged" in refusal
+    assert "/dev/shm/cache.bin: differs between node0 and node1" in refusal, refusal
     assert engines.regroup_refusal(_sandboxed_launcher(), same) is None
 
 
