@@ -159,12 +159,18 @@ def is_packed(checkpoint_dir) -> bool:
     return (Path(checkpoint_dir) / PAGES_JSON).is_file()
 
 
-def unpack(checkpoint_dir, dest, manifest: dict) -> Path:
+def unpack(checkpoint_dir, dest, manifest: dict, *, ranks=None) -> Path:
     """Rebuilds a verified packed checkpoint's CRIU images into `dest` (a fresh local folder):
     every file but the blobs and maps copied, each pages-<k>.img rebuilt page by page. Its base
-    must be the one its manifest pins (`manifest["bases"]`, verified by the store). Raises
-    PagesError when the checkpoint does not hold together (a page number out of range, a base
-    other than the pinned one)."""
+    must be the one its manifest pins (`manifest["bases"]`, verified by the store). `ranks`: only
+    the folders rank<r>/ of those ranks (a host restoring its share of a one-host checkpoint split
+    over hosts: runtime/criu_parts.py), default every file. Raises PagesError when the checkpoint
+    does not hold together (a page number out of range, a base other than the pinned one)."""
+    wanted = None if ranks is None else {f"rank{rank}" for rank in ranks}
+
+    def skipped(rel: str) -> bool:
+        return wanted is not None and rel.split("/", 1)[0] not in wanted
+
     source = Path(checkpoint_dir)
     dest = Path(dest)
     try:
@@ -184,7 +190,7 @@ def unpack(checkpoint_dir, dest, manifest: dict) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for rel in sorted(manifest["files"]):
-        if rel in (PAGES_JSON, BLOB, INDEX) or rel.endswith(MAP_SUFFIX):
+        if rel in (PAGES_JSON, BLOB, INDEX) or rel.endswith(MAP_SUFFIX) or skipped(rel):
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +200,8 @@ def unpack(checkpoint_dir, dest, manifest: dict) -> Path:
         if not isinstance(entry, dict) or Path(rel).is_absolute() or ".." in Path(rel).parts \
                 or entry.get("map") != rel + MAP_SUFFIX:
             raise PagesError(f"{source / PAGES_JSON}: bad image entry {rel!r}")
+        if skipped(rel):
+            continue
         mapping = np.fromfile(source / entry["map"], dtype="<i8")
         if mapping.size != entry.get("pages"):
             raise PagesError(f"{source / entry['map']}: {mapping.size} pages, PAGES.json says {entry.get('pages')}")

@@ -347,7 +347,7 @@ class CriuEngine(Engine):
         if plan.dumped == 1 and criu_pages.is_packed(local):
             try:
                 images[local] = criu_pages.unpack(local, launcher.job_dir / "restore" / "images",
-                                                  read_manifest(local))
+                                                  read_manifest(local), ranks=launcher.local_ranks)
             except (OSError, CheckpointError) as exc:
                 raise LaunchError(f"--resume: checkpoint {ref.uri} cannot be rebuilt: {exc}",
                                   EXIT_USAGE) from None

@@ -106,6 +106,14 @@ def test_images_are_rebuilt_where_the_kernel_refuses_to_copy_between_the_stores_
     assert files["rank1/pages-1.img"] == chain["pages"][1].tobytes()
 
 
+def test_a_host_restoring_its_share_of_a_one_host_checkpoint_rebuilds_only_its_ranks_images(store, chain, tmp_path):
+    manifest = store.verify(chain["delta"])
+    out = criu_pages.unpack(chain["delta"].path, tmp_path / "share", manifest, ranks=range(1, 2))
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \
+        ["rank1/core-1.img", "rank1/pages-1.img"]
+    assert (out / "rank1" / "pages-1.img").read_bytes() == chain["pages"][1].tobytes()
+
+
 def test_the_manifest_pins_the_base_by_its_manifest_sha256(store, chain):
     manifest = store.verify(chain["delta"])
     assert manifest["bases"] == [{"name": chain["base"].path.name,
