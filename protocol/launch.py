@@ -182,6 +182,17 @@ def parse_events(text: str) -> list[LaunchEvent]:
     return events
 
 
+# The per-job addresses of jobs spanning hosts with an isolated network (runtime/netns.py). Each
+# job has a block of JOB_NETWORK_HOSTS addresses, block (job id mod JOB_NETWORK_BLOCKS): derived,
+# not allocated, so no control-plane state and no wire field carries it. Two live jobs whose ids
+# are equal modulo JOB_NETWORK_BLOCKS share a block; that matters only on a node that routes both
+# (a node holding a part of each), and there the second launcher's claim of the address fails
+# (runtime/netns.py claim_address) and its launch is refused by name, never misrouted.
+JOB_NETWORK_RANGE = ipaddress.IPv4Network("100.64.0.0/10")  # RFC 6598 shared address space
+JOB_NETWORK_HOSTS = 64  # addresses per job: an isolated network spans at most 64 hosts
+JOB_NETWORK_BLOCKS = JOB_NETWORK_RANGE.num_addresses // JOB_NETWORK_HOSTS  # 65536
+
+
 # -- sandbox.json: the agent -> launcher description of a job's sandbox (runtime/sandbox.py) ---------
 MAX_UID = 2**31 - 2
 
@@ -249,17 +260,6 @@ class SandboxSpec(Message):
 
 NETWORK_SPANS_HOSTS = ("a namespace of the job's own on each host with loopback and one address, routed only "
                        "to the job's parts on its other hosts")
-
-# The per-job addresses of jobs spanning hosts with an isolated network (runtime/netns.py). Each
-# job has a block of JOB_NETWORK_HOSTS addresses, block (job id mod JOB_NETWORK_BLOCKS): derived,
-# not allocated, so no control-plane state and no wire field carries it. Two live jobs whose ids
-# are equal modulo JOB_NETWORK_BLOCKS share a block; that matters only on a node that routes both
-# (a node holding a part of each), and there the second launcher's claim of the address fails
-# (runtime/netns.py claim_address) and its launch is refused by name, never misrouted.
-JOB_NETWORK_RANGE = ipaddress.IPv4Network("100.64.0.0/10")  # RFC 6598 shared address space
-JOB_NETWORK_HOSTS = 64  # addresses per job: an isolated network spans at most 64 hosts
-JOB_NETWORK_BLOCKS = JOB_NETWORK_RANGE.num_addresses // JOB_NETWORK_HOSTS  # 65536
-
 
 def job_part_addresses(*, job_id: int, nodes: int) -> tuple[str, ...]:
     """Returns the address of each host's part (node rank order) of job `job_id` spanning `nodes`

@@ -13,7 +13,8 @@ What each host has of its own:
   subnet no link of this machine uses yet. No default route, so a host reaches the other hosts'
   addresses and nothing else: not the machine's own interfaces, not another host's loopback.
   Each host forwards IPv4 (net.ipv4.ip_forward=1), as a node running isolated jobs across
-  hosts must (runtime/netns.py). With `control_plane=True` the bridge itself gets 10.213.<x>.1 (the control plane's address,
+  hosts must (runtime/netns.py). With `control_plane=True` the bridge itself gets 10.213.<x>.1
+  (the control plane's address,
   `hosts.control_plane_addr`): that is the one address of the real machine a host can reach.
   No iptables/nft is installed on this machine kind, so no filter rules are added: the
   isolation is the namespaces' and the routes'.
