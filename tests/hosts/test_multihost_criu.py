@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
-from multihost_jobs import REPO, assert_equal_states, rank_log, start_job, wait_job
 from job_uids import reach_for_job_uids
+from multihost_jobs import REPO, assert_equal_states, rank_log, start_job, wait_job
 from polling import poll
 from test_multihost_cut import check_all, control, load, progress_step
 
