@@ -204,7 +204,8 @@ class SandboxSpec(Message):
     user), `unconfined_reason` says why; the environment is the job's only either way.
 
     `network` (version 2): "isolated", the launcher enters a network namespace of the job's own
-    before anything else (runtime/netns.py); "host", the node's network. Version 2 because a
+    before anything else (runtime/netns.py; spanning hosts, one with `job_addresses`); "host", the
+    node's network. Version 2 because a
     launcher that predates the field must not ignore it: it refuses the spec ("v: protocol version 2
     is newer than this side's 1", exit 2: tried) and the launch fails, where ignoring it would have
     run an isolated job on the node's network. A version 1 spec (an agent that predates it) reads
