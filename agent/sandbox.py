@@ -41,7 +41,7 @@ from typing import Any
 
 from protocol.launch import SandboxSpec, job_part_addresses
 from protocol.states import JobNetwork
-from runtime import private_dirs
+from runtime import netns, private_dirs
 from runtime import sandbox as mechanisms
 from runtime.sandbox import Identity, JobCgroup, SandboxError
 
@@ -134,6 +134,10 @@ class NodeSandbox:
         log.info("sandbox: jobs run as uids %d..%d, cgroup %s under %s, each with a private /tmp and /dev/shm",
                  self.policy.uid_base, self.policy.uid_base + self.policy.uid_count - 1, self.cgroups.version,
                  self.cgroups.parents[0])
+        if not netns.node_forwards():
+            log.warning("sandbox: this node does not forward IPv4 (net.ipv4.ip_forward is not 1): a job spanning "
+                        "hosts with an isolated network (the default) fails to launch here, saying so "
+                        "(docs/operator-guide.md, Sandbox)")
         swept = private_dirs.sweep()  # what launchers killed with the last agent left in /dev/shm
         if swept:
             log.info("sandbox: removed %d private /dev/shm folder(s) of launchers that are gone", len(swept))
