@@ -7,13 +7,11 @@ import os
 import sys
 
 import pytest
-from job_uids import reach_for_job_uids
-from multihost_jobs import REPO, assert_equal_states, rank_log, start_job, wait_job
+from multihost_jobs import REPO, assert_equal_states, job_network_sandbox_args, rank_log, start_job, wait_job
 from polling import poll
 from test_multihost_cut import check_all, control, load, progress_step
 
-from protocol.launch import SandboxSpec, job_part_addresses
-from protocol.states import JobNetwork
+from protocol.launch import job_part_addresses
 from runtime import criu
 from runtime.store import CheckpointStore
 
@@ -35,20 +33,8 @@ def events(host, job_id):
 
 
 def _sandbox_args(cluster):
-    """The launcher arguments of a sandboxed job (what a node agent gives: runtime/sandbox.py), its
-    spec in the shared store: uid and gid JOB_UID, an isolated network over its 2 hosts (the
-    addresses the agent gives job 4242), no cgroup (the emulated hosts' own is a v1 freezer)."""
-    # The test's own precondition (it passed only after a tests/sandbox test had run first): job uids
-    # reach the interpreter, under /root (0700) on this project's machines, or criu as the job's
-    # uid cannot stat the rank's mapped executable ("Can't stat path: Permission denied").
-    reach_for_job_uids()
-    path = os.path.join(cluster.store_dir, "sandbox.json")
-    spec = SandboxSpec(uid=JOB_UID, gid=JOB_UID, network=JobNetwork.ISOLATED,
-                       job_addresses=job_part_addresses(job_id=4242, nodes=2))
-    with open(path, "w") as handle:
-        json.dump(spec.to_dict(), handle)
-    os.chmod(path, 0o600)
-    return ("--sandbox", f"{cluster[0].store}/sandbox.json")
+    """The sandboxed job's launcher arguments: uid JOB_UID, an isolated network over its 2 hosts."""
+    return job_network_sandbox_args(cluster, uid=JOB_UID)
 
 
 def _job_network_reaches_its_peers_only(cluster, sandbox):
