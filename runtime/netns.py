@@ -201,6 +201,7 @@ class JobNetworkPart:
         self._job_fd: int | None = None
         self._claims: dict[str, socket.socket] = {}
         self._remote_routes: list[str] = []
+        self._made_link = False  # the node's end is ours to delete (never before our claim held)
 
     def enter(self) -> None:
         """Makes the part's namespace and veth, routes it on the node, and leaves the calling
@@ -223,6 +224,7 @@ class JobNetworkPart:
         # pairs at once on one node would both want it in the node's.
         moving = f"{NODE_LINK_PREFIX}t{self.node_link[len(NODE_LINK_PREFIX):]}"
         _ip("link", "add", self.node_link, "type", "veth", "peer", "name", moving)
+        self._made_link = True
         _ipv6_off(self.node_link)
         node_mac = _link_mac(self.node_link)
         libc = ctypes.CDLL(None, use_errno=True)
@@ -267,18 +269,26 @@ class JobNetworkPart:
     def leave(self) -> None:
         """Removes the node's routes to the other parts and this part's veth (its namespace's
         processes, if any are left, lose the network), then gives the claims up. Idempotent; the
-        caller stays in the job's namespace."""
-        if self._node_fd is None or self._job_fd is None:
+        caller stays in the namespace it is in. Also after an `enter` that failed half way."""
+        if self._node_fd is None:
             return
+        if self._job_fd is None:  # enter failed before its unshare: the caller is still on the node's
+            if self._made_link:  # (a failed claim made none: a link of that name is the other job's)
+                subprocess.run(["ip", "link", "del", self.node_link], capture_output=True, timeout=30)
+        else:
+            self._leave_node_side()
+        for claim in self._claims.values():
+            claim.close()
+        self._claims = {}
+
+    def _leave_node_side(self) -> None:
+        assert self._node_fd is not None and self._job_fd is not None
         with _in_namespace(self._node_fd, self._job_fd):
             for address in self._remote_routes:
                 subprocess.run(["ip", "route", "del", f"{address}/32", "proto", ROUTE_PROTO],
                                capture_output=True, timeout=30)
             subprocess.run(["ip", "link", "del", self.node_link], capture_output=True, timeout=30)
         self._remote_routes = []
-        for claim in self._claims.values():
-            claim.close()
-        self._claims = {}
 
 
 def wait_peer_node_addresses(read, *, nodes: int, timeout_s: float) -> dict[int, str]:
