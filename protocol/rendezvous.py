@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from protocol.launch import JOB_NETWORK_RANGE
 from protocol.message import Message, ProtocolError, bounded
 
 MAX_NODES = 4096
@@ -43,7 +44,7 @@ class NodeAddress(Message):
             address = ipaddress.IPv4Address(self.addr)
         except ValueError:
             raise ProtocolError("addr", f"{self.addr!r} is not an IPv4 address") from None
-        if address in ipaddress.IPv4Network("100.64.0.0/10") or address.is_multicast or address.is_unspecified:
+        if address in JOB_NETWORK_RANGE or address.is_multicast or address.is_unspecified:
             raise ProtocolError("addr", f"{self.addr} cannot be a node's address (job range, multicast or unspecified)")
 
 

@@ -60,6 +60,8 @@ import subprocess
 import threading
 import time
 
+from protocol.launch import JOB_NETWORK_RANGE
+
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
@@ -183,7 +185,7 @@ def claim_address(address: str) -> socket.socket:
 
 def node_link_name(address: str) -> str:
     """Returns the name of the node's end of the veth of the part at `address` ("mj" + 6 hex digits)."""
-    offset = int(ipaddress.IPv4Address(address)) - int(ipaddress.IPv4Network("100.64.0.0/10").network_address)
+    offset = int(ipaddress.IPv4Address(address)) - int(JOB_NETWORK_RANGE.network_address)
     return f"{NODE_LINK_PREFIX}{offset:06x}"
 
 
@@ -250,7 +252,7 @@ class JobNetworkPart:
             _ip("route", "replace", f"{self.address}/32", "dev", self.node_link, "proto", ROUTE_PROTO)
             # Behind every job route: an address of the range that is not routed (a peer not up yet)
             # is dropped here, not forwarded by the node's default route. Made once per node.
-            subprocess.run(["ip", "route", "add", "unreachable", "100.64.0.0/10", "proto", ROUTE_PROTO],
+            subprocess.run(["ip", "route", "add", "unreachable", str(JOB_NETWORK_RANGE), "proto", ROUTE_PROTO],
                            capture_output=True, timeout=30)
 
     def link_peers(self, node_addresses: dict[int, str], *, own_node_addr: str) -> None:
