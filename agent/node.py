@@ -889,7 +889,7 @@ class NodeReconciler:
         try:
             self.sandbox.prepare(job_id=job_id, job_dir=job_dir, device_indices=entry.device_indices,
                                  devices=entry.devices, env=entry.env, store=store, workspace=workspace,
-                                 network=entry.network, spans_hosts=entry.span is not None)
+                                 network=entry.network, span_nodes=entry.span.nodes if entry.span else 1)
         except (job_sandbox.SandboxError, OSError) as exc:
             self._launch_refused(entry, job_dir, f"the job's sandbox could not be set up on this node: {exc}")
             return

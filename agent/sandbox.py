@@ -12,10 +12,11 @@ Modes (`meridian-agent --sandbox`, MERIDIAN_SANDBOX):
     off      unconfined, said the same way.
 Whatever the mode, a job gets only its own environment (the agent's never reaches it).
 
-Network (SandboxSpec.network, `job_network`): a sandboxed job on one host gets what the control
-plane granted, "isolated" (a namespace of its own, loopback only: runtime/netns.py) unless the
-operator allowed it "host"; a job spanning hosts and an unconfined one get the node's network,
-which their events say.
+Network (SandboxSpec.network, `job_network`): a sandboxed job gets what the control plane granted,
+"isolated" unless the operator allowed it "host": on one host a namespace of its own, loopback only;
+spanning hosts, on each host a namespace with loopback and one address of the job's block
+(protocol.launch.job_part_addresses, written into the spec), routed only to its other hosts' parts
+(runtime/netns.py JobNetworkPart). An unconfined job gets the node's network, which its events say.
 
 Layout (root's unless said): <work dir> 0711 (reachable, not listable), node-token 0600, j/ 0700
 (launcher logs, events, control sockets, sandbox.json 0600; <job dir>/tmp root:<job gid> 1770 is the
@@ -38,9 +39,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.launch import NETWORK_SPANS_HOSTS, SandboxSpec
+from protocol.launch import SandboxSpec, job_part_addresses
 from protocol.states import JobNetwork
-from runtime import private_dirs
+from runtime import netns, private_dirs
 from runtime import sandbox as mechanisms
 from runtime.sandbox import Identity, JobCgroup, SandboxError
 
@@ -133,6 +134,10 @@ class NodeSandbox:
         log.info("sandbox: jobs run as uids %d..%d, cgroup %s under %s, each with a private /tmp and /dev/shm",
                  self.policy.uid_base, self.policy.uid_base + self.policy.uid_count - 1, self.cgroups.version,
                  self.cgroups.parents[0])
+        if not netns.node_forwards():
+            log.warning("sandbox: this node does not forward IPv4 (net.ipv4.ip_forward is not 1): a job spanning "
+                        "hosts with an isolated network (the default) fails to launch here, saying so "
+                        "(docs/operator-guide.md, Sandbox)")
         swept = private_dirs.sweep()  # what launchers killed with the last agent left in /dev/shm
         if swept:
             log.info("sandbox: removed %d private /dev/shm folder(s) of launchers that are gone", len(swept))
@@ -190,15 +195,23 @@ class NodeSandbox:
         return share // 4096 * 4096  # the kernel rounds a limit down to whole pages
 
     def prepare(self, *, job_id: int, job_dir: pathlib.Path, device_indices, devices: int, env, store=None,
-                workspace=None, network: JobNetwork = JobNetwork.ISOLATED, spans_hosts: bool = False) -> SandboxSpec:
+                workspace=None, network: JobNetwork = JobNetwork.ISOLATED, span_nodes: int = 1) -> SandboxSpec:
         """Makes job `job_id`'s cgroup and gives it its folders; returns its SandboxSpec (written to
         <job dir>/sandbox.json). Unsandboxed nodes in mode enforce raise SandboxError. The job's
-        `network` is what the control plane granted, except that a job spanning hosts and an
-        unconfined one get the host network (job_network)."""
+        `network` is what the control plane granted, except that an unconfined job gets the host
+        network (job_network); an isolated job spanning `span_nodes` > 1 hosts gets its block's
+        addresses (SandboxError when it spans more hosts than a block holds)."""
+        job_network = self.job_network(network)
+        addresses: tuple[str, ...] = ()
+        if job_network == JobNetwork.ISOLATED and span_nodes > 1:
+            try:
+                addresses = job_part_addresses(job_id=job_id, nodes=span_nodes)
+            except ValueError as exc:
+                raise SandboxError(f"the job's isolated network cannot be given: {exc}") from None
         common: dict[str, Any] = dict(device_kind=self.device_kind, node_devices=self.node_devices,
                                       node_cores=self.node_cores, env=dict(env or {}) or None,
                                       home=str(workspace) if workspace else None,
-                                      network=self.job_network(job_id, network, spans_hosts=spans_hosts))
+                                      network=job_network, job_addresses=addresses)
         if not self.enforced:
             if self.policy.mode == "enforce":
                 raise SandboxError(f"this node cannot sandbox jobs and its sandbox is enforced: {self.unavailable}")
@@ -229,14 +242,11 @@ class NodeSandbox:
             json.dump(spec.to_dict(), handle)
         return spec
 
-    def job_network(self, job_id: int, asked: JobNetwork, *, spans_hosts: bool) -> JobNetwork:
-        """Returns the network job `job_id`'s launcher gives it: `asked` on a sandboxed node for a
-        job on one host; the host network, logged, for a job spanning hosts (its ranks talk TCP
-        across hosts: runtime/netns.py says why no namespace is built for them) and for an
-        unconfined one (its launcher may not be root; its events say UNCONFINED)."""
-        if asked == JobNetwork.ISOLATED and self.enforced and spans_hosts:
-            log.warning("job %s: network: host (%s)", job_id, NETWORK_SPANS_HOSTS)
-        return asked if self.enforced and not spans_hosts else JobNetwork.HOST
+    def job_network(self, asked: JobNetwork) -> JobNetwork:
+        """Returns the network a job's launcher gives it: `asked` on a sandboxed node, on one
+        host or spanning hosts alike; the host network for an unconfined job (its launcher may not
+        be root; its events say UNCONFINED)."""
+        return asked if self.enforced else JobNetwork.HOST
 
     def give_workspace(self, job_id: int, path: os.PathLike | str) -> None:
         """Makes workspace `path` job `job_id`'s own (see grant_workspace) when jobs here are

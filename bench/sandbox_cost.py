@@ -2,6 +2,7 @@
 the node's network, on with the job's own network namespace (the default).
 
     .venv/bin/python bench/sandbox_cost.py [--repeats 3] [--ranks 2] [--engine framework]
+    .venv/bin/python bench/sandbox_cost.py --job-network-only [--repeats 5]
 
 Runs examples/train_mlp.py through a real node agent's reconciler (agent/node.py) on a 2-device node,
 once with the sandbox enforced (a job uid through setpriv, a cgroup with the cpuset and a memory
@@ -23,7 +24,9 @@ clean environment). Needs root (the sandbox does). For each repeat:
                 back, criu restoring as the job's uid, every restored task checked before it runs)
 Prints the median of each over the repeats, the ratio on/off and what the network namespace adds
 (isolated - host); then the median time to enter a namespace itself (unshare + loopback up, in a
-child process).
+child process), and to make, route and remove one host's part of a job network across hosts
+(runtime/netns.py JobNetworkPart, in a child playing the node in a namespace of its own);
+--job-network-only prints that last line alone.
 """
 import argparse
 import os
@@ -154,14 +157,63 @@ def _netns_enter_seconds() -> float:
     return seconds
 
 
+def _job_network_seconds() -> dict[str, float]:
+    """Returns how long this host's part of a job network across 2 hosts takes to make
+    (JobNetworkPart.enter: claim, veth pair, unshare, addresses, static neighbours, routes on both
+    sides), to route the other host's part (link_peers) and to remove (leave), measured in a forked
+    child that first makes a network namespace of its own to play the node (forwarding on, a veth
+    pair standing in for its wire, at 10.99.0.1/24, whose 10.99.0.2 is the other host): nothing of
+    the machine's is touched."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        import subprocess
+
+        from protocol.launch import job_part_addresses
+        from runtime import netns
+        try:
+            netns.enter_isolated_network()  # the "node"
+            with open(netns.IP_FORWARD, "w") as handle:
+                handle.write("1")
+            for args in (["link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+                         ["addr", "add", "10.99.0.1/24", "dev", "d0"], ["link", "set", "d0", "up"],
+                         ["link", "set", "d1", "up"]):
+                subprocess.run(["ip", *args], check=True)
+            part = netns.JobNetworkPart(addresses=job_part_addresses(job_id=7, nodes=2), node_rank=0)
+            began = time.perf_counter()
+            part.enter()
+            entered = time.perf_counter()
+            part.link_peers({0: "10.99.0.1", 1: "10.99.0.2"}, own_node_addr="10.99.0.1")
+            linked = time.perf_counter()
+            part.leave()
+            left = time.perf_counter()
+            os.write(write, json.dumps({"enter": entered - began, "link_peers": linked - entered,
+                                        "leave": left - linked}).encode())
+        except BaseException:  # noqa: BLE001 - the forked child says what failed, then _exits
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        seconds = json.loads(answer.read())
+    os.waitpid(pid, 0)
+    return seconds
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--engine", default="framework", choices=["framework", "criu"])
+    parser.add_argument("--job-network-only", action="store_true",
+                        help="only time one host's part of a job network across hosts")
     options = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the sandbox needs root; run this as root")
+    if options.job_network_only:
+        print_job_network_cost(max(5, options.repeats))
+        return
     configs = {"off": ("off", "host"), "host": ("enforce", "host"), "isolated": ("enforce", "isolated")}
     results = {name: [] for name in configs}
     with tempfile.TemporaryDirectory(prefix="sbx-bench-", dir="/tmp") as tmp:
@@ -184,6 +236,15 @@ def main():
     entering = statistics.median(_netns_enter_seconds() for _ in range(max(5, options.repeats)))
     print(f"entering a network namespace (unshare + lo up, runtime/netns.py): {entering * 1000:.2f} ms, "
           f"median of {max(5, options.repeats)}")
+    print_job_network_cost(max(5, options.repeats))
+
+
+def print_job_network_cost(repeats):
+    """Prints the median cost of one host's part of a job network across hosts (_job_network_seconds)."""
+    runs = [_job_network_seconds() for _ in range(repeats)]
+    print(f"a job network across hosts, one host's part (runtime/netns.py JobNetworkPart), median of {repeats}, "
+          f"load average {os.getloadavg()[0]:.2f}: " + ", ".join(
+              f"{step} {statistics.median(r[step] for r in runs) * 1000:.1f} ms" for step in runs[0]))
 
 
 if __name__ == "__main__":

@@ -248,11 +248,12 @@ def _print_banner(url):
 def test(pytest_args):
     """Runs pytest with a private Redis (unless REDIS_URL is set) and a throwaway data dir.
 
-    With no arguments (the whole suite) and neither REDIS_URL nor DATABASE_URL set, in two lanes
-    at once (_test_lanes); MERIDIAN_TEST_LANES=1 runs it in one."""
-    if not pytest_args and not os.environ.get("REDIS_URL") and not os.environ.get("DATABASE_URL") \
-            and os.environ.get("MERIDIAN_TEST_LANES", "2") != "1":
-        return _test_lanes()
+    With no arguments (the whole suite) and neither REDIS_URL nor DATABASE_URL set, in lanes at
+    once (_test_lanes): MERIDIAN_TEST_LANES=3 (the default) heavy, hosts and light; 2 puts the hosts
+    lane's tests back in the heavy lane; 1 runs the suite in one process."""
+    lanes = os.environ.get("MERIDIAN_TEST_LANES", "3")
+    if not pytest_args and not os.environ.get("REDIS_URL") and not os.environ.get("DATABASE_URL") and lanes != "1":
+        return _test_lanes(merge_hosts=lanes == "2")
     return _pytest_run(pytest_args, output=None)
 
 
@@ -277,26 +278,32 @@ def _pytest_run(pytest_args, *, output):
         subprocess.run(["rm", "-rf", str(scratch)], check=False)
 
 
-def _test_lanes():
-    """The whole suite in two pytest processes at once (tests/conftest.py lane_of): the heavy lane
+def _test_lanes(*, merge_hosts: bool):
+    """The whole suite in pytest processes at once (tests/conftest.py lane_of): the heavy lane
     (rank processes, agents, namespaces, browsers; one test at a time among themselves, as they
-    share the machine's cores, /dev/shm, cgroups and bridges) printed as it runs, and the light
-    lane (in-process tests) beside it, printed whole when it ends. Why: the heavy lane is ~80% of
-    the suite's time and mostly waits on its processes; the light lane fits in its gaps instead of
-    after it. Each lane has its own Redis, data dir and (SQLite in memory) database."""
-    print("[meridian] the whole suite in two lanes at once: heavy (printed as it runs) and light "
-          "(printed when it ends); MERIDIAN_TEST_LANES=1 runs one", flush=True)
-    with tempfile.TemporaryFile(mode="w+") as light_output:
-        codes = {}
-        light = threading.Thread(
-            target=lambda: codes.__setitem__("light", _pytest_run(["--lane", "light"], output=light_output)))
-        light.start()
-        codes["heavy"] = _pytest_run(["--lane", "heavy"], output=None)
-        light.join()
-        light_output.seek(0)
-        print("\n[meridian] ===== the light lane's output =====", flush=True)
-        sys.stdout.write(light_output.read())
-    for lane in ("heavy", "light"):
+    share the machine's cores, /dev/shm and cgroups) printed as it runs; beside it the hosts lane
+    (the emulated hosts, one at a time) and the light lane (in-process tests), each printed whole
+    when it ends. Why: the heavy and hosts lanes are ~95% of the suite's time and mostly wait on
+    their processes; run one after the other they leave a core idle. Each lane has its own Redis,
+    data dir and (SQLite in memory) database. `merge_hosts`: the emulated hosts in the heavy lane."""
+    beside = ("light",) if merge_hosts else ("hosts", "light")
+    print(f"[meridian] the whole suite in {1 + len(beside)} lanes at once: heavy (printed as it runs) and "
+          f"{', '.join(beside)} (printed when each ends); MERIDIAN_TEST_LANES=1 runs one", flush=True)
+    codes, outputs, threads = {}, {}, []
+    for lane in beside:
+        outputs[lane] = tempfile.TemporaryFile(mode="w+")
+        threads.append(threading.Thread(target=lambda lane=lane: codes.__setitem__(
+            lane, _pytest_run(["--lane", lane], output=outputs[lane]))))
+        threads[-1].start()
+    heavy = ["--lane", "heavy"] + (["--lane", "hosts"] if merge_hosts else [])
+    codes["heavy"] = _pytest_run(heavy, output=None)
+    for lane, thread in zip(beside, threads):
+        thread.join()
+        outputs[lane].seek(0)
+        print(f"\n[meridian] ===== the {lane} lane's output =====", flush=True)
+        sys.stdout.write(outputs[lane].read())
+        outputs[lane].close()
+    for lane in ("heavy", *beside):
         print(f"[meridian] {lane} lane: {'passed' if codes[lane] == 0 else f'FAILED (pytest exit {codes[lane]})'}",
               flush=True)
     return next((code for code in codes.values() if code != 0), 0)

@@ -11,6 +11,7 @@ On the control socket (runtime/control.py), one request and one answer per conne
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,6 +182,17 @@ def parse_events(text: str) -> list[LaunchEvent]:
     return events
 
 
+# The per-job addresses of jobs spanning hosts with an isolated network (runtime/netns.py). Each
+# job has a block of JOB_NETWORK_HOSTS addresses, block (job id mod JOB_NETWORK_BLOCKS): derived,
+# not allocated, so no control-plane state and no wire field carries it. Two live jobs whose ids
+# are equal modulo JOB_NETWORK_BLOCKS share a block; that matters only on a node that routes both
+# (a node holding a part of each), and there the second launcher's claim of the address fails
+# (runtime/netns.py claim_address) and its launch is refused by name, never misrouted.
+JOB_NETWORK_RANGE = ipaddress.IPv4Network("100.64.0.0/10")  # RFC 6598 shared address space
+JOB_NETWORK_HOSTS = 64  # addresses per job: an isolated network spans at most 64 hosts
+JOB_NETWORK_BLOCKS = JOB_NETWORK_RANGE.num_addresses // JOB_NETWORK_HOSTS  # 65536
+
+
 # -- sandbox.json: the agent -> launcher description of a job's sandbox (runtime/sandbox.py) ---------
 MAX_UID = 2**31 - 2
 
@@ -192,7 +204,8 @@ class SandboxSpec(Message):
     user), `unconfined_reason` says why; the environment is the job's only either way.
 
     `network` (version 2): "isolated", the launcher enters a network namespace of the job's own
-    before anything else (runtime/netns.py); "host", the node's network. Version 2 because a
+    before anything else (runtime/netns.py; spanning hosts, one with `job_addresses`); "host", the
+    node's network. Version 2 because a
     launcher that predates the field must not ignore it: it refuses the spec ("v: protocol version 2
     is newer than this side's 1", exit 2: tried) and the launch fails, where ignoring it would have
     run an isolated job on the node's network. A version 1 spec (an agent that predates it) reads
@@ -212,10 +225,20 @@ class SandboxSpec(Message):
     env: dict[str, str] | None = bounded(default=None, max_length=500)  # the job's own environment
     home: str | None = bounded(default=None, max_length=MAX_PATH)  # HOME of the ranks (their workspace)
     network: JobNetwork = JobNetwork.HOST
+    # A job spanning hosts with an isolated network (runtime/netns.py JobNetworkPart): the address
+    # of each host's part of the job, host (node rank) order, from job_part_addresses. Empty on one
+    # host and on the host network. A launcher that predates the field refuses an isolated network
+    # on several hosts (it never ran one), so no version bump is needed.
+    job_addresses: tuple[str, ...] = bounded(default=(), max_length=JOB_NETWORK_HOSTS)
+
+    def __post_init__(self) -> None:
+        check_job_addresses(self.job_addresses)
+        if self.job_addresses and self.network != JobNetwork.ISOLATED:
+            raise ProtocolError("job_addresses", "job addresses are given only with network \"isolated\"")
 
     def describe(self, *, nodes: int = 1) -> str:
         """One line for the job's events: how it is confined, or UNCONFINED and why, and its network
-        (on several hosts, `nodes`, the host network says why)."""
+        (on several hosts, `nodes`)."""
         if self.uid is None:
             confinement = f"UNCONFINED (ranks run as the launcher's user): {self.unconfined_reason or 'sandbox off'}"
         else:
@@ -227,15 +250,48 @@ class SandboxSpec(Message):
     def describe_network(self, *, nodes: int = 1) -> str:
         """Returns "network: isolated (...)" or "network: host (why)", the words of the job's events."""
         if self.network == JobNetwork.ISOLATED:
+            if nodes > 1:
+                return (f"network: isolated ({NETWORK_SPANS_HOSTS}: "
+                        f"{', '.join(self.job_addresses) or 'no addresses given'})")
             return "network: isolated (a namespace of the job's own, loopback only)"
-        if nodes > 1:
-            return f"network: host ({NETWORK_SPANS_HOSTS})"
         if self.uid is None:
             return "network: host (unconfined)"
         return "network: host (the job asked for the node's network)"
 
 
-NETWORK_SPANS_HOSTS = "the job spans hosts; per-job network namespaces across hosts are not built"
+NETWORK_SPANS_HOSTS = ("a namespace of the job's own on each host with loopback and one address, routed only "
+                       "to the job's parts on its other hosts")
+
+def job_part_addresses(*, job_id: int, nodes: int) -> tuple[str, ...]:
+    """Returns the address of each host's part (node rank order) of job `job_id` spanning `nodes`
+    hosts with an isolated network. Raises ValueError for a job id below 1 or `nodes` outside
+    2..JOB_NETWORK_HOSTS (a wider job cannot have an isolated network: its launch is refused)."""
+    if job_id < 1:
+        raise ValueError(f"job id {job_id} must be at least 1")
+    if not 2 <= nodes <= JOB_NETWORK_HOSTS:
+        raise ValueError(f"an isolated network spans 2..{JOB_NETWORK_HOSTS} hosts, not {nodes}: a job over more "
+                         "hosts needs the host network (network: host, where the operator allows it)")
+    first = int(JOB_NETWORK_RANGE.network_address) + (job_id % JOB_NETWORK_BLOCKS) * JOB_NETWORK_HOSTS
+    return tuple(str(ipaddress.IPv4Address(first + k)) for k in range(nodes))
+
+
+def check_job_addresses(addresses: Sequence[str]) -> None:
+    """Raises ProtocolError unless `addresses` are distinct IPv4 addresses of JOB_NETWORK_RANGE in
+    one job's block (what job_part_addresses gives): a launcher routes them on its node as root,
+    so an address outside the range (a node's, a service's) is never routed to a job."""
+    parsed = []
+    for index, text in enumerate(addresses):
+        try:
+            address = ipaddress.IPv4Address(text)
+        except ValueError:
+            raise ProtocolError(f"job_addresses.{index}", f"{text!r} is not an IPv4 address") from None
+        if address not in JOB_NETWORK_RANGE:
+            raise ProtocolError(f"job_addresses.{index}", f"{text} is outside the job range {JOB_NETWORK_RANGE}")
+        parsed.append(int(address) - int(JOB_NETWORK_RANGE.network_address))
+    if len(set(parsed)) != len(parsed):
+        raise ProtocolError("job_addresses", "the addresses must be distinct")
+    if parsed and len({offset // JOB_NETWORK_HOSTS for offset in parsed}) != 1:
+        raise ProtocolError("job_addresses", f"the addresses must lie in one job's block of {JOB_NETWORK_HOSTS}")
 
 
 # -- progress.json, the answer to "progress" --------------------------------------------------------

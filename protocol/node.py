@@ -263,7 +263,8 @@ class DesiredJob(Message):
     # The job's network (issue 13): "isolated" (a namespace of its own, loopback only) or "host" (the
     # node's, which the control plane grants only where its operator allows). An entry without it
     # (an older control plane) is isolated; the agent gives the host network anyway to a job that
-    # spans hosts or runs unconfined, and says so in the job's events. An older agent ignores it:
+    # runs unconfined, and says so in the job's events (a job spanning hosts gets a network of its
+    # own across them since session 22: runtime/netns.py JobNetworkPart). An older agent ignores it:
     # its jobs keep the node's network, as before (upgrade agents first).
     network: JobNetwork = JobNetwork.ISOLATED
 

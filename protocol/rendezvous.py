@@ -7,9 +7,11 @@ holds, so a follower never joins a stale leader of an earlier attempt.
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
-from protocol.message import Message, bounded
+from protocol.launch import JOB_NETWORK_RANGE
+from protocol.message import Message, ProtocolError, bounded
 
 MAX_NODES = 4096
 
@@ -24,6 +26,26 @@ class LeaderAddress(Message):
     port: int = bounded(minimum=1, maximum=65535)
     nodes: int = bounded(minimum=1, maximum=MAX_NODES)
     world_size: int = bounded(minimum=1, maximum=1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeAddress(Message):
+    """<rendezvous>/<job-id>/nodes/<node rank>.json, written by each launcher of a job spanning
+    hosts with an isolated network (runtime/netns.py JobNetworkPart): the node address through
+    which the other hosts route to this host's part. Read by launchers that route it as root, so it
+    must be an IPv4 address outside the job range (a job address as a gateway would loop)."""
+
+    job_id: str = bounded(max_length=255)
+    node_rank: int = bounded(minimum=0, maximum=MAX_NODES - 1)
+    addr: str = bounded(max_length=15)
+
+    def __post_init__(self) -> None:
+        try:
+            address = ipaddress.IPv4Address(self.addr)
+        except ValueError:
+            raise ProtocolError("addr", f"{self.addr!r} is not an IPv4 address") from None
+        if address in JOB_NETWORK_RANGE or address.is_multicast or address.is_unspecified:
+            raise ProtocolError("addr", f"{self.addr} cannot be a node's address (job range, multicast or unspecified)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,8 +19,9 @@ ones, for itself only. The rank's PID and mount namespaces are dumped with it; t
 private folders; the paths bound back into them (spool, store, interpreter...) are auto-mapped to the
 same node paths. The network namespace is the launcher's (runtime/netns.py), which criu runs in: it
 is not dumped, and a restored rank joins the restoring launcher's own (loopback only; for a job
-spanning hosts, the node's network, each host dumping and restoring its own part the same way:
-runtime/engines.py dump_host_ranks, runtime/criu_parts.py).
+spanning hosts, the restoring host's part of the job's network, whose address is the same part's,
+each host dumping and restoring its own part the same way: runtime/engines.py dump_host_ranks,
+runtime/criu_parts.py).
 A restore runs inside the private-dirs helper (runtime/private_dirs.py) so that criu, as the job's
 uid, reaches the new private /tmp, its work folder and the images through bind mounts ("doors") of
 a mount namespace of its own (the job dir that holds them is root's, 0700), with --root on a flat

@@ -69,7 +69,7 @@ from protocol.launch import (
 )
 from protocol.node import SHA256_HEX
 from protocol.states import LaunchState
-from runtime import control, criu_parts, engines, fence, multihost, rank_logs, splice
+from runtime import control, criu_parts, engines, fence, multihost, netns, rank_logs, splice
 from runtime import rank as rank_liveness
 from runtime import sandbox as job_sandbox
 from runtime import spool as spool_files
@@ -142,7 +142,7 @@ class Launcher:
         if options.sandbox:
             try:
                 self.sandbox = job_sandbox.LaunchSandbox.from_file(options.sandbox)
-                self.sandbox.enter(nodes=options.nodes)
+                self.sandbox.enter(nodes=options.nodes, node_rank=options.node_rank)
             except (OSError, ValueError, job_sandbox.SandboxError) as exc:
                 raise LaunchError(f"--sandbox {options.sandbox}: the job's sandbox cannot be set up: {exc}",
                                   EXIT_USAGE) from None
@@ -163,10 +163,14 @@ class Launcher:
                 device_cores=self.sandbox.device_cores(self.device_indices) if self.sandbox else None))
         except (ValueError, job_sandbox.SandboxError) as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
-        # The address this host's ranks bind gloo to. One host: loopback, whatever --node-addr says
-        # (every peer and the store are local, and a sandboxed job's network is loopback only); a
-        # CRIU checkpoint of several hosts restored onto one is then bound there too.
-        self.node_addr = options.node_addr if self.nodes > 1 else "127.0.0.1"
+        self.host_addr = options.node_addr  # this host's own address (the other hosts route to it)
+        # The address its ranks and the rendezvous bind to: the host's, or, in a job network spanning
+        # hosts (runtime/netns.py JobNetworkPart), this host's part's address in it. One host:
+        # loopback, whatever --node-addr says (every peer and the store are local, and a sandboxed
+        # job's network is loopback only); a CRIU checkpoint of several hosts restored onto one
+        # host binds there too (runtime/criu_parts.py).
+        self.node_addr = ((self.sandbox.job_address if self.sandbox is not None else None) or options.node_addr
+                          if self.nodes > 1 else "127.0.0.1")
         try:
             self.local_ranks = multihost.node_ranks(world_size=self.world_size, nodes=self.nodes,
                                                     node_rank=self.node_rank)
@@ -232,12 +236,34 @@ class Launcher:
         # The store server lives in the launcher, which is never dumped, so the ranks hold only
         # client connections that the virtual group closes at a cut.
         if self.nodes > 1:
+            if self.sandbox is not None and self.sandbox.job_address is not None:
+                self.link_job_network()
             self.rendezvous, self.master_addr, self.master_port, self.peers = \
                 multihost.join_job(self, self.options.rendezvous)
             return
         self.rendezvous = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                         wait_for_workers=False)
         self.master_port = self.rendezvous.port
+
+    def link_job_network(self):
+        """Publishes this host's address in the job's rendezvous folder, waits for every other
+        host's (up to --rendezvous-timeout) and routes their parts of the job's network through
+        them (runtime/netns.py). Raises LaunchError when a host never says or the node refuses."""
+        from protocol.rendezvous import NodeAddress
+        from runtime import rendezvous
+        folder = rendezvous.FolderRendezvous(self.options.rendezvous, self.job_id)
+        try:
+            folder.publish_node(NodeAddress(job_id=self.job_id, node_rank=self.node_rank, addr=self.host_addr))
+            found = netns.wait_peer_node_addresses(lambda: folder.read_nodes(job_id=self.job_id, nodes=self.nodes),
+                                                   nodes=self.nodes, timeout_s=self.options.rendezvous_timeout)
+            self.sandbox.link_peers(found, own_node_addr=self.host_addr)
+        except (ProtocolError, netns.NetworkNamespaceError, job_sandbox.SandboxError) as exc:
+            raise LaunchError(f"the job's network across hosts: {exc}") from None
+
+    def leave_job_network(self):
+        """Removes this host's routes and link of the job's network (the ranks are gone here)."""
+        if self.sandbox is not None:
+            self.sandbox.leave_network()
 
     def rank_env(self, rank, resume_dir=None):
         root = self.runtime_root
@@ -813,6 +839,7 @@ class Launcher:
         if any(r.poll() is None for r in self.ranks):
             self.kill_all()
         self.remove_private_dirs()
+        self.leave_job_network()
         job_workspace.persist_at_end(self.workspace, self.state)
         rank_logs.keep(self)
         self.write_progress()
@@ -911,6 +938,7 @@ def main(argv=None):
             launcher.peers.report_failed(str(exc), host_failure=exc.host_failure)
         if launcher is not None:
             launcher.remove_private_dirs()  # also after a failure before the main loop (its finish)
+            launcher.leave_job_network()
             launcher.state = "failed"
             try:
                 launcher.event(Failed, error=str(exc), host_failure=exc.host_failure)

@@ -17,7 +17,7 @@ import pathlib
 import time
 
 from protocol import ProtocolError
-from protocol.rendezvous import LeaderAddress
+from protocol.rendezvous import LeaderAddress, NodeAddress
 from runtime import spool as spool_files
 
 NONCE_KEY = "meridian/leader-nonce"
@@ -41,6 +41,25 @@ class FolderRendezvous:
 
     def publish(self, leader: LeaderAddress) -> None:
         spool_files.write_json_atomic(self.path, leader.to_dict())
+
+    def publish_node(self, node: NodeAddress) -> None:
+        """Publishes this host's node address (a job spanning hosts with an isolated network)."""
+        spool_files.write_json_atomic(self.folder / "nodes" / f"{node.node_rank}.json", node.to_dict())
+
+    def read_nodes(self, *, job_id: str, nodes: int) -> dict[int, str]:
+        """Returns {node rank: node address} of the hosts of job `job_id` that published theirs. A
+        file that is not a NodeAddress of this job at its own rank is not one (skipped): what the
+        folder says is checked before a launcher routes it as root."""
+        found = {}
+        for node_rank in range(nodes):
+            try:
+                payload = spool_files.read_json(self.folder / "nodes" / f"{node_rank}.json")
+                node = NodeAddress.from_dict(payload) if payload is not None else None
+            except (ValueError, ProtocolError):
+                continue
+            if node is not None and node.job_id == job_id and node.node_rank == node_rank:
+                found[node_rank] = node.addr
+        return found
 
     def read(self) -> LeaderAddress | None:
         try:

@@ -417,31 +417,59 @@ class LaunchSandbox:
         self.cgroup = JobCgroup(spec.cgroup_version, spec.cgroup_dirs) if spec.cgroup_version else None
         self._prefix = self.identity.setpriv_prefix() if self.identity is not None else []
         self.private_dirs: PrivateDirs | None = None  # the ranks' own /tmp and /dev/shm, once made
-        self.nodes = 1  # the hosts the job spans, as `enter` was told (its network line says why "host")
+        self.nodes = 1  # the hosts the job spans, as `enter` was told (its network line names them)
+        self.network_part: netns.JobNetworkPart | None = None  # this host's part of a job network over hosts
 
     @classmethod
     def from_file(cls, path: os.PathLike | str) -> LaunchSandbox:
         from protocol.launch import SandboxSpec
         return cls(SandboxSpec.from_dict(read_spec_file(path)))
 
-    def enter(self, *, nodes: int = 1) -> None:
+    def enter(self, *, nodes: int = 1, node_rank: int = 0) -> None:
         """Moves the launcher into the job's cgroup and, for an isolated network, into a network
         namespace of its own (runtime/netns.py), before it starts anything: every rank, every
-        `criu restore` (whose restored tasks stay in criu's cgroup) inherits both. Raises
-        SandboxError for an isolated network on a job spanning `nodes` > 1 hosts (its hosts could
-        not reach each other) or one the kernel refuses."""
+        `criu restore` (whose restored tasks stay in criu's cgroup) inherits both. A job spanning
+        `nodes` > 1 hosts gets this host's (`node_rank`) part of its routed network
+        (netns.JobNetworkPart: its other parts are routed by link_peers, at the rendezvous). Raises
+        SandboxError when the spec lacks the job's addresses or the node or kernel refuses."""
         self.nodes = nodes
         if self.cgroup is not None:
             self.cgroup.join()
-        if self.spec.network == JobNetwork.ISOLATED:
-            if nodes > 1:
-                raise SandboxError(f"the spec asks for an isolated network but the job spans {nodes} hosts, whose "
-                                   "ranks must reach each other: per-job network namespaces across hosts are not "
-                                   "built (the agent gives such a job the host network)")
-            try:
+        if self.spec.network != JobNetwork.ISOLATED:
+            return
+        try:
+            if nodes == 1:
                 netns.enter_isolated_network()
-            except netns.NetworkNamespaceError as exc:
-                raise SandboxError(f"the job's isolated network cannot be made: {exc}") from None
+                return
+            if len(self.spec.job_addresses) != nodes:
+                raise SandboxError(f"the spec asks for an isolated network over {nodes} hosts but gives "
+                                   f"{len(self.spec.job_addresses)} job address(es), not one per host")
+            self.network_part = netns.JobNetworkPart(addresses=self.spec.job_addresses, node_rank=node_rank)
+            self.network_part.enter()
+        except netns.NetworkNamespaceError as exc:
+            if self.network_part is not None:
+                self.network_part.leave()
+            raise SandboxError(f"the job's isolated network cannot be made: {exc}") from None
+
+    @property
+    def job_address(self) -> str | None:
+        """This host's part's address in the job's network spanning hosts, or None (no such network)."""
+        return self.network_part.address if self.network_part is not None else None
+
+    def link_peers(self, node_addresses: dict[int, str], *, own_node_addr: str) -> None:
+        """Routes the job's other hosts' parts (see netns.JobNetworkPart.link_peers); raises SandboxError."""
+        if self.network_part is None:
+            return
+        try:
+            self.network_part.link_peers(node_addresses, own_node_addr=own_node_addr)
+        except netns.NetworkNamespaceError as exc:
+            raise SandboxError(f"the job's isolated network cannot reach its other hosts: {exc}") from None
+
+    def leave_network(self) -> None:
+        """Removes what the node holds for the job's network part (its routes, its veth): called
+        once the ranks are gone on this host. A no-op without such a part."""
+        if self.network_part is not None:
+            self.network_part.leave()
 
     def device_cores(self, indices: Sequence[int] | None) -> list[tuple[int, ...]] | None:
         """Returns the cores of each of the job's devices `indices`, or None when the node did not

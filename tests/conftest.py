@@ -141,41 +141,50 @@ DATABASE_FIXTURES = {
 }
 
 
-# `./meridian test` with no arguments runs the suite in two lanes at once (portal/launch.py test):
-# the heavy lane holds every test that starts rank processes, agents, namespaces, cgroups or a
-# browser (they share the machine's cores, /dev/shm, cgroups and bridges, so they stay one at a
-# time, as before); the light lane holds the rest (in-process Django, the pure core, units).
+# `./meridian test` with no arguments runs the suite in three lanes at once (portal/launch.py test):
+# the hosts lane holds the emulated-host tests (tests/hosts: bridges, per-host namespaces, agents);
+# the heavy lane every other test that starts rank processes, agents, namespaces, cgroups or a
+# browser (they share the machine's cores, /dev/shm and cgroups, so each lane runs its tests one at
+# a time); the light lane the rest (in-process Django, the pure core, units). Why two lanes of
+# processes side by side: their tests mostly wait (steps that sleep, beats, ticks: the e2e control
+# loop's file used ~290 s of CPU in 387 s of wall on a quiet machine), and the emulated hosts share
+# nothing else with the one-host tests (their own network, mounts and PIDs; job cgroups named by
+# the agent's work dir).
 HEAVY_MARKERS = ("runtime", "e2e", "criu", "browser", "slow")
-HEAVY_FOLDERS = ("hosts", "e2e", "runtime", "sandbox")  # whatever their markers say
+HEAVY_FOLDERS = ("e2e", "runtime", "sandbox")  # whatever their markers say
+HOSTS_FOLDER = "hosts"
+LANES = ("heavy", "hosts", "light")
 ROOT_OF_TESTS = pathlib.Path(__file__).resolve().parent
 
 
 def lane_of(item) -> str:
-    """Returns "heavy" or "light": the lane `item` runs in (see HEAVY_MARKERS)."""
-    if any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
-        return "heavy"
+    """Returns "heavy", "hosts" or "light": the lane `item` runs in (see HEAVY_MARKERS)."""
     try:
         folder = item.path.resolve().relative_to(ROOT_OF_TESTS).parts[0]
     except ValueError:
         return "heavy"  # a test outside tests/: nothing is known of it
+    if folder == HOSTS_FOLDER:
+        return "hosts"
+    if any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
+        return "heavy"
     return "heavy" if folder in HEAVY_FOLDERS else "light"
 
 
 def pytest_addoption(parser):
     parser.addoption("--database-tests-only", action="store_true",
                      help="run only the tests that use the database (CI's PostgreSQL + Redis pass)")
-    parser.addoption("--lane", choices=("heavy", "light"), default=None,
-                     help="run only one lane of the suite (tests/conftest.py lane_of)")
+    parser.addoption("--lane", choices=LANES, action="append", default=None,
+                     help="run only this lane of the suite (tests/conftest.py lane_of); repeat it for several")
 
 
 def pytest_collection_modifyitems(config, items):
-    lane = config.getoption("--lane")
+    lanes = config.getoption("--lane")
     database_only = config.getoption("--database-tests-only")
-    if not lane and not database_only:
+    if not lanes and not database_only:
         return
     kept, left_out = [], []
     for item in items:
-        keep = lane is None or lane_of(item) == lane
+        keep = not lanes or lane_of(item) in lanes
         if keep and database_only:
             uses_database = item.get_closest_marker("django_db") is not None or \
                 DATABASE_FIXTURES & set(getattr(item, "fixturenames", ()))

@@ -1,6 +1,7 @@
-"""`./meridian test` runs the suite in two lanes at once (portal/launch.py, tests/conftest.py lane_of):
-every test is in exactly one, and the tests that share the machine (processes, namespaces, cgroups,
-browsers) are all in the heavy lane, which runs them one at a time."""
+"""`./meridian test` runs the suite in three lanes at once (portal/launch.py, tests/conftest.py lane_of):
+every test is in exactly one; the emulated-host tests are all in the hosts lane, and the other
+tests that share the machine (processes, namespaces, cgroups, browsers) all in the heavy lane; each
+of those two runs its tests one at a time."""
 import pathlib
 import subprocess
 import sys
@@ -14,6 +15,7 @@ FILES = [
     "tests/runtime/test_store.py",            # a heavy folder, whatever its tests' markers
     "tests/logs/test_chunking.py",            # some tests marked runtime, the others light
     "tests/browser/test_portal_browser.py",   # marked browser
+    "tests/hosts/test_harness.py",            # the emulated hosts, whatever their markers
 ]
 
 
@@ -28,8 +30,11 @@ def _collected(*options):
 @pytest.mark.timeout(600)
 def test_the_lanes_split_the_suite_and_keep_the_machine_sharing_tests_together():
     everything, heavy, light = _collected(), _collected("--lane", "heavy"), _collected("--lane", "light")
-    assert heavy and light
-    assert heavy | light == everything and not heavy & light
+    hosts = _collected("--lane", "hosts")
+    assert heavy and light and hosts
+    assert heavy | light | hosts == everything and not heavy & light and not hosts & (heavy | light)
+    assert {test for test in everything if test.startswith("tests/hosts/")} == hosts
+    assert _collected("--lane", "heavy", "--lane", "hosts") == heavy | hosts  # MERIDIAN_TEST_LANES=2
     assert {test for test in everything if test.startswith("tests/test_polling.py")} <= light
     assert {test for test in everything if test.startswith(("tests/runtime/", "tests/browser/"))} <= heavy
     chunking = {test for test in everything if test.startswith("tests/logs/test_chunking.py")}

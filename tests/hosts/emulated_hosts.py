@@ -12,7 +12,9 @@ What each host has of its own:
   end is on a bridge the harness makes (`mrdh<tag>`); its address is 10.213.<x>.<10+i>/24 on a
   subnet no link of this machine uses yet. No default route, so a host reaches the other hosts'
   addresses and nothing else: not the machine's own interfaces, not another host's loopback.
-  With `control_plane=True` the bridge itself gets 10.213.<x>.1 (the control plane's address,
+  Each host forwards IPv4 (net.ipv4.ip_forward=1), as a node running isolated jobs across
+  hosts must (runtime/netns.py). With `control_plane=True` the bridge itself gets 10.213.<x>.1
+  (the control plane's address,
   `hosts.control_plane_addr`): that is the one address of the real machine a host can reach.
   No iptables/nft is installed on this machine kind, so no filter rules are added: the
   isolation is the namespaces' and the routes'.
@@ -275,6 +277,9 @@ class Host:
                      ["addr", "add", f"{self.address}/24", "dev", "eth0"],
                      ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
             self.run(["ip", *args])
+        # A node forwards IPv4, as the operator guide asks of nodes that run jobs spanning hosts
+        # with an isolated network (runtime/netns.py: their parts are routed through the node).
+        self.run(["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
         return self
 
     def _in_cgroup(self, command):

@@ -1,4 +1,5 @@
 """Runs one meridian-run job over several emulated hosts (one launcher per host)."""
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,27 @@ def start_job(hosts, *, ranks, script, args, engine="framework", job_id=None, la
         processes.append(host.popen(command, env=host_env(env), cwd=REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True))
     return job_id, processes
+
+
+def job_network_sandbox_args(cluster, *, uid, nodes=2, job_number=4242):
+    """Returns the launcher arguments of a sandboxed job (what a node agent gives: runtime/sandbox.py),
+    its spec in the shared store: uid and gid `uid`, an isolated network over its `nodes` hosts (the
+    addresses an agent gives job `job_number`: runtime/netns.py JobNetworkPart), no cgroup (the
+    emulated hosts' own is a v1 freezer). Job uids are given the way to the interpreter first."""
+    from job_uids import reach_for_job_uids
+
+    from protocol.launch import SandboxSpec, job_part_addresses
+    from protocol.states import JobNetwork
+    # Without it criu, as the job's uid, cannot stat the rank's mapped interpreter (under /root,
+    # 0700, on this project's machines): the tests passed only after a tests/sandbox test had run.
+    reach_for_job_uids()
+    path = os.path.join(cluster.store_dir, f"sandbox-{uid}.json")
+    spec = SandboxSpec(uid=uid, gid=uid, network=JobNetwork.ISOLATED,
+                       job_addresses=job_part_addresses(job_id=job_number, nodes=nodes))
+    with open(path, "w") as handle:
+        json.dump(spec.to_dict(), handle)
+    os.chmod(path, 0o600)
+    return ("--sandbox", f"{cluster[0].store}/sandbox-{uid}.json")
 
 
 def wait_job(processes, timeout=600):

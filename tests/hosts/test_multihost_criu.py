@@ -4,13 +4,14 @@ sandboxed one (its ranks as the job's uid with private /tmp and /dev/shm; criu a
 host, as on one); a part that is not there, or not what it was, is never committed nor restored."""
 import json
 import os
+import sys
 
 import pytest
-from multihost_jobs import REPO, assert_equal_states, start_job, wait_job
+from multihost_jobs import REPO, assert_equal_states, job_network_sandbox_args, rank_log, start_job, wait_job
 from polling import poll
 from test_multihost_cut import check_all, control, load, progress_step
 
-from protocol.launch import SandboxSpec
+from protocol.launch import job_part_addresses
 from runtime import criu
 from runtime.store import CheckpointStore
 
@@ -23,7 +24,8 @@ CRIU_OK, CRIU_DETAIL = criu.check_available()
 pytestmark = [pytest.mark.runtime, pytest.mark.slow, pytest.mark.criu,
               pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")]
 JOB_UID = 1_650_100  # the sandboxed job's uid and gid on every host (no passwd entry needed)
-
+PROBE = os.path.join(REPO, "tests", "sandbox", "scripts", "network_probe.py")
+SERVICE_PORT = 47_321  # the node services the probe tries: a listener on every host's 0.0.0.0 and the bridge
 
 def events(host, job_id):
     result = host.run(["cat", f"{host.node_dir}/jobs/{job_id}/events.jsonl"], check=False)
@@ -31,14 +33,44 @@ def events(host, job_id):
 
 
 def _sandbox_args(cluster):
-    """The launcher arguments of a sandboxed job (what a node agent gives: runtime/sandbox.py), its
-    spec in the shared store: uid and gid JOB_UID, the node's network (the job spans hosts), no
-    cgroup (the emulated hosts' own is a v1 freezer)."""
-    path = os.path.join(cluster.store_dir, "sandbox.json")
-    with open(path, "w") as handle:
-        json.dump(SandboxSpec(uid=JOB_UID, gid=JOB_UID).to_dict(), handle)
-    os.chmod(path, 0o600)
-    return ("--sandbox", f"{cluster[0].store}/sandbox.json")
+    """The sandboxed job's launcher arguments: uid JOB_UID, an isolated network over its 2 hosts."""
+    return job_network_sandbox_args(cluster, uid=JOB_UID)
+
+
+def _job_network_reaches_its_peers_only(cluster, sandbox):
+    """A probe job as the sandboxed job (W = 4 on mh-0 + mh-1, the same spec) all-reduces across
+    its hosts over its own network (runtime/netns.py JobNetworkPart) and tries the node services
+    that listen on every host's 0.0.0.0 and on the control plane's address: its own host's loopback,
+    each host's address, the bridge's. It reaches none of them (its loopback is its own; the rest
+    ENETUNREACH: no route) but its peers; on the node's network (the old behaviour for a job
+    spanning hosts) it reached them all."""
+    import socket
+    listen = ("import socket, time; s = socket.create_server(('0.0.0.0', %d)); time.sleep(600)" % SERVICE_PORT)
+    services = [host.popen([sys.executable, "-c", listen]) for host in cluster.hosts[:2]]
+    plane = socket.create_server((cluster.control_plane_addr, SERVICE_PORT))
+    try:
+        targets = [f"127.0.0.1:{SERVICE_PORT}", f"{cluster[0].address}:{SERVICE_PORT}",
+                   f"{cluster[1].address}:{SERVICE_PORT}", f"{cluster.control_plane_addr}:{SERVICE_PORT}"]
+        job_id, processes = start_job(cluster.hosts[:2], ranks=4, script=PROBE, args=["net", *targets],
+                                      launcher_args=sandbox)
+        check_all(wait_job(processes, timeout=300))
+    finally:
+        plane.close()
+        for service in services:
+            service.kill()
+            service.wait()
+    addresses = job_part_addresses(job_id=4242, nodes=2)
+    for rank in range(4):
+        host = cluster[rank // 2]
+        line = next(x for x in rank_log(host, job_id, rank).splitlines() if x.startswith("PROBE "))
+        view = json.loads(line[len("PROBE "):])
+        assert view["allreduce"] == 10.0, view  # 1 + 2 + 3 + 4: its peers on the other host work
+        assert view["interfaces"] == ["job0", "lo"], view
+        # 111 ECONNREFUSED: 127.0.0.1 is the job's own loopback, where nothing listens; 101 ENETUNREACH.
+        assert view["reaches"] == {target: "refused:111" if target.startswith("127.") else "refused:101"
+                                   for target in targets}, view
+    started = [e for e in events(cluster[1], job_id) if e.get("event") == "started"]
+    assert started and "network: isolated (" in started[0]["sandbox"] and addresses[1] in started[0]["sandbox"]
 
 
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["unconfined", "sandboxed"])
@@ -49,9 +81,11 @@ def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_othe
     restored on hosts that never ran the job onto their new private folders, every restored task
     checked (criu.restored_refusal) before it runs; the result is bit-exact against an unconfined,
     uninterrupted run."""
-    cluster = emulated_hosts(4)
+    cluster = emulated_hosts(4, control_plane=True)
     store = f"{cluster[0].store}/ckpt"
     sandbox = _sandbox_args(cluster) if sandboxed else ()
+    if sandboxed:
+        _job_network_reaches_its_peers_only(cluster, sandbox)
     _, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, engine="criu",
                              args=[f"{cluster[0].store}/reference.pt", *ARGS])
     check_all(wait_job(processes))
@@ -95,6 +129,8 @@ def test_a_criu_job_on_two_hosts_is_checkpointed_killed_and_restored_on_two_othe
         if sandboxed:
             assert restored[0]["sandbox"].startswith(f"uid {JOB_UID}, gid {JOB_UID}"), restored[0]["sandbox"]
             assert restored[0]["sandbox"].endswith("private /tmp and /dev/shm"), restored[0]["sandbox"]
+            # ... in the job's network on the restoring hosts (their namespaces, the same addresses)
+            assert "network: isolated (" in restored[0]["sandbox"], restored[0]["sandbox"]
     assert_equal_states(load(cluster, "reference.pt"), load(cluster, "moved.pt"))
 
     # The same checkpoint with one byte of host 1's part changed is never restored, on any host.

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from multihost_jobs import REPO, assert_equal_states, start_job, wait_job
+from multihost_jobs import REPO, assert_equal_states, job_network_sandbox_args, start_job, wait_job
 from polling import poll
 
 from runtime.store import CheckpointStore
@@ -58,7 +58,10 @@ ARGS = ["--epochs", "6", "--step-sleep", "0.15"]
 
 
 def test_a_job_on_two_hosts_stops_at_one_cut_and_resumes_on_two_other_hosts_bit_exact(emulated_hosts):
+    """Sandboxed (a job uid) with its own network across hosts (runtime/netns.py JobNetworkPart),
+    on the first two hosts and, resumed by the framework engine (a relaunch), on the other two."""
     cluster = emulated_hosts(4)
+    sandbox = job_network_sandbox_args(cluster, uid=1_650_300)
     store = f"{cluster[0].store}/ckpt"
     reference = f"{cluster[0].store}/reference.pt"
     _, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, args=[reference, *ARGS])
@@ -66,7 +69,7 @@ def test_a_job_on_two_hosts_stops_at_one_cut_and_resumes_on_two_other_hosts_bit_
 
     out = f"{cluster[0].store}/moved.pt"
     job_id, processes = start_job(cluster.hosts[:2], ranks=4, script=DDP_SCRIPT, args=[out, *ARGS],
-                                  launcher_args=("--store", store))
+                                  launcher_args=("--store", store, *sandbox))
     answer = control(cluster[0], job_id, "stop", at_step=6)
     assert "answer" in answer, answer
     assert answer["answer"]["step"] == 6
@@ -79,13 +82,14 @@ def test_a_job_on_two_hosts_stops_at_one_cut_and_resumes_on_two_other_hosts_bit_
 
     # Resumed on two other hosts, which never ran the job (their /run and /tmp are fresh).
     _, processes = start_job(cluster.hosts[2:4], ranks=4, script=DDP_SCRIPT, args=[out, *ARGS],
-                             launcher_args=("--store", store, "--resume"), job_id=job_id + "-b")
+                             launcher_args=("--store", store, "--resume", *sandbox), job_id=job_id + "-b")
     check_all(wait_job(processes))
     for host in cluster.hosts[2:4]:  # each host's launcher restored its ranks from that checkpoint
         events = [json.loads(line) for line in host.run(
             ["cat", f"{host.node_dir}/jobs/{job_id}-b/events.jsonl"]).stdout.splitlines()]
         restored = [e for e in events if e.get("event") == "restored"]
         assert len(restored) == 1 and restored[0]["step"] == 6, events
+        assert "network: isolated (" in restored[0]["sandbox"], restored[0]["sandbox"]
         assert restored[0]["checkpoint"] == f"file://{store}/{os.path.basename(ref.path)}"
     assert_equal_states(load(cluster, "reference.pt"), load(cluster, "moved.pt"))
 

@@ -1,4 +1,5 @@
 """Launcher <-> agent messages: the event log, progress.json, the control requests and their answers."""
+import ipaddress
 import json
 
 import pytest
@@ -6,6 +7,10 @@ import pytest
 from protocol import ProtocolError
 from protocol.cut import DeviceMap
 from protocol.launch import (
+    JOB_NETWORK_BLOCKS,
+    JOB_NETWORK_HOSTS,
+    JOB_NETWORK_RANGE,
+    NETWORK_SPANS_HOSTS,
     CheckpointAnswer,
     CheckpointSeconds,
     CheckpointTaken,
@@ -28,8 +33,10 @@ from protocol.launch import (
     control_request_from_dict,
     event_from_dict,
     event_line,
+    job_part_addresses,
     parse_events,
 )
+from protocol.rendezvous import NodeAddress
 from protocol.states import JobNetwork
 
 MAP = DeviceMap.from_dict({"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 1}})
@@ -150,10 +157,67 @@ def test_a_launcher_that_predates_the_field_refuses_the_spec_rather_than_run_on_
 
 
 @pytest.mark.parametrize(("spec", "nodes", "said"), [
-    (SandboxSpec(uid=7, network=JobNetwork.HOST), 2, "network: host (the job spans hosts; per-job network "
-                                                     "namespaces across hosts are not built)"),
+    (SandboxSpec(uid=7, network=JobNetwork.HOST), 2, "network: host (the job asked for the node's network)"),
     (SandboxSpec(uid=7, network=JobNetwork.HOST), 1, "network: host (the job asked for the node's network)"),
     (SandboxSpec(unconfined_reason="off", network=JobNetwork.HOST), 1, "network: host (unconfined)"),
 ], ids=["spans hosts", "asked", "unconfined"])
 def test_the_sandbox_line_says_why_a_job_has_the_host_network(spec, nodes, said):
     assert spec.describe(nodes=nodes).endswith(said)
+
+
+# -- the job network of a job spanning hosts: addresses and their checks ---------------------------------
+def test_a_jobs_parts_get_consecutive_addresses_of_its_own_block_of_the_shared_range():
+    assert job_part_addresses(job_id=1, nodes=3) == ("100.64.0.64", "100.64.0.65", "100.64.0.66")
+    assert job_part_addresses(job_id=65_535, nodes=2) == ("100.127.255.192", "100.127.255.193")  # the last block
+    assert job_part_addresses(job_id=65_536 + 1, nodes=2) == job_part_addresses(job_id=1, nodes=2)  # wraps
+
+
+def test_live_jobs_with_ids_in_one_window_of_the_block_count_never_share_an_address():
+    """The derivation's guarantee (the rest is refused on the node that would route both: netns.claim_address)."""
+    seen = {}
+    for job_id in range(1_000_000, 1_000_000 + JOB_NETWORK_BLOCKS, 61):
+        for address in job_part_addresses(job_id=job_id, nodes=JOB_NETWORK_HOSTS):
+            assert seen.setdefault(address, job_id) == job_id, address
+            assert ipaddress.IPv4Address(address) in JOB_NETWORK_RANGE
+
+
+@pytest.mark.parametrize(("job_id", "nodes"), [(0, 2), (5, 1), (5, JOB_NETWORK_HOSTS + 1)],
+                         ids=["job-0", "one-host", "more-hosts-than-a-block"])
+def test_no_addresses_for_what_cannot_have_a_network_across_hosts(job_id, nodes):
+    with pytest.raises(ValueError):
+        job_part_addresses(job_id=job_id, nodes=nodes)
+
+
+def test_a_spec_carries_its_job_addresses_and_names_them_in_its_line():
+    spec = SandboxSpec(uid=7, gid=7, network=JobNetwork.ISOLATED, job_addresses=job_part_addresses(job_id=9, nodes=2))
+    assert SandboxSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.describe(nodes=2).endswith(f"network: isolated ({NETWORK_SPANS_HOSTS}: 100.64.2.64, 100.64.2.65)")
+
+
+@pytest.mark.parametrize(("addresses", "network", "problem"), [
+    (["10.0.0.5", "100.64.0.1"], "isolated", "outside the job range"),  # a node's address: never routed to a job
+    (["127.0.0.1"], "isolated", "outside the job range"),
+    (["100.64.0.1", "100.64.0.1"], "isolated", "distinct"),
+    (["100.64.0.63", "100.64.0.64"], "isolated", "one job's block"),
+    (["100.64.0.1/32"], "isolated", "not an IPv4 address"),
+    (["fd00::1"], "isolated", "not an IPv4 address"),
+    (["100.64.0.1", "100.64.0.2"], "host", "only with network"),
+], ids=["node-address", "loopback", "twice", "two-blocks", "a-prefix", "ipv6", "host-network"])
+def test_a_spec_with_job_addresses_a_launcher_must_not_route_is_refused(addresses, network, problem):
+    with pytest.raises(ProtocolError, match=problem) as refused:
+        SandboxSpec.from_dict({"v": 2, "uid": 7, "network": network, "job_addresses": addresses})
+    assert refused.value.field.startswith("job_addresses")
+
+
+def test_a_spec_with_more_addresses_than_a_block_is_refused_by_its_bound():
+    with pytest.raises(ProtocolError) as refused:
+        SandboxSpec.from_dict({"v": 2, "uid": 7, "network": "isolated",
+                               "job_addresses": [f"100.64.1.{k}" for k in range(JOB_NETWORK_HOSTS + 1)]})
+    assert refused.value.field == "job_addresses"
+
+
+@pytest.mark.parametrize("addr", ["100.64.0.9", "224.0.0.1", "0.0.0.0", "node-a", "::1"])
+def test_a_published_node_address_a_launcher_must_not_route_through_is_refused(addr):
+    with pytest.raises(ProtocolError) as refused:
+        NodeAddress.from_dict({"job_id": "j", "node_rank": 1, "addr": addr})
+    assert refused.value.field == "addr"

@@ -2,7 +2,7 @@
 torch.distributed (the runtime's virtual group: gloo and the launcher's rendezvous store, over
 loopback), then tries a TCP connection to each HOST:PORT it is given. Writes
 $HOME/<name>-rank<r>.json: the reduction's result, the network namespace it runs in, the interfaces
-it sees, and per address "connected" or "refused:<errno>".
+it sees, and per address "connected" or "refused:<errno>"; prints it too, as a line "PROBE <json>".
 
     network_probe.py NAME [HOST:PORT ...]
 """
@@ -33,3 +33,4 @@ for target in targets:
 report["reaches"] = reaches
 with open(os.path.join(os.environ["HOME"], f"{name}-rank{rank}.json"), "w") as handle:
     json.dump(report, handle)
+print("PROBE " + json.dumps(report), flush=True)  # also in the rank's log, which outlives its HOME
