@@ -18,7 +18,7 @@ needs to say "alive" and learn whether its desired state changed; this raw ASGI 
     two commands; redis-py packs, sends and parses each command and runs a pipeline's own machinery
     in Python, and that was half the lease's CPU in process (bench/lease_profile.py). Since session
     22 the command is packed once (but for the node id and the time) and sent on redis-py's own
-    connections without its client's per-command machinery (LeaseConnections): the Redis call 1.6-2x
+    connections without its client's per-command machinery (LeaseConnections): the Redis call 1.5-2x
     cheaper in CPU; reconnect after a Redis restart, the timeouts and the NOSCRIPT reload are kept
     (tests/fleet/test_node_lease.py).
   * It proves liveness only: no report, no telemetry, no change of desired state, no way back from
