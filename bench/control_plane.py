@@ -82,7 +82,8 @@ def parse_args():
     p.add_argument("--server", default="uvicorn",
                    help="the ASGI server(s) of the web processes, comma-separated, each measured in turn on the "
                         "same fleet (e.g. daphne,uvicorn,daphne,uvicorn): uvicorn (Meridian's, portal.web_server) "
-                        "or daphne (before session 21)")
+                        "or daphne (before session 21); either with +nohiredis: its web processes and folder "
+                        "without hiredis (e.g. uvicorn+nohiredis,uvicorn)")
     p.add_argument("--checkpoint-seconds", type=float, default=60.0,
                    help="how often each hollow copy checkpoints (real jobs: every 10-30 minutes)")
     p.add_argument("--fold", choices=("sync", "async"), default="sync",
@@ -291,7 +292,8 @@ while not stop:
 def start_folder(args, data_dir, env):
     code = FOLD_LOOP.format(root=str(ROOT), bench=str(ROOT / "bench"), db=args.db, redis=args.redis,
                             data_dir=str(data_dir))
-    folder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)),
+    path = env.get("PYTHONPATH", str(ROOT))  # +nohiredis puts its folder first (heartbeat_stage)
+    folder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, PYTHONPATH=path),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if folder.stdout.readline().strip() != "READY":
         raise RuntimeError(f"the folder process did not start: {folder.communicate()[0][-2000:]}")
@@ -601,11 +603,25 @@ def timed_tick(now):
     return result, wall, rows
 
 
+def without_hiredis_path(data_dir) -> str:
+    """Returns a folder holding a `hiredis` module that fails to import: first on PYTHONPATH, it makes
+    redis-py fall back to its pure-Python reply parser (redis.utils.HIREDIS_AVAILABLE), so one run
+    measures the same code with and without hiredis."""
+    folder = pathlib.Path(data_dir) / "without-hiredis"
+    folder.mkdir(exist_ok=True)
+    (folder / "hiredis.py").write_text('raise ImportError("hidden by bench/control_plane.py: +nohiredis")\n')
+    return str(folder)
+
+
 def heartbeat_stage(args, tokens, data_dir, server):
     """Steps 3, 3a and 3b with `server` as the web processes' ASGI server, on fresh hollow nodes
-    (the fleet and its jobs as the stages before left them); returns its figures."""
+    (the fleet and its jobs as the stages before left them); returns its figures. A server named
+    with "+nohiredis" (e.g. uvicorn+nohiredis) runs its web processes and the folder without hiredis."""
     env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # the servers' thread pools must not hoard connections
-    servers = [start_web(env, server) for _ in range(args.web_processes)]
+    base_server, _, variant = server.partition("+")
+    if variant == "nohiredis":
+        env["PYTHONPATH"] = os.pathsep.join([without_hiredis_path(data_dir), str(ROOT)])
+    servers = [start_web(env, base_server) for _ in range(args.web_processes)]
     if args.fold == "async":
         start_folder(args, data_dir, env)
     try:
@@ -626,7 +642,7 @@ def heartbeat_stage(args, tokens, data_dir, server):
         mix = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
         busy = None
         if args.busy:
-            with BusyPlane(args, data_dir, env, server) as plane:
+            with BusyPlane(args, data_dir, env, base_server) as plane:
                 began = time.perf_counter()
                 mix_busy = agent_rounds(nodes, args.http_threads, server_pids=pids, clock=clock)
                 seconds = time.perf_counter() - began
@@ -763,12 +779,24 @@ def print_server_comparison(rows):
             print(f"{r['n']:>8} daphne/uvicorn (medians): floor {ratio['floor']:.2f}x, lease {ratio['lease']:.2f}x, "
                   f"full heartbeat {ratio['heartbeat']:.2f}x, minute alone {ratio['mix']:.2f}x, "
                   f"beside the tick and the portal {ratio['busy']:.2f}x")
+        for server in by_server:
+            base = server.partition("+")[0]
+            if server.endswith("+nohiredis") and base in by_server:
+                import statistics
+
+                ratio = {key: statistics.median(x[key] for x in by_server[server])
+                         / statistics.median(x[key] for x in by_server[base])
+                         for key in ("floor", "lease", "heartbeat", "mix", "busy")}
+                print(f"{r['n']:>8} without/with hiredis ({base}, medians): floor {ratio['floor']:.2f}x, "
+                      f"lease {ratio['lease']:.2f}x, full heartbeat {ratio['heartbeat']:.2f}x, minute alone "
+                      f"{ratio['mix']:.2f}x, beside the tick and the portal {ratio['busy']:.2f}x")
 
 
 def main():
     args = parse_args()
-    if not set(args.server.split(",")) <= {"daphne", "uvicorn"}:
-        raise SystemExit(f"--server: daphne or uvicorn, comma-separated; not {args.server!r}")
+    if not {s.removesuffix("+nohiredis") for s in args.server.split(",")} <= {"daphne", "uvicorn"}:
+        raise SystemExit(f"--server: daphne or uvicorn (either with +nohiredis), comma-separated; "
+                         f"not {args.server!r}")
     os.environ["MERIDIAN_HEARTBEAT_FOLD"] = args.fold
     import numpy as np
 

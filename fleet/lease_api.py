@@ -16,7 +16,11 @@ needs to say "alive" and learn whether its desired state changed; this raw ASGI 
   * The lease is one Redis command: a short Lua script (EVALSHA) that does HSET meridian:lease <node>
     <now> and answers HGET meridian:desired-serial <node> (fleet/leases.py). It was a pipeline of the
     two commands; redis-py packs, sends and parses each command and runs a pipeline's own machinery
-    in Python, and that was half the lease's CPU in process (bench/lease_profile.py).
+    in Python, and that was half the lease's CPU in process (bench/lease_profile.py). Since session
+    22 the command is packed once (but for the node id and the time) and sent on redis-py's own
+    connections without its client's per-command machinery (LeaseConnections): the Redis call 1.5-2x
+    cheaper in CPU; reconnect after a Redis restart, the timeouts and the NOSCRIPT reload are kept
+    (tests/fleet/test_node_lease.py).
   * It proves liveness only: no report, no telemetry, no change of desired state, no way back from
     "lost" (that takes a full heartbeat). Fencing is unchanged.
 
@@ -105,20 +109,94 @@ class NodeTokenDigests:
 
 
 _tokens = NodeTokenDigests()
-# {event loop: {Redis URL: client}}: an asyncio client belongs to the loop it was made on.
-_redis_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _redis():
-    """Returns this event loop's asyncio Redis client for settings.REDIS_URL."""
-    import redis.asyncio
+def _bulk(value: bytes) -> bytes:
+    """Returns `value` as a RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
 
-    clients = _redis_clients.setdefault(asyncio.get_running_loop(), {})
-    client = clients.get(settings.REDIS_URL)
-    if client is None:
-        client = clients[settings.REDIS_URL] = redis.asyncio.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=2.0, socket_connect_timeout=2.0)
-    return client
+
+def _lease_command_prefix(name: bytes, script_or_sha: bytes) -> bytes:
+    """Returns the lease's command up to its two per-call arguments (node id, time), packed once: an
+    array of 7 bulk strings in RESP, Redis's wire format."""
+    return (b"*7\r\n" + _bulk(name) + _bulk(script_or_sha) + _bulk(b"2")
+            + _bulk(LEASE_KEY.encode()) + _bulk(DESIRED_SERIAL_KEY.encode()))
+
+
+EVALSHA_PREFIX = _lease_command_prefix(b"EVALSHA", LEASE_SCRIPT_SHA.encode())
+EVAL_PREFIX = _lease_command_prefix(b"EVAL", LEASE_SCRIPT.encode())
+LEASE_REDIS_TIMEOUT_SECONDS = 2.0  # connect, write and read: a Redis slower than this is a 503
+IDLE_CONNECTIONS_MAX = 64  # per process; more leases in flight at once open (then close) more
+
+
+class LeaseConnections:
+    """One event loop's Redis connections for the lease's one command.
+
+    The connections are redis-py's own (its connect and handshake, AUTH, TLS, the socket timeouts,
+    the RESP parser, hiredis when installed, its error types); what is left out is the client's
+    per-command machinery around them: the pool's lock and health check, the retry object, the
+    observability hooks, the argument encoder and the response callbacks. hb21's profile put about
+    half the lease's CPU in process there (bench/lease_profile.py). The command is packed once but
+    for its two per-call arguments.
+
+    Idle connections wait in a list (one event loop, so no lock): a lease takes one or opens one,
+    and gives it back only after reading its whole answer; on any error the connection is closed,
+    never reused half-read."""
+
+    def __init__(self, url: str):
+        import redis.asyncio
+
+        # redis-py parses the URL (redis://, rediss://, unix://, credentials, db) and makes the
+        # connections; this pool object is never asked for one.
+        self.factory = redis.asyncio.ConnectionPool.from_url(
+            url, socket_timeout=LEASE_REDIS_TIMEOUT_SECONDS,
+            socket_connect_timeout=LEASE_REDIS_TIMEOUT_SECONDS)
+        self.idle: list = []
+
+    async def _round_trip(self, connection, command: bytes):
+        await connection.send_packed_command(command, check_health=False)  # connects if closed
+        return await connection.read_response()
+
+    async def call(self, prefix: bytes, node_id: int, now: float):
+        """Returns the answer of the command `prefix` + node id + time: the serial (bytes or None).
+        Raises redis-py's errors (ConnectionError, TimeoutError, NoScriptError, ...)."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        command = prefix + _bulk(str(node_id).encode()) + _bulk(repr(now).encode())
+        reused = bool(self.idle)
+        connection = self.idle.pop() if reused else self.factory.make_connection()
+        try:
+            try:
+                answer = await self._round_trip(connection, command)
+            except RedisConnectionError:
+                if not reused:
+                    raise
+                # An idle connection that Redis closed meanwhile (a restart, CLIENT KILL, an idle
+                # timeout) fails on its first use; one try on a new connection, as redis-py's client
+                # retries. Sending the lease again is harmless: it writes the same time again.
+                await connection.disconnect()
+                answer = await self._round_trip(connection, command)
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        if len(self.idle) < IDLE_CONNECTIONS_MAX:
+            self.idle.append(connection)
+        else:
+            await connection.disconnect()
+        return answer
+
+
+# {event loop: {Redis URL: LeaseConnections}}: a connection belongs to the loop it was opened on.
+_lease_connections: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _connections() -> LeaseConnections:
+    """Returns this event loop's lease connections to settings.REDIS_URL."""
+    by_url = _lease_connections.setdefault(asyncio.get_running_loop(), {})
+    connections = by_url.get(settings.REDIS_URL)
+    if connections is None:
+        connections = by_url[settings.REDIS_URL] = LeaseConnections(settings.REDIS_URL)
+    return connections
 
 
 async def _lease_record(node_id: int, now: float):
@@ -126,12 +204,11 @@ async def _lease_record(node_id: int, now: float):
     first bump), in one Redis command."""
     from redis.exceptions import NoScriptError
 
-    keys_and_args = (2, LEASE_KEY, DESIRED_SERIAL_KEY, node_id, repr(now))
-    client = _redis()
+    connections = _connections()
     try:
-        return await client.execute_command("EVALSHA", LEASE_SCRIPT_SHA, *keys_and_args)
+        return await connections.call(EVALSHA_PREFIX, node_id, now)
     except NoScriptError:  # a Redis restarted (or its scripts flushed) since: EVAL caches it again
-        return await client.execute_command("EVAL", LEASE_SCRIPT, *keys_and_args)
+        return await connections.call(EVAL_PREFIX, node_id, now)
 
 
 def tokens_forget() -> None:

@@ -304,7 +304,9 @@ MERIDIAN_HEARTBEAT_FAST_PATH = _env_int("MERIDIAN_HEARTBEAT_FAST_PATH", 1, minim
 # records the queue in batches, and a report is answered "deferred" until the folder decided it;
 # "sync" records it in the request (what every heartbeat did before). With Redis unreachable, or
 # more than MERIDIAN_HEARTBEAT_FOLD_BACKLOG heartbeats waiting, "async" records in the request too.
-MERIDIAN_HEARTBEAT_FOLD = _env_choice("MERIDIAN_HEARTBEAT_FOLD", "sync", choices=("sync", "async"))
+# "async" is the default since session 22: the chaos soak's CI version, the e2e control loop and the
+# browser live pages pass with it, and it costs 10-33% less control-plane CPU per beat (docs/results.md).
+MERIDIAN_HEARTBEAT_FOLD = _env_choice("MERIDIAN_HEARTBEAT_FOLD", "async", choices=("sync", "async"))
 MERIDIAN_HEARTBEAT_FOLD_SECONDS = _env_float("MERIDIAN_HEARTBEAT_FOLD_SECONDS", 1.0, minimum=0.1)
 MERIDIAN_HEARTBEAT_FOLD_BACKLOG = _env_int("MERIDIAN_HEARTBEAT_FOLD_BACKLOG", 50_000, minimum=1)
 # The fast path's statements are prepared on the server once per connection (jobs.bulk.cursor_prepared);

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from agent.hollow import HollowFleet
+from jobs.heartbeat_fold import heartbeats_fold_all
 from jobs.models import Job, Move
 from jobs.moves import move_advance
 from jobs.services import job_submit
@@ -27,6 +28,14 @@ def run_move_tasks():
         move_advance(move_id=move_id)
 
 
+def beat_all(fleet):
+    """Every hollow node beats once; then the folder records what was queued (with
+    MERIDIAN_HEARTBEAT_FOLD=async the beat task does it every second), so the next beat hears the
+    outcome, as it does when the report is recorded in its request (sync)."""
+    fleet.beat_all()
+    heartbeats_fold_all()
+
+
 def hollow_fleet(url, nodes):
     options = argparse.Namespace(control_plane=url, enroll_token=ENROLL, hollow=nodes, hollow_type="CPU",
                                  hollow_devices=2, hollow_prefix="h", hollow_threads=1, interval=1.0,
@@ -44,22 +53,22 @@ def test_hollow_nodes_run_jobs_to_completion_and_yield_to_a_premium_job(live_ser
                          spec=job_spec(name=f"b{i}", tier="basic", world_size=2, min_devices=2,
                                        args=["--steps", "1000000"])) for i in range(2)]
     tick_run()
-    fleet.beat_all()  # start
-    fleet.beat_all()  # report running
+    beat_all(fleet)  # start
+    beat_all(fleet)  # report running
     assert {j.state for j in Job.objects.filter(pk__in=[b.pk for b in basics])} == {Job.State.RUNNING}
 
     premium = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="p", tier="premium", world_size=2,
                                                                         min_devices=2, args=["--steps", "10"]))
     tick_run()
-    fleet.beat_all()  # the victim's node stops it with a checkpoint; the premium starts
-    fleet.beat_all()  # ... and reports both
+    beat_all(fleet)  # the victim's node stops it with a checkpoint; the premium starts
+    beat_all(fleet)  # ... and reports both
     run_move_tasks()
     states = sorted(Job.objects.filter(pk__in=[b.pk for b in basics]).values_list("state", flat=True))
     assert states == [Job.State.PREEMPTED, Job.State.RUNNING]
     victim = Job.objects.get(pk__in=[b.pk for b in basics], state=Job.State.PREEMPTED)
     assert victim.last_checkpoint_step > 0
-    fleet.beat_all()  # the premium reaches its 10 steps and finishes
-    fleet.beat_all()  # ... and reports it
+    beat_all(fleet)  # the premium reaches its 10 steps and finishes
+    beat_all(fleet)  # ... and reports it
     premium.refresh_from_db()
     assert premium.state == Job.State.SUCCEEDED
     assert fleet.stats["failures"] == 0

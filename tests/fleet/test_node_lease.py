@@ -1,6 +1,7 @@
 """The agents' liveness lease (fleet/lease_api.py, answered before Django by portal.asgi) and what
 reads it: the lost-node sweep, the batch writer of Node.last_heartbeat, the desired serial."""
 import json
+import signal
 from datetime import timedelta
 
 import pytest
@@ -173,6 +174,74 @@ def test_a_lease_answers_its_own_nodes_serial_and_survives_a_redis_that_forgot_i
 
     assert first == again == (200, first[1]) and first[1]["desired_serial"] == 2
     assert leases.leases_read(node_ids=[node.pk, other.pk]).keys() == {node.pk}
+
+
+@pytest.fixture
+def own_redis(lease_redis, settings):
+    """A redis-server of this test's own (portal.private_redis), which the test may restart or
+    freeze; the lease's REDIS_URL points to it."""
+    import shutil
+    import tempfile
+
+    from portal.private_redis import PrivateRedis
+
+    directory = tempfile.mkdtemp(prefix="mr-")  # a unix socket's path must stay short
+    private = PrivateRedis(f"{directory}/redis.sock").start()
+    settings.REDIS_URL = private.url
+    yield private
+    if private.process is not None:
+        private.process.send_signal(signal.SIGCONT)
+    private.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+async def lease_on_this_loop(body, *, token):
+    """lease() from inside a coroutine: leases sent from one coroutine share one event loop, hence
+    the lease's Redis connections (fleet.lease_api.LeaseConnections keeps them per loop)."""
+    from portal.asgi import application
+
+    communicator = HttpCommunicator(application, "POST", LEASE_PATH, body=json.dumps(body).encode(),
+                                    headers=[(b"authorization", f"Node {token}".encode())])
+    response = await communicator.get_response(timeout=10)
+    return response["status"], json.loads(response["body"])
+
+
+def test_a_lease_after_a_redis_restart_reconnects_and_loads_its_script_again(own_redis, nodes):
+    """The lease keeps its Redis connection open between leases; a Redis restarted meanwhile has
+    closed it and forgotten the script. The next lease must still be a 200 (not a 503 that sends
+    every agent to a full heartbeat at once), written to the new Redis."""
+    (node, token), _ = nodes
+
+    async def lease_restart_lease():
+        first = await lease_on_this_loop({"node_id": node.pk}, token=token)
+        own_redis.stop()
+        own_redis.start()
+        return first, await lease_on_this_loop({"node_id": node.pk}, token=token)
+
+    first, second = async_to_sync(lease_restart_lease)()
+
+    assert first[0] == second[0] == 200, (first, second)
+    assert leases.leases_read(node_ids=[node.pk]).keys() == {node.pk}  # the restarted (empty) Redis
+
+
+def test_a_lease_to_a_redis_that_stopped_answering_is_a_503_after_the_timeout(own_redis, nodes, monkeypatch):
+    """A Redis that accepts but never answers (here: its process stopped) must not hold a lease
+    forever: the connection's socket timeout turns it into a 503, and the agent sends a full
+    heartbeat instead."""
+    from fleet import lease_api
+
+    monkeypatch.setattr(lease_api, "LEASE_REDIS_TIMEOUT_SECONDS", 0.3)
+    (node, token), _ = nodes
+
+    async def lease_freeze_lease():
+        first = await lease_on_this_loop({"node_id": node.pk}, token=token)
+        own_redis.process.send_signal(signal.SIGSTOP)
+        return first, await lease_on_this_loop({"node_id": node.pk}, token=token)
+
+    first, second = async_to_sync(lease_freeze_lease)()
+
+    assert first[0] == 200 and second[0] == 503, (first, second)
+    assert "full heartbeat" in second[1]["detail"]
 
 
 def test_placing_and_cancelling_a_job_bumps_the_serial_of_its_node_only(
