@@ -389,8 +389,9 @@ class CriuEngine(Engine):
     @staticmethod
     def _sandboxed_restore(launcher: Launcher, saved: list[Path], job: criu.JobCredentials) -> criu.SandboxedRestore:
         """Makes this host's new private /tmp and /dev/shm, puts back what the `saved` folders kept
-        of the old ones (several only when every one kept nothing: regroup_refusal), and returns
-        where criu restores a sandboxed rank (criu.SandboxedRestore)."""
+        of the old ones (several: parts merged onto this host, which regroup_refusal let through only
+        where none saved one path differently), and returns where criu restores a sandboxed rank
+        (criu.SandboxedRestore)."""
         launcher.make_private_dirs()
         dirs = _private_dirs(launcher)
         try:
