@@ -107,3 +107,13 @@ def test_the_cli_imports_only_the_standard_library_requests_and_protocol():
         if module not in sys.stdlib_module_names and module not in allowed
     ]
     assert offenders == []
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest imports test files as top-level modules (no __init__.py in tests/), so two files of one
+    name in different folders stop collection of the whole suite ("import file mismatch"): it did,
+    in session 22's CI-like run, with tests/jobs/ and tests/sandbox/test_job_network.py."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
