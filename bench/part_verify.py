@@ -7,7 +7,7 @@ folder node<k> per host, `--part-mb` MB of page images each, plus a small shared
 times, for host 1 of N, `CheckpointStore.pinned` (the launcher's check at a resume: the manifest
 pinned to its digest, then the files) two ways: checking every file (what every host did before
 session 13) and checking the files outside every part plus its own part only (what it does now:
-CheckpointStore.skip_folders = criu_parts.other_parts). Each timing uses a fresh store (no
+CheckpointStore.skip_parts_of: the other hosts' parts). Each timing uses a fresh store (no
 per-process cache). Prints a table: the bytes checked and the median seconds, and their ratio.
 The page cache is warm after the first pass (the files were just written): the figures are
 hashing time, a lower bound on what a shared file system's reads add.
@@ -46,7 +46,7 @@ def timed(root, digest, skip, repeat):
     seconds = []
     for _ in range(repeat):
         store = CheckpointStore(root / "store")
-        store.skip_folders = skip
+        store.skip_parts_of = lambda _meta: skip
         began = time.perf_counter()
         store.pinned(digest)
         seconds.append(time.perf_counter() - began)

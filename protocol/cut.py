@@ -121,8 +121,7 @@ class ResumeFile(Message):
 
     def __post_init__(self) -> None:
         check_device_indices(self.device_indices, len(self.devices.devices))
-        if (self.nodes is None) != (self.node_rank is None) or (
-                self.nodes is not None and self.node_rank is not None and self.node_rank >= self.nodes):
+        if (self.nodes is None) != (self.node_rank is None) or (self.node_rank or 0) >= (self.nodes or 1):
             raise ProtocolError("node_rank", f"{self.node_rank} is not a host of {self.nodes}")
 
 

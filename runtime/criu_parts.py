@@ -91,7 +91,8 @@ def part_dir(root, node: int) -> Path:
 
 def other_parts(*, nodes: int, node_rank: int) -> frozenset[str]:
     """The folder names of the parts node `node_rank` of `nodes` neither restores nor checks at a
-    resume (runtime/store.py CheckpointStore.skip_folders): the other hosts'."""
+    resume from a checkpoint dumped on `nodes` hosts (criu_parts.unread_parts when as many restore
+    it): the other hosts'."""
     return frozenset(part_dir("", node).name for node in range(nodes) if node != node_rank)
 
 

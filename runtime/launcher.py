@@ -169,8 +169,8 @@ class Launcher:
         # loopback, whatever --node-addr says (every peer and the store are local, and a sandboxed
         # job's network is loopback only); a CRIU checkpoint of several hosts restored onto one
         # host binds there too (runtime/criu_parts.py).
-        self.node_addr = ((self.sandbox.job_address if self.sandbox is not None else None) or options.node_addr
-                          if self.nodes > 1 else "127.0.0.1")
+        job_address = self.sandbox.job_address if self.sandbox is not None else None
+        self.node_addr = (job_address or options.node_addr) if self.nodes > 1 else "127.0.0.1"
         try:
             self.local_ranks = multihost.node_ranks(world_size=self.world_size, nodes=self.nodes,
                                                     node_rank=self.node_rank)

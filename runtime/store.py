@@ -475,6 +475,11 @@ def _checkpoint_key(name: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def _skip_no_part(meta: dict) -> frozenset[str]:
+    """CheckpointStore.skip_parts_of of a store that checks every file (one host's)."""
+    return frozenset()
+
+
 class CheckpointStore:
     """Committed checkpoints under one root folder, newest last, at most ``keep`` of them."""
 
@@ -492,15 +497,13 @@ class CheckpointStore:
         # resume checks the newest checkpoint and then the one it restores, the same one; its
         # base alone is hundreds of MB to hash again.
         self._verified: dict[str, tuple] = {}
-        # Top-level folders of a checkpoint whose files this process does not check: the parts of
-        # a CRIU checkpoint spanning hosts that this host does not restore. Each host restores and
-        # checks only the parts it restores from, so a job on N hosts reads its checkpoint once in
-        # all, not N times. `skip_folders`: the same for every checkpoint; `skip_parts_of`: a
-        # function of a checkpoint's manifest meta (set by the launcher of node k of N:
-        # runtime/criu_parts.unread_parts), since which parts a host restores depends on how many
-        # hosts dumped the checkpoint, which may not be how many restore it.
-        self.skip_folders: frozenset[str] = frozenset()
-        self.skip_parts_of: Callable[[dict], frozenset[str]] | None = None
+        # The top-level folders of a checkpoint whose files this process does not check, as a
+        # function of its manifest meta: the parts of a CRIU checkpoint spanning hosts that this host
+        # does not restore (set by the launcher of node k of N: runtime/criu_parts.unread_parts).
+        # Each host checks only the parts it restores from, so a job on N hosts reads its checkpoint
+        # once in all, not N times; a function of the meta, since which parts a host restores
+        # depends on how many hosts dumped the checkpoint, which may not be how many restore it.
+        self.skip_parts_of: Callable[[dict], frozenset[str]] = _skip_no_part
         if not os.access(self.root, os.W_OK):
             raise CheckpointError(f"checkpoint store {self.root} is not writable")
 
@@ -699,10 +702,8 @@ class CheckpointStore:
 
     def _skipped(self, manifest: dict) -> frozenset[str]:
         """The top-level folders of the checkpoint of `manifest` whose files are not checked here."""
-        if self.skip_parts_of is None:
-            return self.skip_folders
         meta = manifest.get("meta")
-        return self.skip_folders | self.skip_parts_of(meta if isinstance(meta, dict) else {})
+        return self.skip_parts_of(meta if isinstance(meta, dict) else {})
 
     def _verify_dir(self, directory: Path, manifest: dict) -> dict:
         """verify_dir, once per process for files that did not change since."""

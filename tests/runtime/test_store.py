@@ -137,7 +137,7 @@ def test_a_host_of_a_checkpoint_spanning_hosts_checks_its_own_part_and_what_all_
 
     def store_of(node):
         store = CheckpointStore(tmp_path / "store")  # each host's launcher has a store of its own
-        store.skip_folders = other_parts(nodes=2, node_rank=node)
+        store.skip_parts_of = lambda _meta: other_parts(nodes=2, node_rank=node)
         return store
 
     assert store_of(0).pinned(digest) == ref and store_of(0).verify(ref, expect_manifest_sha256=digest)
