@@ -356,8 +356,7 @@ class CriuEngine(Engine):
         # Linked before any restored rank writes: this attempt starts at the restored size.
         rank_logs.put_back(launcher, *(source.folder / "logs" for source in plan.sources))
         try:
-            self._restore_host_ranks(launcher, {rank: images[source.folder] for source in plan.sources
-                                                for rank in source.ranks},
+            self._restore_host_ranks(launcher, {rank: images[plan.images_of(rank)] for rank in launcher.local_ranks},
                                      saved=[source.folder for source in plan.sources])
         finally:
             for source, folder in images.items():
