@@ -655,24 +655,45 @@ def job_world_size_limits(*, accelerator_type: str, min_devices: int, fleet: boo
     return {**limits, "max_world_size": limit, "world_size_because": because}
 
 
+def _job_start_devices(clean: dict) -> int:
+    """Returns the fewest devices `clean`'s job can ever start on: W for a tier the scheduler starts
+    only at its full size (PolicySettings.full_size_tiers: Premium, whose SLA is 95% of the ideal
+    device-time at W), min_devices for the others (they start smaller and grow)."""
+    from jobs.snapshot import TIERS, policy_settings
+
+    full_size = TIERS.get(str(clean["tier"])) in policy_settings().full_size_tiers
+    return clean["world_size"] if full_size else clean["min_devices"]
+
+
 def _job_world_size_check(clean: dict, *, limits_of: dict | None = None) -> None:
     """Raises ValidationError naming world_size or min_devices when the job is bigger than this
-    installation or its fleet could ever run (job_world_size_limits). `limits_of` caches the
-    limits by (type, min_devices) across the jobs of one bulk submission (each costs a query)."""
-    key = (clean["accelerator_type"], clean["min_devices"])
-    # The fleet bounds min_devices only (W's bounds are settings and min_devices), and a single
-    # device never exceeds it (no device of the type bounds nothing), so min_devices 1, the common
-    # case, skips the capacity query: a scan of the type's devices that grows with the fleet.
+    installation or its fleet could ever run (job_world_size_limits), or, for a tier that starts
+    only at its full size, when the fleet could never give it W devices at once: such a job would
+    wait forever. `limits_of` caches the limits by (type, min_devices, devices to start) across the
+    jobs of one bulk submission (each costs a query)."""
+    start_devices = _job_start_devices(clean)
+    key = (clean["accelerator_type"], clean["min_devices"], start_devices)
+    # The fleet bounds the devices a job needs to start (W's other bounds are settings and
+    # min_devices), and a single device never exceeds it (no device of the type bounds nothing), so
+    # a job that starts on one device, the common case, skips the capacity query: a scan of the
+    # type's devices that grows with the fleet.
     limits = (limits_of or {}).get(key) or job_world_size_limits(accelerator_type=key[0], min_devices=key[1],
-                                                                 fleet=key[1] > 1)
+                                                                 fleet=start_devices > 1)
     if limits_of is not None:
         limits_of[key] = limits
     errors = {}
-    if limits["max_min_devices"] is not None and clean["min_devices"] > limits["max_min_devices"]:
+    capacity = limits["max_min_devices"]
+    if capacity is not None and clean["min_devices"] > capacity:
         errors["min_devices"] = f"min_devices {clean['min_devices']} is too many: {limits['min_devices_because']}"
     if clean["world_size"] > limits["max_world_size"]:
         errors["world_size"] = (f"world_size {clean['world_size']} is too large (at most "
                                 f"{limits['max_world_size']}): {limits['world_size_because']}")
+    elif capacity is not None and start_devices > capacity and "min_devices" not in errors:
+        errors["world_size"] = (
+            f"world_size {clean['world_size']} is too large for a {clean['tier']} job: it starts only on all W "
+            f"devices at once (its SLA is counted at W), and {limits['min_devices_because']}. Lower "
+            f"world_size to {capacity} or less, or submit it as standard or basic (they start on fewer "
+            f"devices and grow)")
     if errors:
         raise ValidationError(errors)
 

@@ -81,6 +81,9 @@ class Policy:
     # True for a policy that may run a job on fewer than W devices (down to its elastic floor):
     # what decides whether a job can ever fit.
     runs_below_world_size = False
+    # Tiers whose jobs this policy starts only at their full world size even when it runs others
+    # below it (Meridian: PolicySettings.full_size_tiers): for them W must fit, not the floor.
+    full_size_tiers: tuple = ()
 
     def schedule(self, engine, now):  # pragma: no cover - interface
         raise NotImplementedError
@@ -218,7 +221,9 @@ class Engine:
             unknown = mapped < 0
             job_type = np.where(unknown, 0, mapped).astype(np.int16)
         capacity = fleet.region_capacity()[job_type]
-        need = self.min_devices if policy.runs_below_world_size else trace.ranks
+        full_size = np.isin(trace.tier, np.asarray(policy.full_size_tiers, dtype=trace.tier.dtype))
+        need = (np.where(full_size, trace.ranks, self.min_devices) if policy.runs_below_world_size
+                else trace.ranks)
         too_big = need > capacity
         rejected = unknown | too_big
         reasons = []
@@ -228,7 +233,8 @@ class Engine:
                 reasons.append((j, f"asks for accelerator type {asked!r}; the fleet has only "
                                    f"{', '.join(fleet.type_names)}"))
             else:
-                size = ("its elastic floor" if policy.runs_below_world_size
+                size = ("its world size (this policy starts its tier only at full size)" if full_size[j]
+                        else "its elastic floor" if policy.runs_below_world_size
                         else "its world size (this policy runs jobs at full size)")
                 reasons.append((j, f"needs {int(need[j])} {fleet.type_names[job_type[j]]} devices ({size}, "
                                    f"W={int(trace.ranks[j])}); one region of the fleet has at most "

@@ -65,6 +65,7 @@ class Meridian(Policy):
         # The core's default plugins unless told otherwise; built once (plugins are pure).
         self.core_policy = core_policy or scheduler.Policy.default()
         self.settings = settings or PolicySettings()
+        self.full_size_tiers = tuple(self.settings.full_size_tiers)
         self.wait_wake_s = wait_wake_s
         self.approval_requests = 0
         self.plans = 0
