@@ -632,12 +632,14 @@ class Launcher:
         auto, and --engine criu is refused with the reason; otherwise CRIU dumps them as the job's
         uid (runtime/criu.py), on one host or each host's part (runtime/criu_parts.py), and auto
         picks it as for an unsandboxed job. A job spanning hosts gets the framework engine under
-        auto, sandboxed or not, although every move of it works with CRIU through the control loop
-        (tests/hosts/test_multihost_agents.py): each host's part is stored whole (no page
+        auto, sandboxed or not, although every move of an unconfined one works with CRIU through the
+        control loop (tests/hosts/test_multihost_agents.py): each host's part is stored whole (no page
         deduplication across hosts: every checkpoint writes every rank's full image, where one host
-        writes only the pages that changed), and a restore onto another host count refuses what the
-        framework engine resizes (a GPU job; a sandboxed job whose merged parts saved one private path
-        differently), failing the job at a resize; `--engine criu` asks for it."""
+        writes only the pages that changed); after a restore onto another host count a script that
+        acts on a LOCAL_RANK it copied before the cut acts on the old layout, undetected (a relaunch
+        gives it the new one); and such a restore refuses what the framework engine resizes (a GPU
+        job; a sandboxed job whose merged parts saved one private path differently), which ends that
+        resize refused, by name. `--engine criu` asks for it."""
         refusal = (job_sandbox.criu_refusal_for_sandbox()
                    if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
