@@ -168,6 +168,27 @@ def assert_matches_reference(cluster, reference, output):
                         torch.load(os.path.join(cluster.store_dir, output), weights_only=True))
 
 
+RELAUNCH_RESIZE = ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"])  # across hosts
+
+
+def wait_shrunk_onto_one_host(cp, job_id, squeeze):
+    """Waits until the job runs on one host (for the premium job `squeeze`); its first move must be a
+    resize across hosts: a cut on both hosts, one checkpoint, the 8 ranks started again on one host."""
+    poll("the job to be shrunk onto one host", lambda: runs_on(cp, job_id, hosts=1), timeout=900,
+         on_timeout=lambda: cp.diagnose(job_id, squeeze))
+    # The shrink is the first move; on a quiet machine the squeeze may be over and the grow begun by now.
+    assert cp.moves(job_id)[0] == RELAUNCH_RESIZE, cp.diagnose(job_id)
+
+
+def wait_grown_back(cp, job_id, squeeze):
+    """Waits until `squeeze` succeeded and the job runs on two hosts again, by a second resize across
+    hosts."""
+    cp.wait_state(squeeze, "succeeded", timeout=600)
+    poll("the job to grow back onto two hosts", lambda: runs_on(cp, job_id, hosts=2) and len(cp.moves(job_id)) == 2,
+         timeout=900, on_timeout=lambda: cp.diagnose(job_id))
+    assert cp.moves(job_id)[-1] == RELAUNCH_RESIZE, cp.diagnose(job_id)
+
+
 @pytest.mark.timeout(3000)  # about 12 min on an idle 2-core machine, 3x that at a load of 20
 def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_others_and_survives_a_killed_host(
         plane):
@@ -190,18 +211,10 @@ def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_oth
     # resize across hosts (cut on both hosts, one checkpoint, the 8 ranks relaunched on the new hosts).
     squeeze = submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", args=["--epochs", "2"], world_size=4,
                      min_devices=4)
-    poll("the victim to be shrunk onto one host", lambda: runs_on(cp, victim, hosts=1), timeout=600,
-         on_timeout=lambda: cp.diagnose(victim, squeeze))
-    # The shrink is the first move; on a quiet machine the squeeze may be over and the grow begun by now.
-    assert cp.moves(victim)[0] == ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"]), \
-        cp.diagnose(victim)
+    wait_shrunk_onto_one_host(cp, victim, squeeze)
     shrunk_at = cp.job(victim)["last_checkpoint_step"]
     say(f"victim shrunk onto {placement(cp, victim)} at step {shrunk_at} (8 ranks on 4 devices)")
-    cp.wait_state(squeeze, "succeeded", timeout=600)
-    poll("the victim to grow back onto two hosts", lambda: runs_on(cp, victim, hosts=2) and len(cp.moves(victim)) == 2,
-         timeout=600, on_timeout=lambda: cp.diagnose(victim))
-    assert cp.moves(victim)[-1] == ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"]), \
-        cp.diagnose(victim)
+    wait_grown_back(cp, victim, squeeze)
     say(f"victim grown back onto {placement(cp, victim)} at step {cp.job(victim)['last_checkpoint_step']}; "
         f"resize moves (whole move s, downtime s): {move_seconds(cp, victim, 'resize')}")
 
@@ -331,19 +344,12 @@ def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_surviv
     # one checkpoint), the 8 ranks restored from both parts on one host's 4 devices.
     squeeze = submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", args=["--epochs", "2"], world_size=4,
                      min_devices=4)
-    poll("the job to be shrunk onto one host", lambda: runs_on(cp, job, hosts=1), timeout=900,
-         on_timeout=lambda: cp.diagnose(job, squeeze))
-    assert cp.moves(job)[0] == ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"]), \
-        cp.diagnose(job)
+    wait_shrunk_onto_one_host(cp, job, squeeze)
     where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
     say(f"shrunk onto {where} at step {step}: 2 hosts' parts restored on one host")
 
     # Grown back onto two hosts once the squeeze is done: the one-host checkpoint split over two.
-    cp.wait_state(squeeze, "succeeded", timeout=600)
-    poll("the job to grow back onto two hosts", lambda: runs_on(cp, job, hosts=2) and len(cp.moves(job)) == 2,
-         timeout=900, on_timeout=lambda: cp.diagnose(job))
-    assert cp.moves(job)[-1] == ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"]), \
-        cp.diagnose(job)
+    wait_grown_back(cp, job, squeeze)
     where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
     say(f"grown back onto {where} at step {step}; resize moves (whole move s, downtime s): "
         f"{move_seconds(cp, job, 'resize')}")
