@@ -632,10 +632,14 @@ class Launcher:
         auto, and --engine criu is refused with the reason; otherwise CRIU dumps them as the job's
         uid (runtime/criu.py), on one host or each host's part (runtime/criu_parts.py), and auto
         picks it as for an unsandboxed job. A job spanning hosts gets the framework engine under
-        auto, sandboxed or not: a CRIU checkpoint of it restores onto another host count
-        (runtime/criu_parts.py), but the control loop's moves of such a job with CRIU are not proven
-        through agents yet, and a sandboxed job's shared private files refuse a regrouping;
-        `--engine criu` asks for it."""
+        auto, sandboxed or not, although every move of an unconfined one works with CRIU through the
+        control loop (tests/hosts/test_multihost_agents.py): each host's part is stored whole (no page
+        deduplication across hosts: every checkpoint writes every rank's full image, where one host
+        writes only the pages that changed); after a restore onto another host count a script that
+        acts on a LOCAL_RANK it copied before the cut acts on the old layout, undetected (a relaunch
+        gives it the new one); and such a restore refuses what the framework engine resizes (a GPU
+        job; a sandboxed job whose merged parts saved one private path differently), which ends that
+        resize refused, by name. `--engine criu` asks for it."""
         refusal = (job_sandbox.criu_refusal_for_sandbox()
                    if self.sandbox and self.sandbox.identity else None)
         if refusal and self.options.engine == "criu":
@@ -645,8 +649,9 @@ class Launcher:
             return name, f"auto: {refusal}"
         if self.nodes > 1 and self.options.engine == engines.AUTO:
             name, _ = choose_engine("framework")
-            return name, (f"auto: a job spanning {self.nodes} hosts; CRIU's moves of it through the control loop "
-                          "are not proven yet (ask --engine criu for that)")
+            return name, (f"auto: a job spanning {self.nodes} hosts; CRIU would store every rank's full image at "
+                          "each checkpoint (no page deduplication across hosts yet) and refuses some restores onto "
+                          "another host count (ask --engine criu for it)")
         return choose_engine(self.options.engine)
 
     def use_engine(self, name: str) -> None:

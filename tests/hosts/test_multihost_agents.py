@@ -15,11 +15,15 @@ A second, focused test (same fixtures): a W = 8 job on mh-0 + mh-1 whose host mh
 moves only that host's share, to mh-2 (a partial migration; mh-0 keeps its devices, though its
 ranks are relaunched from the cut too), and ends torch.equal to an uninterrupted run.
 
-A third, with CRIU (agents started with --engine criu): a W = 8 job on mh-0 + mh-1 is preempted by
-a premium job (each host dumps its own ranks into its part of the job's one checkpoint,
-runtime/criu_parts.py), restored from those process images on mh-2 + mh-3, which never ran it, then
-mh-3 is killed and it is restored again from the same images on mh-2 and a replacement host; it
-ends torch.equal to an uninterrupted run.
+A third, with CRIU (agents started with --engine criu), every move of the first two through the
+control loop, each a CRIU cut on every host (each host dumps its own ranks into its part of the
+job's one checkpoint, committed by the leader: runtime/criu_parts.py) and a restore from those
+process images on the new host layout, never a relaunch from scratch: an elastic W = 8 job on
+mh-0 + mh-1 is shrunk onto one host (2 hosts' parts merged onto 1) and grown back (the one-host
+checkpoint split over 2), preempted, restored on mh-2 + mh-3 (which never ran it), partly migrated
+off a drained mh-3 (mh-2 kept), then the host that took mh-3's share is killed and the job is
+restored again from the drain's images on mh-2 and a replacement host; it ends torch.equal to an
+uninterrupted run. The downtime of each move is printed.
 """
 import datetime
 import json
@@ -164,6 +168,27 @@ def assert_matches_reference(cluster, reference, output):
                         torch.load(os.path.join(cluster.store_dir, output), weights_only=True))
 
 
+RELAUNCH_RESIZE = ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"])  # across hosts
+
+
+def wait_shrunk_onto_one_host(cp, job_id, squeeze):
+    """Waits until the job runs on one host (for the premium job `squeeze`); its first move must be a
+    resize across hosts: a cut on both hosts, one checkpoint, the 8 ranks started again on one host."""
+    poll("the job to be shrunk onto one host", lambda: runs_on(cp, job_id, hosts=1), timeout=900,
+         on_timeout=lambda: cp.diagnose(job_id, squeeze))
+    # The shrink is the first move; on a quiet machine the squeeze may be over and the grow begun by now.
+    assert cp.moves(job_id)[0] == RELAUNCH_RESIZE, cp.diagnose(job_id)
+
+
+def wait_grown_back(cp, job_id, squeeze):
+    """Waits until `squeeze` succeeded and the job runs on two hosts again, by a second resize across
+    hosts."""
+    cp.wait_state(squeeze, "succeeded", timeout=600)
+    poll("the job to grow back onto two hosts", lambda: runs_on(cp, job_id, hosts=2) and len(cp.moves(job_id)) == 2,
+         timeout=900, on_timeout=lambda: cp.diagnose(job_id))
+    assert cp.moves(job_id)[-1] == RELAUNCH_RESIZE, cp.diagnose(job_id)
+
+
 @pytest.mark.timeout(3000)  # about 12 min on an idle 2-core machine, 3x that at a load of 20
 def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_others_and_survives_a_killed_host(
         plane):
@@ -186,18 +211,10 @@ def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_oth
     # resize across hosts (cut on both hosts, one checkpoint, the 8 ranks relaunched on the new hosts).
     squeeze = submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", args=["--epochs", "2"], world_size=4,
                      min_devices=4)
-    poll("the victim to be shrunk onto one host", lambda: runs_on(cp, victim, hosts=1), timeout=600,
-         on_timeout=lambda: cp.diagnose(victim, squeeze))
-    # The shrink is the first move; on a quiet machine the squeeze may be over and the grow begun by now.
-    assert cp.moves(victim)[0] == ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"]), \
-        cp.diagnose(victim)
+    wait_shrunk_onto_one_host(cp, victim, squeeze)
     shrunk_at = cp.job(victim)["last_checkpoint_step"]
     say(f"victim shrunk onto {placement(cp, victim)} at step {shrunk_at} (8 ranks on 4 devices)")
-    cp.wait_state(squeeze, "succeeded", timeout=600)
-    poll("the victim to grow back onto two hosts", lambda: runs_on(cp, victim, hosts=2) and len(cp.moves(victim)) == 2,
-         timeout=600, on_timeout=lambda: cp.diagnose(victim))
-    assert cp.moves(victim)[-1] == ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"]), \
-        cp.diagnose(victim)
+    wait_grown_back(cp, victim, squeeze)
     say(f"victim grown back onto {placement(cp, victim)} at step {cp.job(victim)['last_checkpoint_step']}; "
         f"resize moves (whole move s, downtime s): {move_seconds(cp, victim, 'resize')}")
 
@@ -263,76 +280,131 @@ def test_draining_one_host_of_a_job_on_two_hosts_moves_only_that_hosts_share_bit
 
 
 CRIU_OK, CRIU_DETAIL = criu.check_available()
+# Five moves of one job (a shrink, a grow, a preemption, a drain, a lost host), each a CRIU cut and a
+# restore or a restore: more epochs than ARGS keep it running until the last one under load.
+CRIU_ARGS = ["--epochs", "70", "--step-sleep", "0.4"]
 
 
-def launcher_events(host, kind):
-    """Returns the events of `kind` the launchers on `host` wrote (its agent's job folders)."""
-    found = host.run(["sh", "-c", f"cat {host.node_dir}/agent/j/*/events.jsonl"], check=False).stdout
+def launcher_events(host, kind, job_id):
+    """Returns the events of `kind` the launchers of job `job_id` on `host` wrote (its agent's
+    job folders, one per attempt: <job id>.<attempt>)."""
+    found = host.run(["sh", "-c", f"cat {host.node_dir}/agent/j/{job_id}.*/events.jsonl"], check=False).stdout
     return [event for event in map(json.loads, found.splitlines()) if event.get("event") == kind]
 
 
 def restored_after(host, seen, cp, job_id):
-    """Waits until `host`'s launchers wrote more than `seen` "restored" events; returns them all."""
+    """Waits until `host`'s launchers of the job wrote more than `seen` "restored" events; returns them all."""
     def more():
-        found = launcher_events(host, "restored")
+        found = launcher_events(host, "restored", job_id)
         return found if len(found) > seen else None
     return poll(f"{host.name}'s launcher to restore", more, timeout=600, on_timeout=lambda: cp.diagnose(job_id))
 
 
+def assert_restored_from_the_cut(cluster, cp, job_id, seen):
+    """Every host of the job's newest placement restored its ranks from CRIU images at the job's last
+    checkpoint step (a launcher writes "restored" only once criu is done): not relaunched from
+    scratch, not from an older checkpoint. `seen` ({hostname: restored events so far}) is updated;
+    returns (the placement, the step)."""
+    step = cp.job(job_id)["last_checkpoint_step"]
+    where = placement(cp, job_id)
+    for name in where:
+        restored = restored_after(cluster[int(name[-1])], seen.get(name, 0), cp, job_id)
+        assert (restored[-1]["engine"], restored[-1]["step"]) == ("criu", step), (name, restored, cp.diagnose(job_id))
+        seen[name] = len(restored)
+    return where, step
+
+
+def assert_every_cut_criu(cp, job_id, cuts):
+    """The job's checkpoints are `cuts` or more, every one made by the CRIU engine (no move fell back to
+    the framework engine)."""
+    engines = [e["extra_data"].get("engine") for e in cp.events(job_id) if e.get("type") == "checkpointed"]
+    assert len(engines) >= cuts and set(engines) == {"criu"}, (engines, cp.diagnose(job_id))
+
+
 @pytest.mark.criu
 @pytest.mark.skipif(not CRIU_OK, reason=f"CRIU unavailable: {CRIU_DETAIL}")
-@pytest.mark.timeout(2400)  # about 4 min on an idle 2-core machine
-def test_a_criu_job_on_two_hosts_is_preempted_restored_on_two_other_hosts_and_survives_a_killed_host(plane):
+@pytest.mark.timeout(3600)  # about 8 min on an idle 2-core machine
+def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_survives_a_killed_host(plane):
     cluster, cp, start_agent = plane
     say("control plane up")
     store = cluster[0].store
-    reference = start_reference(cluster[2], store)  # beside host 2's agent, once that one starts
-    # No periodic checkpoint: the preemption's cut is the job's one dump of its 8 ranks (~1.8 GB).
+    # Beside host 2's agent, once that one starts (host 2 is never killed nor drained).
+    reference = start_job([cluster[2]], ranks=8, script=os.path.join(REPO, SCRIPT),
+                          args=[f"{store}/reference.pt", *CRIU_ARGS])[1]
+    # No periodic checkpoint: each move's cut is a dump of the job's 8 ranks (~1.8 GB).
     start_agent(0, engine="criu", checkpoint_every=0), start_agent(1, engine="criu", checkpoint_every=0)
-    job = submit(cp, "wide", "basic", f"{store}/criu.pt")  # 8 devices, not elastic: two whole hosts
+    job = submit(cp, "wide", "basic", f"{store}/criu.pt", args=CRIU_ARGS, min_devices=4)  # elastic: 4 or 8
     cp.wait_state(job, "running", timeout=600)
     assert placement(cp, job) == ["mh-0", "mh-1"], cp.diagnose(job)
     poll("the job to train a few steps", lambda: (cp.job(job)["progress_step"] or 0) >= 3, timeout=600,
          on_timeout=lambda: cp.diagnose(job))
+    restored = {}
 
-    # Long enough that mh-2 and mh-3 register before it is done (else the job resumes where it was).
-    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "30"])
+    # Shrunk onto one host for a premium 4-rank job: a CRIU cut on both hosts (each dumps its part of
+    # one checkpoint), the 8 ranks restored from both parts on one host's 4 devices.
+    squeeze = submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", args=["--epochs", "2"], world_size=4,
+                     min_devices=4)
+    wait_shrunk_onto_one_host(cp, job, squeeze)
+    where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
+    say(f"shrunk onto {where} at step {step}: 2 hosts' parts restored on one host")
+
+    # Grown back onto two hosts once the squeeze is done: the one-host checkpoint split over two.
+    wait_grown_back(cp, job, squeeze)
+    where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
+    say(f"grown back onto {where} at step {step}; resize moves (whole move s, downtime s): "
+        f"{move_seconds(cp, job, 'resize')}")
+    assert sum(len(launcher_events(cluster[i], "started", job)) for i in (0, 1)) == 2  # launched once, ever
+
+    # Preempted by a premium job that needs every device: each host dumps its part.
+    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "4"])
     cp.wait_state(job, "preempted", timeout=900)
     assert cp.moves(job)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"]), \
         cp.diagnose(job)
-    checkpoints = [e["extra_data"] for e in cp.events(job) if e.get("type") == "checkpointed"]
-    assert checkpoints and checkpoints[-1].get("engine") == "criu", (checkpoints, cp.diagnose(job))
-    preempted_at = cp.job(job)["last_checkpoint_step"]
-    say(f"preempted at step {preempted_at} (CRIU: each host dumped its part); preemption (whole move s): "
+    say(f"preempted at step {cp.job(job)['last_checkpoint_step']}; preemption (whole move s): "
         f"{[whole for whole, _ in move_seconds(cp, job, 'preemption')]}")
 
+    # Restored from its process images on mh-2 and mh-3, which never ran it. Elastic, it may start on
+    # the first of them alone and grow onto the second once it registers (a CRIU move too).
     start_agent(2, engine="criu", checkpoint_every=0), start_agent(3, engine="criu", checkpoint_every=0)
     poll("the job to run on mh-2 and mh-3", lambda: runs_on(cp, job, hosts=["mh-2", "mh-3"]), timeout=900,
          on_timeout=lambda: cp.diagnose(job))
-    # Each host restored its own ranks' process images. The job runs once its launchers start; a
-    # launcher writes "restored" only when criu is done, so wait for it.
-    restored_before = {}
-    for host in (cluster[2], cluster[3]):
-        restored = restored_after(host, 0, cp, job)
-        assert [(e["engine"], e["step"]) for e in restored] == [("criu", preempted_at)], (restored, cp.diagnose(job))
-        restored_before[host.name] = len(restored)
-    say(f"restored from its CRIU images on {placement(cp, job)}")
+    where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
+    say(f"restored from its CRIU images on {where} at step {step}")
 
-    # One of its hosts killed: restored again from the same images, on mh-2 and a replacement host
-    # (mh-0 or mh-1, once the premium job is done with them).
-    cluster[3].kill()
-    say("killed mh-3")
-    poll("the job to be restored off the killed host",
-         lambda: "mh-3" not in placement(cp, job) and runs_on(cp, job, hosts=2), timeout=900,
-         on_timeout=lambda: cp.diagnose(job))
-    again = placement(cp, job)
-    for host in (cluster[int(name[-1])] for name in again):  # from the same images, not from scratch
-        before = restored_before.get(host.name, 0)
-        restored = restored_after(host, before, cp, job)
-        assert (restored[-1]["engine"], restored[-1]["step"]) == ("criu", preempted_at), \
-            (host.name, restored, cp.diagnose(job))
-    say(f"restored again on {again}")
+    # mh-3 drained at once: only its share moves, to mh-0 or mh-1 once the premium job is done with them
+    # (a drain waits for room); mh-2 keeps its devices (its ranks are dumped and restored there too:
+    # one cut of the whole job). Not later: the job trains on meanwhile, ~1 step a second.
+    moves_before = len(cp.moves(job))
+    drain(cp, "mh-3")
+    poll("mh-3's share to move", lambda: "mh-3" not in placement(cp, job) and runs_on(cp, job, hosts=2),
+         timeout=900, on_timeout=lambda: cp.diagnose(job))
+    assert cp.moves(job)[moves_before:] == [
+        ("migration", ["started", "barrier", "checkpoint", "store", "restore", "release"])], cp.diagnose(job)
+    migrated = [e["extra_data"] for e in cp.events(job) if e.get("type") == "migrated"][-1]
+    assert migrated["partial"] is True and migrated["kept_nodes"] == ["mh-2"], migrated
     cp.wait_state(premium, "succeeded", timeout=600)
+    where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
+    say(f"partly migrated: mh-3's share to {where}, mh-2 kept, at step {step}; "
+        f"migration (whole move s, downtime s): {move_seconds(cp, job, 'migration')}")
+
+    # The host that took mh-3's share killed: restored again from the drain's images, on mh-2 and a
+    # replacement host.
+    victim = next(name for name in where if name != "mh-2")
+    cluster[int(victim[-1])].kill()
+    killed_at = time.monotonic()
+    say(f"killed {victim}")
+    poll("the job to be restored off the killed host",
+         lambda: victim not in placement(cp, job) and runs_on(cp, job, hosts=2), timeout=900,
+         on_timeout=lambda: cp.diagnose(job))
+    restored.pop(victim, None)
+    where, again = assert_restored_from_the_cut(cluster, cp, job, restored)
+    assert again == step, (again, step)  # from the same images: nothing was dumped on the way
+    say(f"restored again on {where} at step {again}, {round(time.monotonic() - killed_at, 1)} s after the kill "
+        f"(the lost-node threshold is 20 s); migration moves (whole move s, downtime s): "
+        f"{move_seconds(cp, job, 'migration')}")
     cp.wait_state(job, "succeeded", timeout=900)
     say("job succeeded")
-    assert_matches_reference(cluster, reference, "criu.pt")
+    assert_every_cut_criu(cp, job, 4)  # shrink, grow, preemption, drain
+    assert [code for code, _ in wait_job(reference)] == [0]
+    assert_equal_states(torch.load(os.path.join(cluster.store_dir, "reference.pt"), weights_only=True),
+                        torch.load(os.path.join(cluster.store_dir, "criu.pt"), weights_only=True))

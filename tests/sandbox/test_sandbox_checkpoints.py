@@ -296,7 +296,8 @@ def test_the_launcher_reads_no_rank_file_through_a_link(tmp_path):
 def test_criu_is_not_refused_to_a_sandboxed_job_spanning_hosts_and_auto_says_why_it_takes_framework():
     """A sandboxed job spanning hosts may ask for CRIU (each host's part is dumped as the job's uid:
     tests/hosts/test_multihost_criu.py proves it); auto gives it the framework engine, as it does an
-    unsandboxed one, saying why (CRIU's moves of it through the control loop are not proven yet)."""
+    unsandboxed one, saying why (CRIU's parts are stored whole, and some restores onto another host
+    count are refused)."""
     import types
 
     from runtime import launcher
@@ -308,5 +309,5 @@ def test_criu_is_not_refused_to_a_sandboxed_job_spanning_hosts_and_auto_says_why
 
     assert chosen("criu", 2)[0] == "criu"
     name, reason = chosen("auto", 2)
-    assert name == "framework" and "spanning 2 hosts" in reason and "not proven" in reason, reason
+    assert name == "framework" and "spanning 2 hosts" in reason and "no page deduplication" in reason, reason
     assert chosen("criu", 1)[0] == "criu" and chosen("auto", 1)[0] == "criu"
