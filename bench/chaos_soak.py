@@ -574,7 +574,8 @@ def reference_runs(folder, shapes):
         argv = [PYTHON, "-m", "runtime.launcher", "--ranks", str(world_size), "--engine", "framework",
                 "--job-dir", str(folder / name), SCRIPT, "--witness", str(folder / f"{name}-witness"),
                 "--epochs", str(epochs), "--samples", str(SAMPLES), "--out", str(out)]
-        result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        # 30 min: they run beside the stack and the stream, which may starve them (600 s ran out at a load of 80)
+        result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if result.returncode != 0 or not out.exists():
             raise RuntimeError(f"reference run {name} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
         references[(world_size, epochs)] = out
@@ -708,7 +709,7 @@ def process_commands():
 
 class Soak:
     def __init__(self, *, base, seconds, seed, agents, web, every, chaos_every, max_active, drain_seconds, log,
-                 disrupt_max=20.0, hosts=True, devices=None):
+                 disrupt_max=20.0, hosts=True, devices=None, shapes=None):
         self.base = pathlib.Path(base)
         self.disrupt_max = disrupt_max  # longest freeze or partition, seconds (at least 2)
         self.seconds = seconds
@@ -718,6 +719,7 @@ class Soak:
         self.hosts = hosts  # each agent in an emulated host of its own (else local agents)
         self.devices = devices or (2 if hosts else 1)
         self.fleet = None
+        self._shapes = shapes
         self.web_count = web
         self.every = every
         self.chaos_every = chaos_every
@@ -737,7 +739,8 @@ class Soak:
 
     @property
     def shapes(self):
-        return SHAPES_ACROSS_HOSTS if self.hosts else SHAPES
+        """{tier: [(W, min devices, epochs)]}: what the stream draws from."""
+        return self._shapes or (SHAPES_ACROSS_HOSTS if self.hosts else SHAPES)
 
     # --- setup ------------------------------------------------------------------------------------
     def start(self):
@@ -1250,17 +1253,19 @@ def pid_alive(pid):
 
 
 def soak_run(*, seconds, seed=18, agents=8, web=3, every=4.0, chaos_every=12.0, max_active=10,
-             drain_seconds=600, base=None, keep=False, log=print, disrupt_max=20.0, hosts=True, devices=None):
+             drain_seconds=600, base=None, keep=False, log=print, disrupt_max=20.0, hosts=True, devices=None,
+             shapes=None):
     """Runs the soak for `seconds` (then drains), returns its SoakResult. Everything it started is
     stopped and its folder removed (unless keep=True), also when it fails. `disrupt_max`: the
     longest freeze or partition of an agent, in seconds. `hosts`: each of the `agents` in an emulated
-    host of its own (else local agents); `devices`: CPU devices per agent (2 on hosts, 1 local)."""
+    host of its own (else local agents); `devices`: CPU devices per agent (2 on hosts, 1 local);
+    `shapes`: {tier: [(W, min devices, epochs)]} the jobs are drawn from (SHAPES_ACROSS_HOSTS on hosts)."""
     base = pathlib.Path(base or tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     base.mkdir(parents=True, exist_ok=True)
     os.chmod(base, 0o711)  # the postgres user must pass through to its cluster's folder
     soak = Soak(base=base, seconds=seconds, seed=seed, agents=agents, web=web, every=every,
                 chaos_every=chaos_every, max_active=max_active, drain_seconds=drain_seconds, log=log,
-                disrupt_max=disrupt_max, hosts=hosts, devices=devices)
+                disrupt_max=disrupt_max, hosts=hosts, devices=devices, shapes=shapes)
     try:
         soak.start()
         return soak.run()
@@ -1293,6 +1298,11 @@ def main():
     parser.add_argument("--json", default=None, help="also write the result as JSON here")
     args = parser.parse_args()
     started = time.monotonic()
+    # A soak started in the background of a non-interactive shell ignores SIGINT; SIGTERM's default
+    # ends it without its teardown (its PostgreSQL, control plane and hosts would live on). Both end it
+    # through the `finally` of soak_run instead.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     def log(message):
         print(f"[{time.monotonic() - started:7.1f}] {message}", flush=True)

@@ -366,6 +366,19 @@ class WorkingState:
         """Returns how many nodes `devices` span."""
         return int(np.unique(self.node[devices]).size)
 
+    def even_across_nodes(self, devices: np.ndarray) -> bool:
+        """True when `devices` lie on one node, or on several with the same count on each.
+
+        A job over N hosts runs W/N contiguous ranks on each (runtime/multihost.py node_ranks),
+        spliced onto that host's devices, so its hosts must hold equally many: a placement of 4
+        devices as 2 + 1 + 1 over three hosts could never start (the agent refuses it by name:
+        agent/node.py multihost_span_problem), and the job failed. The chaos soak on emulated hosts
+        found it (five W=4 jobs failed after a lost node: devlog 2026-12-06/soak23.md). With the
+        count d dividing W (Jobs.allowed_counts), equal shares make W/N ranks per host a multiple
+        of d/N, so every host's ranks splice evenly."""
+        _nodes, per_node = np.unique(self.node[devices], return_counts=True)
+        return bool(per_node.size <= 1 or (per_node == per_node[0]).all())
+
     def find_fewest_nodes(self, k: int, d: int, max_level: int, region: int | None = None,
                           blocked_nodes: np.ndarray | None = None) -> Placement | None:
         """Returns d free devices of type k on the fewest nodes the fleet's node size allows
