@@ -54,10 +54,10 @@ class GangPlacement:
             if placement is None:
                 continue
             if not state.even_across_nodes(placement.devices):
-                # uneven shares over hosts cannot run (State.even_across_nodes): the fewest
-                # nodes' fullest shares, if even, else the next count
-                placement = state.find_fewest_nodes(k, d, spread, region=region, blocked_nodes=blocked_nodes)
-                if placement is None or not state.even_across_nodes(placement.devices):
+                # uneven shares over hosts cannot run (State.even_across_nodes): an even split
+                # of the same count, else the next count
+                placement = state.find_even(k, d, spread, region=region, blocked_nodes=blocked_nodes)
+                if placement is None:
                     continue
             if placement.level == 0 or not is_spread(d, state.n_nodes_of(placement.devices), largest):
                 return placement

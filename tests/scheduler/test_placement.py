@@ -166,3 +166,16 @@ def test_an_elastic_job_takes_fewer_devices_on_one_host_rather_than_more_split_u
     found, _ = starts(snap)
     assert nodes_of(snap, found["g"].devices) == [2]
     assert len(found["g"].devices) == 2
+
+
+def test_a_gang_takes_an_even_split_where_the_fullest_nodes_would_split_it_unevenly():
+    # free: node 0 has 3, nodes 1 and 2 have 2 each. The fullest nodes first would give W = 4 as
+    # 3 + 1; two ranks on each of nodes 1 and 2 is the split a launcher over 2 hosts can run.
+    snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=3, devices=4))
+            .job(make_job("p").tier(PREMIUM).ranks(1).on_devices(0))
+            .job(make_job("q").tier(PREMIUM).ranks(2).on_devices(4, 5))
+            .job(make_job("r").tier(PREMIUM).ranks(2).on_devices(8, 9))
+            .job(make_job("g").ranks(4)).build())
+    found, _ = starts(snap)
+    assert nodes_of(snap, found["g"].devices) == [1, 2]
+    assert sorted(int(snap.accelerators.node[d]) for d in found["g"].devices) == [1, 1, 2, 2]
