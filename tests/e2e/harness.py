@@ -50,14 +50,15 @@ class Partition:
 
     Partition(port) forwards to one port; Partition(targets=callable) to the first live port of
     what the callable returns, round robin (a balancer over web processes: a dead one is skipped
-    after `connect_timeout`)."""
+    after `connect_timeout`). `bind`: the address it listens on (the emulated hosts' bridge address,
+    for a balancer the hosts reach; the targets are always on loopback)."""
 
-    def __init__(self, target_port=None, *, targets=None, connect_timeout=5.0):
+    def __init__(self, target_port=None, *, targets=None, connect_timeout=5.0, bind="127.0.0.1"):
         self.targets = targets or (lambda: [target_port])
         self.connect_timeout = connect_timeout
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind(("127.0.0.1", 0))
+        self.server.bind((bind, 0))
         self.server.listen(128)
         self.port = self.server.getsockname()[1]
         self.is_cut = threading.Event()
