@@ -153,6 +153,26 @@ class JobPeers:
         except (RuntimeError, OSError):
             pass  # the leader is gone: nobody is left to tell
 
+    def claim_join(self) -> None:
+        """Follower: claims this node's one place in the leader's run; raises LaunchError
+        (host_failure) when a launch of this node already joined it.
+
+        The chaos soak on emulated hosts found it (job 206, devlog 2026-12-06/lead23.md): an agent
+        that self-fenced killed its part of a job, reached the control plane 2 s later and, told
+        the same generation still ran there, launched that part again. The new launcher found the
+        leader's store (same leader, same nonce) and its ranks joined a group whose other ranks had
+        already formed it with the killed ones, under the same keys: DDP's first check read another
+        rank's data and the job failed as if by its code. A group cannot take a part back, so the
+        second join is refused and told to the other hosts as a host failure: every part ends and
+        the control plane restarts the job from its last checkpoint (a new generation, a new group)."""
+        joins = self.store.add(self._key("joined", self.node_rank), 1)
+        if joins != 1:
+            error = (f"node {self.node_rank}'s part of this run already joined its leader once (an earlier "
+                     "launch of it on this host ended while the other hosts' parts went on); a part cannot "
+                     "rejoin a running group: the job restarts from its last checkpoint")
+            self.report_failed(error, host_failure=True)
+            raise LaunchError(error, host_failure=True)
+
     def report_finished(self) -> None:
         self.set(self._key("finished", self.node_rank), "1")
 
@@ -327,6 +347,8 @@ def join_job(launcher, rendezvous_root):
         launcher.nonce = leader.nonce
         addr, port = leader.addr, leader.port
     peers = JobPeers(store, nonce=launcher.nonce, nodes=launcher.nodes, node_rank=launcher.node_rank)
+    if launcher.node_rank != 0:
+        peers.claim_join()
     return store, addr, port, peers
 
 

@@ -122,3 +122,30 @@ def test_a_follower_whose_leader_store_is_gone_ends_as_a_host_failure_not_with_a
         assert caught.value.host_failure is True and "leader store is unreachable" in str(caught.value)
     why, host_failure = follower.await_resume_go(timeout_s=5)
     assert why.startswith("the job's leader store is unreachable") and host_failure is True
+
+
+def test_a_second_launch_of_one_hosts_part_cannot_join_the_running_group_and_every_host_restarts(tmp_path):
+    # The soak on emulated hosts (job 206): an agent self-fenced, killed its part, and 2 s later
+    # launched the same generation's part again; its ranks joined the leader's group under the
+    # keys the killed ones had used, and DDP read another rank's data. A second join is refused,
+    # as a host failure that every host hears: the job restarts from its checkpoint.
+    from runtime.multihost import join_job
+
+    def launcher(node_rank):
+        return SimpleNamespace(job_id="j206-g3", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
+                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0))
+
+    _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
+    first = launcher(1)
+    join_job(first, tmp_path)
+    assert first.nonce == "own-0"  # a follower takes the leader's nonce: one key prefix
+    assert leader.check() is None
+
+    with pytest.raises(LaunchError, match="already joined its leader once") as refused:
+        join_job(launcher(1), tmp_path)
+
+    assert refused.value.host_failure is True
+    leader._checked_at = 0.0  # check() asks the store at most every PEER_CHECK_S
+    said = leader.check()
+    assert said is not None and said.startswith("node 1: node 1's part of this run already joined")
+    assert leader.host_failed is True  # restarted from the checkpoint, not failed
