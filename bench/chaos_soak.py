@@ -368,7 +368,7 @@ class LocalFleet:
         the pids the job folders name: a launcher started a moment ago has written none yet (the
         first 30-minute run missed one, which ran on beside the job's new copy: a double run of the
         soak's own making). Repeated until none is left (a launcher may fork a rank meanwhile)."""
-        marker = f"{self.stack.dir}/agents/{hostname}/"
+        marker = self._marker(hostname)
         for _ in range(20):
             found = [pid for pid, command in process_commands() if marker in command and pid != os.getpid()]
             if not found:
@@ -383,8 +383,12 @@ class LocalFleet:
 
     def commands_on(self, hostname):
         """Returns the command lines of the processes of node `hostname` (its agent's job folders)."""
-        marker = f"{self.stack.dir}/agents/{hostname}/"
+        marker = self._marker(hostname)
         return [command for _pid, command in process_commands() if marker in command]
+
+    def _marker(self, hostname):
+        """What every command line of node `hostname`'s processes holds: its agent's work dir."""
+        return f"{self.stack.dir}/agents/{hostname}/"
 
     def where(self, pid, command):
         """Returns the node a process belongs to (by its command line), or "machine"."""
@@ -419,7 +423,7 @@ class HostFleet:
     def __init__(self, count, *, devices=2):
         reason = emulated_hosts.skip_reason()
         if reason:
-            raise RuntimeError(f"{reason} (bench/chaos_soak.py --local runs local agents instead)")
+            raise RuntimeError(f"{reason} (bench/chaos_soak.py --local-agents N runs local agents instead)")
         self.devices = devices
         self.cluster = emulated_hosts.EmulatedHosts(count, control_plane=True)
         self.by_name = {host.name: host for host in self.cluster}
@@ -484,15 +488,7 @@ class HostFleet:
                 pids = [int(p) for p in handle.read().split()]
         except OSError:
             return []
-        found = []
-        for pid in pids:
-            try:
-                command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-                    errors="replace")
-            except OSError:
-                continue
-            found.append((pid, command))
-        return found
+        return list(process_commands(pids))
 
     def kill_agent(self, hostname):
         """SIGKILLs the agent inside its host (not the nsenter that waits for it, outside)."""
@@ -697,14 +693,17 @@ def percentile(values, fraction):
     return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
-def process_commands():
-    """Yields (pid, command line) of every process this soak can see (/proc)."""
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+def process_commands(pids=None):
+    """Yields (pid, command line) of the processes `pids` (default: every process this soak can see
+    in /proc); a process gone meanwhile is left out."""
+    if pids is None:
+        pids = (int(proc.name) for proc in pathlib.Path("/proc").glob("[0-9]*"))
+    for pid in pids:
         try:
-            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        yield int(proc.name), command
+        yield pid, command
 
 
 class Soak:

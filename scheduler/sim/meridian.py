@@ -61,11 +61,15 @@ class Meridian(Policy):
     name = "meridian"
     runs_below_world_size = True  # elastic: a job fits if its floor (min_devices) fits
 
+    @property
+    def full_size_tiers(self):
+        """The tiers the core starts only at full size (engine.Policy: admission counts W for them)."""
+        return self.settings.full_size_tiers
+
     def __init__(self, core_policy=None, settings=None, wait_wake_s=600.0):
         # The core's default plugins unless told otherwise; built once (plugins are pure).
         self.core_policy = core_policy or scheduler.Policy.default()
         self.settings = settings or PolicySettings()
-        self.full_size_tiers = tuple(self.settings.full_size_tiers)
         self.wait_wake_s = wait_wake_s
         self.approval_requests = 0
         self.plans = 0

@@ -155,10 +155,10 @@ def say(what):
     print(f"[{time.monotonic() - IMPORTED:7.1f} s] {what}", flush=True)
 
 
-def start_reference(host, store):
+def start_reference(host, store, args=ARGS):
     """Starts the uninterrupted single-host run of the same script (8 ranks on `host`, no agent
-    there while it runs); returns its handle for assert_matches_reference."""
-    return start_job([host], ranks=8, script=os.path.join(REPO, SCRIPT), args=[f"{store}/reference.pt", *ARGS])[1]
+    there while it runs) with the job's `args`; returns its handle for assert_matches_reference."""
+    return start_job([host], ranks=8, script=os.path.join(REPO, SCRIPT), args=[f"{store}/reference.pt", *args])[1]
 
 
 def assert_matches_reference(cluster, reference, output):
@@ -329,8 +329,7 @@ def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_surviv
     say("control plane up")
     store = cluster[0].store
     # Beside host 2's agent, once that one starts (host 2 is never killed nor drained).
-    reference = start_job([cluster[2]], ranks=8, script=os.path.join(REPO, SCRIPT),
-                          args=[f"{store}/reference.pt", *CRIU_ARGS])[1]
+    reference = start_reference(cluster[2], store, CRIU_ARGS)
     # No periodic checkpoint: each move's cut is a dump of the job's 8 ranks (~1.8 GB).
     start_agent(0, engine="criu", checkpoint_every=0), start_agent(1, engine="criu", checkpoint_every=0)
     job = submit(cp, "wide", "basic", f"{store}/criu.pt", args=CRIU_ARGS, min_devices=4)  # elastic: 4 or 8
@@ -405,6 +404,4 @@ def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_surviv
     cp.wait_state(job, "succeeded", timeout=900)
     say("job succeeded")
     assert_every_cut_criu(cp, job, 4)  # shrink, grow, preemption, drain
-    assert [code for code, _ in wait_job(reference)] == [0]
-    assert_equal_states(torch.load(os.path.join(cluster.store_dir, "reference.pt"), weights_only=True),
-                        torch.load(os.path.join(cluster.store_dir, "criu.pt"), weights_only=True))
+    assert_matches_reference(cluster, reference, "criu.pt")
