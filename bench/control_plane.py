@@ -83,7 +83,8 @@ def parse_args():
                    help="the ASGI server(s) of the web processes, comma-separated, each measured in turn on the "
                         "same fleet (e.g. daphne,uvicorn,daphne,uvicorn): uvicorn (Meridian's, portal.web_server) "
                         "or daphne (before session 21); either with +nohiredis: its web processes and folder "
-                        "without hiredis (e.g. uvicorn+nohiredis,uvicorn)")
+                        "without hiredis (e.g. uvicorn+nohiredis,uvicorn); uvicorn with +noaccesslog: without "
+                        "the access line per request (e.g. uvicorn+noaccesslog,uvicorn)")
     p.add_argument("--checkpoint-seconds", type=float, default=60.0,
                    help="how often each hollow copy checkpoints (real jobs: every 10-30 minutes)")
     p.add_argument("--fold", choices=("sync", "async"), default="sync",
@@ -215,16 +216,17 @@ def build_fleet_and_jobs(n_accelerators, rng):
     return tokens, len(jobs)
 
 
-def start_web(env, server):
+def start_web(env, server, *, access_log=True):
     """Starts one web process: `server` "uvicorn" (Meridian's, as portal.web_server runs it) or
-    "daphne" (what served Meridian before session 21, with its defaults); returns (process, its URL)."""
+    "daphne" (what served Meridian before session 21, with its defaults); returns (process, its URL).
+    `access_log`: uvicorn writes its access line per request (portal.web_server's default)."""
     from portal.web_server import web_server_argv
 
     port = free_port()
     log = open(env["MERIDIAN_DATA_DIR"] + f"/{server}.log", "ab")
     bin_dir = pathlib.Path(sys.executable).parent
     if server == "uvicorn":
-        command = web_server_argv(bin_dir=bin_dir, port=port)
+        command = web_server_argv(bin_dir=bin_dir, port=port, access_log=access_log)
     else:
         command = [str(bin_dir / "daphne"), "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -616,12 +618,13 @@ def without_hiredis_path(data_dir) -> str:
 def heartbeat_stage(args, tokens, data_dir, server):
     """Steps 3, 3a and 3b with `server` as the web processes' ASGI server, on fresh hollow nodes
     (the fleet and its jobs as the stages before left them); returns its figures. A server named
-    with "+nohiredis" (e.g. uvicorn+nohiredis) runs its web processes and the folder without hiredis."""
+    with "+nohiredis" (e.g. uvicorn+nohiredis) runs its web processes and the folder without hiredis;
+    "uvicorn+noaccesslog" runs uvicorn without its access line per request."""
     env = dict(os.environ, DATABASE_CONN_MAX_AGE="0")  # the servers' thread pools must not hoard connections
     base_server, _, variant = server.partition("+")
     if variant == "nohiredis":
         env["PYTHONPATH"] = os.pathsep.join([without_hiredis_path(data_dir), str(ROOT)])
-    servers = [start_web(env, base_server) for _ in range(args.web_processes)]
+    servers = [start_web(env, base_server, access_log=variant != "noaccesslog") for _ in range(args.web_processes)]
     if args.fold == "async":
         start_folder(args, data_dir, env)
     try:
@@ -780,22 +783,24 @@ def print_server_comparison(rows):
                   f"full heartbeat {ratio['heartbeat']:.2f}x, minute alone {ratio['mix']:.2f}x, "
                   f"beside the tick and the portal {ratio['busy']:.2f}x")
         for server in by_server:
-            base = server.partition("+")[0]
-            if server.endswith("+nohiredis") and base in by_server:
+            base, _, variant = server.partition("+")
+            if variant and base in by_server:
                 import statistics
 
                 ratio = {key: statistics.median(x[key] for x in by_server[server])
                          / statistics.median(x[key] for x in by_server[base])
                          for key in ("floor", "lease", "heartbeat", "mix", "busy")}
-                print(f"{r['n']:>8} without/with hiredis ({base}, medians): floor {ratio['floor']:.2f}x, "
+                print(f"{r['n']:>8} {server}/{base} (medians): floor {ratio['floor']:.2f}x, "
                       f"lease {ratio['lease']:.2f}x, full heartbeat {ratio['heartbeat']:.2f}x, minute alone "
                       f"{ratio['mix']:.2f}x, beside the tick and the portal {ratio['busy']:.2f}x")
 
 
 def main():
     args = parse_args()
-    if not {s.removesuffix("+nohiredis") for s in args.server.split(",")} <= {"daphne", "uvicorn"}:
-        raise SystemExit(f"--server: daphne or uvicorn (either with +nohiredis), comma-separated; "
+    if not set(args.server.split(",")) <= {"daphne", "uvicorn", "daphne+nohiredis", "uvicorn+nohiredis",
+                                           "uvicorn+noaccesslog"}:
+        raise SystemExit(f"--server: daphne or uvicorn (either with +nohiredis; uvicorn with +noaccesslog), "
+                         f"comma-separated; "
                          f"not {args.server!r}")
     os.environ["MERIDIAN_HEARTBEAT_FOLD"] = args.fold
     import numpy as np
