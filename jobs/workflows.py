@@ -36,7 +36,7 @@ from fleet.models import Accelerator, Node
 from fleet.services import nodes_heartbeat_record
 from jobs.logs import log_grant
 from jobs.models import Bundle, Checkpoint, Job, JobEvent, Move, Replica
-from jobs.moves import move_observe, move_relaunches
+from jobs.moves import move_end, move_observe, move_relaunches
 from jobs.services import (
     CheckpointNew,
     IllegalTransition,
@@ -585,7 +585,7 @@ def _observed_apply(*, job, entry: JobReport, current, node, now, checkpointed=N
             note = f": {entry.note}" if entry.note else ""
             job_transition(job=job, to=S.SUCCEEDED, now=now, reason=f"finished on {node.hostname}{note}"[:500],
                            extra={"step": entry.step, "note": entry.note})
-        elif state == CopyState.FAILED and entry.host_failure and job.state in (S.SCHEDULED, S.RUNNING):
+        elif state == CopyState.FAILED and entry.host_failure and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
             _host_failure_requeue(job=job, node=node, entry=entry, now=now)
         elif state == CopyState.FAILED and job.state in (S.SCHEDULED, S.RUNNING, S.RESIZING):
             _job_fail(job=job, exit_code=entry.exit_code, now=now,
@@ -618,8 +618,16 @@ def _host_failure_requeue(*, job, node, entry: JobReport, now):
     leader's store was unreachable: JobReport.host_failure), not because of the job's code: the job
     goes back in line (preempted) and resumes from its last checkpoint, as after a lost node; its
     generation is bumped, so what is left of this copy on any host is fenced. After
-    MAX_HOST_FAILURE_RESTARTS such restarts from the same checkpoint it fails, saying so."""
+    MAX_HOST_FAILURE_RESTARTS such restarts from the same checkpoint it fails, saying so.
+
+    In a resize (one that relaunches the job across hosts: its new copy is the one that failed) the
+    resize move ends here, failed: the 30-minute chaos soak (session 24) lost a job whose host failed
+    under it while it was being grown onto a second host, failed for good as if by its code."""
     error = str(entry.error or "a host of the job failed")
+    if job.state == S.RESIZING:
+        for move in Move.objects.filter(job=job, state=Move.State.ACTIVE):
+            move_end(move=move, job=job, state=Move.State.FAILED, now=now, requeue=False,
+                     reason=f"a host of the job failed under it: {error}")
     step = job.last_checkpoint_step or 0
     resume = f"checkpoint step {step}" if job.last_checkpoint_step else "its start (no checkpoint yet)"
     earlier = JobEvent.objects.filter(job=job, type=JobEvent.Type.STATE_CHANGED, to_state=S.PREEMPTED,

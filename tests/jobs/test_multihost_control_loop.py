@@ -143,6 +143,45 @@ def test_a_host_that_failed_under_the_job_requeues_it_from_its_checkpoint_a_few_
 
 
 @pytest.mark.django_db
+def test_a_host_that_fails_under_the_job_while_it_is_resized_across_hosts_requeues_it(settings, alice, team_a,
+                                                                                    job_spec):
+    """The 30-minute chaos soak (session 24, job 101): a job grown onto two hosts was still resizing
+    when a host failed under its new copy (a follower's part refused as a second join); the leader's
+    failure, though it said a host failed, failed the job for good: the restart from the checkpoint
+    applied only while the job was scheduled or running. It is a restart in a resize too, and the
+    resize move ends there."""
+    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 0.0
+    n1 = make_node("n1")
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="wide", world_size=8, min_devices=4,
+                                                                    tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    report(n1, job.pk, "running", generation=job.generation, step=5)
+    n2 = make_node("n2")
+    tick_run()
+    job.refresh_from_db()
+    assert job.state == S.RESIZING and hosts_of(job) == ["n1", "n2"], job.wait_reason
+    grow = Move.objects.get(job=job, state=Move.State.ACTIVE)
+    report(n1, job.pk, "stopped", generation=grow.from_generation, step=12, cut={"action": "stop", "step": 12},
+           checkpoint_step=12)
+    worker()
+    grow.refresh_from_db()
+    assert grow.step == Move.Step.RESTORE
+    leader = n1 if entry_of(n1, job.pk)["span"]["node_rank"] == 0 else n2
+    answer = report(leader, job.pk, "failed", generation=grow.to_generation, host_failure=True, error=(
+        "the job failed on another host (node 1: node 1's part of this run already joined its leader once)"))
+    assert answer["accepted"] == [job.pk], answer
+    job.refresh_from_db()
+    grow.refresh_from_db()
+    assert job.state == S.PREEMPTED and job.generation == grow.to_generation + 1, (job.state, job.failure_reason)
+    assert job.last_checkpoint_step == 12
+    assert grow.state == Move.State.FAILED
+    tick_run()
+    job.refresh_from_db()
+    assert job.state == S.SCHEDULED
+
+
+@pytest.mark.django_db
 def test_a_failure_of_the_jobs_code_on_another_host_fails_it(wide):
     job, n1, n2 = wide
     report(n1, job.pk, "running", generation=1, step=5)
