@@ -33,10 +33,16 @@ or bad part commits nothing: the leader withdraws the cut and every host lets it
 go on: the job goes on, after a checkpoint and after a stop alike.
 
 At restore, node j of a new launch on M hosts restores its block of ranks (runtime/multihost.py
-node_ranks for M), each rank r from the folder it was dumped into: part node<k> of a checkpoint
-dumped on N hosts (k = r // (W/N)), or the checkpoint itself for one dumped on one host
-(`restore_sources`). M may differ from N (2 hosts x 2 ranks -> 1 host x 4, and back): the same
-host count puts node k's part back on node k; M < N merges parts onto a host; M > N splits one.
+host_block), each rank r from the folder it was dumped into: part node<k> of a checkpoint dumped
+on N hosts, the part whose block holds r, or the checkpoint itself for one dumped on one host
+(`restore_sources`). Which ranks each part holds is what the checkpoint's manifest meta says:
+`blocks` ([first rank, ranks] per dumping host, in node order: hosts may hold unequal shares,
+W = 6 on 2 + 1 devices dumps parts of 4 and 2 ranks), or for a checkpoint written before blocks
+were named, the equal W/N blocks of its `nodes` (`dumped_blocks`); the leader checked at the
+commit that each part's own meta names its block. The restoring layout may differ in every way
+(2 hosts x 2 ranks -> 1 host x 4, and back; 2 + 1 devices -> 1 host, -> 3 equal hosts, -> 1 + 2):
+the same blocks put node k's part back on node k; otherwise parts merge onto a host, or one is
+split over hosts, or both.
 Its store verified the checkpoint's manifest (pinned to the digest the control plane recorded),
 the files outside every part, and the parts it restores from: each host checks what it restores,
 so a job on N hosts restored on N reads its checkpoint once in all, not N times (`unread_parts`,

@@ -1,19 +1,25 @@
 """One job over several hosts: which ranks a node runs, and how its launchers watch each other.
 
 A job of W ranks on N nodes runs one meridian-run per node (``--nodes N --node-rank i
---node-addr A --rendezvous DIR``). Node i runs the contiguous block of ranks
-[i*W/N, (i+1)*W/N) (protocol.layout's rule, as for devices), so a host holds whole devices of
-a splice and its ranks are neighbours in the reduction order. Node 0 leads: it hosts the job's
-TCP store (runtime/rendezvous.py) that every rank's inner gloo group rendezvouses on.
+--node-addr A --rendezvous DIR``). Node i runs one contiguous block of ranks: the one the
+control plane gave it (``--first-rank F --host-ranks R``: W/d ranks per device it holds, so
+hosts holding 2 + 1 devices run blocks of 2:1 ranks; `host_block`), else the equal block
+[i*W/N, (i+1)*W/N) (`node_ranks`). Either way a host holds whole devices of a splice and its
+ranks are neighbours in the reduction order; the blocks follow node order (node 0's first).
+Each node checks its own block when it starts; each publishes it in the leader's store when it
+joins, and the leader checks that they tile 0..W-1 once every node has joined (`blocks_problem`:
+a rank run twice or never fails the job by name). Node 0 leads: it hosts the job's TCP store
+(runtime/rendezvous.py) that every rank's inner gloo group rendezvouses on.
 
 The virtual group is the same on one host and on many: every element of an all-reduce is
 combined in logical rank order 0, 1, ..., W-1 (runtime/vpg.py), so the bits do not depend on
 how ranks map to hosts. Ranks all on one host reduce through shared memory; when the job spans
-hosts, each host's block of ranks reduces through its own host's shared area and the hosts chain
-their partial sums in host order (runtime/hostchain.py): since a host's ranks are a contiguous
-block, host order is rank order, and the chain keeps the one-host bits although floating-point
-addition is not associative. One rank per host (or no usable /dev/shm) takes the flat gloo path,
-a rank-order reduce-scatter and all-gather over TCP between the hosts' addresses.
+hosts in equal blocks, each host's block of ranks reduces through its own host's shared area and
+the hosts chain their partial sums in host order (runtime/hostchain.py): since a host's ranks are
+a contiguous block, host order is rank order, and the chain keeps the one-host bits although
+floating-point addition is not associative. Unequal blocks, one rank per host or no usable
+/dev/shm take the flat gloo path, a rank-order reduce-scatter and all-gather over TCP between the
+hosts' addresses: the same bits.
 
 A consistent cut across hosts (framework engine): the leader hands the CutRequest out through
 its store in two phases before any rank can see it: every follower must say it received the
