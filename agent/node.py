@@ -58,7 +58,7 @@ from protocol.launch import (
 )
 from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState, ResumeRefused
-from runtime import fence, multihost
+from runtime import fence, multihost, splice
 from runtime import rank as rank_liveness
 from runtime.control import JobControl, JobControlError
 from runtime.spool import write_json_atomic
@@ -814,6 +814,8 @@ class NodeReconciler:
                        "--devices", str(span.job_devices), "--engine", self.engine, "--job-dir", str(job_dir),
                        "--job-id", f"j{entry.job_id}-g{entry.generation or 0}", "--store", str(store),
                        "--nodes", str(span.nodes), "--node-rank", str(span.node_rank),
+                       # this host's block of ranks: unequal when the hosts hold unequal device counts
+                       "--first-rank", str(span.first_rank), "--host-ranks", str(span.ranks),
                        "--node-addr", self.node_addr, "--rendezvous", span.rendezvous]
         else:
             command = [self.python, "-m", "runtime.launcher", "--ranks", str(entry.world_size),
@@ -1035,22 +1037,25 @@ class NodeReconciler:
 
 def multihost_span_problem(entry: DesiredJob) -> str | None:
     """Returns why `entry`'s share of a job that spans hosts cannot run as the launcher would run
-    it (node i runs the i-th contiguous block of W/N ranks), or None (it can, or one host)."""
+    it, or None (it can, or one host). The launcher runs the span's block of ranks [first_rank,
+    first_rank + ranks) on this host's devices, W/d ranks on each (d: the job's devices in all), so
+    hosts may hold unequal shares (2 + 1 devices); what must hold is that the block is the one its
+    devices run (ranks = W/d x this host's devices, starting at a device's edge) and lies inside
+    the job's ranks in host order (runtime/multihost.host_block). Whether the hosts' blocks tile
+    the job is checked where every block is known: by the job's leader, at its start."""
     span = entry.span
     if span is None:
         return None
     try:
-        block = multihost.node_ranks(world_size=entry.world_size, nodes=span.nodes, node_rank=span.node_rank)
+        block = multihost.host_block(world_size=entry.world_size, nodes=span.nodes, node_rank=span.node_rank,
+                                     first_rank=span.first_rank, ranks=span.ranks)
+        devices = splice.host_devices(world_size=entry.world_size, devices=span.job_devices, ranks=block)
     except ValueError as exc:
-        return f"the job spans {span.nodes} hosts but cannot run so: {exc}"
-    if (block.start, len(block)) != (span.first_rank, span.ranks):
-        return (f"this host holds ranks {span.first_rank}..{span.first_rank + span.ranks - 1} of the job, but a "
-                f"job over {span.nodes} hosts runs ranks {block.start}..{block.stop - 1} on its host "
-                f"{span.node_rank} (equal contiguous blocks): uneven placements across hosts are not built")
-    if entry.devices * span.nodes != span.job_devices:
-        return (f"this host holds {entry.devices} of the job's {span.job_devices} devices over {span.nodes} hosts; "
-                "every host must hold the same number (its ranks are pinned to its own devices): uneven "
-                "placements across hosts are not built")
+        return f"the job spans {span.nodes} hosts but this host's share cannot run: {exc}"
+    if len(devices) != entry.devices:
+        return (f"this host holds {entry.devices} of the job's {span.job_devices} devices but ranks "
+                f"{block.start}..{block.stop - 1}, which run on {len(devices)} of them "
+                f"({entry.world_size // span.job_devices} ranks per device): its ranks are pinned to its own devices")
     return None
 
 

@@ -202,10 +202,12 @@ def _replicas_here_and_spans(node_id) -> tuple[dict[int, set[int]], dict[int, li
 
 
 def _span_for(shares, *, node_id, job_id, generation, world_size) -> JobSpan | None:
-    """Returns this node's JobSpan of a job that spans hosts (None: it runs on one host).
-    A placement that is not W/N contiguous ranks per host still gets its span: the launcher
-    refuses it by name (agent/node.py: the block its launcher would run differs), so the job
-    fails saying why, never runs wrong."""
+    """Returns this node's JobSpan of a job that spans hosts (None: it runs on one host): its
+    block of ranks (W/d per device it holds, so hosts holding unequal device counts get unequal
+    blocks: its launcher runs exactly that block, meridian-run --first-rank/--host-ranks). A share
+    that cannot run still gets its span: the agent refuses it by name (agent/node.py
+    multihost_span_problem), and blocks that do not tile the ranks are refused by the job's
+    leader (runtime/multihost.py blocks_problem), so the job fails saying why, never runs wrong."""
     if not shares:
         return None
     node_rank = next(i for i, share in enumerate(shares) if share[2] == node_id)

@@ -118,11 +118,22 @@ class ResumeFile(Message):
     # NODE_RANK and GROUP_RANK from them. None: the layout it has.
     nodes: int | None = bounded(default=None, minimum=1, maximum=MAX_RANKS)
     node_rank: int | None = bounded(default=None, minimum=0, maximum=MAX_RANKS)
+    # This host's block of ranks now, [first_rank, first_rank + host_ranks): hosts holding unequal
+    # device counts run unequal blocks (runtime/multihost.host_block), so LOCAL_RANK and
+    # LOCAL_WORLD_SIZE come from it. None (a launcher before blocks were told): the equal W/N block.
+    first_rank: int | None = bounded(default=None, minimum=0, maximum=MAX_RANKS - 1)
+    host_ranks: int | None = bounded(default=None, minimum=1, maximum=MAX_RANKS)
 
     def __post_init__(self) -> None:
         check_device_indices(self.device_indices, len(self.devices.devices))
         if (self.nodes is None) != (self.node_rank is None) or (self.node_rank or 0) >= (self.nodes or 1):
             raise ProtocolError("node_rank", f"{self.node_rank} is not a host of {self.nodes}")
+        if self.first_rank is None and self.host_ranks is None:
+            return
+        if self.first_rank is None or self.host_ranks is None or self.nodes is None or (
+                self.first_rank + self.host_ranks > MAX_RANKS):
+            raise ProtocolError("first_rank", f"a block of {self.host_ranks} ranks from {self.first_rank} "
+                                "needs both numbers and the host layout (nodes, node_rank), within the ranks")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -200,9 +200,11 @@ class JobSpan(Message):
     """A job that spans hosts: this node's share of it (the desired entry's `span`; absent on a
     job that runs on one host, so an entry without it is what every agent always ran).
 
-    Node `node_rank` of `nodes` runs the logical ranks [first_rank, first_rank + ranks), the
-    contiguous block runtime.multihost.node_ranks gives it (one meridian-run per host, node 0
-    leading); the job has `job_devices` devices in all. `leader` is the hostname of node 0 (for
+    Node `node_rank` of `nodes` runs the logical ranks [first_rank, first_rank + ranks), one
+    contiguous block: W/job_devices ranks per device this host holds, so hosts holding unequal
+    device counts run unequal blocks (one meridian-run per host, node 0 leading, given the block
+    as --first-rank/--host-ranks: runtime/multihost.host_block); the job has `job_devices`
+    devices in all. `leader` is the hostname of node 0 (for
     humans and logs: no address or port travels here). `rendezvous` is the folder of the shared
     store where the leader publishes its run-time address (runtime/rendezvous.py), one per
     placement generation."""

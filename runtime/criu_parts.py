@@ -33,10 +33,16 @@ or bad part commits nothing: the leader withdraws the cut and every host lets it
 go on: the job goes on, after a checkpoint and after a stop alike.
 
 At restore, node j of a new launch on M hosts restores its block of ranks (runtime/multihost.py
-node_ranks for M), each rank r from the folder it was dumped into: part node<k> of a checkpoint
-dumped on N hosts (k = r // (W/N)), or the checkpoint itself for one dumped on one host
-(`restore_sources`). M may differ from N (2 hosts x 2 ranks -> 1 host x 4, and back): the same
-host count puts node k's part back on node k; M < N merges parts onto a host; M > N splits one.
+host_block), each rank r from the folder it was dumped into: part node<k> of a checkpoint dumped
+on N hosts, the part whose block holds r, or the checkpoint itself for one dumped on one host
+(`restore_sources`). Which ranks each part holds is what the checkpoint's manifest meta says:
+`blocks` ([first rank, ranks] per dumping host, in node order: hosts may hold unequal shares,
+W = 6 on 2 + 1 devices dumps parts of 4 and 2 ranks), or for a checkpoint written before blocks
+were named, the equal W/N blocks of its `nodes` (`dumped_blocks`); the leader checked at the
+commit that each part's own meta names its block. The restoring layout may differ in every way
+(2 hosts x 2 ranks -> 1 host x 4, and back; 2 + 1 devices -> 1 host, -> 3 equal hosts, -> 1 + 2):
+the same blocks put node k's part back on node k; otherwise parts merge onto a host, or one is
+split over hosts, or both.
 Its store verified the checkpoint's manifest (pinned to the digest the control plane recorded),
 the files outside every part, and the parts it restores from: each host checks what it restores,
 so a job on N hosts restored on N reads its checkpoint once in all, not N times (`unread_parts`,
@@ -70,12 +76,13 @@ a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (no
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import rank_logs
 from runtime import store as checkpoint_store
-from runtime.multihost import node_ranks
+from runtime.multihost import blocks_problem, node_ranks
 
 PART_PREFIX = "node"
 
@@ -130,13 +137,14 @@ def dump_part(launcher, request, step: int, staging) -> str:
     return checkpoint_store.manifest_sha256(part)
 
 
-def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step: int,
+def verify_parts(staging, *, blocks: Sequence[range], request_id: int, step: int,
                  reported: dict[int, str | None]) -> tuple[str, ...]:
-    """Checks that `staging` holds the part of every node 0..nodes-1 as the module docstring says,
-    node k's manifest with sha256 `reported[k]`, and nothing else. Returns what the parts left out
-    (their manifests' `left_out`, each line prefixed "node k: "); raises PartError naming the
-    first node whose part is missing or bad, and why."""
+    """Checks that `staging` holds the part of every node 0..N-1 (N = len(blocks), node k's block of
+    ranks blocks[k]) as the module docstring says, node k's manifest with sha256 `reported[k]`, and
+    nothing else. Returns what the parts left out (their manifests' `left_out`, each line prefixed
+    "node k: "); raises PartError naming the first node whose part is missing or bad, and why."""
     staging = Path(staging)
+    nodes = len(blocks)
     left_out: list[str] = []
     expected = {part_dir(staging, node).name for node in range(nodes)}
     strays = sorted(entry.name for entry in staging.iterdir() if entry.name not in expected)
@@ -158,7 +166,7 @@ def verify_parts(staging, *, nodes: int, world_size: int, request_id: int, step:
             unlisted = sorted(on_disk - set(manifest["files"]))
             raise PartError(f"node {node}'s part holds files its manifest does not list: {unlisted[:5]}")
         meta = manifest.get("meta") or {}
-        want = {"node": node, "ranks": list(node_ranks(world_size=world_size, nodes=nodes, node_rank=node)),
+        want = {"node": node, "ranks": list(blocks[node]),
                 "request_id": request_id, "step": step}
         wrong = {key: meta.get(key) for key, value in want.items() if meta.get(key) != value}
         if wrong:
@@ -188,30 +196,56 @@ def dumped_nodes(meta: dict) -> int:
     return nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else 1
 
 
-def parts_read(*, dumped: int, world_size: int, nodes: int, node_rank: int) -> tuple[int, ...]:
-    """Returns the parts (dumped node numbers) whose ranks node `node_rank` of `nodes` restores, for
-    a checkpoint `dumped` hosts made (() when it has no parts: one host dumped it). Raises
-    ValueError when `dumped` or `nodes` does not divide world_size."""
-    if dumped == 1:
-        return ()
-    per_part = len(node_ranks(world_size=world_size, nodes=dumped, node_rank=0))
-    mine = node_ranks(world_size=world_size, nodes=nodes, node_rank=node_rank)
-    return tuple(sorted({rank // per_part for rank in mine}))
-
-
-def unread_parts(meta: dict, *, world_size: int, nodes: int, node_rank: int) -> frozenset[str]:
-    """The folder names of the parts node `node_rank` of `nodes` neither restores nor checks at a
-    resume from the checkpoint of manifest meta `meta` (CheckpointStore.skip_parts_of): the parts
-    of ranks other hosts restore. A meta whose host count does not fit the job skips nothing (the
-    restore then refuses it)."""
+def dumped_blocks(meta: dict, *, world_size: int) -> tuple[range, ...]:
+    """Returns each dumping host's block of ranks, in node order, for the checkpoint of manifest
+    meta `meta`: its `blocks` ([[first rank, ranks], ...], written since hosts may hold unequal
+    shares), else the equal W/N blocks of `nodes` hosts (a checkpoint from before); (range(W),)
+    when one host dumped it. Raises PartError when they do not tile 0..W-1 in node order, or
+    when `nodes` does not divide W and no blocks are named."""
     dumped = dumped_nodes(meta)
     if dumped == 1:
-        return frozenset()  # no parts: everything is this host's to check
+        return (range(world_size),)
+    named = meta.get("blocks")
+    if named is None:
+        try:
+            return tuple(node_ranks(world_size=world_size, nodes=dumped, node_rank=node) for node in range(dumped))
+        except ValueError as exc:
+            raise PartError(f"the checkpoint says {dumped} hosts dumped it, which does not fit its "
+                            f"{world_size} ranks: {exc}") from None
+    if not (isinstance(named, list) and len(named) == dumped
+            and all(isinstance(pair, list) and len(pair) == 2
+                    and all(isinstance(n, int) and not isinstance(n, bool) for n in pair) for pair in named)):
+        raise PartError(f"the checkpoint's blocks {str(named)[:200]} are not [first rank, ranks] for each of "
+                        f"its {dumped} hosts")
+    blocks = tuple(range(first, first + count) for first, count in named)
+    problem = blocks_problem(dict(enumerate(blocks)), world_size=world_size, nodes=dumped)
+    if problem is not None or any(len(block) < 1 for block in blocks):
+        raise PartError(f"the checkpoint's blocks {named} do not fit its {world_size} ranks: "
+                        f"{problem or 'an empty block'}")
+    return blocks
+
+
+def parts_read(*, blocks: Sequence[range], ranks: range) -> tuple[int, ...]:
+    """Returns the parts (dumped node numbers, node k having dumped blocks[k]) that hold any of
+    `ranks`, the ranks a host restores; () when one host dumped the checkpoint (no parts)."""
+    if len(blocks) == 1:
+        return ()
+    return tuple(node for node, block in enumerate(blocks) if block.start < ranks.stop and ranks.start < block.stop)
+
+
+def unread_parts(meta: dict, *, world_size: int, ranks: range) -> frozenset[str]:
+    """The folder names of the parts a host restoring the ranks `ranks` neither restores nor checks
+    at a resume from the checkpoint of manifest meta `meta` (CheckpointStore.skip_parts_of): the
+    parts of ranks other hosts restore. A meta whose blocks do not fit the job skips nothing (the
+    restore then refuses it)."""
     try:
-        read = parts_read(dumped=dumped, world_size=world_size, nodes=nodes, node_rank=node_rank)
-    except ValueError:
+        blocks = dumped_blocks(meta, world_size=world_size)
+    except PartError:
         return frozenset()
-    return frozenset(part_dir("", node).name for node in range(dumped) if node not in read)
+    read = parts_read(blocks=blocks, ranks=ranks)
+    if not read:
+        return frozenset()  # no parts: everything is this host's to check
+    return frozenset(part_dir("", node).name for node in range(len(blocks)) if node not in read)
 
 
 @dataclass(frozen=True)
@@ -246,31 +280,28 @@ class RestoreSources:
         return next(source.folder for source in self.sources if rank in source.ranks)
 
 
-def restore_sources(ref_path, meta: dict, *, world_size: int, nodes: int, node_rank: int) -> RestoreSources:
-    """Returns where node `node_rank` of `nodes` finds each rank it restores of the checkpoint at
-    `ref_path` (verified by the store), its manifest meta `meta`. Raises PartError when a part it
-    needs names no usable manifest, or when the sources name different spool paths (a restored
-    rank goes on using its own, and one launcher hosts one spool)."""
+def restore_sources(ref_path, meta: dict, *, world_size: int, ranks: range) -> RestoreSources:
+    """Returns where the host that restores the ranks `ranks` (its block) finds each of them in the
+    checkpoint at `ref_path` (verified by the store), its manifest meta `meta`. Raises PartError
+    when the checkpoint's blocks do not fit its ranks, when a part it needs names no usable
+    manifest, or when the sources name different spool paths (a restored rank goes on using its
+    own, and one launcher hosts one spool)."""
     dumped = dumped_nodes(meta)
-    mine = tuple(node_ranks(world_size=world_size, nodes=nodes, node_rank=node_rank))
+    mine = tuple(ranks)
     if dumped == 1:
         spool = meta.get("spool")
         return RestoreSources(sources=(RestoreSource(folder=Path(ref_path), ranks=mine,
                                                      dumped_ranks=tuple(range(world_size)),
                                                      spool=spool if isinstance(spool, str) else None),),
                               dumped=1)
-    try:
-        read = parts_read(dumped=dumped, world_size=world_size, nodes=nodes, node_rank=node_rank)
-    except ValueError as exc:
-        raise PartError(f"the checkpoint says {dumped} hosts dumped it, which does not fit its "
-                        f"{world_size} ranks: {exc}") from None
+    blocks = dumped_blocks(meta, world_size=world_size)
     sources = []
-    for part in read:
+    for part in parts_read(blocks=blocks, ranks=ranks):
         try:
             spool = part_spool(ref_path, part)
         except checkpoint_store.CheckpointError as exc:
             raise PartError(f"no usable part for node {part}: {exc}") from None
-        dumped_ranks = tuple(node_ranks(world_size=world_size, nodes=dumped, node_rank=part))
+        dumped_ranks = tuple(blocks[part])
         sources.append(RestoreSource(folder=part_dir(ref_path, part), spool=spool, dumped_ranks=dumped_ranks,
                                      ranks=tuple(rank for rank in mine if rank in dumped_ranks)))
     spools = sorted({str(source.spool) for source in sources})

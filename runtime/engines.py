@@ -267,7 +267,7 @@ class CriuEngine(Engine):
             multihost.announce_outcome(peers, request.id, multihost.OUTCOME_DUMPED)
             launcher.resume_ranks(request.id)
         try:
-            return criu_parts.verify_parts(staging, nodes=launcher.nodes, world_size=launcher.world_size,
+            return criu_parts.verify_parts(staging, blocks=launcher.host_blocks(),
                                            request_id=request.id, step=step, reported=reported)
         except CheckpointError as exc:
             raise LaunchError(f"{action} refused at step {step}: {exc}; no checkpoint was committed "
@@ -334,7 +334,7 @@ class CriuEngine(Engine):
         from runtime.store import CheckpointError, read_manifest
         try:
             plan = criu_parts.restore_sources(ref.path, meta, world_size=launcher.world_size,
-                                              nodes=launcher.nodes, node_rank=launcher.node_rank)
+                                              ranks=launcher.local_ranks)
         except CheckpointError as exc:
             raise LaunchError(f"--resume: checkpoint {ref.uri}: {exc}", EXIT_USAGE) from None
         refusal = regroup_refusal(launcher, plan)
@@ -512,8 +512,12 @@ def follow_host_layout(resume: ResumeFile, *, rank: int, world_size: int) -> Non
         os.environ["MERIDIAN_NODE_ADDR"] = resume.node_addr
     if resume.nodes is None or resume.node_rank is None:
         return
-    per_node = world_size // resume.nodes
-    os.environ.update({"LOCAL_RANK": str(rank - resume.node_rank * per_node), "LOCAL_WORLD_SIZE": str(per_node),
+    if resume.first_rank is not None and resume.host_ranks is not None:
+        first, host_ranks = resume.first_rank, resume.host_ranks  # this host's block (unequal shares too)
+    else:  # a resume file that names no block: the equal W/N one
+        host_ranks = world_size // resume.nodes
+        first = resume.node_rank * host_ranks
+    os.environ.update({"LOCAL_RANK": str(rank - first), "LOCAL_WORLD_SIZE": str(host_ranks),
                        "NODE_RANK": str(resume.node_rank), "GROUP_RANK": str(resume.node_rank)})
 
 

@@ -1,10 +1,11 @@
 """The rank-order all-reduce of a job spanning hosts: within a host through shared memory, between
 hosts as a chain in host order.
 
-A job on H hosts runs contiguous blocks of P = W/H ranks per host (runtime/multihost.py
-node_ranks), so the rank order 0, 1, ..., W-1 is host 0's ranks, then host 1's, and so on. Each
-host gets a shared area of its own (runtime/localreduce.py, with its P ranks as members), and a
-piece of the tensor is reduced like this:
+A job on H hosts runs one contiguous block of ranks per host (runtime/multihost.py host_block),
+in host order, so the rank order 0, 1, ..., W-1 is host 0's ranks, then host 1's, and so on. When
+every block holds P = W/H ranks (equal shares), each host gets a shared area of its own
+(runtime/localreduce.py, with its P ranks as members), and a piece of the tensor is reduced like
+this:
 
 1. every rank writes its piece into its row of its host's area (one futex barrier);
 2. the piece is cut into P chunks, one per *lane*: local rank j of every host handles chunk j.
@@ -28,6 +29,8 @@ runs it on a thread of its own, in issue order (runtime/vpg.py), so DDP's backwa
 Used only when every host holds the same number P >= 2 of ranks in one contiguous block, H >= 2,
 and every host's area can be mapped (hosts are told apart by host_key); otherwise the group takes
 the flat gloo path (runtime/vpg.py). One rank per host gains nothing from an area: flat path.
+Hosts holding unequal shares (2 + 1 devices: blocks of 4 and 2 ranks) take the flat path too, with
+the same bits; unequal lanes (a chunk per local rank of the largest block) are not built.
 
 The same chain folds a job's ranks per *device* (runtime/fold.py; `open_per_device`): the
 stations are the devices instead of the hosts, in device order (rank order), each with its

@@ -126,16 +126,35 @@ class Launcher:
         self.options = options
         self.world_size = options.ranks
         self.device_indices = options.device_indices  # node-local (this host's), when the agent gave them
-        # On several hosts --devices is the job's count in all, --device-indices this host's share.
-        host_devices = options.devices // options.nodes if options.devices and options.nodes > 1 else options.devices
-        if self.device_indices is not None and host_devices and host_devices != len(self.device_indices):
-            share = (f"this host runs {host_devices} (--devices {options.devices} over --nodes {options.nodes})"
-                     if options.nodes > 1 else f"--devices is {options.devices}")
+        if options.ranks < 1:
+            raise LaunchError("--ranks must be at least 1", EXIT_USAGE)
+        # One node of a multi-host job runs its block of ranks only (runtime/multihost.py): the
+        # control plane's share (--first-rank/--host-ranks: W/d ranks per device this host holds,
+        # so hosts with unequal device counts run unequal blocks), else the equal W/N block.
+        try:
+            self.local_ranks = multihost.host_block(world_size=options.ranks, nodes=options.nodes,
+                                                    node_rank=options.node_rank, first_rank=options.first_rank,
+                                                    ranks=options.host_ranks)
+        except ValueError as exc:
+            raise LaunchError(f"--nodes/--node-rank/--first-rank/--host-ranks: {exc}", EXIT_USAGE) from None
+        # On several hosts --devices is the job's count in all, --device-indices this host's share:
+        # the devices of its block (W/d ranks each).
+        host_ranks = len(self.local_ranks)
+        if options.devices is None and self.device_indices is not None:
+            self.devices = max(1, len(self.device_indices) * options.ranks // host_ranks)
+        else:
+            self.devices = options.devices or options.ranks
+        try:
+            host_devices = len(splice.host_devices(world_size=options.ranks, devices=self.devices,
+                                                   ranks=self.local_ranks))
+        except ValueError as exc:
+            raise LaunchError(str(exc), EXIT_USAGE) from None
+        if self.device_indices is not None and host_devices != len(self.device_indices):
+            share = (f"this host runs {host_devices} (its {host_ranks} of {options.ranks} ranks on --devices "
+                     f"{self.devices})" if options.nodes > 1 else f"--devices is {self.devices}")
             raise LaunchError(f"--device-indices lists {len(self.device_indices)} device(s) "
                               f"({','.join(map(str, self.device_indices))}) but {share}; give as many indices "
                               "as devices (this host's)", EXIT_USAGE)
-        self.devices = options.devices or (len(self.device_indices) * options.nodes if self.device_indices
-                                           else options.ranks)
         # First of all: join the job's cgroup and enter its network namespace (everything started
         # from here on inherits both: the rendezvous store's thread, the ranks, criu).
         self.sandbox = None
@@ -152,14 +171,12 @@ class Launcher:
         self.script = os.path.abspath(options.script)
         if not os.path.isfile(self.script):
             raise LaunchError(f"script {options.script} does not exist", EXIT_USAGE)
-        if self.world_size < 1:
-            raise LaunchError("--ranks must be at least 1", EXIT_USAGE)
-        # One node of a multi-host job runs its block of ranks only (runtime/multihost.py), on the
-        # cores behind this host's own devices (its map lists only them: splice.device_map).
+        # This node's block of ranks runs on the cores behind this host's own devices (its map
+        # lists only them: splice.device_map).
         self.nodes, self.node_rank = options.nodes, options.node_rank
         try:
             self.device_map = DeviceMap.from_dict(splice.device_map(
-                world_size=self.world_size, devices=self.devices, nodes=self.nodes, node_rank=self.node_rank,
+                world_size=self.world_size, devices=self.devices, ranks=self.local_ranks,
                 device_cores=self.sandbox.device_cores(self.device_indices) if self.sandbox else None))
         except (ValueError, job_sandbox.SandboxError) as exc:
             raise LaunchError(str(exc), EXIT_USAGE) from None
@@ -171,11 +188,6 @@ class Launcher:
         # host binds there too (runtime/criu_parts.py).
         job_address = self.sandbox.job_address if self.sandbox is not None else None
         self.node_addr = (job_address or options.node_addr) if self.nodes > 1 else "127.0.0.1"
-        try:
-            self.local_ranks = multihost.node_ranks(world_size=self.world_size, nodes=self.nodes,
-                                                    node_rank=self.node_rank)
-        except ValueError as exc:
-            raise LaunchError(f"--nodes/--node-rank: {exc}", EXIT_USAGE) from None
         if self.nodes > 1 and not options.rendezvous:
             raise LaunchError("--nodes > 1 needs --rendezvous DIR, a folder of the store every "
                               "node of the job shares", EXIT_USAGE)
@@ -187,7 +199,7 @@ class Launcher:
         # Each host checks the parts of a CRIU checkpoint it restores from, and what all share: which
         # parts those are depends on how many hosts dumped the checkpoint (runtime/criu_parts.py).
         self.store.skip_parts_of = functools.partial(criu_parts.unread_parts, world_size=self.world_size,
-                                                     nodes=self.nodes, node_rank=self.node_rank)
+                                                     ranks=self.local_ranks)
         self.workspace = job_workspace.from_options(options, self.job_dir)  # None: no --workspace
         self._quota_checked_at = 0.0
         self.nonce = uuid.uuid4().hex[:10]
@@ -524,13 +536,33 @@ class Launcher:
             self.peers.withdraw_cut(request_id)
         self.checkpoints.abandon(self, request_id)
 
+    def host_blocks(self) -> list[range]:
+        """Returns each host's block of ranks, in node order ([all W] on one host). Every node
+        published its block when it joined (multihost.join_job), and a cut needs every rank, so
+        at a cut every block is known."""
+        if self.nodes == 1 or self.peers is None:
+            return [range(self.world_size)]
+        blocks = self.peers.blocks()
+        if blocks is None:
+            raise LaunchError("internal error: a cut of a job spanning hosts before every host said its ranks")
+        return [block for _node, block in sorted(blocks.items())]
+
+    def blocks_meta(self) -> dict:
+        """The checkpoint meta that says which ranks each host ran (a CRIU part holds its host's:
+        runtime/criu_parts.py): {"blocks": [[first rank, ranks], ...] in node order} on several
+        hosts, {} on one."""
+        if self.nodes == 1:
+            return {}
+        return {"blocks": [[block.start, len(block)] for block in self.host_blocks()]}
+
     def resume_ranks(self, request_id):
         # The host's address and the job's host layout every time: a CRIU-restored rank may have
         # been dumped on another host, or with another number of hosts (runtime/criu_parts.py).
         resume = ResumeFile(master_addr=self.master_addr, master_port=self.master_port,
                             key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
                             device_indices=self.device_indices, node_addr=self.node_addr,
-                            nodes=self.nodes, node_rank=self.node_rank)
+                            nodes=self.nodes, node_rank=self.node_rank,
+                            first_rank=self.local_ranks.start, host_ranks=len(self.local_ranks))
         spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), resume.to_dict())
 
     def do_checkpoint(self, *, stop, at_step=None, timeout_s=DEFAULT_TIMEOUT_S) -> CheckpointAnswer:
@@ -563,7 +595,7 @@ class Launcher:
             commit_began = time.monotonic()
             ref = self.store.commit(staging, step, self.engine, meta={
                 "job_id": self.job_id, "spool": str(self.spool), "world_size": self.world_size,
-                "request_id": request.id, "nodes": self.nodes,
+                "request_id": request.id, "nodes": self.nodes, **self.blocks_meta(),
                 "devices": self.devices, "device_map": self.device_map.plain(),
                 "device_indices": list(self.device_indices) if self.device_indices is not None else None,
                 "action": action, "script": self.script, "args": list(self.options.args),
@@ -872,8 +904,9 @@ def parse_args(argv):
     parser.add_argument("--device-indices", type=parse_device_indices, default=None,
                         help="comma-separated node-local indices of the devices given to the job "
                              "(e.g. 0,2,5; as many as --devices, or with --nodes N this host's share, "
-                             "--devices/N): its ranks are pinned to the cores behind them, and they are passed "
-                             f"to the ranks as {DEVICE_INDICES_ENV} (CUDA_VISIBLE_DEVICES on a GPU node)")
+                             "the devices of its block of ranks): its ranks are pinned to the cores behind "
+                             f"them, and they are passed to the ranks as {DEVICE_INDICES_ENV} "
+                             "(CUDA_VISIBLE_DEVICES on a GPU node)")
     parser.add_argument("--fold", action="store_true",
                         help="fold the ranks that share a device into one member of the communicator "
                              "between devices, as GPU (NCCL) jobs always do, on CPU devices too "
@@ -902,9 +935,17 @@ def parse_args(argv):
                              "that was cut (unseeded, the script's own snapshot...): fail with the reason "
                              "(default), or start the script again from scratch")
     parser.add_argument("--nodes", type=int, default=1,
-                        help="hosts the job spans (one meridian-run on each; must divide --ranks)")
+                        help="hosts the job spans (one meridian-run on each; must divide --ranks unless "
+                             "--first-rank/--host-ranks give this host's block)")
     parser.add_argument("--node-rank", type=int, default=0,
                         help="this host's place among --nodes (0 leads: it hosts the rendezvous)")
+    parser.add_argument("--first-rank", type=int, default=None,
+                        help="with --nodes > 1 and --host-ranks: the first rank of this host's block (the "
+                             "control plane's share: W/d ranks per device this host holds; default: the "
+                             "equal block node-rank*W/nodes)")
+    parser.add_argument("--host-ranks", type=int, default=None,
+                        help="with --first-rank: how many ranks this host runs, from --first-rank on "
+                             "(whole devices: a multiple of W/d; the hosts' blocks tile 0..W-1 in node order)")
     parser.add_argument("--node-addr", default=os.environ.get("MERIDIAN_NODE_ADDR", "127.0.0.1"),
                         help="this host's address the other hosts reach (default $MERIDIAN_NODE_ADDR "
                              "or 127.0.0.1); its ranks bind gloo to it")

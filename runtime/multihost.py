@@ -1,19 +1,25 @@
 """One job over several hosts: which ranks a node runs, and how its launchers watch each other.
 
 A job of W ranks on N nodes runs one meridian-run per node (``--nodes N --node-rank i
---node-addr A --rendezvous DIR``). Node i runs the contiguous block of ranks
-[i*W/N, (i+1)*W/N) (protocol.layout's rule, as for devices), so a host holds whole devices of
-a splice and its ranks are neighbours in the reduction order. Node 0 leads: it hosts the job's
-TCP store (runtime/rendezvous.py) that every rank's inner gloo group rendezvouses on.
+--node-addr A --rendezvous DIR``). Node i runs one contiguous block of ranks: the one the
+control plane gave it (``--first-rank F --host-ranks R``: W/d ranks per device it holds, so
+hosts holding 2 + 1 devices run blocks of 2:1 ranks; `host_block`), else the equal block
+[i*W/N, (i+1)*W/N) (`node_ranks`). Either way a host holds whole devices of a splice and its
+ranks are neighbours in the reduction order; the blocks follow node order (node 0's first).
+Each node checks its own block when it starts; each publishes it in the leader's store when it
+joins, and the leader checks that they tile 0..W-1 once every node has joined (`blocks_problem`:
+a rank run twice or never fails the job by name). Node 0 leads: it hosts the job's TCP store
+(runtime/rendezvous.py) that every rank's inner gloo group rendezvouses on.
 
 The virtual group is the same on one host and on many: every element of an all-reduce is
 combined in logical rank order 0, 1, ..., W-1 (runtime/vpg.py), so the bits do not depend on
 how ranks map to hosts. Ranks all on one host reduce through shared memory; when the job spans
-hosts, each host's block of ranks reduces through its own host's shared area and the hosts chain
-their partial sums in host order (runtime/hostchain.py): since a host's ranks are a contiguous
-block, host order is rank order, and the chain keeps the one-host bits although floating-point
-addition is not associative. One rank per host (or no usable /dev/shm) takes the flat gloo path,
-a rank-order reduce-scatter and all-gather over TCP between the hosts' addresses.
+hosts in equal blocks, each host's block of ranks reduces through its own host's shared area and
+the hosts chain their partial sums in host order (runtime/hostchain.py): since a host's ranks are
+a contiguous block, host order is rank order, and the chain keeps the one-host bits although
+floating-point addition is not associative. Unequal blocks, one rank per host or no usable
+/dev/shm take the flat gloo path, a rank-order reduce-scatter and all-gather over TCP between the
+hosts' addresses: the same bits.
 
 A consistent cut across hosts (framework engine): the leader hands the CutRequest out through
 its store in two phases before any rank can see it: every follower must say it received the
@@ -73,8 +79,10 @@ OUTCOME_COMMITTED = "committed"  # the checkpoint is committed: a stop's ranks e
 
 
 def node_ranks(*, world_size: int, nodes: int, node_rank: int) -> range:
-    """Returns the ranks node `node_rank` of `nodes` runs: a contiguous block of W/N.
-    Raises ValueError (protocol.layout.LayoutError) when nodes does not divide W."""
+    """Returns the ranks node `node_rank` of `nodes` runs when the hosts hold equal shares: a
+    contiguous block of W/N (what a launch without --first-rank/--host-ranks runs, and how a
+    checkpoint that names no blocks was dumped). Raises ValueError (protocol.layout.LayoutError)
+    when nodes does not divide W."""
     layout_check(world_size, nodes)
     if not 0 <= node_rank < nodes:
         raise ValueError(f"--node-rank {node_rank} is not in 0..{nodes - 1}")
@@ -82,15 +90,68 @@ def node_ranks(*, world_size: int, nodes: int, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
+def host_block(*, world_size: int, nodes: int, node_rank: int, first_rank: int | None = None,
+               ranks: int | None = None) -> range:
+    """Returns the contiguous block of ranks node `node_rank` of `nodes` runs: [first_rank,
+    first_rank + ranks) when given (the control plane's share: W/d ranks per device of this host,
+    so hosts holding unequal device counts run unequal blocks), else the equal W/N block
+    (node_ranks). Raises ValueError naming what is wrong: only one of the two given, a block
+    outside 0..W-1 or empty, node 0's block not starting at rank 0 or the last node's not ending
+    at W-1 (host order is rank order: the leader's ranks come first), a block that leaves no rank
+    for the other hosts, or one host holding less than all ranks."""
+    if first_rank is None and ranks is None:
+        return node_ranks(world_size=world_size, nodes=nodes, node_rank=node_rank)
+    if first_rank is None or ranks is None:
+        raise ValueError("--first-rank and --host-ranks go together (this host's block of ranks)")
+    if not 0 <= node_rank < nodes:
+        raise ValueError(f"--node-rank {node_rank} is not in 0..{nodes - 1}")
+    block = range(first_rank, first_rank + ranks)
+    where = f"ranks {block.start}..{block.stop - 1}" if ranks >= 1 else f"{ranks} ranks from {first_rank}"
+    if ranks < 1 or first_rank < 0 or block.stop > world_size:
+        raise ValueError(f"this host's block ({where}) is not inside the job's ranks 0..{world_size - 1}")
+    if node_rank == 0 and block.start != 0:
+        raise ValueError(f"node 0 leads and runs the first block of ranks, from rank 0; it was given {where}")
+    if node_rank == nodes - 1 and block.stop != world_size:
+        raise ValueError(f"node {node_rank} is the last of {nodes} and runs the last block of ranks, up to "
+                         f"rank {world_size - 1}; it was given {where}")
+    before, after = node_rank, nodes - 1 - node_rank  # hosts that need at least one rank each
+    if block.start < before or world_size - block.stop < after:
+        raise ValueError(f"node {node_rank} of {nodes} was given {where}, which leaves fewer ranks than hosts "
+                         f"before or after it (each host runs at least one)")
+    return block
+
+
+def blocks_problem(blocks: dict[int, range], *, world_size: int, nodes: int) -> str | None:
+    """Returns why the hosts' blocks of ranks `blocks` ({node: its block}, every node's) cannot run
+    the job, or None: they must tile 0..W-1 in node order, each starting where the one before ends
+    (a rank run twice or never would hang the job's group, or mix two ranks' state)."""
+    expected = 0
+    for node in range(nodes):
+        block = blocks[node]
+        if block.start != expected:
+            said = ", ".join(f"node {n}: {b.start}..{b.stop - 1}" for n, b in sorted(blocks.items()))
+            what = "overlaps the one before" if block.start < expected else "leaves a gap after the one before"
+            return (f"the hosts' blocks of ranks do not cover 0..{world_size - 1} once each in host order "
+                    f"(node {node}'s {what}: {said})")
+        expected = block.stop
+    if expected != world_size:
+        return f"the hosts' blocks of ranks end at rank {expected - 1}, not at {world_size - 1}"
+    return None
+
+
 class JobPeers:
     """This node's view of the job's other nodes, through the leader's store (see the docstring)."""
 
-    def __init__(self, store, *, nonce, nodes, node_rank):
+    def __init__(self, store, *, nonce, nodes, node_rank, world_size=None):
         self.store = store
         self.nonce = nonce
         self.prefix = f"meridian/{nonce}/nodes"
         self.nodes = nodes
         self.node_rank = node_rank
+        # The leader checks once that the blocks of ranks every node published tile 0..W-1
+        # (blocks_problem); None: not asked to (a JobPeers made without the job's world size).
+        self.world_size = world_size
+        self._blocks_checked = world_size is None
         self._checked_at = 0.0
         self._beats = 0
         self._heard = {}  # leader: node -> (last heartbeat value, monotonic time it changed)
@@ -173,6 +234,38 @@ class JobPeers:
             self.report_failed(error, host_failure=True)
             raise LaunchError(error, host_failure=True)
 
+    def publish_block(self, block: range) -> None:
+        """Tells the other nodes which ranks this node runs (its launch's --first-rank/--host-ranks)."""
+        self.set(self._key("block", self.node_rank), f"{block.start},{len(block)}")
+
+    def blocks(self) -> dict[int, range] | None:
+        """Returns {node: the block of ranks it published} for every node, or None while one has not
+        published yet (it has not joined). A value that is not two whole numbers reads as an empty
+        block at -1, which blocks_problem refuses."""
+        blocks = {}
+        for node in range(self.nodes):
+            key = self._key("block", node)
+            if not self.store.check([key]):
+                return None
+            try:
+                first, count = (int(part) for part in self.store.get(key).decode().split(","))
+            except ValueError:
+                first, count = -1, 0
+            blocks[node] = range(first, first + count)
+        return blocks
+
+    def _layout_problem(self) -> str | None:
+        """Leader, from its loop: once every node published its block, whether they tile the job's
+        ranks (a host given a block that overlaps another's, or leaves a gap, fails the job by name
+        before its group could hang or mix two copies of a rank); later calls return None."""
+        if self._blocks_checked:
+            return None
+        blocks = self.blocks()
+        if blocks is None:
+            return None
+        self._blocks_checked = True
+        return blocks_problem(blocks, world_size=self.world_size, nodes=self.nodes)
+
     def report_finished(self) -> None:
         self.set(self._key("finished", self.node_rank), "1")
 
@@ -231,6 +324,9 @@ class JobPeers:
         self._checked_at = now
         try:
             self._beat(self.store)
+            if self.node_rank == 0 and (problem := self._layout_problem()):
+                self.host_failed = False  # the launch's layout is wrong, not a host: restarting it is no cure
+                return problem
         except (RuntimeError, OSError) as exc:
             self.host_failed = True
             return f"the job's leader store is unreachable ({exc})"
@@ -346,9 +442,11 @@ def join_job(launcher, rendezvous_root):
                               f"this node was given {launcher.world_size} on {launcher.nodes}")
         launcher.nonce = leader.nonce
         addr, port = leader.addr, leader.port
-    peers = JobPeers(store, nonce=launcher.nonce, nodes=launcher.nodes, node_rank=launcher.node_rank)
+    peers = JobPeers(store, nonce=launcher.nonce, nodes=launcher.nodes, node_rank=launcher.node_rank,
+                     world_size=launcher.world_size)
     if launcher.node_rank != 0:
         peers.claim_join()
+    peers.publish_block(launcher.local_ranks)
     return store, addr, port, peers
 
 

@@ -19,9 +19,25 @@ from protocol.layout import layout_check, rank_devices
 from runtime import spool as spool_files
 
 
+def host_devices(*, world_size: int, devices: int, ranks: range) -> range:
+    """Returns the job-wide numbers of the devices that run the block of ranks `ranks` when W ranks
+    lie on `devices` devices (W/d contiguous ranks each): a host's devices, for its block.
+
+    Raises protocol.layout.LayoutError (a ValueError) when devices does not divide world_size, and
+    ValueError when the block does not start and end at a device's edge (its devices would also
+    run another host's ranks: a share must be whole devices)."""
+    layout_check(world_size, devices)
+    per_device = world_size // devices
+    if ranks.start % per_device or len(ranks) % per_device or len(ranks) < 1:
+        raise ValueError(f"ranks {ranks.start}..{ranks.stop - 1} are not whole devices: W = {world_size} ranks on "
+                         f"{devices} devices run {per_device} per device, so a host's block must start at a "
+                         f"multiple of {per_device} and hold a multiple of {per_device} ranks")
+    return range(ranks.start // per_device, ranks.stop // per_device)
+
+
 def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = None,
-               device_cores: Sequence[Sequence[int]] | None = None, nodes: int = 1,
-               node_rank: int = 0) -> dict[str, dict]:
+               device_cores: Sequence[Sequence[int]] | None = None,
+               ranks: range | None = None) -> dict[str, dict]:
     """Returns the rank -> device and device -> cores map for W ranks on `devices` devices.
 
     Ranks are split into contiguous blocks (W=4 on 2 devices: ranks 0,1 on device 0). With
@@ -33,32 +49,29 @@ def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = N
     protocol.layout.LayoutError (a ValueError) when devices does not divide world_size, and
     ValueError when `device_cores` does not list one core set per device.
 
-    A job over `nodes` hosts (one launcher each): the map of host `node_rank` lists only that
-    host's devices and ranks, under their job-wide numbers. Host i runs the contiguous block of
-    W/N ranks (runtime/multihost.node_ranks), which lie on the contiguous block of d/N devices
-    [i*d/N, (i+1)*d/N) (d/N must be whole: every host holds the same number of devices), and
-    `device_cores` / `cores` are that host's: one core set per device of the block, in order.
-    So each host's ranks are pinned to the cores behind exactly the devices the control plane gave
-    that host, never to another host's numbering.
+    A job over several hosts (one launcher each): the map of a host lists only its devices and its
+    block of ranks `ranks` (runtime/multihost.host_block; None: all W, one host), under their
+    job-wide numbers. The block lies on the devices `host_devices` gives (W/d ranks on each, so
+    hosts holding unequal device counts run blocks of unequal length), and `device_cores` /
+    `cores` are that host's: one core set per device of the block, in order. So each host's ranks
+    are pinned to the cores behind exactly the devices the control plane gave that host, never to
+    another host's numbering.
     """
-    layout_check(world_size, devices)
-    layout_check(devices, nodes)
-    per_node = devices // nodes
-    if not 0 <= node_rank < nodes:
-        raise ValueError(f"node {node_rank} is not one of the job's {nodes} hosts")
-    first = node_rank * per_node
+    mine = host_devices(world_size=world_size, devices=devices,
+                        ranks=ranks if ranks is not None else range(world_size))
+    first, count = mine.start, len(mine)
     if device_cores is not None:
-        if len(device_cores) != per_node or not all(device_cores):
-            raise ValueError(f"{len(device_cores)} core set(s) {list(device_cores)} for {per_node} device(s)"
-                             + (f" on this host (of {devices} in all)" if nodes > 1 else ""))
-        device_core_map = {first + k: sorted(int(c) for c in device_cores[k]) for k in range(per_node)}
+        if len(device_cores) != count or not all(device_cores):
+            raise ValueError(f"{len(device_cores)} core set(s) {list(device_cores)} for {count} device(s)"
+                             + (f" on this host (of {devices} in all)" if count < devices else ""))
+        device_core_map = {first + k: sorted(int(c) for c in device_cores[k]) for k in range(count)}
     else:
         core_list = sorted(cores if cores is not None else os.sched_getaffinity(0))
-        if per_node <= len(core_list):
-            per_device = len(core_list) // per_node
-            device_core_map = {first + k: core_list[k * per_device:(k + 1) * per_device] for k in range(per_node)}
+        if count <= len(core_list):
+            per_device = len(core_list) // count
+            device_core_map = {first + k: core_list[k * per_device:(k + 1) * per_device] for k in range(count)}
         else:
-            device_core_map = {first + k: [core_list[k % len(core_list)]] for k in range(per_node)}
+            device_core_map = {first + k: [core_list[k % len(core_list)]] for k in range(count)}
     return {
         "devices": {str(k): v for k, v in device_core_map.items()},
         "ranks": {str(r): k for r, k in enumerate(rank_devices(world_size, devices)) if k in device_core_map},

@@ -366,55 +366,6 @@ class WorkingState:
         """Returns how many nodes `devices` span."""
         return int(np.unique(self.node[devices]).size)
 
-    def find_even(self, k: int, d: int, max_level: int, region: int | None = None,
-                  blocked_nodes: np.ndarray | None = None) -> Placement | None:
-        """Returns d free devices of type k as equal shares on the fewest nodes that can hold them
-        so (n nodes dividing d, d/n free on each), within one entity of the tightest level up to
-        `max_level`, or None. Among an entity's nodes, those with the least to spare are taken
-        (best fit), lowest index first; the entity is the lowest-indexed one that fits.
-
-        `find` and `find_fewest_nodes` fill the fullest nodes first, which can split a gang
-        unevenly (2 + 1 + 1) where an even split (2 + 2) exists: this is the search for the even
-        one (State.even_across_nodes says why shares must be equal)."""
-        col = self._node_free(k, blocked_nodes)
-        if region is not None:
-            col = np.where(self.node_region == region, col, 0)
-        largest = int(col.max(initial=0))
-        for n in range(1, d + 1):
-            share = d // n
-            if d % n or share > largest:
-                continue
-            nodes = np.flatnonzero(col >= share)
-            if nodes.size < n:
-                continue
-            for level in LEVELS[:max_level + 1]:
-                if level == LEVEL_NODE:
-                    if n > 1:
-                        continue
-                    node = int(nodes[np.argmin(col[nodes])])  # argmin: the lowest index of the best fit
-                    return Placement(self._pick_devices([node], [share], k), LEVEL_NODE)
-                entity = self.node_entity[level][nodes]
-                fits = np.flatnonzero(np.bincount(entity, minlength=self.n_entities[level]) >= n)
-                if fits.size == 0:
-                    continue
-                inside = nodes[entity == fits[0]]
-                chosen = np.sort(inside[np.lexsort((inside, col[inside]))[:n]])
-                return Placement(self._pick_devices(chosen.tolist(), [share] * n, k), level)
-        return None
-
-    def even_across_nodes(self, devices: np.ndarray) -> bool:
-        """True when `devices` lie on one node, or on several with the same count on each.
-
-        A job over N hosts runs W/N contiguous ranks on each (runtime/multihost.py node_ranks),
-        spliced onto that host's devices, so its hosts must hold equally many: a placement of 4
-        devices as 2 + 1 + 1 over three hosts could never start (the agent refuses it by name:
-        agent/node.py multihost_span_problem), and the job failed. The chaos soak on emulated hosts
-        found it (five W=4 jobs failed after a lost node: devlog 2026-12-06/soak23.md). With the
-        count d dividing W (Jobs.allowed_counts), equal shares make W/N ranks per host a multiple
-        of d/N, so every host's ranks splice evenly."""
-        _nodes, per_node = np.unique(self.node[devices], return_counts=True)
-        return bool(per_node.size <= 1 or (per_node == per_node[0]).all())
-
     def find_fewest_nodes(self, k: int, d: int, max_level: int, region: int | None = None,
                           blocked_nodes: np.ndarray | None = None) -> Placement | None:
         """Returns d free devices of type k on the fewest nodes the fleet's node size allows

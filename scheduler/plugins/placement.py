@@ -53,16 +53,10 @@ class GangPlacement:
             placement = state.find(k, d, spread, region=region, blocked_nodes=blocked_nodes)
             if placement is None:
                 continue
-            if not state.even_across_nodes(placement.devices):
-                # uneven shares over hosts cannot run (State.even_across_nodes): an even split
-                # of the same count, else the next count
-                placement = state.find_even(k, d, spread, region=region, blocked_nodes=blocked_nodes)
-                if placement is None:
-                    continue
             if placement.level == 0 or not is_spread(d, state.n_nodes_of(placement.devices), largest):
                 return placement
             fewer = state.find_fewest_nodes(k, d, spread, region=region, blocked_nodes=blocked_nodes)
-            if fewer is not None and state.even_across_nodes(fewer.devices):
+            if fewer is not None:
                 return fewer
             if not packed:
                 return placement
@@ -106,8 +100,6 @@ class GangPlacement:
             packed = int(jobs.tier[j]) in tick.snapshot.settings.packed_tiers and j not in tick.spread_ok
             if packed and is_spread(devices.size, state.n_nodes_of(devices), largest):
                 return None
-        if not state.even_across_nodes(devices):
-            return None  # uneven shares cannot run; the caller searches for the whole job instead
         nodes = np.unique(state.node[devices])
         tightest = next(lv for lv in LEVELS if np.unique(state.node_entity[lv][nodes]).size == 1)
         return Placement(devices, tightest)

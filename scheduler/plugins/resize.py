@@ -87,8 +87,8 @@ class GrowIntoIdle:
                   and (snap.settings.allow_borrowing or d - have <= room_quota)]
         for d in larger:
             extra = GrowIntoIdle._find_near(tick, j, k, d - have, devices, region)
-            if extra is None or not tick.state.even_across_nodes(np.union1d(devices, extra)):
-                continue  # uneven shares over hosts cannot run (State.even_across_nodes)
+            if extra is None:
+                continue
             borrowed = tick.borrowed_by(j, d - have)
             tick.give(j, extra)
             free_by_type[k] -= d - have

@@ -84,6 +84,26 @@ def test_a_job_bigger_than_a_node_spans_hosts_and_each_host_is_told_its_share(wi
 
 
 @pytest.mark.django_db
+def test_hosts_holding_unequal_device_counts_are_told_blocks_in_proportion_that_their_agents_accept(
+        alice, team_a, job_spec):
+    # W = 12 on 6 devices (2 ranks each) over a 4-device and a 2-device host: blocks of 8 and 4 ranks.
+    # Before session 24 the core placed only equal shares and this job waited.
+    from agent.node import multihost_span_problem
+    from protocol.node import DesiredJob
+    n1, n2 = make_node("n1", devices=4), make_node("n2", devices=2)
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="lopsided", world_size=12, min_devices=6,
+                                                                    tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    assert job.state == S.SCHEDULED, job.wait_reason
+    first, second = entry_of(n1, job.pk), entry_of(n2, job.pk)
+    assert (first["devices"], second["devices"]) == (4, 2)
+    assert (first["span"]["first_rank"], first["span"]["ranks"]) == (0, 8)
+    assert (second["span"]["first_rank"], second["span"]["ranks"], second["span"]["job_devices"]) == (8, 4, 6)
+    assert [multihost_span_problem(DesiredJob.from_dict(entry)) for entry in (first, second)] == [None, None]
+
+
+@pytest.mark.django_db
 def test_the_leader_speaks_for_a_job_that_spans_hosts(wide):
     job, n1, n2 = wide
     assert report(n2, job.pk, "running", generation=1, step=0)["accepted"] == [job.pk]

@@ -1,4 +1,6 @@
 """Launcher <-> ranks messages: the device map, the cut request, the rank's report, the resume file."""
+import os
+
 import pytest
 
 from protocol import ProtocolError
@@ -50,6 +52,27 @@ def test_a_resume_file_names_where_the_ranks_go_on():
     assert ResumeFile.from_dict(resume.to_dict()) == resume
     with pytest.raises(ProtocolError, match="port|master_port"):
         ResumeFile.from_dict({**resume.to_dict(), "master_port": 70000})
+
+
+def test_a_resume_file_may_name_its_hosts_block_and_one_from_before_blocks_still_reads(monkeypatch):
+    from runtime.engines import follow_host_layout
+    older = {"master_addr": "10.0.0.1", "master_port": 29500, "key_prefix": "n/7", "devices": TWO_ON_ONE,
+             "nodes": 2, "node_rank": 1}
+    resume = ResumeFile.from_dict(older)  # a launcher from before blocks: the equal W/N block
+    assert resume.first_rank is None and resume.host_ranks is None
+    monkeypatch.setattr(os, "environ", {})
+    follow_host_layout(resume, rank=5, world_size=6)
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("2", "3")
+    unequal = ResumeFile.from_dict({**older, "first_rank": 4, "host_ranks": 2})  # W = 6 on 2 + 1 devices
+    assert ResumeFile.from_dict(unequal.to_dict()) == unequal
+    follow_host_layout(unequal, rank=5, world_size=6)
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], os.environ["NODE_RANK"]) == ("1", "2", "1")
+    for bad in ({"first_rank": 4}, {"host_ranks": 2}, {"first_rank": 4, "host_ranks": 0},
+                {"first_rank": -1, "host_ranks": 2}):
+        with pytest.raises(ProtocolError):
+            ResumeFile.from_dict({**older, **bad})
+    with pytest.raises(ProtocolError, match="host layout"):
+        ResumeFile.from_dict({**older, "nodes": None, "node_rank": None, "first_rank": 0, "host_ranks": 2})
 
 
 def test_rank_progress_may_lack_a_rate():

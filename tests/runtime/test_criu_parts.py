@@ -33,7 +33,8 @@ def staging(tmp_path):
 
 
 def verify(staging, reported):
-    criu_parts.verify_parts(staging, nodes=2, world_size=4, request_id=REQUEST_ID, step=STEP, reported=reported)
+    criu_parts.verify_parts(staging, blocks=[range(0, 2), range(2, 4)], request_id=REQUEST_ID, step=STEP,
+                            reported=reported)
 
 
 def test_it_accepts_every_host_part_as_its_host_reported_it(staging):
@@ -103,15 +104,21 @@ def test_a_follower_whose_store_lacks_the_leaders_staging_folder_is_told_its_sto
         criu_parts.staging_for_node(staging.parent, "/somewhere/ckpt-000000000001-1")
 
 
-def committed_parts(tmp_path, *, nodes, world_size=4, spools=None):
+def committed_parts(tmp_path, *, nodes, world_size=4, spools=None, blocks=None):
     """A checkpoint folder with the parts of `nodes` hosts (as dump_part writes them), host k's
-    spool path spools[k] (default: the same on every host, as agents and meridian-run name it)."""
+    ranks blocks[k] (default: the equal W/N blocks), its spool path spools[k] (default: the same on
+    every host, as agents and meridian-run name it)."""
     folder = tmp_path / "ckpt-000000000006-1"
     per_node = world_size // nodes
     for node in range(nodes):
-        write_part(folder, node, ranks=range(node * per_node, (node + 1) * per_node),
+        write_part(folder, node, ranks=blocks[node] if blocks else range(node * per_node, (node + 1) * per_node),
                    **({"spool": spools[node]} if spools else {}))
     return folder
+
+
+def _equal(world_size, nodes, node_rank):
+    per_node = world_size // nodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
 @pytest.mark.parametrize(("dumped_on", "restoring_on", "node_rank", "expected"), [
@@ -123,33 +130,80 @@ def committed_parts(tmp_path, *, nodes, world_size=4, spools=None):
 def test_each_host_restores_its_ranks_from_the_parts_that_hold_them_whatever_host_count_dumped_them(
         tmp_path, dumped_on, restoring_on, node_rank, expected):
     folder = committed_parts(tmp_path, nodes=dumped_on)
-    plan = criu_parts.restore_sources(folder, {"nodes": dumped_on}, world_size=4, nodes=restoring_on,
-                                      node_rank=node_rank)
+    ranks = _equal(4, restoring_on, node_rank)
+    plan = criu_parts.restore_sources(folder, {"nodes": dumped_on}, world_size=4, ranks=ranks)
     assert {source.folder.name: source.ranks for source in plan.sources} == expected
     assert plan.regrouped == (dumped_on != restoring_on) and plan.spool == "/run/meridian/j"
     for source in plan.sources:
         for rank in source.ranks:
             assert plan.images_of(rank) == source.folder and (source.folder / f"rank{rank}").is_dir()
     # The parts it does not restore from are the ones its store does not check.
-    unread = criu_parts.unread_parts({"nodes": dumped_on}, world_size=4, nodes=restoring_on, node_rank=node_rank)
+    unread = criu_parts.unread_parts({"nodes": dumped_on}, world_size=4, ranks=ranks)
     assert unread == {f"node{k}" for k in range(dumped_on)} - set(expected)
+
+
+# W = 6 dumped on 2 hosts holding 2 + 1 devices (ranks 0..3 and 4..5): the checkpoint's meta names
+# the blocks, and each part its ranks.
+UNEQUAL = {"nodes": 2, "blocks": [[0, 4], [4, 2]]}
+
+
+@pytest.mark.parametrize(("ranks", "expected"), [
+    (range(0, 6), {"node0": (0, 1, 2, 3), "node1": (4, 5)}),  # onto one host: both parts merged
+    (range(0, 2), {"node0": (0, 1)}),  # onto 3 equal hosts: host 0 ...
+    (range(2, 4), {"node0": (2, 3)}),
+    (range(4, 6), {"node1": (4, 5)}),  # ... host 2: exactly node 1's part
+    (range(0, 2), {"node0": (0, 1)}),  # onto 1 + 2 devices: host 0 ...
+    (range(2, 6), {"node0": (2, 3), "node1": (4, 5)}),  # ... host 1 takes the rest of both
+    (range(0, 4), {"node0": (0, 1, 2, 3)}),  # onto 2 + 1 again: each host its own part
+], ids=["1", "3-equal-0", "3-equal-1", "3-equal-2", "1+2-0", "1+2-1", "2+1-0"])
+def test_a_checkpoint_dumped_on_unequal_hosts_restores_onto_any_blocks(tmp_path, ranks, expected):
+    folder = committed_parts(tmp_path, nodes=2, world_size=6, blocks=[range(0, 4), range(4, 6)])
+    plan = criu_parts.restore_sources(folder, UNEQUAL, world_size=6, ranks=ranks)
+    assert {source.folder.name: source.ranks for source in plan.sources} == expected
+    assert plan.regrouped == (ranks not in (range(0, 4), range(4, 6)))
+    assert criu_parts.unread_parts(UNEQUAL, world_size=6, ranks=ranks) == {"node0", "node1"} - set(expected)
+    # Without the blocks (a checkpoint from before them) the parts would be read as 3 + 3: wrong
+    # for this one, so a checkpoint of unequal hosts always names them.
+    assert criu_parts.dumped_blocks({"nodes": 2}, world_size=6) == (range(0, 3), range(3, 6))
+
+
+@pytest.mark.parametrize("blocks, message", [
+    ([[0, 4], [3, 3]], "overlaps the one before"),
+    ([[0, 3], [4, 2]], "leaves a gap"),
+    ([[0, 4], [4, 1]], "end at rank 4, not at 5"),
+    ([[0, 6]], "not \\[first rank, ranks\\] for each of its 2 hosts"),
+    ([[0, "4"], [4, 2]], "not \\[first rank, ranks\\]"),
+])
+def test_a_checkpoint_whose_blocks_do_not_tile_its_ranks_is_refused_by_name(tmp_path, blocks, message):
+    folder = committed_parts(tmp_path, nodes=2, world_size=6, blocks=[range(0, 4), range(4, 6)])
+    with pytest.raises(criu_parts.PartError, match=message):
+        criu_parts.restore_sources(folder, {"nodes": 2, "blocks": blocks}, world_size=6, ranks=range(0, 6))
+
+
+def test_the_leader_checks_each_part_holds_its_hosts_unequal_block(staging):
+    reported = {0: write_part(staging, 0, ranks=(0, 1, 2, 3)), 1: write_part(staging, 1, ranks=(4, 5))}
+    blocks = [range(0, 4), range(4, 6)]
+    criu_parts.verify_parts(staging, blocks=blocks, request_id=REQUEST_ID, step=STEP, reported=reported)
+    with pytest.raises(criu_parts.PartError, match="node 0's part is not the one of this cut"):
+        criu_parts.verify_parts(staging, blocks=[range(0, 3), range(3, 6)], request_id=REQUEST_ID, step=STEP,
+                                reported=reported)
 
 
 def test_a_checkpoint_of_one_host_is_restored_on_two_each_host_its_block_of_ranks(tmp_path):
     meta = {"nodes": 1, "spool": "/run/meridian/j1-0-42"}
-    plans = [criu_parts.restore_sources(tmp_path, meta, world_size=4, nodes=2, node_rank=node) for node in (0, 1)]
+    plans = [criu_parts.restore_sources(tmp_path, meta, world_size=4, ranks=_equal(4, 2, node)) for node in (0, 1)]
     assert [plan.sources[0].ranks for plan in plans] == [(0, 1), (2, 3)]
     assert all(plan.regrouped and plan.spool == "/run/meridian/j1-0-42" and plan.images_of(2 * k) == tmp_path
                for k, plan in enumerate(plans))
-    assert criu_parts.unread_parts(meta, world_size=4, nodes=2, node_rank=1) == set()  # no parts: all read
+    assert criu_parts.unread_parts(meta, world_size=4, ranks=range(2, 4)) == set()  # no parts: all read
 
 
 def test_parts_dumped_with_different_spool_paths_are_not_merged_onto_one_host(tmp_path):
     folder = committed_parts(tmp_path, nodes=2, spools=["/run/meridian/a", "/run/meridian/b"])
     with pytest.raises(criu_parts.PartError, match=r"different spool paths \['/run/meridian/a', '/run/meridian/b'\]"):
-        criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=1, node_rank=0)
+        criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, ranks=range(4))
     # On as many hosts as dumped them, each host has one spool: restored as before.
-    plan = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=2, node_rank=1)
+    plan = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, ranks=range(2, 4))
     assert plan.spool == "/run/meridian/b"
 
 
@@ -162,8 +216,8 @@ def _sandboxed_launcher(device_kind="cpu"):
 def test_a_regrouped_restore_of_a_gpu_job_or_of_private_files_that_clash_is_refused_by_name(tmp_path):
     import tarfile
     folder = committed_parts(tmp_path, nodes=2)
-    merged = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=1, node_rank=0)
-    same = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, nodes=2, node_rank=0)
+    merged = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, ranks=range(4))
+    same = criu_parts.restore_sources(folder, {"nodes": 2}, world_size=4, ranks=range(2))
     unconfined = types.SimpleNamespace(sandbox=None)
     assert engines.regroup_refusal(unconfined, merged) is None
     assert "GPU job" in engines.regroup_refusal(_sandboxed_launcher("gpu"), merged)

@@ -133,7 +133,8 @@ def test_a_second_launch_of_one_hosts_part_cannot_join_the_running_group_and_eve
 
     def launcher(node_rank):
         return SimpleNamespace(job_id="j206-g3", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
-                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0))
+                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
+                               local_ranks=range(2 * node_rank, 2 * node_rank + 2))
 
     _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
     first = launcher(1)
@@ -149,3 +150,30 @@ def test_a_second_launch_of_one_hosts_part_cannot_join_the_running_group_and_eve
     said = leader.check()
     assert said is not None and said.startswith("node 1: node 1's part of this run already joined")
     assert leader.host_failed is True  # restarted from the checkpoint, not failed
+
+
+@pytest.mark.parametrize("blocks, problem", [
+    ([range(0, 3), range(3, 4)], None),  # 3 + 1: unequal shares run
+    ([range(0, 3), range(2, 4)], "node 1's overlaps the one before"),
+    ([range(0, 2), range(3, 4)], "node 1's leaves a gap after the one before"),
+], ids=["3+1", "overlap", "gap"])
+def test_the_leader_fails_the_job_by_name_when_the_hosts_blocks_do_not_tile_its_ranks(tmp_path, blocks, problem):
+    # Each host checks its own block (multihost.host_block); only the leader sees them all, once every
+    # host joined: a rank run twice or never would hang the group or mix two copies' state.
+    from runtime.multihost import join_job
+
+    def launcher(node_rank):
+        return SimpleNamespace(job_id="j9-g1", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
+                               nodes=2, nonce="n", options=SimpleNamespace(rendezvous_timeout=10.0),
+                               local_ranks=blocks[node_rank])
+
+    _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
+    assert leader.check() is None  # node 1 has not joined: nothing to judge yet
+    join_job(launcher(1), tmp_path)
+    assert leader.blocks() == dict(enumerate(blocks))
+    leader._checked_at = 0.0
+    said = leader.check()
+    if problem is None:
+        assert said is None
+    else:
+        assert problem in said and "do not cover 0..3 once each" in said and leader.host_failed is False

@@ -8,36 +8,50 @@ import pytest
 
 from protocol.launch import SandboxSpec
 from runtime import launcher
+from runtime import spool as spool_files
 from runtime.splice import device_map
 
 pytestmark = pytest.mark.runtime
 
 
 def test_a_hosts_map_lists_only_its_own_devices_under_their_job_wide_numbers():
-    mapping = device_map(world_size=8, devices=8, nodes=2, node_rank=1,
+    mapping = device_map(world_size=8, devices=8, ranks=range(4, 8),
                          device_cores=[(8, 9), (10, 11), (12, 13), (14, 15)])
     assert mapping["devices"] == {"4": [8, 9], "5": [10, 11], "6": [12, 13], "7": [14, 15]}
     assert mapping["ranks"] == {"4": 4, "5": 5, "6": 6, "7": 7}
     # spliced: W = 8 on 4 devices over 2 hosts, 2 devices and 4 ranks per host
-    spliced = device_map(world_size=8, devices=4, nodes=2, node_rank=0, device_cores=[(0,), (1,)])
+    spliced = device_map(world_size=8, devices=4, ranks=range(0, 4), device_cores=[(0,), (1,)])
     assert spliced == {"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 0, "2": 1, "3": 1}}
     # one host: the whole map, as before
     assert device_map(world_size=4, devices=2, device_cores=[(2, 3), (6,)])["ranks"] == {
         "0": 0, "1": 0, "2": 1, "3": 1}
     with pytest.raises(ValueError, match="on this host"):
-        device_map(world_size=8, devices=8, nodes=2, node_rank=0, device_cores=[(0,)] * 8)
-    with pytest.raises(ValueError):  # 3 hosts cannot hold 8 devices evenly
-        device_map(world_size=24, devices=8, nodes=3, node_rank=0)
+        device_map(world_size=8, devices=8, ranks=range(0, 4), device_cores=[(0,)] * 8)
 
 
-def _launcher(tmp_path, *, node_rank, indices, device_kind="cpu"):
+def test_hosts_holding_unequal_device_counts_run_blocks_in_proportion():
+    # W = 6 on 3 devices (2 ranks each) over 2 hosts holding 2 + 1 devices: ranks 0..3 and 4..5
+    leader = device_map(world_size=6, devices=3, ranks=range(0, 4), device_cores=[(0,), (1,)])
+    assert leader == {"devices": {"0": [0], "1": [1]}, "ranks": {"0": 0, "1": 0, "2": 1, "3": 1}}
+    follower = device_map(world_size=6, devices=3, ranks=range(4, 6), device_cores=[(5,)])
+    assert follower == {"devices": {"2": [5]}, "ranks": {"4": 2, "5": 2}}
+    # a block that would share a device with another host's ranks is refused by name
+    with pytest.raises(ValueError, match="not whole devices"):
+        device_map(world_size=6, devices=3, ranks=range(0, 3))
+    with pytest.raises(ValueError, match="not whole devices"):
+        device_map(world_size=6, devices=3, ranks=range(1, 5))
+
+
+def _launcher(tmp_path, *, node_rank, indices, device_kind="cpu", ranks="8", devices="8", nodes="2", block=()):
     spec = SandboxSpec(unconfined_reason="test", device_kind=device_kind, node_devices=8,
                        node_cores=tuple(range(16)))
     (tmp_path / "sandbox.json").write_text(json.dumps(spec.to_dict()))
     script = tmp_path / "noop.py"
     script.write_text("pass\n")
     options = launcher.parse_args([
-        "--ranks", "8", "--devices", "8", "--nodes", "2", "--node-rank", str(node_rank), "--node-addr", "10.0.0.2",
+        "--ranks", ranks, "--devices", devices, "--nodes", nodes, "--node-rank", str(node_rank),
+        *(("--first-rank", str(block[0]), "--host-ranks", str(block[1])) if block else ()),
+        "--node-addr", "10.0.0.2",
         "--rendezvous", str(tmp_path / "rdv"), "--device-indices", indices, "--sandbox", str(tmp_path / "sandbox.json"),
         "--job-dir", str(tmp_path / f"job{node_rank}"), "--job-id", "j7-g3", "--engine", "framework", str(script)])
     return launcher.Launcher(options)
@@ -74,3 +88,43 @@ def test_each_host_checks_at_a_resume_the_part_of_the_checkpoint_it_restores_not
     assert follower.skip_parts_of({"nodes": 4}) == {"node0", "node1"}
     assert leader.skip_parts_of({"nodes": 4}) == {"node2", "node3"}
     assert leader.skip_parts_of({"nodes": 1}) == set()  # dumped on one host: no parts, everything is read
+
+
+def test_a_host_given_its_block_runs_it_on_its_devices_and_bad_blocks_are_usage_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    # W = 6 on 3 devices over 2 hosts holding 2 + 1 devices (the control plane's span)
+    leader = _launcher(tmp_path, node_rank=0, indices="0,1", ranks="6", devices="3", block=(0, 4))
+    assert leader.local_ranks == range(0, 4) and leader.device_map.plain()["ranks"] == {"0": 0, "1": 0, "2": 1, "3": 1}
+    follower = _launcher(tmp_path, node_rank=1, indices="3", ranks="6", devices="3", block=(4, 2))
+    assert follower.local_ranks == range(4, 6) and follower.device_map.plain()["devices"] == {"2": [6, 7]}
+    follower.engine = "framework"
+    env = follower.rank_env(5)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["RANK"]) == ("1", "2", "5")
+    # resumed ranks take their host's block from the resume file (engines.follow_host_layout)
+    follower.master_port = 1
+    follower.resume_ranks(3)
+    resume = json.loads(spool_files.resume_path(follower.spool, 3).read_text())
+    assert (resume["first_rank"], resume["host_ranks"], resume["nodes"], resume["node_rank"]) == (4, 2, 2, 1)
+    cases = [
+        (dict(node_rank=1, indices="3", block=(4, 3)), "not inside the job's ranks 0..5"),
+        (dict(node_rank=0, indices="0,1", block=(2, 4)), "node 0 leads"),
+        (dict(node_rank=1, indices="2", block=(3, 3)), "not whole devices"),
+        (dict(node_rank=1, indices="2", nodes="3", block=(1, 2)), "not whole devices"),
+        (dict(node_rank=1, indices="2", block=(2, 3)), "last of 2"),
+        (dict(node_rank=1, indices="2", nodes="3", block=(4, 2)), "leaves fewer ranks than hosts"),
+        (dict(node_rank=1, indices="2,3", block=(4, 2)), "this host runs 1"),
+        (dict(node_rank=1, indices="2", block=(4, None)), "go together"),
+    ]
+    for fields, message in cases:
+        block = fields.pop("block")
+        if block[1] is None:  # only one of the two flags
+            options = ["--first-rank", str(block[0])]
+            with pytest.raises(launcher.LaunchError, match=message) as caught:
+                launcher.Launcher(launcher.parse_args([
+                    "--ranks", "6", "--devices", "3", "--nodes", "2", "--node-rank", "1", *options,
+                    "--rendezvous", str(tmp_path / "rdv"), "--job-dir", str(tmp_path / "x"),
+                    str(tmp_path / "noop.py")]))
+        else:
+            with pytest.raises(launcher.LaunchError, match=message) as caught:
+                _launcher(tmp_path, ranks="6", devices="3", block=block, **fields)
+        assert caught.value.code == launcher.EXIT_USAGE, message

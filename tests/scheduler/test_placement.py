@@ -25,10 +25,11 @@ CASES = [
     pytest.param([], make_job("g").ranks(4), {"nodes": [0], "level": "node"}, id="one-node-when-it-fits"),
     pytest.param([make_job("p").tier(PREMIUM).ranks(1).on_devices(0)], make_job("g").ranks(8),
                  {"nodes": [2, 3], "level": "rack"}, id="one-rack-when-no-node-fits"),
-    # (was W=12 over 4 + 4 + 3 + 1 devices: shares no launcher can run, State.even_across_nodes)
+    # W = 12 over 4 + 4 + 3 + 1 devices: hosts holding unequal shares run ranks in proportion
+    # (3 per device: runtime/multihost.py host_block)
     pytest.param([make_job("p").tier(PREMIUM).ranks(1).on_devices(0),
-                  make_job("q").tier(PREMIUM).ranks(1).on_devices(8)], make_job("g").ranks(8),
-                 {"nodes": [1, 3], "level": "cluster"}, id="one-cluster-when-no-rack-fits"),
+                  make_job("q").tier(PREMIUM).ranks(1).on_devices(8)], make_job("g").ranks(12),
+                 {"nodes": [0, 1, 2, 3], "level": "cluster"}, id="one-cluster-when-no-rack-fits"),
     pytest.param([make_job("p").tier(PREMIUM).ranks(8).on_devices(*range(8))],
                  make_job("g").ranks(8).elastic(2), {"nodes": [2, 3], "count": 8},
                  id="elastic-takes-its-largest-count-that-fits"),
@@ -151,31 +152,29 @@ def _uneven_holes(job):
             .job(job).build())
 
 
-def test_a_gang_is_never_split_unevenly_over_hosts_it_waits_instead():
-    # 4 devices are free, but only as 2 + 1 + 1 over three hosts: a job over N hosts runs W/N
-    # ranks on each, spliced onto equally many devices, so that placement could never start (the
-    # chaos soak on emulated hosts saw five W=4 jobs fail so, 2026-12-06).
+def test_a_gang_is_placed_over_hosts_holding_unequal_shares():
+    # 4 devices are free only as 2 + 1 + 1 over three hosts. Each host runs ranks in proportion to
+    # its devices (W/d per device: runtime/multihost.py host_block), so the gang starts there; from
+    # session 23 to 24 the core refused such shares (State.even_across_nodes) and the job waited.
     snap = _uneven_holes(make_job("g").ranks(4))
     found, plan = starts(snap)
-    assert "g" not in found
-    assert [snap.jobs.name(w.job) for w in plan.waiting] == ["g"]
+    assert sorted(int(snap.accelerators.node[d]) for d in found["g"].devices) == [0, 1, 2, 2]
+    assert not plan.waiting
 
 
-def test_an_elastic_job_takes_fewer_devices_on_one_host_rather_than_more_split_unevenly():
+def test_an_elastic_job_takes_its_largest_count_over_unequal_shares():
     snap = _uneven_holes(make_job("g").ranks(4).elastic(2))
     found, _ = starts(snap)
-    assert nodes_of(snap, found["g"].devices) == [2]
-    assert len(found["g"].devices) == 2
+    assert len(found["g"].devices) == 4 and nodes_of(snap, found["g"].devices) == [0, 1, 2]
 
 
-def test_a_gang_takes_an_even_split_where_the_fullest_nodes_would_split_it_unevenly():
-    # free: node 0 has 3, nodes 1 and 2 have 2 each. The fullest nodes first would give W = 4 as
-    # 3 + 1; two ranks on each of nodes 1 and 2 is the split a launcher over 2 hosts can run.
+def test_a_gang_fills_the_fullest_nodes_first_even_when_that_splits_it_unequally():
+    # free: node 0 has 3, nodes 1 and 2 have 2 each: W = 4 as 3 + 1 over two hosts (ranks 0..2 and
+    # 3), the fewest hosts and the fullest first, not 2 + 2.
     snap = (make_snapshot().fleet(make_fleet().region("eu", nodes=3, devices=4))
             .job(make_job("p").tier(PREMIUM).ranks(1).on_devices(0))
             .job(make_job("q").tier(PREMIUM).ranks(2).on_devices(4, 5))
             .job(make_job("r").tier(PREMIUM).ranks(2).on_devices(8, 9))
             .job(make_job("g").ranks(4)).build())
     found, _ = starts(snap)
-    assert nodes_of(snap, found["g"].devices) == [1, 2]
-    assert sorted(int(snap.accelerators.node[d]) for d in found["g"].devices) == [1, 1, 2, 2]
+    assert sorted(int(snap.accelerators.node[d]) for d in found["g"].devices) == [0, 0, 0, 1]

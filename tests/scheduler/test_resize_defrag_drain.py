@@ -239,15 +239,14 @@ def test_with_no_partial_place_in_its_cluster_the_whole_job_moves():
 
 
 @pytest.mark.parametrize("tier, expected_nodes", [
-    # (was [0, 2, 3] for Basic: 4 + 2 + 2 devices, shares no launcher can run: State.even_across_nodes)
-    pytest.param(BASIC, None, id="basic-takes-no-uneven-partial-place-and-waits"),
+    # 4 + 2 + 2 devices over 3 hosts: unequal shares run (ranks in proportion to each host's devices)
+    pytest.param(BASIC, [0, 2, 3], id="basic-takes-a-spread-partial-place"),
     pytest.param(PREMIUM, None, id="premium-takes-no-spread-place-and-waits"),
 ])
 def test_a_partial_move_follows_the_packing_rules(tier, expected_nodes):
     # Nodes 2 and 3 have 2 free devices each: node 1's 4 fit only over two nodes (3 in all, where
-    # 8 devices need 2): the spread cost, and shares of 4 + 2 + 2 that W = 8 ranks over 3 hosts
-    # cannot run. Neither tier takes it, nor a whole-job place (there is none); the job keeps running
-    # on the draining node and is tried again next tick.
+    # 8 devices need 2): the spread cost. A Premium job does not take it, nor a whole-job place
+    # (there is none); it keeps running on the draining node and is tried again next tick.
     snap = (four_nodes().node(1, NODE_DRAINING)
             .job(make_job("wide").tier(tier).ranks(8).on_devices(*range(8)))
             .job(make_job("x").ranks(2).on_devices(8, 9)).job(make_job("y").ranks(2).on_devices(12, 13)).build())
