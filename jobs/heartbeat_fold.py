@@ -101,6 +101,7 @@ redis.call('XADD', KEYS[1], '*', 'node', ARGV[2], 'at', ARGV[3], 'beat', ARGV[4]
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 return redis.call('GET', KEYS[3]) or ''
 """
+_ENQUEUE_SCRIPT_SHA = hashlib.sha1(_ENQUEUE_SCRIPT.encode()).hexdigest().encode()
 _scripts: dict[int, object] = {}
 
 
@@ -142,9 +143,44 @@ def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, no
         logger.warning("heartbeat queue: Redis unreachable (%s); recorded in the request", exc)
         return None
     if held is None:
-        logger.warning("heartbeat queue: %s entries wait (the folder is down or behind); recorded in the request",
-                       settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG)
+        _backlog_full()
         return None
+    return _queued_outcome(wire, held)
+
+
+async def heartbeat_enqueue_packed(*, node_id: int, wire: dict, body: bytes, now: float) -> ReportOutcome | None:
+    """heartbeat_enqueue for the path answered before Django (jobs/heartbeat_api.py), on this event
+    loop: the same script, sent packed on the lease's connections (fleet.lease_api.LeaseConnections)
+    without redis-py's client. Returns None when the backlog is full or the body too large; raises
+    redis-py's errors (Redis unreachable): the caller then takes the full path, which records it."""
+    from redis.exceptions import NoScriptError
+
+    from fleet.lease_api import command_packed, redis_connections
+
+    if len(body) > QUEUED_BODY_MAX:
+        return None
+    arguments = (b"3", STREAM_KEY.encode(), LEASE_KEY.encode(), OUTCOME_KEY.format(node_id=node_id).encode(),
+                 str(settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG).encode(), str(node_id).encode(), repr(now).encode(),
+                 body)
+    connections = redis_connections()
+    try:
+        held = await connections.execute(command_packed(b"EVALSHA", _ENQUEUE_SCRIPT_SHA, *arguments))
+    except NoScriptError:  # a Redis restarted (or its scripts flushed) since: EVAL caches it again
+        held = await connections.execute(command_packed(b"EVAL", _ENQUEUE_SCRIPT.encode(), *arguments))
+    if held is None:
+        _backlog_full()
+        return None
+    return _queued_outcome(wire, held)
+
+
+def _backlog_full() -> None:
+    logger.warning("heartbeat queue: %s entries wait (the folder is down or behind); recorded in the request",
+                   settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG)
+
+
+def _queued_outcome(wire: dict, held) -> ReportOutcome:
+    """Returns what can be said of a queued heartbeat's reports from the node's outcomes the queue
+    script returned (`held`: JSON, or empty when none; see the module doc)."""
     outcomes = json.loads(held) if held else {}
     accepted, rejected, deferred = [], [], []
     for report in wire.get("jobs") or ():
