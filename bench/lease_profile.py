@@ -292,7 +292,7 @@ def heartbeat_parts(bodies, rounds):
             t5 = time.process_time()
             if desired is not None:
                 raise RuntimeError(f"node {node.pk}: its desired state changed during the measure")
-            outcome = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
+            outcome = heartbeat_enqueue(node_id=node.pk, token_digest=node.agent_token_hash, wire=wire, body=body)
             t6 = time.process_time()
             JSONRenderer().render(heartbeat_answer_of(outcome, desired=None, version=version, serial=serial).to_dict())
             t7 = time.process_time()
@@ -338,7 +338,8 @@ async def queued_parts(bodies, rounds):
             if not await sync_to_async(_version_current)(node_id, digest, heartbeat.desired_version):
                 raise RuntimeError(f"node {node_id}: not answered on the loop")
             marks.append(time.process_time())
-            outcome = await heartbeat_enqueue_packed(node_id=node_id, wire=wire, body=body, now=time.time())
+            outcome = await heartbeat_enqueue_packed(node_id=node_id, token_digest=digest, wire=wire, body=body,
+                                                     now=time.time())
             marks.append(time.process_time())
             JSONRenderer().render(heartbeat_answer_of(outcome, desired=None, version=heartbeat.desired_version,
                                                       serial=serial).to_dict())

@@ -120,7 +120,8 @@ async def _queued_answer(token: str, heartbeat: Heartbeat, wire: dict, body: byt
         serial = await desired_serial_fetch(node_id)
         if not await sync_to_async(_version_current)(node_id, digest, heartbeat.desired_version):
             return None
-        outcome = await heartbeat_enqueue_packed(node_id=node_id, wire=wire, body=body, now=time.time())
+        outcome = await heartbeat_enqueue_packed(node_id=node_id, token_digest=digest, wire=wire, body=body,
+                                                 now=time.time())
     except redis_errors() as exc:
         logger.warning("heartbeat: Redis unreachable (%s); answered by the full path", exc)
         return None

@@ -38,7 +38,7 @@ def node_heartbeat_answer(*, node, heartbeat: Heartbeat, wire: dict | None = Non
         serial = desired_serial_of(node_id=node.pk)
         desired, version = node_desired_answer(node=node, held_version=heartbeat.desired_version)
         if desired is None:
-            outcome = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
+            outcome = heartbeat_enqueue(node_id=node.pk, token_digest=node.agent_token_hash, wire=wire, body=body)
             if outcome is not None:
                 return heartbeat_answer_of(outcome, desired=None, version=version, serial=serial)
         outcome = node_report_record(node=node, heartbeat=heartbeat)

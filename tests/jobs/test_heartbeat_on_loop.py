@@ -236,3 +236,19 @@ def test_with_the_backlog_full_the_full_path_records_it_in_the_request(queue, no
     assert (status, len(full_path)) == (200, 1)
     assert answer["accepted"] == [job.pk] and Job.objects.get(pk=job.pk).progress_step == 5
     assert queue.xlen(STREAM_KEY) == 1
+
+
+@pytest.mark.parametrize("change", ["revoked", "rotated"])
+def test_a_heartbeat_queued_before_its_token_was_revoked_is_never_applied(queue, node, job, full_path, change):
+    token = node_token_issue(node=node)
+    held = synced(token, job)
+    assert post(heartbeat(job, 5, held=held), token=token)[0] == 200 and queue.xlen(STREAM_KEY) == 1
+    if change == "revoked":
+        node_token_revoke(node=node)
+    else:
+        node_token_issue(node=node)
+
+    result = heartbeats_fold_all()
+
+    assert (result.entries, result.recorded, result.skipped) == (1, 0, 1)
+    assert Job.objects.get(pk=job.pk).progress_step == 1 and queue.xlen(STREAM_KEY) == 0
