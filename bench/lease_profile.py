@@ -78,29 +78,11 @@ def nodes_with_tokens(n):
     return pairs
 
 
-def lease_scope(token):
-    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"), (b"content-length", b"22")]
-    if token:
-        headers.append((b"authorization", f"Node {token}".encode()))
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": "/api/agent/lease/", "raw_path": b"/api/agent/lease/",
-            "query_string": b"", "root_path": "", "headers": headers, "client": ("127.0.0.1", 40000),
-            "server": ("127.0.0.1", 8000)}
-
-
 async def lease_once(application, node_id, token, expect):
     body = json.dumps({"v": 1, "node_id": node_id}).encode()
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    await application(lease_scope(token), receive, send)
-    if sent[0]["status"] != expect:
-        raise RuntimeError(f"lease answered {sent[0]['status']}, not {expect}: {sent[1].get('body')!r}")
+    status, answer = await asgi_post(application, "/api/agent/lease/", token, body)
+    if status != expect:
+        raise RuntimeError(f"lease answered {status}, not {expect}: {answer!r}")
 
 
 async def lease_rounds(application, pairs, rounds, *, authenticated=True, profiler=None):
@@ -404,15 +386,21 @@ def main_full(args, loop, application):
                 loop.run_until_complete(queued_parts(bodies, args.rounds)))
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.profile:
-        folder = pathlib.Path(args.profile)
-        folder.mkdir(parents=True, exist_ok=True)
-        profiler = cProfile.Profile(time.process_time)
-        loop.run_until_complete(heartbeat_rounds(application, bodies, 5, profiler=profiler))
-        profiler.dump_stats(folder / "heartbeat.prof")
-        for order in ("tottime", "cumulative"):
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(40)
-            print(out.getvalue())
+        profiled(loop, lambda profiler: heartbeat_rounds(application, bodies, 5, profiler=profiler),
+                 pathlib.Path(args.profile) / "heartbeat.prof", orders=("tottime", "cumulative"), top=40)
+
+
+def profiled(loop, rounds, path, *, orders, top):
+    """Runs `rounds(profiler)` (a coroutine) on `loop` under cProfile (CPU time), writes the profile
+    to `path` and prints its top functions in each of `orders`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile(time.process_time)
+    loop.run_until_complete(rounds(profiler))
+    profiler.dump_stats(path)
+    for order in orders:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(top)
+        print(out.getvalue())
 
 
 def main():
@@ -447,14 +435,8 @@ def main():
               f"{statistics.median(f[1] for f in figures):>8.0f}")
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.profile:
-        folder = pathlib.Path(args.profile)
-        folder.mkdir(parents=True, exist_ok=True)
-        profiler = cProfile.Profile(time.process_time)
-        loop.run_until_complete(lease_rounds(application, pairs, 5, profiler=profiler))
-        profiler.dump_stats(folder / "lease.prof")
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-        print(out.getvalue())
+        profiled(loop, lambda profiler: lease_rounds(application, pairs, 5, profiler=profiler),
+                 pathlib.Path(args.profile) / "lease.prof", orders=("tottime",), top=30)
     loop.close()
 
 

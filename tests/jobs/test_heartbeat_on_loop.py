@@ -5,22 +5,17 @@ not answer so taken by the full path (a revoked or rotated token, a node lost, R
 desired state changed or never built in this process, the backlog full). Each heartbeat goes through
 the real ASGI application (portal.asgi) to the tests' real Redis; whether the full path ran is seen
 by wrapping jobs.heartbeat_api._heartbeat, whether Django answered from its request_started signal."""
-import json
 
 import pytest
-from asgiref.sync import async_to_sync
-from channels.testing import HttpCommunicator
-from django.conf import settings as django_settings
-from django.core.signals import request_started
 
 from fleet import lease_api, leases
 from fleet.lease_api import tokens_forget
 from fleet.models import Accelerator, Node, node_token_hash
 from fleet.services import fleet_generate, node_token_issue, node_token_revoke
 from jobs import desired_version, heartbeat_api
-from jobs.heartbeat_api import HEARTBEAT_PATH
 from jobs.heartbeat_fold import OUTCOME_KEY, STREAM_KEY, heartbeats_fold_all
 from jobs.models import Job, Replica
+from tests.jobs.heartbeat_requests import post
 
 # Transactional: the full path and Django answer in threads whose connections must see the test's rows.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -80,32 +75,6 @@ def job(node, team_a, alice, submit):
     Replica.objects.filter(job=job).update(device=Accelerator.objects.get(node=node, index=0))
     Job.objects.filter(pk=job.pk).update(state=Job.State.RUNNING)
     return job
-
-
-def post(body, *, token, fast=True):
-    """Returns (status, headers without Content-Length, the JSON body, whether Django answered)."""
-    from portal.asgi import application
-
-    payload = json.dumps(body).encode()
-    sent = [(b"host", b"testserver"), (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()), (b"authorization", f"Node {token}".encode())]
-    django_answered = []
-
-    def seen(**_):
-        django_answered.append(True)
-
-    request_started.connect(seen, weak=False)
-    old = django_settings.MERIDIAN_HEARTBEAT_FAST_PATH
-    django_settings.MERIDIAN_HEARTBEAT_FAST_PATH = fast
-    try:
-        communicator = HttpCommunicator(application, "POST", HEARTBEAT_PATH, body=payload, headers=sent)
-        response = async_to_sync(communicator.get_response)(timeout=20)
-    finally:
-        django_settings.MERIDIAN_HEARTBEAT_FAST_PATH = old
-        request_started.disconnect(seen)
-    answer_headers = sorted((name.lower(), value) for name, value in response["headers"]
-                            if name.lower() != b"content-length")
-    return response["status"], answer_headers, json.loads(response["body"]), bool(django_answered)
 
 
 def heartbeat(job, step, *, held=None):
