@@ -182,7 +182,11 @@ async def heartbeat_app(scope, receive, send, *, django_app, error_answer: Error
         return
     host, secure = checked
     if heartbeat.desired_version is not None and settings.MERIDIAN_HEARTBEAT_FOLD == "async":
-        answer = await _queued_answer(token, heartbeat, wire, body)
+        try:
+            answer = await _queued_answer(token, heartbeat, wire, body)
+        except Exception:  # noqa: BLE001 - a bug here must cost the full path, not a 500
+            logger.exception("heartbeat: the path on the event loop failed; answered by the full path")
+            answer = None
         if answer is not None:
             await _answer(send, 200, JSONRenderer().render(answer.to_dict()), host=host, secure=secure)
             return

@@ -221,3 +221,24 @@ def test_a_heartbeat_queued_before_its_token_was_revoked_is_never_applied(queue,
 
     assert (result.entries, result.recorded, result.skipped) == (1, 0, 1)
     assert Job.objects.get(pk=job.pk).progress_step == 1 and queue.xlen(STREAM_KEY) == 0
+
+
+def test_an_unforeseen_error_on_the_loop_costs_the_full_path_not_a_500(queue, node, job, full_path, monkeypatch):
+    from jobs import heartbeat_fold
+
+    token = node_token_issue(node=node)
+    held = synced(token, job)
+    full_path.clear()
+
+    queued = heartbeat_fold.heartbeat_enqueue_packed
+
+    async def broken(**kwargs):
+        await queued(**kwargs)
+        raise ValueError("an answer no one can read")
+
+    monkeypatch.setattr(heartbeat_fold, "heartbeat_enqueue_packed", broken)
+    status, _, answer, _ = post(heartbeat(job, 5, held=held), token=token)
+
+    assert (status, len(full_path)) == (200, 1)  # queued on the loop, then answered by the full path
+    assert answer["desired"] is None and queue.xlen(STREAM_KEY) == 2  # queued twice: the folder coalesces them
+    assert heartbeats_fold_all().coalesced == 1 and Job.objects.get(pk=job.pk).progress_step == 5
