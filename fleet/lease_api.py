@@ -116,6 +116,11 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+def command_packed(*arguments: bytes) -> bytes:
+    """Returns a Redis command of `arguments` in RESP, Redis's wire format (an array of bulk strings)."""
+    return b"*%d\r\n" % len(arguments) + b"".join(_bulk(argument) for argument in arguments)
+
+
 def _lease_command_prefix(name: bytes, script_or_sha: bytes) -> bytes:
     """Returns the lease's command up to its two per-call arguments (node id, time), packed once: an
     array of 7 bulk strings in RESP, Redis's wire format."""
@@ -160,9 +165,14 @@ class LeaseConnections:
     async def call(self, prefix: bytes, node_id: int, now: float):
         """Returns the answer of the command `prefix` + node id + time: the serial (bytes or None).
         Raises redis-py's errors (ConnectionError, TimeoutError, NoScriptError, ...)."""
+        return await self.execute(prefix + _bulk(str(node_id).encode()) + _bulk(repr(now).encode()))
+
+    async def execute(self, command: bytes):
+        """Returns the answer of `command` (packed: command_packed), parsed by redis-py's parser. Raises
+        redis-py's errors. A command sent again after a dropped idle connection must be harmless to
+        repeat (the lease's, the heartbeat's reads and its queue script: see call)."""
         from redis.exceptions import ConnectionError as RedisConnectionError
 
-        command = prefix + _bulk(str(node_id).encode()) + _bulk(repr(now).encode())
         reused = bool(self.idle)
         connection = self.idle.pop() if reused else self.factory.make_connection()
         try:
@@ -190,8 +200,9 @@ class LeaseConnections:
 _lease_connections: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _connections() -> LeaseConnections:
-    """Returns this event loop's lease connections to settings.REDIS_URL."""
+def redis_connections() -> LeaseConnections:
+    """Returns this event loop's lease connections to settings.REDIS_URL (also the full heartbeat's:
+    jobs/heartbeat_api.py)."""
     by_url = _lease_connections.setdefault(asyncio.get_running_loop(), {})
     connections = by_url.get(settings.REDIS_URL)
     if connections is None:
@@ -204,11 +215,27 @@ async def _lease_record(node_id: int, now: float):
     first bump), in one Redis command."""
     from redis.exceptions import NoScriptError
 
-    connections = _connections()
+    connections = redis_connections()
     try:
         return await connections.call(EVALSHA_PREFIX, node_id, now)
     except NoScriptError:  # a Redis restarted (or its scripts flushed) since: EVAL caches it again
         return await connections.call(EVAL_PREFIX, node_id, now)
+
+
+async def desired_serial_fetch(node_id: int) -> int:
+    """Returns node `node_id`'s desired serial (0 before its first bump; fleet.leases.desired_serial_of
+    on this event loop's connections). Raises redis-py's errors."""
+    serial = await redis_connections().execute(
+        command_packed(b"HGET", DESIRED_SERIAL_KEY.encode(), str(node_id).encode()))
+    return int(serial or 0)
+
+
+async def node_of_token_digest(digest: str) -> int | None:
+    """Returns the node whose token's digest is `digest` in this process's map, or None: what a lease
+    is told (a token revoked or rotated may still map for MERIDIAN_LEASE_TOKEN_CACHE_SECONDS; a
+    caller that must refuse it at once checks the node's row: jobs/heartbeat_api.py). Raises the
+    database's errors."""
+    return await _tokens.node_of(digest, now=time.monotonic(), ttl=settings.MERIDIAN_LEASE_TOKEN_CACHE_SECONDS)
 
 
 def tokens_forget() -> None:
@@ -274,10 +301,8 @@ async def lease_app(scope, receive, send) -> None:
                       headers=[(b"www-authenticate", b"Node")])
         return
     now = time.time()
-    digest = hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
     try:
-        node_id = await _tokens.node_of(digest, now=time.monotonic(),
-                                        ttl=settings.MERIDIAN_LEASE_TOKEN_CACHE_SECONDS)
+        node_id = await node_of_token_digest(hashlib.sha256(token.encode("utf-8", "replace")).hexdigest())
     except Exception as exc:  # noqa: BLE001 - the database is down: the agent falls back, no 500
         logger.warning("lease: node tokens could not be read: %s", exc)
         await _answer(send, 503, {"detail": "node tokens unavailable; send a full heartbeat"})

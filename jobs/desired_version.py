@@ -23,11 +23,12 @@ an unchanged fingerprint always means an unchanged desired state.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 
 from django.db import connection
 
-from fleet.models import Accelerator
+from fleet.models import Accelerator, Node
 from jobs.models import Checkpoint, Job, Move, Replica
 from jobs.workflows import node_desired_state_build
 from protocol.node import DesiredState
@@ -54,23 +55,59 @@ def _select(tag: str, columns: tuple[str, ...]) -> str:
     return f"SELECT '{tag}', {', '.join(texts)}"
 
 
-# One statement (UNION ALL of the three parts, every value as text), ordered by the parts' keys.
-_FINGERPRINT_SQL = (
+_FINGERPRINT_PARTS = (
     f"{_select('r', _REPLICA_COLUMNS)} FROM {_R} r LEFT JOIN {_A} a ON a.id = r.device_id "
     f"LEFT JOIN {_NODE} n ON n.id = a.node_id WHERE r.job_id IN ({_JOBS_HERE}) "
     f"UNION ALL {_select('j', _JOB_COLUMNS)} FROM {_J} j WHERE j.id IN ({_JOBS_HERE}) "
     f"UNION ALL {_select('m', _MOVE_COLUMNS)} FROM {_M} m WHERE m.state = %s AND "
-    f"(m.job_id IN ({_JOBS_HERE}) OR m.from_node_id = %s) "
-    f"ORDER BY 1, 2, 3"
+    f"(m.job_id IN ({_JOBS_HERE}) OR m.from_node_id = %s)"
 )
+# One statement (UNION ALL of the three parts, every value as text), ordered by the parts' keys
+# (each part's first two columns after the tag are unique in it: a total order).
+_FINGERPRINT_SQL = f"{_FINGERPRINT_PARTS} ORDER BY 1, 2, 3"
+# The same with the node's own row (tag "n"): its hostname, state and token digest, for the full
+# heartbeat's common case (node_desired_version_current).
+_NODE_AND_FINGERPRINT_SQL = (f"{_select('n', ('hostname', 'state', 'agent_token_hash'))} FROM {_NODE} WHERE id = %s "
+                             f"UNION ALL {_FINGERPRINT_PARTS} ORDER BY 1, 2, 3")
+
+
+def _fingerprint_params(node_id: int) -> list:
+    return [node_id, node_id, str(Move.State.ACTIVE), node_id, node_id]
+
+
+def _fingerprint_of(node_id: int, hostname: str, state: str, rows) -> str:
+    return hashlib.sha256(repr((node_id, hostname, state, rows)).encode()).hexdigest()
 
 
 def _inputs_fingerprint(node) -> str:
     """Returns a digest of every row the node's desired state is built from (see the module doc)."""
     with connection.cursor() as cursor:
-        cursor.execute(_FINGERPRINT_SQL, [node.pk, node.pk, str(Move.State.ACTIVE), node.pk, node.pk])
+        cursor.execute(_FINGERPRINT_SQL, _fingerprint_params(node.pk))
         rows = cursor.fetchall()
-    return hashlib.sha256(repr((node.pk, node.hostname, str(node.state), rows)).encode()).hexdigest()
+    return _fingerprint_of(node.pk, node.hostname, str(node.state), rows)
+
+
+def node_desired_version_current(*, node_id: int, token_digest: str, held_version: str) -> bool:
+    """Returns True when node `node_id` exists, its token's digest is `token_digest` (not revoked or
+    rotated: checked on its row now), it is not lost, and `held_version` is its current desired
+    version as this process last built it (its inputs' fingerprint unchanged). One statement: the
+    node's row and the fingerprint's rows together. False means: take the full path
+    (jobs.heartbeats.node_heartbeat_answer), which refuses the token, brings a lost node back, or
+    builds and caches the desired state (a process that never built it answers False once)."""
+    cached = _cache.get(node_id)
+    if cached is None or cached[1] != held_version:
+        return False
+    with connection.cursor() as cursor:
+        cursor.execute(_NODE_AND_FINGERPRINT_SQL, [node_id, *_fingerprint_params(node_id)])
+        rows = cursor.fetchall()
+    own = [row for row in rows if row[0] == "n"]
+    if not own:
+        return False  # the node is gone
+    _tag, hostname, state, stored_digest = own[0][:4]
+    if not stored_digest or not hmac.compare_digest(stored_digest, token_digest) or state == Node.State.LOST:
+        return False
+    # Its other rows are _FINGERPRINT_SQL's, in its order (a total order: removing one row keeps it).
+    return _fingerprint_of(node_id, hostname, state, [row for row in rows if row[0] != "n"]) == cached[0]
 
 
 def desired_version_of(desired: DesiredState) -> str:

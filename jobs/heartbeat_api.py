@@ -9,6 +9,24 @@ common case -- `Authorization: Node <token>` of an enrolled node, a JSON body th
 protocol.node.Heartbeat -- by calling the same service in the one sync thread that keeps its
 connection (as jobs/submit_api.py does), and renders the answer as DRF would.
 
+Its common case under MERIDIAN_HEARTBEAT_FOLD=async -- the agent holds the current desired state,
+so the heartbeat is queued for the folder (jobs/heartbeat_fold.py) -- is answered on the event loop
+(_queued_answer, issue 18: a full heartbeat cost 3-4 leases of web CPU, and ~45% of the agents'
+minute; docs/devlog/2026-12-06/hb24.md has the profile):
+  * the token maps to its node through the lease's per-process digest map (fleet.lease_api), not a
+    query of its own;
+  * the node's desired serial is read (one packed Redis command on the lease's connections) before
+    the version check, as jobs.heartbeats reads it before the desired state is built;
+  * one statement in Django's sync thread checks, on the node's row as it is now, that the token is
+    still the node's (a revoked or rotated token is refused at once, as before: the map only names
+    which row to read), that the node is not lost, and that the desired state's inputs are unchanged
+    since this process built the version the agent holds (jobs.desired_version);
+  * the queue's script runs packed on the same connections (jobs.heartbeat_fold.heartbeat_enqueue_packed).
+Whatever it cannot answer so -- a token not in the map, a node lost or gone, a desired state
+changed or never built in this process, Redis unreachable, the backlog full, a database error --
+takes the full path below, which is unchanged: nothing was written yet (but for the one case of a
+queue script whose answer was lost after it ran: the folder coalesces the beat queued twice).
+
 It answers only what Django would answer 200 (and the errors of the service itself, as the API's
 exception handler would: the write may have committed). Everything else goes to Django with its
 body replayed, which gives today's answer: a missing, unknown or revoked token (401, checked before
@@ -23,8 +41,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import DatabaseError
 
 from jobs.submit_api import (
@@ -38,7 +58,7 @@ from jobs.submit_api import (
     response_headers,
 )
 from observability.metrics import heartbeat_observed
-from protocol.node import Heartbeat
+from protocol.node import Heartbeat, HeartbeatAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +80,54 @@ def _node_token(headers) -> str | None:
         return parts[1].decode()
     except UnicodeError:
         return None  # DRF decodes with errors="replace": its 401 then
+
+
+def _version_current(node_id: int, digest: str, held_version: str) -> bool:
+    """In Django's sync thread: jobs.desired_version.node_desired_version_current (False on a
+    database error: the full path meets it and answers it)."""
+    from django.db import connection
+
+    from jobs.desired_version import node_desired_version_current
+
+    connection_kept_checked(connection)
+    try:
+        return node_desired_version_current(node_id=node_id, token_digest=digest, held_version=held_version)
+    except DatabaseError:
+        return False
+
+
+async def _queued_answer(token: str, heartbeat: Heartbeat, wire: dict, body: bytes) -> HeartbeatAnswer | None:
+    """Returns the answer of a heartbeat queued for the folder without its report recorded here, or
+    None when the full path must answer it (see the module doc: nothing was written then)."""
+    from fleet.lease_api import desired_serial_fetch, node_of_token_digest
+    from fleet.leases import lease_store, redis_errors
+    from fleet.models import node_token_hash
+    from jobs.heartbeat_fold import heartbeat_enqueue_packed
+    from jobs.heartbeats import heartbeat_answer_of
+
+    if lease_store() is None:
+        return None  # Redis was found unreachable moments ago: the full path records it in the request
+    digest = node_token_hash(token)
+    try:
+        node_id = await node_of_token_digest(digest)
+    except DatabaseError:
+        return None
+    if node_id is None:
+        return None  # unknown or revoked: Django's 401
+    try:
+        # Read before the version is checked (jobs/heartbeats.py: the serial counts only changes
+        # the checked state includes).
+        serial = await desired_serial_fetch(node_id)
+        if not await sync_to_async(_version_current)(node_id, digest, heartbeat.desired_version):
+            return None
+        outcome = await heartbeat_enqueue_packed(node_id=node_id, token_digest=digest, wire=wire, body=body,
+                                                 now=time.time())
+    except redis_errors() as exc:
+        logger.warning("heartbeat: Redis unreachable (%s); answered by the full path", exc)
+        return None
+    if outcome is None:
+        return None  # the backlog is full: recorded in the request
+    return heartbeat_answer_of(outcome, desired=None, version=heartbeat.desired_version, serial=serial)
 
 
 def _heartbeat(token: str, heartbeat: Heartbeat, wire: dict, body: bytes):
@@ -113,6 +181,15 @@ async def heartbeat_app(scope, receive, send, *, django_app, error_answer: Error
         await django_app(scope, _replaying(messages, receive), send)
         return
     host, secure = checked
+    if heartbeat.desired_version is not None and settings.MERIDIAN_HEARTBEAT_FOLD == "async":
+        try:
+            answer = await _queued_answer(token, heartbeat, wire, body)
+        except Exception:  # noqa: BLE001 - a bug here must cost the full path, not a 500
+            logger.exception("heartbeat: the path on the event loop failed; answered by the full path")
+            answer = None
+        if answer is not None:
+            await _answer(send, 200, JSONRenderer().render(answer.to_dict()), host=host, secure=secure)
+            return
     try:
         answer = await sync_to_async(_heartbeat)(token, heartbeat, wire, body)
     except Exception as exc:  # noqa: BLE001 - the service failed: answered as DRF would, not replayed

@@ -1,6 +1,7 @@
 """Full heartbeats acknowledged at once and folded into the database in batches (issue 18).
 
-    heartbeat_enqueue(node_id=..., wire=..., body=..., now=...) -> ReportOutcome | None
+    heartbeat_enqueue(node_id=..., token_digest=..., wire=..., body=..., now=...) -> ReportOutcome | None
+    heartbeat_enqueue_packed(...)                     the same on the event loop (jobs/heartbeat_api.py)
     heartbeat_outcomes_remember(node_id=..., wire=..., outcome=...)   a heartbeat recorded in its request
     heartbeats_fold(limit=...) -> FoldResult           one batch (the folder: jobs.tasks.heartbeats_fold)
     heartbeats_fold_all(max_seconds=...) -> FoldResult  batches until the queue is empty (the task; tests)
@@ -41,6 +42,9 @@ Losing nothing:
     transaction also wrote the id of the last entry it recorded (the ControlLoopLease row FOLD_DUTY),
     so the next folder skips those entries (a heartbeat's telemetry is never counted twice in the
     history). Folders take the row's lock first: one folds at a time, in the stream's order.
+  * A node's token revoked or rotated after its heartbeat was queued: the entry carries the digest
+    of the token it came with, and the folder drops it unless that is still the node's (a revoked
+    node never gets a report applied, however long the queue waited). So does a deleted node's.
   * Redis restarted empty: the entries not yet folded are gone, and so are the outcomes; the agents
     hear "deferred" again and send their reports again (level-triggered). What is lost is the
     progress and telemetry of the lost beats, overwritten by the next ones.
@@ -52,7 +56,8 @@ each in a later round (jobs.workflows.node_reports_record judges a round on the 
 before it).
 
 Redis keys (settings.REDIS_URL's database):
-    meridian:heartbeats              stream   node, at (epoch seconds received), beat (the body)
+    meridian:heartbeats              stream   node, at (epoch seconds received), beat (the body),
+                                              token (the digest of the token it came with)
     meridian:heartbeat-outcome:<id>  string   JSON {job id: [report key, "a" | "d" | rejection]}, the
                                               outcomes of the node's last folded beats (OUTCOME_TTL)
 """
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -93,14 +99,15 @@ QUEUED_BODY_MAX = 64 * 1024
 
 ACCEPTED, DEFERRED = "a", "d"
 
-# KEYS: stream, lease hash, the node's outcomes; ARGV: backlog limit, node id, now, body.
+# KEYS: stream, lease hash, the node's outcomes; ARGV: backlog limit, node id, now, body, token digest.
 # Returns nil when the backlog is full (nothing appended), else the node's outcomes ("" when none).
 _ENQUEUE_SCRIPT = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-redis.call('XADD', KEYS[1], '*', 'node', ARGV[2], 'at', ARGV[3], 'beat', ARGV[4])
+redis.call('XADD', KEYS[1], '*', 'node', ARGV[2], 'at', ARGV[3], 'beat', ARGV[4], 'token', ARGV[5])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 return redis.call('GET', KEYS[3]) or ''
 """
+_ENQUEUE_SCRIPT_SHA = hashlib.sha1(_ENQUEUE_SCRIPT.encode()).hexdigest().encode()
 _scripts: dict[int, object] = {}
 
 
@@ -117,10 +124,11 @@ def report_keys(wire: dict) -> dict:
     return {r["job_id"]: report_key(r) for r in wire.get("jobs") or ()}
 
 
-def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, now: float | None = None
-                      ) -> ReportOutcome | None:
+def heartbeat_enqueue(*, node_id: int, token_digest: str, wire: dict, body: bytes | None = None,
+                      now: float | None = None) -> ReportOutcome | None:
     """Appends node `node_id`'s heartbeat (`wire`: its decoded JSON, already checked to decode as a
-    Heartbeat; `body`: its bytes as received, else `wire` is encoded) to the queue and records the
+    Heartbeat; `body`: its bytes as received, else `wire` is encoded; `token_digest`: the digest of
+    the token it was authenticated with, Node.agent_token_hash) to the queue and records the
     node's lease; returns what can be said of its reports now (see the module doc), or None when
     it was not queued (Redis unreachable, the backlog full, the body too large): the caller records
     it itself."""
@@ -137,14 +145,50 @@ def heartbeat_enqueue(*, node_id: int, wire: dict, body: bytes | None = None, no
         return None
     try:
         held = script(keys=[STREAM_KEY, LEASE_KEY, OUTCOME_KEY.format(node_id=node_id)],
-                      args=[settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG, node_id, repr(now), body])
+                      args=[settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG, node_id, repr(now), body, token_digest])
     except redis_errors() as exc:
         logger.warning("heartbeat queue: Redis unreachable (%s); recorded in the request", exc)
         return None
     if held is None:
-        logger.warning("heartbeat queue: %s entries wait (the folder is down or behind); recorded in the request",
-                       settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG)
+        _backlog_full()
         return None
+    return _queued_outcome(wire, held)
+
+
+async def heartbeat_enqueue_packed(*, node_id: int, token_digest: str, wire: dict, body: bytes, now: float
+                                   ) -> ReportOutcome | None:
+    """heartbeat_enqueue for the path answered before Django (jobs/heartbeat_api.py), on this event
+    loop: the same script, sent packed on the lease's connections (fleet.lease_api.LeaseConnections)
+    without redis-py's client. Returns None when the backlog is full or the body too large; raises
+    redis-py's errors (Redis unreachable): the caller then takes the full path, which records it."""
+    from redis.exceptions import NoScriptError
+
+    from fleet.lease_api import command_packed, redis_connections
+
+    if len(body) > QUEUED_BODY_MAX:
+        return None
+    arguments = (b"3", STREAM_KEY.encode(), LEASE_KEY.encode(), OUTCOME_KEY.format(node_id=node_id).encode(),
+                 str(settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG).encode(), str(node_id).encode(), repr(now).encode(),
+                 body, token_digest.encode())
+    connections = redis_connections()
+    try:
+        held = await connections.execute(command_packed(b"EVALSHA", _ENQUEUE_SCRIPT_SHA, *arguments))
+    except NoScriptError:  # a Redis restarted (or its scripts flushed) since: EVAL caches it again
+        held = await connections.execute(command_packed(b"EVAL", _ENQUEUE_SCRIPT.encode(), *arguments))
+    if held is None:
+        _backlog_full()
+        return None
+    return _queued_outcome(wire, held)
+
+
+def _backlog_full() -> None:
+    logger.warning("heartbeat queue: %s entries wait (the folder is down or behind); recorded in the request",
+                   settings.MERIDIAN_HEARTBEAT_FOLD_BACKLOG)
+
+
+def _queued_outcome(wire: dict, held) -> ReportOutcome:
+    """Returns what can be said of a queued heartbeat's reports from the node's outcomes the queue
+    script returned (`held`: JSON, or empty when none; see the module doc)."""
     outcomes = json.loads(held) if held else {}
     accepted, rejected, deferred = [], [], []
     for report in wire.get("jobs") or ():
@@ -199,6 +243,7 @@ class _Beat:
     wire: dict
     heartbeat: Heartbeat
     keys: dict  # job id -> report key
+    token: str | None  # the digest of the token it came with (None: queued before session 24; see _still_enrolled)
 
 
 def _entry_order(entry_id: str) -> tuple[int, int]:
@@ -237,10 +282,24 @@ def _decode(entry_id, fields) -> _Beat | None:
         return _Beat(entry=entry_id, node_id=int(fields["node"]),
                      now=datetime.fromtimestamp(float(fields["at"]), tz=dt_timezone.utc), wire=wire,
                      heartbeat=Heartbeat.from_dict(wire),  # checked again: what is recorded is decoded here
-                     keys=report_keys(wire))
+                     keys=report_keys(wire), token=_text(fields["token"]) if "token" in fields else None)
     except (KeyError, ValueError, TypeError) as exc:  # only the web path writes here: a bug, said loudly
         logger.error("heartbeat queue: entry %s unreadable (%s); dropped", entry_id, exc)
         return None
+
+
+def _still_enrolled(beat: _Beat, nodes: dict) -> bool:
+    """True when the beat's node exists and still has the token the beat came with (see the module doc)."""
+    node = nodes.get(beat.node_id)
+    if node is None:
+        logger.info("heartbeat folder: node %s is gone; its heartbeat %s dropped", beat.node_id, beat.entry)
+        return False
+    # An empty digest: queued by a caller that authenticated no token (the service called directly).
+    if beat.token and not hmac.compare_digest(node.agent_token_hash, beat.token):
+        logger.warning("heartbeat folder: node %s's token was revoked or rotated since its heartbeat %s was queued; "
+                       "dropped", beat.node_id, beat.entry)
+        return False
+    return True
 
 
 def _coalesce(beats: list[_Beat]) -> tuple[list[_Beat], int]:
@@ -327,11 +386,8 @@ def heartbeats_fold(*, limit: int = FOLD_BATCH) -> FoldResult:
         fresh = [(entry_id, fields) for entry_id, fields in entries if _entry_order(entry_id) > done]
         beats = [beat for beat in (_decode(e, f) for e, f in fresh) if beat is not None]
         nodes = Node.objects.in_bulk({beat.node_id for beat in beats})
-        gone = [beat for beat in beats if beat.node_id not in nodes]
-        for beat in gone:  # the node was deleted since: nothing of it is recorded
-            logger.info("heartbeat folder: node %s is gone; its heartbeat %s dropped", beat.node_id, beat.entry)
-        present = [beat for beat in beats if beat.node_id in nodes]
-        skipped = len(entries) - len(present)  # recorded before, unreadable, or of a deleted node
+        present = [beat for beat in beats if _still_enrolled(beat, nodes)]
+        skipped = len(entries) - len(present)  # recorded before, unreadable, of a deleted node or a revoked token
         beats, coalesced = _coalesce(present)
         outcomes: dict[int, dict] = defaultdict(dict)
         rounds = _rounds(beats)

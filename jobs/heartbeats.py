@@ -38,9 +38,9 @@ def node_heartbeat_answer(*, node, heartbeat: Heartbeat, wire: dict | None = Non
         serial = desired_serial_of(node_id=node.pk)
         desired, version = node_desired_answer(node=node, held_version=heartbeat.desired_version)
         if desired is None:
-            outcome = heartbeat_enqueue(node_id=node.pk, wire=wire, body=body)
+            outcome = heartbeat_enqueue(node_id=node.pk, token_digest=node.agent_token_hash, wire=wire, body=body)
             if outcome is not None:
-                return _answer(outcome, desired=None, version=version, serial=serial)
+                return heartbeat_answer_of(outcome, desired=None, version=version, serial=serial)
         outcome = node_report_record(node=node, heartbeat=heartbeat)
         heartbeat_outcomes_remember(node_id=node.pk, wire=wire, outcome=outcome)
     else:
@@ -50,10 +50,11 @@ def node_heartbeat_answer(*, node, heartbeat: Heartbeat, wire: dict | None = Non
     # bump ran on commit, above). None while Redis is down: the agent keeps the lease's.
     serial = desired_serial_of(node_id=node.pk)
     desired, version = node_desired_answer(node=node, held_version=heartbeat.desired_version)
-    return _answer(outcome, desired=desired, version=version, serial=serial)
+    return heartbeat_answer_of(outcome, desired=desired, version=version, serial=serial)
 
 
-def _answer(outcome, *, desired, version, serial) -> HeartbeatAnswer:
+def heartbeat_answer_of(outcome, *, desired, version, serial) -> HeartbeatAnswer:
+    """Returns the HeartbeatAnswer of a report's `outcome` (also jobs/heartbeat_api.py's queued answer)."""
     return HeartbeatAnswer(desired=desired, desired_version=version, accepted=outcome.accepted,
                            rejected=outcome.rejected, deferred=outcome.deferred,
                            heartbeat_seconds=settings.MERIDIAN_AGENT_HEARTBEAT_SECONDS, desired_serial=serial)

@@ -8,13 +8,13 @@ import json
 import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import HttpCommunicator
-from django.conf import settings as django_settings
 from django.core.signals import request_started
 
 from fleet.models import Accelerator, Node
 from fleet.services import fleet_generate, node_token_issue, node_token_revoke
 from jobs.heartbeat_api import FAST_BODY_MAX, HEARTBEAT_PATH
 from jobs.models import Job, Replica
+from tests.jobs.heartbeat_requests import post
 
 # Transactional: Django answers each ASGI request in its own thread, whose connection must see the
 # test's rows.
@@ -39,33 +39,6 @@ def running(node, team_a, alice, submit):
     Replica.objects.filter(job=job).update(device=Accelerator.objects.get(node=node, index=0))
     Job.objects.filter(pk=job.pk).update(state=Job.State.RUNNING)
     return job
-
-
-def post(body, *, token, fast=True, raw=None, headers=()):
-    """Returns (status, headers without Content-Length, the JSON body, whether Django answered)."""
-    from portal.asgi import application
-
-    payload = raw if raw is not None else json.dumps(body).encode()
-    sent = [(b"host", b"testserver"), (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            *([(b"authorization", f"Node {token}".encode())] if token else []), *headers]
-    django_answered = []
-
-    def seen(**_):
-        django_answered.append(True)
-
-    request_started.connect(seen, weak=False)
-    old = django_settings.MERIDIAN_HEARTBEAT_FAST_PATH
-    django_settings.MERIDIAN_HEARTBEAT_FAST_PATH = fast
-    try:
-        communicator = HttpCommunicator(application, "POST", HEARTBEAT_PATH, body=payload, headers=sent)
-        response = async_to_sync(communicator.get_response)(timeout=20)
-    finally:
-        django_settings.MERIDIAN_HEARTBEAT_FAST_PATH = old
-        request_started.disconnect(seen)
-    answer_headers = sorted((name.lower(), value) for name, value in response["headers"]
-                            if name.lower() != b"content-length")
-    return response["status"], answer_headers, json.loads(response["body"]), bool(django_answered)
 
 
 def test_a_nodes_heartbeat_is_answered_before_django_exactly_as_django_answers_it(node, running):
