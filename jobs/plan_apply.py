@@ -114,14 +114,14 @@ def _preemption_request_file(*, job: Job, decision: scheduler.Preempt, index: Sn
 
 
 def _migrate_apply(*, job: Job, decision: scheduler.Migrate, index: SnapshotIndex, now: datetime) -> Applied:
-    devices = [int(index.accelerator_ids[d]) for d in decision.devices]
+    devices = _accelerators_by_host(index, decision.devices)
     region = index.region_ids[int(index.snapshot.accelerators.region[decision.devices[0]])]
     return "migrate", _migrate(job=job, decision=decision, devices=devices, region=region,
                                nodes=_nodes_of(index, decision.devices), now=now)
 
 
 def _resize_apply(*, job: Job, decision: scheduler.Resize, index: SnapshotIndex, now: datetime) -> Applied:
-    devices = [int(index.accelerator_ids[d]) for d in decision.devices]
+    devices = _accelerators_by_host(index, decision.devices)
     if job.state == S.SCHEDULED:
         # Not reported running yet: just lay it out anew. Its agent may have launched it already on
         # the old layout, though: when the hosts change (a 4-device copy on one host grown onto two),
@@ -176,6 +176,19 @@ APPLIERS: dict[type, Callable[..., Applied]] = {
 # rank_layout's rule (scheduler.rank_layout) as device positions, one tuple per (W, d): a placement
 # tick lays out ~30k jobs of a handful of shapes. An illegal shape raises each time (not cached).
 _rank_devices = functools.lru_cache(maxsize=1024)(rank_devices)
+
+
+def _accelerators_by_host(index: SnapshotIndex, devices) -> list[int]:
+    """Returns the Accelerator pks of the snapshot's `devices`, each host's together (by Node.pk,
+    then Accelerator.pk). Ranks go to them in this order in blocks (rank_layout), and a job spanning
+    hosts runs one contiguous block of ranks per host (runtime/multihost.py host_block): a host whose
+    accelerator pks interleave with another's (devices registered after another node's) would
+    otherwise get two blocks, and the job would fail by name at its launch."""
+    if len(devices) == 1:  # most jobs: a placement tick lays out ~30k
+        return [int(index.accelerator_ids[devices[0]])]
+    devices = np.asarray(devices, np.int64)
+    order = np.lexsort((index.accelerator_ids[devices], index.accelerator_node_ids[devices]))
+    return [int(x) for x in index.accelerator_ids[devices[order]]]
 
 
 def _place_replicas(*, job: Job, device_ids: list[int]) -> int:
@@ -329,7 +342,7 @@ def _start_many(*, index: SnapshotIndex, starts: list[scheduler.Start], now: dat
     placed_events, placed_nodes = [], {}
     for job in jobs:
         decision = by_id[job.pk]
-        devices = [int(index.accelerator_ids[d]) for d in decision.devices]
+        devices = _accelerators_by_host(index, decision.devices)
         replica_jobs.extend([job.pk] * job.world_size)
         replica_ranks.extend(range(job.world_size))
         replica_devices.extend([devices[k] for k in _rank_devices(job.world_size, len(devices))])

@@ -202,6 +202,27 @@ def test_a_host_that_fails_under_the_job_while_it_is_resized_across_hosts_requeu
 
 
 @pytest.mark.django_db
+def test_each_host_gets_one_block_of_ranks_when_its_devices_ids_interleave_with_anothers(alice, team_a, job_spec):
+    """A host whose devices were registered after another host's (accelerator ids 1, 2, 5, 6 on n1;
+    3, 4 on n2): ranks laid out over the ids in order would give n1 ranks 0-1 and 4-5, two blocks,
+    which no launcher runs (runtime/multihost.py host_block). Each host's devices go together."""
+    from fleet.models import Accelerator
+    n1, n2 = make_node("n1", devices=2), make_node("n2", devices=2)
+    for index in (2, 3):
+        Accelerator.objects.create(node=n1, index=index, type="CPU")
+    assert sorted(Accelerator.objects.filter(node=n1).values_list("id", flat=True))[2] > max(
+        Accelerator.objects.filter(node=n2).values_list("id", flat=True))
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="six", world_size=6, min_devices=6,
+                                                                    tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    assert job.state == S.SCHEDULED and hosts_of(job) == ["n1", "n2"], job.wait_reason
+    spans = {node.hostname: entry_of(node, job.pk)["span"] for node in (n1, n2)}
+    blocks = sorted((span["first_rank"], span["ranks"], host) for host, span in spans.items())
+    assert blocks == [(0, 4, "n1"), (4, 2, "n2")], blocks
+
+
+@pytest.mark.django_db
 def test_a_failure_of_the_jobs_code_on_another_host_fails_it(wide):
     job, n1, n2 = wide
     report(n1, job.pk, "running", generation=1, step=5)
