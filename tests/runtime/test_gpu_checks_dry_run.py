@@ -91,6 +91,14 @@ def test_the_results_go_under_out_when_the_device_tool_sets_it(tmp_path, monkeyp
     assert json_path(None) is None
 
 
+def test_the_watchdog_writes_what_it_has_and_ends_a_stuck_run():
+    # A step stuck inside a driver call is reached by no timeout: the watchdog ends the process.
+    code = ("import time; from bench.gpu_harness import Watchdog; "
+            "Watchdog(0.2, lambda: print('rows written', flush=True)).start(); time.sleep(30)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=25)
+    assert run.returncode == 3 and "rows written" in run.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_cpu_dry_run_runs_every_check_end_to_end_bit_exact(tmp_path):
