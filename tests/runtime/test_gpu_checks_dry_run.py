@@ -82,6 +82,15 @@ def test_a_budget_that_fits_nothing_skips_every_check_saying_so_in_the_table_and
     assert table.count("skipped: needs ~") >= 2 * len(rows)  # as it goes, and in the table
 
 
+def test_without_a_gpu_the_cuda_run_stops_at_once_saying_no_gpu(tmp_path, capsys):
+    checks = load_checks()
+    if checks.no_gpu_reason() is None:
+        pytest.skip("a GPU is here: the cuda run would run")
+    assert checks.main(["--device", "cuda", "--json", str(tmp_path / "rows.json")]) == 2
+    assert capsys.readouterr().out.startswith("no GPU: ")
+    assert not (tmp_path / "rows.json").exists()
+
+
 def test_the_results_go_under_out_when_the_device_tool_sets_it(tmp_path, monkeypatch):
     from bench.gpu_harness import json_path
     monkeypatch.setenv("OUT", str(tmp_path))
