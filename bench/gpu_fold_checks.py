@@ -1,9 +1,11 @@
 """The folding checks of bench/gpu_checks.py (issue 17 §2), for a machine with one NVIDIA GPU.
 
-UNPROVEN ON GPU until this has run on one (it was written on a machine without): the fold's CUDA
-path is runtime/cudagroup.py. On one GPU every rank of a job folds onto the one physical device
-(the fold's key there is the GPU, not the launcher's logical device), so the members' NCCL
-communicator is never built: the cross-device path needs two GPUs and stays unproven here.
+UNPROVEN ON GPU until this has run on one (it was written on a machine without; its CPU dry run,
+bench/gpu_checks.py --device cpu, runs every line of it over gloo with meridian-run --fold, in CI).
+The fold's CUDA path is runtime/cudagroup.py. On one GPU every rank of a job folds onto the one
+physical device (the fold's key there is the GPU, not the launcher's logical device), so the
+members' NCCL communicator is never built: the cross-device path needs two GPUs and stays
+unproven here.
 
 Checks, each a meridian-run job (or a plain process) under its own timeout, never hanging:
 1. W = 4 folded on the GPU with 4, 2 and 1 logical devices: the same final bits (the unfolded
@@ -14,9 +16,14 @@ Checks, each a meridian-run job (or a plain process) under its own timeout, neve
 4. cost per step of the fold: a plain DDP process over NCCL (W = 1, no meridian-run) against the
    same script under meridian-run at W = 1, 2 and 4 on the one GPU (time per optimizer step of
    the job, all ranks time-sliced on the device).
+With --device cpu: gloo instead of NCCL, CPU tensors, a narrower cost model; W ranks on d CPU
+devices fold onto d members (not 1: the fold's key is the logical device there).
 
-Usage: python3 bench/gpu_fold_checks.py [--timeout-s 150]   (or through bench/gpu_checks.py)
+Usage: python3 bench/gpu_fold_checks.py [--device cuda|cpu] [--timeout-s 150]
+(or through bench/gpu_checks.py, which adds the budget and the JSON)
 """
+from __future__ import annotations
+
 import argparse
 import os
 import pathlib
@@ -24,32 +31,48 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DDP_SCRIPT = ROOT / "tests" / "runtime" / "scripts" / "ddp_mlp.py"
 
-# The cost worker: a DDP MLP of 4 x 2048-wide layers on the GPU, `steps` steps, then the median
-# step time (ms) of the last half and a hash of the parameters. RANK/WORLD_SIZE/MASTER_* from env.
+from bench.gpu_harness import (  # noqa: E402
+    STARTED,
+    BenchJob,
+    Budget,
+    CheckRow,
+    exit_code,
+    print_table,
+    run_check,
+    run_job,
+    same_final_state,
+)
+
+DDP_SCRIPT = ROOT / "tests" / "runtime" / "scripts" / "ddp_mlp.py"
+RESIZES = ((2, 6), (1, 14), (4, 24))  # (devices, after step) of the 40-step W = 4 job
+
+# The cost worker: a DDP MLP of 4 layers `width` wide, `steps` steps, then the median step time
+# (ms) of the last half. RANK/WORLD_SIZE/MASTER_* from env. argv: steps backend width.
 COST_WORKER = r"""
 import os, statistics, sys, time, torch, torch.distributed as dist
-steps = int(sys.argv[1])
-dist.init_process_group("nccl")
+steps, backend, width = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group(backend)
+cuda = backend == "nccl"
+device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+sync = torch.cuda.synchronize if cuda else (lambda: None)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.manual_seed(5 + dist.get_rank())
-model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(device)
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-x = torch.randn(64, 2048, device="cuda")
+x = torch.randn(64, width, device=device)
 times = []
 for step in range(steps):
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     optimizer.zero_grad()
     ddp(x).square().mean().backward()
     optimizer.step()
-    torch.cuda.synchronize()
+    sync()
     times.append(time.perf_counter() - started)
 if dist.get_rank() == 0:
     print("STEP_MS", 1e3 * statistics.median(times[steps // 2:]), flush=True)
@@ -57,155 +80,168 @@ dist.destroy_process_group()
 """
 
 
-def _launcher(job_dir, *, ranks, devices, script, args, timeout_s, resize=None):
-    """Runs one meridian-run job to its end (killed past timeout_s); returns (rc, output, seconds).
-    resize: [(devices, at_step), ...] asked for through the control socket while it runs."""
-    from runtime.control import JobControl, JobControlError
+class FoldChecks:
+    """Checks 1-4 of the module docstring on `device` ("cuda" or "cpu"), under `work`."""
 
-    command = [sys.executable, "-m", "runtime.launcher", "--ranks", str(ranks), "--devices", str(devices),
-               "--engine", "framework", "--job-dir", str(job_dir), "--job-id", f"gpu-fold-{uuid.uuid4().hex[:8]}",
-               str(script)] + list(args)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    started = time.perf_counter()
-    log = open(pathlib.Path(job_dir).with_suffix(".log"), "wb")
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
+    def __init__(self, work, *, device: str, budget: Budget, step_timeout_s: float):
+        self.work = pathlib.Path(work)
+        self.device = device
+        self.budget = budget
+        self.step_timeout_s = step_timeout_s
+        self.cuda = device == "cuda"
+        self.backend = "nccl" if self.cuda else "gloo"
+        self.cost_steps, self.cost_width = (200, 2048) if self.cuda else (20, 64)
+
+    def expected_fold_devices(self, devices: int) -> int:
+        """The devices a job on `devices` logical devices folds onto: the one GPU, or on CPU the
+        logical devices themselves."""
+        return 1 if self.cuda else devices
+
+    def ddp_run(self, name, ranks, devices, resize=None, extra=()):
+        """Runs ddp_mlp.py at W = ranks on `devices` devices; returns (final state or None, exit code,
+        output, seconds)."""
+        out = self.work / f"{name}.pt"
+        args = [out, "--epochs", "10", "--backend", self.backend] + list(extra)
+        timeout_s = self.budget.timeout(self.step_timeout_s)
         if resize:
-            control = JobControl(job_dir)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and process.poll() is None:
-                try:
-                    control.progress()
-                    break
-                except (JobControlError, OSError):
-                    time.sleep(0.1)
-            for devices_now, at_step in resize:
-                control.resize(devices_now, at_step=at_step, timeout_s=timeout_s)
-        rc = process.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - started)))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        rc = "timeout"
-    except Exception as exc:  # noqa: BLE001 - a failed resize is a failed check, not a crash
-        process.kill()
-        process.wait()
-        rc = f"error: {exc}"
-    finally:
-        log.close()
-    seconds = time.perf_counter() - started
-    text = pathlib.Path(job_dir).with_suffix(".log").read_text(errors="replace")
-    for err in sorted(pathlib.Path(job_dir, "logs").glob("*.err")) if pathlib.Path(job_dir, "logs").is_dir() else []:
-        text += err.read_text(errors="replace")
-    return rc, text, seconds
+            rc, text, seconds = _run_resized(self.work / name, ranks=ranks, devices=devices, script=DDP_SCRIPT,
+                                             script_args=args, fold=not self.cuda, resize=resize, timeout_s=timeout_s)
+        else:
+            rc, text, seconds = run_job(self.work / name, ranks=ranks, devices=devices, script=DDP_SCRIPT,
+                                        script_args=args, fold=not self.cuda, timeout_s=timeout_s, budget=self.budget)
+        return (out if rc == 0 and out.exists() else None), rc, text, seconds
 
-
-def _same_state(first, second):
-    import torch
-
-    a, b = torch.load(first, weights_only=False, map_location="cpu"), torch.load(second, weights_only=False,
-                                                                              map_location="cpu")
-    if a["params"].keys() != b["params"].keys():
-        return False
-    if not all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]):
-        return False
-    for index, state in a["optimizer"]["state"].items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and not torch.equal(value, b["optimizer"]["state"][index][key]):
-                return False
-    return True
-
-
-def fold_checks(timeout_s=150.0):
-    """Returns rows (check, seconds, result, detail) for checks 1-4 of the module docstring."""
-    rows = []
-    work = pathlib.Path(tempfile.mkdtemp(prefix="gpu-fold-"))
-    args = ["--epochs", "10", "--backend", "nccl"]
-
-    def ddp_run(name, ranks, devices, resize=None, extra=()):
-        out = work / f"{name}.pt"
-        rc, text, seconds = _launcher(work / name, ranks=ranks, devices=devices, script=DDP_SCRIPT,
-                                      args=[str(out)] + args + list(extra), timeout_s=timeout_s, resize=resize)
-        folded = f"folded {ranks} ranks onto 1 device(s)" in text
-        return out if rc == 0 and out.exists() else None, rc, folded, seconds, text[-400:]
-
-    # 1. and 3.: logical layouts on the one GPU.
-    for ranks, layouts in ((4, (4, 2, 1)), (2, (2, 1))):
-        reference = None
+    def layouts(self, ranks: int, layouts: tuple) -> list:
+        """W = ranks on each of `layouts` logical device counts: folded as expected, and the same
+        bits as the first layout's run."""
+        rows = []
+        reference, reference_devices = None, None
         for devices in layouts:
-            out, rc, folded, seconds, tail = ddp_run(f"w{ranks}-d{devices}", ranks, devices)
+            name = f"fold: W={ranks} on {devices} logical device(s)"
+            out, rc, text, seconds = self.ddp_run(f"w{ranks}-d{devices}", ranks, devices)
             if out is None:
-                rows.append((f"W={ranks} on {devices} logical device(s)", seconds, False, f"rc {rc}: {tail!r}"))
+                rows.append(CheckRow(name, seconds, "timeout" if rc == "timeout" else "failed", False,
+                                     f"rc {rc}: {text[-400:]}"))
                 continue
-            reference = reference or out
-            same = _same_state(reference, out)
-            rows.append((f"W={ranks} on {devices} logical device(s)", seconds, same and folded,
-                         f"folded onto the GPU: {folded}; same bits as d={layouts[0]}: {same}"))
-    # 2.: resized while running, against the uninterrupted W = 4 run on 4 logical devices.
-    reference = work / "w4-d4.pt"
-    out, rc, folded, seconds, tail = ddp_run("w4-resized", 4, 4, resize=[(2, 6), (1, 14), (4, 24)],
-                                             extra=["--step-sleep", "0.05"])
-    same = out is not None and reference.exists() and _same_state(reference, out)
-    rows.append(("W=4 resized 4->2->1->4", seconds, same, f"rc {rc}; same bits as uninterrupted: {same}"))
-    # 4.: cost per step.
-    rows.extend(_cost_rows(work, timeout_s))
-    return rows
+            onto = self.expected_fold_devices(devices)
+            folded = f"folded {ranks} ranks onto {onto} device(s)" in text
+            if reference is None:
+                reference, reference_devices = out, devices
+            same, what = same_final_state(reference, out)
+            rows.append(CheckRow(name, seconds, "ok" if same and folded else "failed", same,
+                                 f"folded onto {onto} device(s): {folded}; against d={reference_devices}: {what}"))
+        return rows
+
+    def resized(self) -> list:
+        """W = 4 resized 4 -> 2 -> 1 -> 4 against the uninterrupted W = 4 run on 4 devices."""
+        name = "fold: W=4 resized 4->2->1->4"
+        reference = self.work / "w4-d4.pt"
+        if not reference.exists():
+            return [CheckRow(name, 0.0, "skipped", None, "skipped: no uninterrupted W=4 run to compare with")]
+        out, rc, text, seconds = self.ddp_run("w4-resized", 4, 4, resize=RESIZES, extra=["--step-sleep", "0.05"])
+        if out is None:
+            return [CheckRow(name, seconds, "timeout" if rc == "timeout" else "failed", False,
+                             f"rc {rc}: {text[-400:]}")]
+        refolded = all(f"folded 4 ranks onto {self.expected_fold_devices(d)} device(s)" in text for d, _ in RESIZES)
+        same, what = same_final_state(reference, out)
+        return [CheckRow(name, seconds, "ok" if same and refolded else "failed", same,
+                         f"refolded at each resize: {refolded}; against uninterrupted: {what}")]
+
+    def cost(self) -> list:
+        """The fold's time per step against plain DDP (no meridian-run) at W = 1."""
+        rows = []
+        worker = self.work / "cost_worker.py"
+        worker.write_text(COST_WORKER)
+        worker_args = [str(self.cost_steps), self.backend, str(self.cost_width)]
+        plain_name = f"cost: plain DDP over {self.backend}, W=1"
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(29500 + os.getpid() % 1000))
+        timeout_s = self.budget.timeout(self.step_timeout_s)
+        started = time.monotonic()
+        plain = subprocess.Popen([sys.executable, str(worker)] + worker_args, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+        STARTED.append(plain)
+        try:
+            stdout, stderr = plain.communicate(timeout=timeout_s)
+            plain_ms = step_ms(stdout)
+            rows.append(CheckRow(plain_name, time.monotonic() - started, "ok" if plain_ms is not None else "failed",
+                                 None, f"{plain_ms:.3f} ms/step" if plain_ms is not None else stderr[-300:]))
+        except subprocess.TimeoutExpired:
+            plain.kill()
+            plain.communicate()
+            plain_ms = None
+            rows.append(CheckRow(plain_name, timeout_s, "timeout", None, "timeout"))
+        for ranks in (1, 2, 4):
+            rc, text, seconds = run_job(self.work / f"cost-w{ranks}", ranks=ranks, devices=ranks, script=worker,
+                                        script_args=worker_args, fold=not self.cuda,
+                                        timeout_s=self.budget.timeout(self.step_timeout_s), budget=self.budget)
+            ms = step_ms(text)
+            ratio = f", {ms / plain_ms:.2f}x plain W=1" if ms is not None and plain_ms else ""
+            result = "ok" if rc == 0 and ms is not None else ("timeout" if rc == "timeout" else "failed")
+            detail = f"{ms:.3f} ms/step of the job{ratio}" if ms is not None else f"rc {rc}: {text[-300:]}"
+            rows.append(CheckRow(f"cost: meridian-run folded, W={ranks}", seconds, result, None, detail))
+        return rows
 
 
-def _cost_rows(work, timeout_s, steps=200):
-    rows = []
-    worker = work / "cost_worker.py"
-    worker.write_text(COST_WORKER)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29500 + os.getpid() % 1000))
-    started = time.perf_counter()
+def _run_resized(job_dir, *, resize, timeout_s, **job_args):
+    """Runs one meridian-run job, asking for each (devices, after step) of `resize` through its
+    control socket while it runs; returns (exit code, "timeout" or "error: <why>"; output; seconds)."""
+    from runtime.control import JobControlError
+
+    job = BenchJob(job_dir, **job_args)
+    deadline = time.monotonic() + timeout_s
     try:
-        plain = subprocess.run([sys.executable, str(worker), str(steps)], env=env, capture_output=True, text=True,
-                               timeout=timeout_s)
-        plain_ms = _step_ms(plain.stdout)
-        rows.append(("cost: plain DDP over NCCL, W=1", time.perf_counter() - started, plain_ms is not None,
-                     f"{plain_ms:.3f} ms/step" if plain_ms else plain.stderr[-300:]))
-    except subprocess.TimeoutExpired:
-        plain_ms = None
-        rows.append(("cost: plain DDP over NCCL, W=1", timeout_s, False, "timeout"))
-    for ranks in (1, 2, 4):
-        rc, text, seconds = _launcher(work / f"cost-w{ranks}", ranks=ranks, devices=ranks, script=worker,
-                                      args=[str(steps)], timeout_s=timeout_s)
-        logs = pathlib.Path(work / f"cost-w{ranks}", "logs")
-        for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
-            text += log.read_text(errors="replace")
-        ms = _step_ms(text)
-        ratio = f", {ms / plain_ms:.2f}x plain W=1" if ms and plain_ms else ""
-        rows.append((f"cost: meridian-run folded, W={ranks}", seconds, rc == 0 and ms is not None,
-                     (f"{ms:.3f} ms/step of the job{ratio}" if ms else f"rc {rc}: {text[-300:]!r}")))
-    return rows
+        job.wait_ready(timeout_s)
+        control = job.control()
+        for devices, at_step in resize:
+            control.resize(devices, at_step=at_step, timeout_s=max(1.0, deadline - time.monotonic()))
+    except (JobControlError, RuntimeError, OSError) as exc:
+        job.kill()
+        return f"error: {exc}", job.output(), job.seconds()
+    rc = job.wait(deadline - time.monotonic())
+    return rc, job.output(), job.seconds()
 
 
-def _step_ms(text):
+def step_ms(text):
+    """The STEP_MS figure a cost worker printed, or None."""
     for line in text.splitlines():
         if line.startswith("STEP_MS"):
             return float(line.split()[1])
     return None
 
 
-def report(rows):
-    print()
-    print(f"{'fold check':40} {'seconds':>8}  {'ok':5} detail")
-    for name, seconds, ok, detail in rows:
-        print(f"{name:40} {seconds:8.1f}  {str(bool(ok)):5} {detail}")
-    return 0 if all(row[2] for row in rows) else 1
+def fold_check_plan(work, *, device: str, budget: Budget, step_timeout_s: float):
+    """Returns (proofs, measures): lists of (name, estimate function, check) in the order to run
+    them (the W = 4 layouts first: the resize compares against their 4-device run); the caller
+    runs the measures (cost per step) after the other checks' proofs."""
+    checks = FoldChecks(work, device=device, budget=budget, step_timeout_s=step_timeout_s)
+    proofs = [("fold: W=4 layouts", lambda: 3 * budget.launch_s, lambda: checks.layouts(4, (4, 2, 1))),
+              ("fold: W=2 layouts", lambda: 2 * budget.launch_s, lambda: checks.layouts(2, (2, 1))),
+              ("fold: W=4 resized", lambda: 2 * budget.launch_s, checks.resized)]
+    return proofs, [("fold: cost per step", lambda: 4 * budget.launch_s, checks.cost)]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--timeout-s", type=float, default=150.0, help="limit of each job")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit in this")
     args = parser.parse_args()
-    from runtime import cudagroup
+    if args.device == "cuda":
+        from runtime import cudagroup
 
-    missing = cudagroup.cuda_missing()
-    if missing is not None:
-        print(f"no GPU: {missing}; the fold checks need one")
-        return 2
-    return report(fold_checks(args.timeout_s))
+        missing = cudagroup.cuda_missing()
+        if missing is not None:
+            print(f"no GPU: {missing}; the fold checks need one (--device cpu: the dry run)")
+            return 2
+    budget = Budget(args.budget_s)
+    rows: list = []
+    work = pathlib.Path(tempfile.mkdtemp(prefix="gpu-fold-"))
+    proofs, measures = fold_check_plan(work, device=args.device, budget=budget, step_timeout_s=args.timeout_s)
+    for name, estimate, check in proofs + measures:
+        run_check(rows, name, estimate(), budget, check)
+    print_table(rows, title=f"fold checks ({args.device})")
+    return exit_code(rows)
 
 
 if __name__ == "__main__":

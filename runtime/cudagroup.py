@@ -2,8 +2,9 @@
 
 UNPROVEN ON GPU: nothing in this module has run on a CUDA device yet. It was written on a
 machine without one (torch 2.13.0+cpu); only the refusal (`cuda_missing`) is exercised in CI.
-bench/gpu_checks.py --fold is the prepared proof for a lent H200 (W = 2 and 4 folded on one
-GPU against W = 4 unfolded, and the fold's cost per step against plain DDP over NCCL).
+bench/gpu_checks.py --checks fold is the prepared proof for a lent GPU (W = 2 and 4 folded on one
+GPU against W = 4 unfolded, and the fold's cost per step against plain DDP over NCCL); its
+--device cpu dry run proves the harness, not this module.
 Multi-GPU NCCL cannot be proven on one GPU at all: with one device the members' communicator
 has a single member and is never built, so the cross-device path below is reviewed, not run.
 

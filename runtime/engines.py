@@ -424,9 +424,16 @@ class CriuEngine(Engine):
         runtime.slot.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Neither a socket nor the shared reduction area may be left for CRIU to dump.
+        # Neither a socket nor the shared reduction area may be left for CRIU to dump, nor CUDA
+        # state: CRIU would fail on the device files, or (with its CUDA plugin) restore a context
+        # our virtual group never rebuilt; a refused cut lets the job go on.
         leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
-        runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=tuple(leftovers))
+        cuda_refusal = cuda_state_refusal(open_device_files=nvidia_device_fds(),
+                                          torch_cuda_initialized=_torch_cuda_initialized())
+        if cuda_refusal is not None:
+            runtime.report(request, step, "error", error=cuda_refusal)
+        else:
+            runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=tuple(leftovers))
         path = spool_files.resume_path(runtime.spool, request.id)
         while True:
             payload = spool_files.read_json(path)
@@ -441,6 +448,44 @@ class CriuEngine(Engine):
         if group is not None:
             group.ensure_inner()
         runtime.resumed()
+
+
+# Said by every CRIU cut of a rank that holds CUDA state (bench/gpu_job_checks.py expects it on a
+# GPU: a change here is a change that check must see).
+CUDA_STATE_REFUSAL = ("the CRIU engine dumps no CUDA state yet, and this rank holds some ({what}); "
+                      "use --engine framework, which saves CUDA tensors and the CUDA RNG state")
+
+
+def cuda_state_refusal(*, open_device_files: list[str], torch_cuda_initialized: bool) -> str | None:
+    """Returns why a CRIU cut of this rank is refused (CUDA_STATE_REFUSAL naming what it holds),
+    or None when the rank holds no CUDA state: torch never initialized CUDA and no NVIDIA device
+    file is open (CUDA through another library, CuPy or JAX, opens those too)."""
+    held = (["torch initialized CUDA"] if torch_cuda_initialized else []) + sorted(set(open_device_files))
+    if not held:
+        return None
+    return CUDA_STATE_REFUSAL.format(what=", ".join(held))
+
+
+def nvidia_device_fds(fd_dir: str = "/proc/self/fd") -> list[str]:
+    """Returns the NVIDIA device files (/dev/nvidia*) this process has open."""
+    found: list[str] = []
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(os.path.join(fd_dir, name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd among them)
+        if target.startswith("/dev/nvidia"):
+            found.append(target)
+    return found
+
+
+def _torch_cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")  # a rank that never imported torch holds no torch CUDA state
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 class FrameworkEngine(Engine):

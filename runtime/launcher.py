@@ -896,7 +896,11 @@ class Launcher:
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="meridian-run",
-        description="Run an unmodified PyTorch script as a preemptible, resizable Meridian job.")
+        description="Run an unmodified PyTorch script as a preemptible, resizable Meridian job.",
+        # Everything after the script is the script's: without this, a script option that is a
+        # prefix of ours (`--device` of --devices/--device-indices) was taken for ours and
+        # failed the launch as ambiguous (found by bench/gpu_checks.py --device cpu).
+        allow_abbrev=False)
     parser.add_argument("--ranks", type=int, required=True, help="world size W (fixed for the job)")
     parser.add_argument("--devices", type=int, default=None,
                         help="devices to map the W ranks onto (must divide W; default W, or the "

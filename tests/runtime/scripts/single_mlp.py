@@ -1,6 +1,9 @@
 """An ordinary single-process training script (no torch.distributed at all).
 
-Usage: single_mlp.py OUT_PATH [--epochs E] [--step-sleep S]
+Usage: single_mlp.py OUT_PATH [--epochs E] [--step-sleep S] [--device cpu|cuda]
+--device cuda: the model, its optimizer state and the augmentation noise on cuda:0, so dropout
+and randn_like draw from the CUDA generator (bench/gpu_job_checks.py). OUT_PATH gets the final
+parameters, optimizer state and RNG state (the CPU generator's, and the CUDA one's with cuda).
 """
 import argparse
 import time
@@ -15,24 +18,30 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
 
     torch.manual_seed(99)
     x = torch.randn(192, 6)
     y = (x[:, :1] * 2 - x[:, 1:2]).clone()
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Dropout(0.1), nn.Linear(24, 1))
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    model = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Dropout(0.1), nn.Linear(24, 1)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
     for _epoch in range(args.epochs):
         for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
             xb = xb + 0.05 * torch.randn_like(xb)  # random augmentation
             optimizer.zero_grad()
             nn.functional.mse_loss(model(xb), yb).backward()
             optimizer.step()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+    rng = {"cpu": torch.get_rng_state()}
+    if args.device == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state()
     torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optimizer": optimizer.state_dict()}, args.out)
+                "optimizer": optimizer.state_dict(), "rng": rng}, args.out)
 
 
 if __name__ == "__main__":

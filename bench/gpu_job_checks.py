@@ -1,0 +1,171 @@
+"""The whole-job checks of bench/gpu_checks.py (issue 17's Proof list): one single-process training
+job under meridian-run, preempted at a cut and resumed in a new process, against an uninterrupted run.
+
+UNPROVEN ON GPU until run on one (written on a machine without; its CPU dry run, --device cpu,
+runs every line of it in CI). What each check shows on a GPU:
+1. framework engine: tests/runtime/scripts/single_mlp.py --device cuda (model, Adam state and
+   augmentation noise on cuda:0, dropout drawing from the CUDA generator) is stopped at step 13
+   and resumed by a new launcher, in a new PID namespace where this host allows one
+   (unshare --pid --mount-proc, as root); its final parameters, Adam state and CPU and CUDA RNG
+   states must be the bits of the uninterrupted run. The script has no AMP GradScaler: the
+   framework engine refuses an enabled one (runtime/framework.py), on CPU and GPU alike.
+2. CRIU engine: on a GPU the stop must be REFUSED with the runtime's own message
+   (runtime/engines.py CUDA_STATE_REFUSAL: the CRIU engine dumps no CUDA state), the job going on
+   to the uninterrupted run's bits; the refusal is the expected outcome and its text is recorded,
+   so a change (a CRIU engine that dumps CUDA state) shows as a "failed" row to look at. Where
+   CRIU is not installed (the lent machines so far) the row is "skipped" and says why. On CPU the
+   CRIU engine really dumps and restores (each rank the init of its own PID namespace): bit-exact.
+"""
+from __future__ import annotations
+
+import pathlib
+import time
+
+from bench.gpu_harness import ROOT, BenchJob, Budget, CheckRow, pid_namespace_wrapper, run_job, same_final_state
+
+SINGLE_SCRIPT = ROOT / "tests" / "runtime" / "scripts" / "single_mlp.py"
+STOP_AT_STEP = 13
+# 3 epochs of 12 steps; a sleep per step keeps step 13 ahead of the stop request however fast
+# the device is (a GPU runs this MLP's 36 steps in well under a second).
+SCRIPT_ARGS = ["--epochs", "3", "--step-sleep", "0.05"]
+EXIT_STOPPED = 75
+
+
+def launches_estimate(budget: Budget, engine: str) -> float:
+    """Seconds the check of `engine` is expected to take (the reference run counted once, with
+    the framework check)."""
+    return budget.launch_s * (3 if engine == "framework" else 2)
+
+
+class JobChecks:
+    """The whole-job checks on `device` ("cuda" or "cpu"), under `work`, within `budget`."""
+
+    def __init__(self, work: pathlib.Path, *, device: str, budget: Budget, step_timeout_s: float):
+        self.work = pathlib.Path(work)
+        self.device = device
+        self.budget = budget
+        self.step_timeout_s = step_timeout_s
+        self.reference: pathlib.Path | None = None
+        self.reference_error = ""
+
+    def args(self, out) -> list:
+        return [out] + SCRIPT_ARGS + ["--device", self.device]
+
+    def reference_state(self) -> pathlib.Path | None:
+        """The uninterrupted run's final state (run once, by the first check that needs it)."""
+        if self.reference is None and not self.reference_error:
+            out = self.work / "reference.pt"
+            rc, text, seconds = run_job(self.work / "reference", ranks=1, script=SINGLE_SCRIPT,
+                                        script_args=self.args(out), engine="framework",
+                                        timeout_s=self.budget.timeout(self.step_timeout_s), budget=self.budget)
+            if rc == 0 and out.exists():
+                self.reference = out
+            else:
+                self.reference_error = f"the uninterrupted run ended {rc} after {seconds:.0f} s: {text[-500:]}"
+        return self.reference
+
+    def framework_preempt_resume(self) -> list:
+        name = f"single job, framework engine, stop+resume ({self.device})"
+        started = time.monotonic()
+        reference = self.reference_state()
+        if reference is None:
+            return [CheckRow(name, time.monotonic() - started, "error", None, self.reference_error)]
+        prefix, namespace = pid_namespace_wrapper()
+        stopped, detail = self._stop_and_resume("framework", prefix)
+        return [self._compare_row(name, started, stopped, detail + f"; resumed {namespace}", reference)]
+
+    def criu(self) -> list:
+        from runtime import criu
+        from runtime.engines import CUDA_STATE_REFUSAL
+
+        name = f"single job, CRIU engine ({self.device})"
+        ok, why = criu.check_available()
+        if not ok:
+            return [CheckRow(name, 0.0, "skipped", None, f"skipped: CRIU unavailable here ({why})"
+                             + ("; the expected CUDA refusal was not reached" if self.device == "cuda" else ""))]
+        started = time.monotonic()
+        reference = self.reference_state()
+        if reference is None:
+            return [CheckRow(name, time.monotonic() - started, "error", None, self.reference_error)]
+        if self.device == "cpu":
+            stopped, detail = self._stop_and_resume("criu", [])
+            return [self._compare_row(name, started, stopped, detail + "; each rank the init of its own PID "
+                                      "namespace, restored into a new one", reference)]
+        return [self._criu_refusal_row(name, started, reference, CUDA_STATE_REFUSAL)]
+
+    def _stop_and_resume(self, engine: str, prefix: list) -> tuple[pathlib.Path | None, str]:
+        """Stops a job at STOP_AT_STEP and resumes it in a new launcher; returns (the final state's
+        path or None, what happened)."""
+        from runtime.control import JobControlError
+
+        out = self.work / f"{engine}.pt"
+        job_dir = self.work / f"{engine}-node" / "job"
+        job_id = f"gpu-check-{engine}-{int(time.time() * 1000) % 10**8}"
+        first = BenchJob(job_dir, ranks=1, script=SINGLE_SCRIPT, script_args=self.args(out), engine=engine,
+                         job_id=job_id)
+        try:
+            first.wait_ready(self.budget.timeout(self.step_timeout_s))
+            answer = first.control().stop(at_step=STOP_AT_STEP, timeout_s=self.budget.timeout(self.step_timeout_s))
+        except (JobControlError, RuntimeError, OSError) as exc:
+            first.kill()
+            return None, f"stop failed: {exc}; {first.output()[-400:]}"
+        rc = first.wait(self.budget.timeout(self.step_timeout_s))
+        if rc != EXIT_STOPPED or out.exists():
+            return None, f"the stopped launcher ended {rc} (expected {EXIT_STOPPED}), output there: {out.exists()}"
+        second = BenchJob(job_dir, ranks=1, script=SINGLE_SCRIPT, script_args=self.args(out), engine=engine,
+                          job_id=job_id, resume=True, prefix=prefix)
+        rc = second.wait(self.budget.timeout(self.step_timeout_s))
+        if rc != 0 or not out.exists():
+            return None, f"the resumed launcher ended {rc}: {second.output()[-500:]}"
+        return out, f"stopped at step {answer['step']} ({answer['engine']}), resumed by a new launcher"
+
+    def _compare_row(self, name, started, final, detail, reference) -> CheckRow:
+        seconds = time.monotonic() - started
+        if final is None:
+            return CheckRow(name, seconds, "failed", False, detail)
+        exact, what = same_final_state(reference, final)
+        return CheckRow(name, seconds, "ok" if exact else "failed", exact, f"{detail}; {what}")
+
+    def _criu_refusal_row(self, name, started, reference, expected_text) -> CheckRow:
+        """A GPU job under CRIU: its stop must be refused with expected_text and the job go on to
+        the reference's bits."""
+        from runtime.control import JobControlError
+
+        out = self.work / "criu-cuda.pt"
+        job = BenchJob(self.work / "criu-node" / "job", ranks=1, script=SINGLE_SCRIPT, script_args=self.args(out),
+                       engine="criu")
+        try:
+            job.wait_ready(self.budget.timeout(self.step_timeout_s))
+            answer = job.control().stop(at_step=STOP_AT_STEP, timeout_s=self.budget.timeout(self.step_timeout_s))
+        except JobControlError as exc:
+            refusal = str(exc)
+        except (RuntimeError, OSError) as exc:
+            job.kill()
+            return CheckRow(name, time.monotonic() - started, "error", None, f"{exc}; {job.output()[-400:]}")
+        else:
+            job.wait(self.budget.timeout(self.step_timeout_s))
+            return CheckRow(name, time.monotonic() - started, "failed", None,
+                            f"NOT refused: the CRIU engine stopped a CUDA job ({answer}); if it now dumps CUDA "
+                            "state, make this check resume it and compare bits")
+        rc = job.wait(self.budget.timeout(self.step_timeout_s))
+        seconds = time.monotonic() - started
+        if expected_text not in refusal:
+            return CheckRow(name, seconds, "failed", None, f"refused, but not with the expected text: {refusal}")
+        if rc != 0 or not out.exists():
+            return CheckRow(name, seconds, "failed", None, f"refused as expected, then the job ended {rc}: {refusal}")
+        exact, what = same_final_state(reference, out)
+        return CheckRow(name, seconds, "ok" if exact else "failed", exact,
+                        f"refused as expected, the job went on ({what}): {refusal}")
+
+
+def job_check_plan(work, *, device: str, budget: Budget, step_timeout_s: float):
+    """Returns [(name, estimate function, check)] in the order to run them."""
+    checks = JobChecks(work, device=device, budget=budget, step_timeout_s=step_timeout_s)
+    return [("job: framework stop+resume", lambda: launches_estimate(budget, "framework"),
+             checks.framework_preempt_resume),
+            ("job: CRIU", lambda: launches_estimate(budget, "criu") if _criu_ok() else 0.0, checks.criu)]
+
+
+def _criu_ok() -> bool:
+    from runtime import criu
+    return criu.check_available()[0]
