@@ -227,6 +227,12 @@ class JobPeers:
         second join is refused and told to the other hosts as a host failure: every part ends and
         the control plane restarts the job from its last checkpoint (a new generation, a new group)."""
         joins = self.store.add(self._key("joined", self.node_rank), 1)
+        if joins != 1 and self.store.check([self._key("finished", self.node_rank)]):
+            # The earlier launch's ranks ran to the end and said so (the 30-minute soak, session 24:
+            # its agent was frozen or killed right after): nothing is left to run here, and the
+            # leader is not told of a failure, or it would fail a job whose every rank finished.
+            raise LaunchError(f"node {self.node_rank}'s part of this run already finished (an earlier launch "
+                              "of it on this host); nothing is left to run here: the job's leader reports its end")
         if joins != 1:
             error = (f"node {self.node_rank}'s part of this run already joined its leader once (an earlier "
                      "launch of it on this host ended while the other hosts' parts went on); a part cannot "
@@ -409,12 +415,13 @@ class JobPeers:
             time.sleep(PEER_CHECK_S)
         return None
 
-    def await_all_finished(self, timeout_s=FINISH_WAIT_S) -> str | None:
-        """Leader: waits until every node has finished or failed; returns a failure or None."""
+    def await_all_finished(self, timeout_s=FINISH_WAIT_S) -> tuple[str, bool] | None:
+        """Leader: waits until every node has finished or failed; returns None, or (the failure,
+        whether a host failed under the job rather than by its code; a node silent past
+        `timeout_s` counts as a host failure)."""
         finished = [self._key("finished", node) for node in range(self.nodes)]
-        problem = self._await(lambda: all(self.store.check([key]) for key in finished), timeout_s,
-                              "not every node finished")
-        return problem[0] if problem else None
+        return self._await(lambda: all(self.store.check([key]) for key in finished), timeout_s,
+                           "not every node finished")
 
 
 def join_job(launcher, rendezvous_root):
@@ -452,12 +459,16 @@ def join_job(launcher, rendezvous_root):
 
 def finish_node(peers: JobPeers) -> None:
     """This node's ranks all finished: says so; the leader then waits for every other node,
-    whose ranks still rendezvous on its store, and fails the job if one failed."""
+    whose ranks still rendezvous on its store, and fails the job if one failed: as a host failure
+    (the job restarts from its last checkpoint) when that host failed under the job rather than by
+    its code (the 30-minute soak, session 24: a follower's second launch refused by claim_join while
+    the leader waited here failed the job for good)."""
     peers.report_finished()
     if peers.node_rank == 0:
-        failure = peers.await_all_finished()
-        if failure:
-            raise LaunchError(f"the job failed on another host ({failure})")
+        problem = peers.await_all_finished()
+        if problem:
+            failure, host_failed = problem
+            raise LaunchError(f"the job failed on another host ({failure})", host_failure=host_failed)
 
 
 def refusal(launcher, request) -> str | None:

@@ -152,6 +152,51 @@ def test_a_second_launch_of_one_hosts_part_cannot_join_the_running_group_and_eve
     assert leader.host_failed is True  # restarted from the checkpoint, not failed
 
 
+def test_a_second_launch_of_a_part_that_finished_ends_without_failing_the_job(tmp_path):
+    # The 30-minute soak (session 24, job 234): a follower's ranks finished and said so, its agent was
+    # frozen, and the same part launched again while the leader waited for every host to finish;
+    # claim_join told the leader of a failure and the leader failed a job whose every rank finished.
+    from runtime.multihost import finish_node, join_job
+
+    def launcher(node_rank):
+        return SimpleNamespace(job_id="j234-g2", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
+                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
+                               local_ranks=range(2 * node_rank, 2 * node_rank + 2))
+
+    _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
+    _store, _addr, _port, follower = join_job(launcher(1), tmp_path)
+    finish_node(follower)
+
+    with pytest.raises(LaunchError, match="already finished") as ended:
+        join_job(launcher(1), tmp_path)
+
+    assert ended.value.host_failure is False
+    leader._checked_at = 0.0
+    assert leader.check() is None
+    finish_node(leader)  # every host finished: the leader ends the job, nothing raised
+
+
+def test_a_host_failure_while_the_leader_waits_for_every_host_to_finish_restarts_the_job(tmp_path):
+    # The same soak's job, had the follower's first launch died before it said its ranks finished:
+    # the leader, done, met the second launch's refusal; a host failure, not the job's code.
+    from runtime.multihost import finish_node, join_job
+
+    def launcher(node_rank):
+        return SimpleNamespace(job_id="j234-g3", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
+                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
+                               local_ranks=range(2 * node_rank, 2 * node_rank + 2))
+
+    _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
+    join_job(launcher(1), tmp_path)
+    with pytest.raises(LaunchError, match="already joined its leader once"):
+        join_job(launcher(1), tmp_path)
+
+    with pytest.raises(LaunchError, match="the job failed on another host") as failed:
+        finish_node(leader)
+
+    assert failed.value.host_failure is True
+
+
 @pytest.mark.parametrize("blocks, problem", [
     ([range(0, 3), range(3, 4)], None),  # 3 + 1: unequal shares run
     ([range(0, 3), range(2, 4)], "node 1's overlaps the one before"),
