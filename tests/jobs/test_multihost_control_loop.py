@@ -51,6 +51,18 @@ def entry_of(node, job_id):
     return next((e for e in node_desired_state(node=node)["jobs"] if e["job_id"] == job_id), None)
 
 
+def elastic_job_on_one_host(settings, alice, team_a, job_spec):
+    """Returns (n1, job): an elastic W = 8 Basic job placed on n1, the only host so far (4 devices),
+    resizes allowed at once; registering a second host grows it across both."""
+    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 0.0
+    n1 = make_node("n1")
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="wide", world_size=8, min_devices=4,
+                                                                    tier="basic"))
+    tick_run()
+    job.refresh_from_db()
+    return n1, job
+
+
 @pytest.fixture
 def wide(alice, team_a, job_spec):
     """Two 4-device hosts n1, n2 and a W=8 job on 8 devices (bigger than a node), running."""
@@ -170,12 +182,7 @@ def test_a_host_that_fails_under_the_job_while_it_is_resized_across_hosts_requeu
     failure, though it said a host failed, failed the job for good: the restart from the checkpoint
     applied only while the job was scheduled or running. It is a restart in a resize too, and the
     resize move ends there."""
-    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 0.0
-    n1 = make_node("n1")
-    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="wide", world_size=8, min_devices=4,
-                                                                    tier="basic"))
-    tick_run()
-    job.refresh_from_db()
+    n1, job = elastic_job_on_one_host(settings, alice, team_a, job_spec)
     report(n1, job.pk, "running", generation=job.generation, step=5)
     n2 = make_node("n2")
     tick_run()
@@ -390,12 +397,7 @@ def test_a_scheduled_job_grown_onto_a_second_host_is_a_new_generation_and_placem
     launched it on one host already, and that copy ran on alone while the second host's share waited
     for a leader that never came (and no event named the new hosts)."""
     from jobs.models import JobEvent
-    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 0.0
-    n1 = make_node("n1")
-    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(name="wide", world_size=8, min_devices=4,
-                                                                    tier="basic"))
-    tick_run()
-    job.refresh_from_db()
+    n1, job = elastic_job_on_one_host(settings, alice, team_a, job_spec)
     assert job.state == S.SCHEDULED and hosts_of(job) == ["n1"]
     first = job.generation
     assert entry_of(n1, job.pk)["generation"] == first and entry_of(n1, job.pk).get("span") is None

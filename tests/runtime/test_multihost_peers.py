@@ -1,4 +1,5 @@
 """The leader's view of its followers (runtime/multihost.py JobPeers.lost_node), on a real TCP store."""
+import functools
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -7,6 +8,13 @@ import torch.distributed as dist
 
 from runtime.exits import LaunchError
 from runtime.multihost import LOST_AFTER_S, JobPeers, await_outcome, follow_cut
+
+
+def two_host_launcher(job_id, node_rank):
+    """What join_job reads of a launcher: node `node_rank` of a W = 4 job over two hosts."""
+    return SimpleNamespace(job_id=job_id, node_rank=node_rank, node_addr="127.0.0.1", world_size=4, nodes=2,
+                           nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
+                           local_ranks=range(2 * node_rank, 2 * node_rank + 2))
 
 
 def test_a_follower_that_finished_is_not_lost_but_a_silent_one_is():
@@ -131,10 +139,7 @@ def test_a_second_launch_of_one_hosts_part_cannot_join_the_running_group_and_eve
     # as a host failure that every host hears: the job restarts from its checkpoint.
     from runtime.multihost import join_job
 
-    def launcher(node_rank):
-        return SimpleNamespace(job_id="j206-g3", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
-                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
-                               local_ranks=range(2 * node_rank, 2 * node_rank + 2))
+    launcher = functools.partial(two_host_launcher, "j206-g3")
 
     _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
     first = launcher(1)
@@ -158,10 +163,7 @@ def test_a_second_launch_of_a_part_that_finished_ends_without_failing_the_job(tm
     # claim_join told the leader of a failure and the leader failed a job whose every rank finished.
     from runtime.multihost import finish_node, join_job
 
-    def launcher(node_rank):
-        return SimpleNamespace(job_id="j234-g2", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
-                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
-                               local_ranks=range(2 * node_rank, 2 * node_rank + 2))
+    launcher = functools.partial(two_host_launcher, "j234-g2")
 
     _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
     _store, _addr, _port, follower = join_job(launcher(1), tmp_path)
@@ -181,10 +183,7 @@ def test_a_host_failure_while_the_leader_waits_for_every_host_to_finish_restarts
     # the leader, done, met the second launch's refusal; a host failure, not the job's code.
     from runtime.multihost import finish_node, join_job
 
-    def launcher(node_rank):
-        return SimpleNamespace(job_id="j234-g3", node_rank=node_rank, node_addr="127.0.0.1", world_size=4,
-                               nodes=2, nonce=f"own-{node_rank}", options=SimpleNamespace(rendezvous_timeout=10.0),
-                               local_ranks=range(2 * node_rank, 2 * node_rank + 2))
+    launcher = functools.partial(two_host_launcher, "j234-g3")
 
     _store, _addr, _port, leader = join_job(launcher(0), tmp_path)
     join_job(launcher(1), tmp_path)
