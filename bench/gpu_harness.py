@@ -284,7 +284,7 @@ def run_job(job_dir, *, timeout_s: float, budget: Budget | None = None, **job_ar
 
 def same_final_state(expected_path, actual_path) -> tuple[bool, str]:
     """Returns (bit-exact, what was compared or where it differs): the files' "params",
-    "optimizer" and, where the expected file has one, "rng" entries compared tensor by tensor
+    "optimizer" and, where the expected file has them, "rng" and "scaler" entries compared tensor by tensor
     with torch.equal (dtype too), loaded on the CPU."""
     import torch
 
@@ -311,8 +311,9 @@ def same_final_state(expected_path, actual_path) -> tuple[bool, str]:
         elif a != b:
             differences.append(path)
 
-    keys = [key for key in ("params", "optimizer", "rng") if key in expected]
+    keys = [key for key in ("params", "optimizer", "rng", "scaler") if key in expected]
     compare({key: expected[key] for key in keys}, {key: actual.get(key) for key in keys}, "state")
     compared = "parameters, optimizer state" + (f", RNG ({'+'.join(sorted(expected['rng']))})"
-                                                if "rng" in expected else "")
+                                                if "rng" in expected else "") \
+        + (f", GradScaler (scale {expected['scaler'].get('scale')})" if "scaler" in expected else "")
     return not differences, (f"{compared} equal" if not differences else "differ at " + ", ".join(differences[:5]))

@@ -7,8 +7,11 @@ runs every line of it in CI). What each check shows on a GPU:
    augmentation noise on cuda:0, dropout drawing from the CUDA generator) is stopped at step 13
    and resumed by a new launcher, in a new PID namespace where this host allows one
    (unshare --pid --mount-proc, as root); its final parameters, Adam state and CPU and CUDA RNG
-   states must be the bits of the uninterrupted run. The script has no AMP GradScaler: the
-   framework engine refuses an enabled one (runtime/framework.py), on CPU and GPU alike.
+   states must be the bits of the uninterrupted run.
+   Then the same with --amp (last, so a short budget skips it first): autocast float16 and a
+   GradScaler whose float16 gradients overflow now and then (skipped steps, the scale backing off
+   and growing); the scaler's state joins the compared bits. The framework engine saves the scale
+   as the script's update() after the cut's step leaves it (runtime/framework.py).
 2. CRIU engine: on a GPU the stop must be REFUSED with the runtime's own message
    (runtime/engines.py CUDA_STATE_REFUSAL: the CRIU engine dumps no CUDA state), the job going on
    to the uninterrupted run's bits; the refusal is the expected outcome and its text is recorded,
@@ -40,16 +43,18 @@ def launches_estimate(budget: Budget, engine: str) -> float:
 class JobChecks:
     """The whole-job checks on `device` ("cuda" or "cpu"), under `work`, within `budget`."""
 
-    def __init__(self, work: pathlib.Path, *, device: str, budget: Budget, step_timeout_s: float):
+    def __init__(self, work: pathlib.Path, *, device: str, budget: Budget, step_timeout_s: float,
+                 amp: bool = False):
         self.work = pathlib.Path(work)
         self.device = device
+        self.amp = amp
         self.budget = budget
         self.step_timeout_s = step_timeout_s
         self.reference: pathlib.Path | None = None
         self.reference_error = ""
 
     def args(self, out) -> list:
-        return [out] + SCRIPT_ARGS + ["--device", self.device]
+        return [out] + SCRIPT_ARGS + ["--device", self.device] + (["--amp"] if self.amp else [])
 
     def reference_state(self) -> pathlib.Path | None:
         """The uninterrupted run's final state (run once, by the first check that needs it)."""
@@ -65,7 +70,9 @@ class JobChecks:
         return self.reference
 
     def framework_preempt_resume(self) -> list:
-        name = f"single job, framework engine, stop+resume ({self.device})"
+        amp = ", AMP float16 + GradScaler" if self.amp and self.device == "cuda" else \
+            ", AMP bfloat16 + GradScaler" if self.amp else ""
+        name = f"single job, framework engine{amp}, stop+resume ({self.device})"
         started = time.monotonic()
         reference = self.reference_state()
         if reference is None:
@@ -163,7 +170,10 @@ def job_check_plan(work, *, device: str, budget: Budget, step_timeout_s: float):
     checks = JobChecks(work, device=device, budget=budget, step_timeout_s=step_timeout_s)
     return [("job: framework stop+resume", lambda: launches_estimate(budget, "framework"),
              checks.framework_preempt_resume),
-            ("job: CRIU", lambda: launches_estimate(budget, "criu") if _criu_ok() else 0.0, checks.criu)]
+            ("job: CRIU", lambda: launches_estimate(budget, "criu") if _criu_ok() else 0.0, checks.criu),
+            ("job: framework stop+resume, AMP", lambda: launches_estimate(budget, "framework"),
+             JobChecks(pathlib.Path(work) / "amp", device=device, budget=budget, step_timeout_s=step_timeout_s,
+                       amp=True).framework_preempt_resume)]
 
 
 def _criu_ok() -> bool:

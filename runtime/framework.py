@@ -1,10 +1,10 @@
 """Framework checkpoint engine: checkpoint and resume an unmodified PyTorch script without CRIU.
 
 ``runtime.rank`` calls :func:`install` before it runs the user's script.  ``install`` wraps the
-constructors of ``nn.Module``, ``torch.optim.Optimizer``, the LR schedulers and ``DataLoader``
-(and ``DataLoader.__iter__``), and registers one global optimizer post-step hook.  From then on
-the tracker knows, in construction order, every model, optimizer, scheduler and loader of the
-script, and where each loader is (epoch, batches consumed, RNG state before the epoch began).
+constructors of ``nn.Module``, ``torch.optim.Optimizer``, the LR schedulers, ``torch.amp.GradScaler``
+and ``DataLoader`` (and ``DataLoader.__iter__``), and registers one global optimizer post-step hook.  From then on
+the tracker knows, in construction order, every model, optimizer, scheduler, grad scaler and
+loader of the script, and where each loader is (epoch, batches consumed, RNG state before the epoch began).
 
 The cut.  After every optimizer step (every completed cycle of steps when a script has several
 optimizers) the post-step hook bumps ``tracker.step`` and calls the step listeners; a listener
@@ -24,9 +24,11 @@ batch after the cut.
 
 Code that ran between ``optimizer.step()`` and the next batch in the cut iteration is not run
 again.  The tracker watches that stretch on every step: LR scheduler steps there are replayed on
-resume (same count per step, observed), while RNG draws or hyper-parameter changes there make the
-script unresumable, and ``check_resumable`` / ``save`` say so instead of writing a checkpoint
-that would resume wrong.  See the README ("The framework engine") for the full list.
+resume (same count per step, observed), an AMP GradScaler's update() there is computed at the cut
+from the inf checks its step() recorded (and that prediction is checked against the real update on
+every step), while RNG draws or hyper-parameter changes there make the script unresumable, and
+``check_resumable`` / ``save`` say so instead of writing a checkpoint that would resume wrong.
+See the README ("The framework engine") for the full list.
 """
 from __future__ import annotations
 
@@ -145,6 +147,41 @@ def _hyperparams(optimizer) -> list:
 def _scheduler_counter(scheduler):
     count = getattr(scheduler, "last_epoch", None)
     return getattr(scheduler, "_step_count", None) if count is None else count
+
+
+def _scaler_after_update(scaler):
+    """Returns (scale, growth tracker) as tensors: what an enabled torch.amp.GradScaler holds
+    once the script's update() after this step has run, computed now, at the cut (which comes
+    between step() and update()), the way update() computes it from the inf checks its step()
+    recorded; its current values when no inf check was recorded. None for a disabled scaler or
+    one that has not scaled yet (its lazily built scale starts from its init values either way)."""
+    if not scaler.is_enabled() or scaler._scale is None:
+        return None
+    scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
+    found = [inf.to(device=scale.device) for state in scaler._per_optimizer_states.values()
+             for inf in state["found_inf_per_device"].values()]
+    if found:
+        combined = found[0].clone()
+        for inf in found[1:]:
+            combined += inf
+        torch._amp_update_scale_(scale, tracker, combined, scaler._growth_factor,
+                                 scaler._backoff_factor, scaler._growth_interval)
+    return scale, tracker
+
+
+def _scaler_problem(scaler, predicted) -> str | None:
+    """Why the scaler's update between step() and the next batch cannot be replayed, or None:
+    its state at the next batch must be what _scaler_after_update predicted at the step."""
+    if predicted is None or scaler._scale is None:
+        return None
+    scale, tracker = predicted
+    if torch.equal(scaler._scale, scale) and torch.equal(scaler._growth_tracker, tracker):
+        return None
+    return (f"the torch.amp.GradScaler holds scale {scaler._scale.item()} (growth tracker "
+            f"{int(scaler._growth_tracker.item())}) at the next batch, where its update() after "
+            f"step() gives {scale.item()} ({int(tracker.item())}): the script sets the scale itself "
+            f"(update(new_scale)) or does not call update() once after each step(); the engine "
+            f"cannot replay that at a resume")
 
 
 def _loader_generators(loader) -> list:
@@ -335,6 +372,7 @@ class FrameworkTracker:
         self._modules: list = []      # (seq, weakref) of every nn.Module built, in order
         self._optimizers: list = []   # (seq, weakref)
         self._schedulers: list = []
+        self._scalers: list = []      # (seq, weakref) of every torch.amp.GradScaler built
         self._loaders: list[_LoaderRecord] = []
         self._active_loader: _LoaderRecord | None = None
         self._reasons: list[str] = []          # why the script cannot be resumed, if ever
@@ -563,11 +601,10 @@ class FrameworkTracker:
                     f"checkpoint's {[s['class'] for s in saved]}")
 
     def _note_grad_scaler(self, scaler, constructed=False) -> None:
-        # scaler.update() runs after step(), so its state at the cut is one update behind, and
-        # the update depends on that step's inf checks: it cannot be replayed. Refuse.
-        if constructed and scaler.is_enabled():
-            self._reasons.append("the script uses an enabled torch.amp.GradScaler, whose "
-                                 "update() after step() the framework engine cannot replay")
+        # Tracked, not refused: its update() after step() is predicted at the cut and checked on
+        # every step (_scaler_after_update, _check_scalers), see _post_step.
+        if not constructed and not any(ref() is scaler for _, ref in self._scalers):
+            self._scalers.append((self._next_seq(), weakref.ref(scaler)))
 
     def _note_loader(self, loader, constructed=False) -> None:
         if not constructed:
@@ -746,6 +783,11 @@ class FrameworkTracker:
                         "batch without an LR scheduler; use a torch LR scheduler or change them "
                         "before step()")
 
+        for scaler, predicted in pending["scalers"]:
+            problem = _scaler_problem(scaler, predicted)
+            if problem:
+                self._reasons.append(problem)
+
         tensors, versions = pending["versions"]
         if [t._version for t in tensors] != versions:
             self._reasons.append(
@@ -790,7 +832,9 @@ class FrameworkTracker:
         self._pending = {"rng": _rng_state(),
                          "schedulers": [(s, _scheduler_counter(s)) for s in schedulers],
                          "hyperparams": [(o, _hyperparams(o)) for o in optimizers],
-                         "versions": self._state_versions()}
+                         "versions": self._state_versions(),
+                         "scalers": [(scaler, _scaler_after_update(scaler))
+                                     for scaler in self._live(self._scalers)]}
         for fn in list(self._listeners):
             fn(self.step)
 
@@ -844,11 +888,25 @@ class FrameworkTracker:
             "schedulers": [{"class": type(s).__qualname__, "state": s.state_dict()}
                            for s in self._live(self._schedulers)],
             "top_level_schedulers": [self._live(self._schedulers).index(s) for s in schedulers],
+            "scalers": self._scaler_states(),
             "replay": self._replay or [0] * len(schedulers),
             "cycle": self._cycle, "observed_intervals": self._observed_intervals,
             "loaders": loaders, "active_loader": active, "rng": _rng_state(),
             "witness": self._witness,
         }
+
+    def _scaler_states(self) -> list:
+        """Each GradScaler's state as the script's update() after the cut's step leaves it (the
+        cut comes before update(); _post_step predicted it), as plain numbers."""
+        predicted = {id(scaler): after for scaler, after in (self._pending or {}).get("scalers", ())}
+        states = []
+        for scaler in self._live(self._scalers):
+            state = scaler.state_dict() if scaler.is_enabled() else {}
+            after = predicted.get(id(scaler))
+            if after is not None:
+                state["scale"], state["_growth_tracker"] = after[0].item(), int(after[1].item())
+            states.append({"enabled": scaler.is_enabled(), "state": state})
+        return states
 
     def _load_resume(self, resume_dir: Path) -> dict:
         rank_dir = resume_dir / RANK_DIR.format(rank=self.rank)
@@ -943,8 +1001,18 @@ class FrameworkTracker:
 
     def _apply(self, record, index, loader, original_iter):
         saved = self._resume
+        scalers = self._live(self._scalers)
+        saved_scalers = saved.get("scalers", [])  # written since session 25; none enabled before
+        if [s.is_enabled() for s in scalers] != [entry["enabled"] for entry in saved_scalers]:
+            raise UnresumableScript(
+                f"the resumed script built GradScalers enabled {[s.is_enabled() for s in scalers]} "
+                f"by the epoch in progress at the cut, the checkpoint has "
+                f"{[entry['enabled'] for entry in saved_scalers]}")
         self.apply_states(saved, self._roots(), self._live(self._optimizers),
                           self._live(self._schedulers))
+        for scaler, entry in zip(scalers, saved_scalers):
+            if entry["enabled"]:
+                scaler.load_state_dict(entry["state"])
         # this loader's epoch in progress: same RNG before it, same iterator, same batches
         loader_state = saved["loaders"][self._loaders.index(record)]
         position = loader_state["epochs"][index][0]

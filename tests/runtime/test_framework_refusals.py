@@ -57,13 +57,38 @@ def test_install_twice_is_an_error(tracker):
         framework.install(rank=0, world_size=1)
 
 
-def test_an_enabled_grad_scaler_is_refused(tracker):
+def _scaled_steps(model, optimizer, scaler, loader, *, new_scale=None):
+    iterator = iter(loader)
+    for _ in range(2):
+        x, y = next(iterator)
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(optimizer)
+        scaler.update(new_scale)
+    next(iterator)  # closes the second step's interval
+
+
+def test_a_grad_scaler_is_saved_as_its_update_after_the_cut_leaves_it(tracker, tmp_path):
     model, optimizer, data = _setup()
-    torch.amp.GradScaler("cpu", enabled=False)  # a disabled one is harmless
-    _two_steps(model, optimizer, DataLoader(data, batch_size=2))
-    tracker.check_resumable()
-    torch.amp.GradScaler("cpu")
-    with pytest.raises(framework.UnresumableScript, match="GradScaler"):
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # kept as such  # noqa: F841
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    cuts = []
+    tracker.add_step_listener(lambda step: step == 2 and cuts.append(tracker.save(tmp_path / "ck")))
+    _scaled_steps(model, optimizer, scaler, DataLoader(data, batch_size=2))
+    assert scaler.get_scale() == 32.0  # grown after each of the two steps
+    saved = torch.load(cuts[0] / "state.pt", weights_only=True)["scalers"]
+    assert [entry["enabled"] for entry in saved] == [False, True]
+    # the cut came between step() and update(): saved is what update() made of it, not 16.0
+    assert saved[1]["state"]["scale"] == 32.0 and saved[1]["state"]["_growth_tracker"] == 0
+
+
+def test_a_scale_the_script_sets_itself_is_refused(tracker):
+    """update(new_scale) after step() is not what the cut predicts: refused. (A script cannot skip
+    update() or call it twice: torch itself raises.)"""
+    model, optimizer, data = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    _scaled_steps(model, optimizer, scaler, DataLoader(data, batch_size=2), new_scale=4.0)
+    with pytest.raises(framework.UnresumableScript, match="GradScaler holds scale"):
         tracker.check_resumable()
 
 

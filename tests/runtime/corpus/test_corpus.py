@@ -87,6 +87,8 @@ EXACT = [
     pytest.param("seeded_workers.py", True, id="workers-augment-tqdm-migrated"),
     pytest.param("lbfgs_closure.py", False, id="lbfgs-closure"),
     pytest.param("grad_accum.py", False, id="grad-accum-per-step-scheduler"),
+    # skipped steps and a scale that grows and backs off, saved as update() leaves it after the cut
+    pytest.param("amp_scaler.py", True, id="amp-grad-scaler-migrated"),
     pytest.param("compiled.py", False, id="torch-compile", marks=pytest.mark.slow),
 ]
 
@@ -155,13 +157,6 @@ def test_own_snapshot_at_an_absolute_path_is_refused_and_its_own_resume_then_wor
     restarted = run_ok("own_snapshot.py", where, SNAPSHOT=snapshot)
     assert "resuming from my own snapshot at epoch 1" in restarted.stdout
     assert (where / "final.pt").exists()
-
-
-def test_framework_refuses_to_cut_an_enabled_grad_scaler(tmp_path):
-    proc = run_script("amp_scaler.py", tmp_path, TEST_CUT_STEP=CUT_STEP, TEST_SAVE_DIR=tmp_path / "c")
-    assert proc.returncode == UNRESUMABLE, proc.stderr[-3000:]
-    assert "GradScaler" in proc.stderr
-    assert not (tmp_path / "c" / "rank-0").exists()
 
 
 def test_a_script_without_torch_optim_is_named_as_uncuttable(tmp_path):
