@@ -119,6 +119,24 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _visible_cuda_devices() -> int:
+    """How many CUDA devices this rank sees (0 without CUDA); does not initialize CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cuda_rng_problem(state: dict, visible: int) -> str | None:
+    """Why a checkpoint's CUDA generators cannot be put back on a rank that sees `visible` CUDA
+    devices, or None. torch keeps one generator per device and restores them by index, so the
+    rank must see at least as many devices as it did at the cut (checked at install, before the
+    script runs, instead of failing deep inside torch at the apply point)."""
+    saved = len(state.get("rng", {}).get("cuda", ()))
+    if saved <= visible:
+        return None
+    return (f"the checkpoint holds the CUDA random generators of {saved} device(s) and this rank sees "
+            f"{visible}: resume the job where each rank sees as many GPUs as at the cut (the same GPU "
+            f"count per host), or from a checkpoint taken on this layout")
+
+
 def _rng_equal(a: dict, b: dict) -> bool:
     return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"])
             and tuple(a["numpy"]) == tuple(b["numpy"]))
@@ -955,6 +973,9 @@ class FrameworkTracker:
                 f"model and data; restart the job or resume it with the runtime that wrote it")
         if state.get("format") != FORMAT or state.get("step") != manifest.get("step"):
             raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
+        problem = _cuda_rng_problem(state, _visible_cuda_devices())
+        if problem:
+            raise UnresumableScript(problem)
         return state
 
     @staticmethod

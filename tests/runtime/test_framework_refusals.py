@@ -172,3 +172,14 @@ def test_a_script_still_starting_is_not_named_uncuttable_before_it_trains():
     assert tracker.no_cut_reason() is None  # built, not yet iterated: still starting
     record.epochs.append([1, False])  # its first epoch began, and no optimizer exists
     assert "no torch.optim optimizer" in tracker.no_cut_reason()
+
+
+@pytest.mark.parametrize("saved, visible, refused", [(0, 0, False), (1, 1, False), (1, 2, False),
+                                                     (2, 1, True), (1, 0, True)])
+def test_cuda_generators_are_refused_where_the_rank_sees_fewer_devices(saved, visible, refused):
+    state = {"rng": {"torch": torch.get_rng_state(),
+                     **({"cuda": [torch.zeros(16, dtype=torch.uint8)] * saved} if saved else {})}}
+    problem = framework._cuda_rng_problem(state, visible)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"generators of {saved} device(s) and this rank sees {visible}" in problem
