@@ -187,19 +187,21 @@ def _scaler_after_update(scaler):
     return scale, tracker
 
 
-def _scaler_problem(scaler, predicted) -> str | None:
-    """Why the scaler's update between step() and the next batch cannot be replayed, or None:
-    its state at the next batch must be what _scaler_after_update predicted at the step."""
+def _scaler_mismatch(scaler, predicted):
+    """A bool tensor on the scaler's device, true where its state at the next batch is not what
+    _scaler_after_update predicted at the step (the script's update() is then not the one the cut
+    saves); None when there is nothing to compare. Computed on the device without waiting for it:
+    a comparison read on the host every step would stall a GPU's queue at every batch. Read at a
+    cut only (FrameworkTracker.check_resumable)."""
     if predicted is None or scaler._scale is None:
         return None
     scale, tracker = predicted
-    if torch.equal(scaler._scale, scale) and torch.equal(scaler._growth_tracker, tracker):
-        return None
-    return (f"the torch.amp.GradScaler holds scale {scaler._scale.item()} (growth tracker "
-            f"{int(scaler._growth_tracker.item())}) at the next batch, where its update() after "
-            f"step() gives {scale.item()} ({int(tracker.item())}): the script sets the scale itself "
-            f"(update(new_scale)) or does not call update() once after each step(); the engine "
-            f"cannot replay that at a resume")
+    return (scaler._scale != scale).any() | (scaler._growth_tracker != tracker).any()
+
+
+SCALER_REFUSAL = ("after a step, the torch.amp.GradScaler's scale was not what its update() after "
+                  "step() gives: the script sets the scale itself (update(new_scale)) or changes the "
+                  "scaler between step() and the next batch; the engine cannot replay that at a resume")
 
 
 def _loader_generators(loader) -> list:
@@ -391,6 +393,7 @@ class FrameworkTracker:
         self._optimizers: list = []   # (seq, weakref)
         self._schedulers: list = []
         self._scalers: list = []      # (seq, weakref) of every torch.amp.GradScaler built
+        self._scaler_mismatch = None  # device bool: a scaler's update() differed from the cut's prediction
         self._loaders: list[_LoaderRecord] = []
         self._active_loader: _LoaderRecord | None = None
         self._reasons: list[str] = []          # why the script cannot be resumed, if ever
@@ -422,6 +425,9 @@ class FrameworkTracker:
         if not self._applied:
             raise UnresumableScript("the resumed script has not reached its checkpointed "
                                     "DataLoader position yet")
+        if self._scaler_mismatch is not None and bool(self._scaler_mismatch):
+            self._reasons.append(SCALER_REFUSAL)
+            self._scaler_mismatch = None
         if self._reasons:
             raise UnresumableScript("; ".join(dict.fromkeys(self._reasons)))
         if not self._live(self._optimizers):
@@ -620,7 +626,7 @@ class FrameworkTracker:
 
     def _note_grad_scaler(self, scaler, constructed=False) -> None:
         # Tracked, not refused: its update() after step() is predicted at the cut and checked on
-        # every step (_scaler_after_update, _check_scalers), see _post_step.
+        # every step (_scaler_after_update, _scaler_mismatch), see _post_step.
         if not constructed and not any(ref() is scaler for _, ref in self._scalers):
             self._scalers.append((self._next_seq(), weakref.ref(scaler)))
 
@@ -802,9 +808,10 @@ class FrameworkTracker:
                         "before step()")
 
         for scaler, predicted in pending["scalers"]:
-            problem = _scaler_problem(scaler, predicted)
-            if problem:
-                self._reasons.append(problem)
+            mismatch = _scaler_mismatch(scaler, predicted)
+            if mismatch is not None:
+                flags = self._scaler_mismatch
+                self._scaler_mismatch = mismatch if flags is None else flags | mismatch.to(flags.device)
 
         tensors, versions = pending["versions"]
         if [t._version for t in tensors] != versions:

@@ -88,7 +88,7 @@ def test_a_scale_the_script_sets_itself_is_refused(tracker):
     model, optimizer, data = _setup()
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     _scaled_steps(model, optimizer, scaler, DataLoader(data, batch_size=2), new_scale=4.0)
-    with pytest.raises(framework.UnresumableScript, match="GradScaler holds scale"):
+    with pytest.raises(framework.UnresumableScript, match="GradScaler's scale was not what its update"):
         tracker.check_resumable()
 
 
