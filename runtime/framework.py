@@ -399,6 +399,7 @@ class FrameworkTracker:
         self._reasons: list[str] = []          # why the script cannot be resumed, if ever
         self._cycle: tuple | None = None       # optimizer indexes stepped per iteration
         self._steps_since_fetch: list[int] = []
+        self._post_steps = 0                   # optimizer post-step hooks run (GradScaler.step's witness)
         self._pending: dict | None = None      # snapshot at the last post-step, until a fetch
         self._replay: list | None = None       # scheduler steps seen between step() and fetch
         self._observed_intervals = 0
@@ -533,6 +534,15 @@ class FrameworkTracker:
             wrap_init(cls, self._note_scheduler)
         wrap_init(DataLoader, self._note_loader)
         wrap_init(torch.amp.GradScaler, self._note_grad_scaler)
+        original_scaler_step = torch.amp.GradScaler.__dict__["step"]
+
+        def scaler_step(scaler, optimizer, *args, **kwargs):
+            seen = tracker._post_steps
+            result = original_scaler_step(scaler, optimizer, *args, **kwargs)
+            if tracker._post_steps == seen and scaler.is_enabled():
+                tracker._skipped_step(optimizer)  # its gradients overflowed: step() was not called
+            return result
+        patch(torch.amp.GradScaler, "step", scaler_step)
         original_load = torch.load
 
         def load(f, *args, **kwargs):
@@ -842,7 +852,15 @@ class FrameworkTracker:
                 "the resumed script called optimizer.step() before it reached the DataLoader "
                 "epoch that was in progress at the cut; its loop does not replay the same way")
 
+    def _skipped_step(self, optimizer) -> None:
+        """A GradScaler skipped `optimizer`'s step() for an overflow. It still has its place in
+        the iteration's cycle of optimizers (a GAN's critic skipped while its generator steps is
+        the same iteration), but no post-step runs: no step is counted and no cut is taken."""
+        optimizers = self._live(self._optimizers)
+        self._steps_since_fetch.append(next((i for i, o in enumerate(optimizers) if o is optimizer), -1))
+
     def _post_step(self, optimizer, args, kwargs) -> None:
+        self._post_steps += 1
         optimizers = self._live(self._optimizers)
         index = next((i for i, o in enumerate(optimizers) if o is optimizer), -1)
         if index < 0:

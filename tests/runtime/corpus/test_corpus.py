@@ -89,6 +89,7 @@ EXACT = [
     pytest.param("grad_accum.py", False, id="grad-accum-per-step-scheduler"),
     # skipped steps and a scale that grows and backs off, saved as update() leaves it after the cut
     pytest.param("amp_scaler.py", True, id="amp-grad-scaler-migrated"),
+    pytest.param("gan_amp.py", False, id="amp-two-optimizers-one-scaler"),
     pytest.param("compiled.py", False, id="torch-compile", marks=pytest.mark.slow),
 ]
 
