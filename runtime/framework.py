@@ -1,10 +1,11 @@
 """Framework checkpoint engine: checkpoint and resume an unmodified PyTorch script without CRIU.
 
 ``runtime.rank`` calls :func:`install` before it runs the user's script.  ``install`` wraps the
-constructors of ``nn.Module``, ``torch.optim.Optimizer``, the LR schedulers, ``torch.amp.GradScaler``
-and ``DataLoader`` (and ``DataLoader.__iter__``), and registers one global optimizer post-step hook.  From then on
-the tracker knows, in construction order, every model, optimizer, scheduler, grad scaler and
-loader of the script, and where each loader is (epoch, batches consumed, RNG state before the epoch began).
+constructors of ``nn.Module``, ``torch.optim.Optimizer``, the LR schedulers,
+``torch.amp.GradScaler`` (and its ``step``) and ``DataLoader`` (and ``DataLoader.__iter__``), and
+registers one global optimizer post-step hook.  From then on the tracker knows, in construction
+order, every model, optimizer, scheduler, grad scaler and loader of the script, and where each
+loader is (epoch, batches consumed, RNG state before the epoch began).
 
 The cut.  After every optimizer step (every completed cycle of steps when a script has several
 optimizers) the post-step hook bumps ``tracker.step`` and calls the step listeners; a listener
@@ -120,7 +121,8 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _visible_cuda_devices() -> int:
-    """How many CUDA devices this rank sees (0 without CUDA); does not initialize CUDA."""
+    """How many CUDA devices this rank sees (0 without CUDA). Creates no CUDA context, but loads
+    the driver into the process (see _load_resume)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -998,7 +1000,10 @@ class FrameworkTracker:
                 f"model and data; restart the job or resume it with the runtime that wrote it")
         if state.get("format") != FORMAT or state.get("step") != manifest.get("step"):
             raise UnresumableScript(f"{rank_dir / STATE_FILE} does not match its manifest")
-        problem = _cuda_rng_problem(state, _visible_cuda_devices())
+        # Asked only of a checkpoint with CUDA generators: even counting devices opens the NVIDIA
+        # driver in this process, which a CPU job must never do (the CRIU engine refuses a rank
+        # holding NVIDIA device files).
+        problem = _cuda_rng_problem(state, _visible_cuda_devices()) if state.get("rng", {}).get("cuda") else None
         if problem:
             raise UnresumableScript(problem)
         return state
