@@ -70,8 +70,7 @@ class JobChecks:
         return self.reference
 
     def framework_preempt_resume(self) -> list:
-        amp = ", AMP float16 + GradScaler" if self.amp and self.device == "cuda" else \
-            ", AMP bfloat16 + GradScaler" if self.amp else ""
+        amp = f", AMP {'float16' if self.device == 'cuda' else 'bfloat16'} + GradScaler" if self.amp else ""
         name = f"single job, framework engine{amp}, stop+resume ({self.device})"
         started = time.monotonic()
         reference = self.reference_state()

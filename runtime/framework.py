@@ -395,13 +395,12 @@ class FrameworkTracker:
         self._optimizers: list = []   # (seq, weakref)
         self._schedulers: list = []
         self._scalers: list = []      # (seq, weakref) of every torch.amp.GradScaler built
-        self._scaler_mismatch = None  # device bool: a scaler's update() differed from the cut's prediction
+        self._scaler_flag = None  # device bool: a scaler's update() differed from the cut's prediction
         self._loaders: list[_LoaderRecord] = []
         self._active_loader: _LoaderRecord | None = None
         self._reasons: list[str] = []          # why the script cannot be resumed, if ever
         self._cycle: tuple | None = None       # optimizer indexes stepped per iteration
         self._steps_since_fetch: list[int] = []
-        self._post_steps = 0                   # optimizer post-step hooks run (GradScaler.step's witness)
         self._pending: dict | None = None      # snapshot at the last post-step, until a fetch
         self._replay: list | None = None       # scheduler steps seen between step() and fetch
         self._observed_intervals = 0
@@ -428,9 +427,9 @@ class FrameworkTracker:
         if not self._applied:
             raise UnresumableScript("the resumed script has not reached its checkpointed "
                                     "DataLoader position yet")
-        if self._scaler_mismatch is not None and bool(self._scaler_mismatch):
+        if self._scaler_flag is not None and bool(self._scaler_flag):
             self._reasons.append(SCALER_REFUSAL)
-            self._scaler_mismatch = None
+            self._scaler_flag = None
         if self._reasons:
             raise UnresumableScript("; ".join(dict.fromkeys(self._reasons)))
         if not self._live(self._optimizers):
@@ -539,9 +538,9 @@ class FrameworkTracker:
         original_scaler_step = torch.amp.GradScaler.__dict__["step"]
 
         def scaler_step(scaler, optimizer, *args, **kwargs):
-            seen = tracker._post_steps
+            seen = len(tracker._steps_since_fetch)  # _post_step appends to it; no fetch runs in here
             result = original_scaler_step(scaler, optimizer, *args, **kwargs)
-            if tracker._post_steps == seen and scaler.is_enabled():
+            if len(tracker._steps_since_fetch) == seen and scaler.is_enabled():
                 tracker._skipped_step(optimizer)  # its gradients overflowed: step() was not called
             return result
         patch(torch.amp.GradScaler, "step", scaler_step)
@@ -822,8 +821,8 @@ class FrameworkTracker:
         for scaler, predicted in pending["scalers"]:
             mismatch = _scaler_mismatch(scaler, predicted)
             if mismatch is not None:
-                flags = self._scaler_mismatch
-                self._scaler_mismatch = mismatch if flags is None else flags | mismatch.to(flags.device)
+                flags = self._scaler_flag
+                self._scaler_flag = mismatch if flags is None else flags | mismatch.to(flags.device)
 
         tensors, versions = pending["versions"]
         if [t._version for t in tensors] != versions:
@@ -858,13 +857,15 @@ class FrameworkTracker:
         """A GradScaler skipped `optimizer`'s step() for an overflow. It still has its place in
         the iteration's cycle of optimizers (a GAN's critic skipped while its generator steps is
         the same iteration), but no post-step runs: no step is counted and no cut is taken."""
-        optimizers = self._live(self._optimizers)
-        self._steps_since_fetch.append(next((i for i, o in enumerate(optimizers) if o is optimizer), -1))
+        self._steps_since_fetch.append(self._optimizer_index(optimizer))
+
+    def _optimizer_index(self, optimizer) -> int:
+        """`optimizer`'s place among the live tracked optimizers, -1 for one built untracked."""
+        return next((i for i, o in enumerate(self._live(self._optimizers)) if o is optimizer), -1)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
-        self._post_steps += 1
         optimizers = self._live(self._optimizers)
-        index = next((i for i, o in enumerate(optimizers) if o is optimizer), -1)
+        index = self._optimizer_index(optimizer)
         if index < 0:
             self._reasons.append(
                 f"optimizer {type(optimizer).__name__} was built without "
@@ -1054,11 +1055,10 @@ class FrameworkTracker:
         saved = self._resume
         scalers = self._live(self._scalers)
         saved_scalers = saved.get("scalers", [])  # written since session 25; none enabled before
-        if [s.is_enabled() for s in scalers] != [entry["enabled"] for entry in saved_scalers]:
-            raise UnresumableScript(
-                f"the resumed script built GradScalers enabled {[s.is_enabled() for s in scalers]} "
-                f"by the epoch in progress at the cut, the checkpoint has "
-                f"{[entry['enabled'] for entry in saved_scalers]}")
+        built, recorded = [s.is_enabled() for s in scalers], [entry["enabled"] for entry in saved_scalers]
+        if built != recorded:
+            raise UnresumableScript(f"the resumed script built GradScalers enabled {built} by the epoch "
+                                    f"in progress at the cut, the checkpoint has {recorded}")
         self.apply_states(saved, self._roots(), self._live(self._optimizers),
                           self._live(self._schedulers))
         for scaler, entry in zip(scalers, saved_scalers):
