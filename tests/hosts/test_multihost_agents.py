@@ -171,18 +171,30 @@ def assert_matches_reference(cluster, reference, output):
 RELAUNCH_RESIZE = ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"])  # across hosts
 
 
+SQUEEZE_GATE = "squeeze.go"  # in the store; the squeeze job ends only once the test has made it
+
+
+def submit_squeeze(cp, store):
+    """Submits the premium 4-rank job that makes the elastic job shrink. It holds its devices after
+    training until wait_grown_back opens its gate: were it to end first (its restore is slow under
+    load, CRIU's most of all) the job would grow back before the test ever saw it on one host."""
+    return submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", world_size=4, min_devices=4,
+                  args=["--epochs", "2", "--hold-until", f"{store}/{SQUEEZE_GATE}"])
+
+
 def wait_shrunk_onto_one_host(cp, job_id, squeeze):
-    """Waits until the job runs on one host (for the premium job `squeeze`); its first move must be a
-    resize across hosts: a cut on both hosts, one checkpoint, the 8 ranks started again on one host."""
+    """Waits until the job runs on one host (for the premium job `squeeze`); its first and only move
+    so far must be a resize across hosts: a cut on both hosts, one checkpoint, the 8 ranks started
+    again on one host."""
     poll("the job to be shrunk onto one host", lambda: runs_on(cp, job_id, hosts=1), timeout=900,
          on_timeout=lambda: cp.diagnose(job_id, squeeze))
-    # The shrink is the first move; on a quiet machine the squeeze may be over and the grow begun by now.
-    assert cp.moves(job_id)[0] == RELAUNCH_RESIZE, cp.diagnose(job_id)
+    assert cp.moves(job_id) == [RELAUNCH_RESIZE], cp.diagnose(job_id)
 
 
-def wait_grown_back(cp, job_id, squeeze):
-    """Waits until `squeeze` succeeded and the job runs on two hosts again, by a second resize across
-    hosts."""
+def wait_grown_back(cluster, cp, job_id, squeeze):
+    """Lets `squeeze` end (opens its gate), waits until it succeeded and the job runs on two hosts
+    again, by a second resize across hosts."""
+    open(os.path.join(cluster.store_dir, SQUEEZE_GATE), "w").close()
     cp.wait_state(squeeze, "succeeded", timeout=600)
     poll("the job to grow back onto two hosts", lambda: runs_on(cp, job_id, hosts=2) and len(cp.moves(job_id)) == 2,
          timeout=900, on_timeout=lambda: cp.diagnose(job_id))
@@ -209,12 +221,11 @@ def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_oth
 
     # Shrunk onto one host for a premium 4-rank job, then grown back onto two once it is done: each a
     # resize across hosts (cut on both hosts, one checkpoint, the 8 ranks relaunched on the new hosts).
-    squeeze = submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", args=["--epochs", "2"], world_size=4,
-                     min_devices=4)
+    squeeze = submit_squeeze(cp, store)
     wait_shrunk_onto_one_host(cp, victim, squeeze)
     shrunk_at = cp.job(victim)["last_checkpoint_step"]
     say(f"victim shrunk onto {placement(cp, victim)} at step {shrunk_at} (8 ranks on 4 devices)")
-    wait_grown_back(cp, victim, squeeze)
+    wait_grown_back(cluster, cp, victim, squeeze)
     say(f"victim grown back onto {placement(cp, victim)} at step {cp.job(victim)['last_checkpoint_step']}; "
         f"resize moves (whole move s, downtime s): {move_seconds(cp, victim, 'resize')}")
 
@@ -341,14 +352,13 @@ def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_surviv
 
     # Shrunk onto one host for a premium 4-rank job: a CRIU cut on both hosts (each dumps its part of
     # one checkpoint), the 8 ranks restored from both parts on one host's 4 devices.
-    squeeze = submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", args=["--epochs", "2"], world_size=4,
-                     min_devices=4)
+    squeeze = submit_squeeze(cp, store)
     wait_shrunk_onto_one_host(cp, job, squeeze)
     where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
     say(f"shrunk onto {where} at step {step}: 2 hosts' parts restored on one host")
 
     # Grown back onto two hosts once the squeeze is done: the one-host checkpoint split over two.
-    wait_grown_back(cp, job, squeeze)
+    wait_grown_back(cluster, cp, job, squeeze)
     where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
     say(f"grown back onto {where} at step {step}; resize moves (whole move s, downtime s): "
         f"{move_seconds(cp, job, 'resize')}")

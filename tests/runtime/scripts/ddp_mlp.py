@@ -1,12 +1,17 @@
 """An ordinary DDP training script: nothing in it knows about Meridian.
 
 Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S] [--backend gloo|nccl] [--frozen-mb M]
+                  [--hold-until FILE]
 W ranks from the torchrun-style environment; a small MLP with dropout, Adam, a shuffling
 DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the final parameters
 and optimizer state to OUT_PATH. --backend nccl: the model and batches on the rank's CUDA
-device (cuda:0 of what it sees), as a GPU script would have them.
+device (cuda:0 of what it sees), as a GPU script would have them. --hold-until: after training,
+every rank waits until FILE exists (at most 20 minutes, then exits 1): a test's gate, so the job
+keeps its devices until the test has seen what that job was for.
 """
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -28,6 +33,14 @@ class NoisyPoints(Dataset):
         return self.x[i] + 0.1 * torch.randn(8), self.y[i]  # random augmentation
 
 
+def hold(path, limit_s=1200):
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            sys.exit(f"ddp_mlp.py: {path} did not appear within {limit_s} s (--hold-until)")
+        time.sleep(0.2)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -35,6 +48,7 @@ def main():
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--frozen-mb", type=float, default=0.0)
+    parser.add_argument("--hold-until", default=None)
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
@@ -60,6 +74,8 @@ def main():
             optimizer.step()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+    if args.hold_until:
+        hold(args.hold_until)
     if rank == 0:
         torch.save({"params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                     "optimizer": optimizer.state_dict()}, args.out)
