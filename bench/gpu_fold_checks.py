@@ -13,7 +13,11 @@ Checks, each a meridian-run job (or a plain process) under its own timeout, neve
    4-logical-device run is the reference);
 2. W = 4 resized 4 -> 2 -> 1 -> 4 while it runs: the same bits as the uninterrupted run;
 3. W = 2 folded on 2 and 1 logical devices: the same bits as each other;
-4. cost per step of the fold: a plain DDP process over NCCL (W = 1, no meridian-run) against the
+4. W = 2 spliced on the one GPU, started as a node agent starts a GPU job (a sandbox spec saying
+   GPU, unconfined, device index 0), the script picking its GPU as cuda:LOCAL_RANK: both ranks are
+   told LOCAL_RANK 0 (their shared GPU; before session 26 rank 1 was told 1, and cuda:1 does not
+   exist on one GPU) and it ends with the bits of check 3's run on 2 logical devices;
+5. cost per step of the fold: a plain DDP process over NCCL (W = 1, no meridian-run) against the
    same script under meridian-run at W = 1, 2 and 4 on the one GPU (time per optimizer step of
    the job, all ranks time-sliced on the device).
 With --device cpu: gloo instead of NCCL, CPU tensors, a narrower cost model; W ranks on d CPU
@@ -25,6 +29,7 @@ Usage: python3 bench/gpu_fold_checks.py [--device cuda|cpu] [--timeout-s 150]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import subprocess
@@ -97,9 +102,9 @@ class FoldChecks:
         logical devices themselves."""
         return 1 if self.cuda else devices
 
-    def ddp_run(self, name, ranks, devices, resize=None, extra=()):
-        """Runs ddp_mlp.py at W = ranks on `devices` devices; returns (final state or None, exit code,
-        output, seconds)."""
+    def ddp_run(self, name, ranks, devices, resize=None, extra=(), launcher_args=()):
+        """Runs ddp_mlp.py at W = ranks on `devices` devices (the launcher given `launcher_args` too);
+        returns (final state or None, exit code, output, seconds)."""
         out = self.work / f"{name}.pt"
         args = [out, "--epochs", "10", "--backend", self.backend] + list(extra)
         timeout_s = self.budget.timeout(self.step_timeout_s)
@@ -108,7 +113,8 @@ class FoldChecks:
                                              script_args=args, fold=not self.cuda, resize=resize, timeout_s=timeout_s)
         else:
             rc, text, seconds = run_job(self.work / name, ranks=ranks, devices=devices, script=DDP_SCRIPT,
-                                        script_args=args, fold=not self.cuda, timeout_s=timeout_s, budget=self.budget)
+                                        script_args=args, fold=not self.cuda, timeout_s=timeout_s, budget=self.budget,
+                                        launcher_args=launcher_args)
         return (out if rc == 0 and out.exists() else None), rc, text, seconds
 
     def layouts(self, ranks: int, layouts: tuple) -> list:
@@ -146,6 +152,30 @@ class FoldChecks:
         same, what = same_final_state(reference, out)
         return [CheckRow(name, seconds, "ok" if same and refolded else "failed", same,
                          f"refolded at each resize: {refolded}; against uninterrupted: {what}")]
+
+    def by_local_rank(self) -> list:
+        """Check 4: W = 2 on the one GPU (one device) under an agent's GPU spec, the script on
+        cuda:LOCAL_RANK, against the W = 2 run on 2 logical devices. On CPU the same launch (the
+        ranks are told CUDA_VISIBLE_DEVICES=0, which CPU tensors ignore) proves the environment."""
+        from protocol.launch import SandboxSpec
+
+        name = "fold: W=2 on 1 GPU, script on cuda:LOCAL_RANK (agent's GPU spec)"
+        reference = self.work / "w2-d2.pt"
+        if not reference.exists():
+            return [CheckRow(name, 0.0, "skipped", None, "skipped: no W=2 run on 2 devices to compare with")]
+        spec = self.work / "gpu-spec.json"
+        spec.write_text(json.dumps(SandboxSpec(
+            unconfined_reason="bench/gpu_fold_checks.py: an agent's GPU job, unconfined", device_kind="gpu",
+            node_devices=1, node_cores=tuple(sorted(os.sched_getaffinity(0)))).to_dict()))
+        out, rc, text, seconds = self.ddp_run("w2-local-rank", 2, 1, extra=["--gpu-by-local-rank"],
+                                              launcher_args=["--sandbox", spec, "--device-indices", "0"])
+        if out is None:
+            return [CheckRow(name, seconds, "timeout" if rc == "timeout" else "failed", False,
+                             f"rc {rc}: {text[-400:]}")]
+        told = all(f"rank {rank}: LOCAL_RANK 0 of LOCAL_WORLD_SIZE 1," in text for rank in (0, 1))
+        same, what = same_final_state(reference, out)
+        return [CheckRow(name, seconds, "ok" if same and told else "failed", same,
+                         f"both ranks told LOCAL_RANK 0 of 1: {told}; against d=2: {what}")]
 
     def cost(self) -> list:
         """The fold's time per step against plain DDP (no meridian-run) at W = 1."""
@@ -217,7 +247,8 @@ def fold_check_plan(work, *, device: str, budget: Budget, step_timeout_s: float)
     checks = FoldChecks(work, device=device, budget=budget, step_timeout_s=step_timeout_s)
     proofs = [("fold: W=4 layouts", lambda: 3 * budget.launch_s, lambda: checks.layouts(4, (4, 2, 1))),
               ("fold: W=2 layouts", lambda: 2 * budget.launch_s, lambda: checks.layouts(2, (2, 1))),
-              ("fold: W=4 resized", lambda: 2 * budget.launch_s, checks.resized)]
+              ("fold: W=4 resized", lambda: 2 * budget.launch_s, checks.resized),
+              ("fold: W=2 by LOCAL_RANK", lambda: budget.launch_s, checks.by_local_rank)]
     return proofs, [("fold: cost per step", lambda: 4 * budget.launch_s, checks.cost)]
 
 

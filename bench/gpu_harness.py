@@ -201,7 +201,7 @@ class BenchJob:
     and its ranks can be killed together), its output in <job_dir>.log."""
 
     def __init__(self, job_dir, *, ranks, script, script_args, engine="framework", devices=None,
-                 fold=False, resume=False, job_id=None, prefix=()):
+                 fold=False, resume=False, job_id=None, prefix=(), launcher_args=()):
         self.job_dir = pathlib.Path(job_dir)
         self.job_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = self.job_dir.with_suffix(".log")
@@ -214,6 +214,7 @@ class BenchJob:
             command.append("--fold")
         if resume:
             command.append("--resume")
+        command += [str(arg) for arg in launcher_args]
         command += [str(script)] + [str(arg) for arg in script_args]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1")

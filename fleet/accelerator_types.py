@@ -27,6 +27,11 @@ ACCELERATOR_TYPES = {
 ACCELERATOR_TYPE_CHOICES = [(name, name) for name in ACCELERATOR_TYPES]
 
 
+def is_gpu(name):
+    """True for a GPU type (its jobs' ranks hold CUDA state), False for "CPU"."""
+    return ACCELERATOR_TYPES[name].vendor != "CPU"
+
+
 def accelerator_type_error(name):
     """Returns a message a person can act on when `name` is not a known type, else None."""
     if name in ACCELERATOR_TYPES:

@@ -4,7 +4,8 @@
     migration   barrier -> checkpoint -> store -> restore -> release
                 (after a lost node: restore -> release; nothing is left to cut on the dead node)
     resize      barrier -> resize -> release                       (in place: one host, same host)
-    resize      barrier -> checkpoint -> store -> restore -> release (across hosts: a new generation)
+    resize      barrier -> checkpoint -> store -> restore -> release (across hosts, or a GPU job: a
+                                                                      new generation, relaunched)
 
 The tick decides a move and creates its Move row (move_create, with the job's state change);
 after commit a Celery chain of immutable signatures runs one task per remaining step
@@ -102,13 +103,14 @@ def lost_chain_after():
 
 
 def move_relaunches(move) -> bool:
-    """True when `move` is a resize across hosts (a new generation: cut, checkpoint, relaunch)."""
+    """True when `move` is a resize that relaunches the job (across hosts, or a GPU job's): a new
+    generation, by cut, checkpoint and relaunch."""
     return move.kind == K.RESIZE and move.from_generation != move.to_generation
 
 
 def move_steps(move) -> tuple:
     """Returns the steps of `move` in order (STEPS of its kind; RELAUNCH_RESIZE_STEPS for a resize
-    across hosts)."""
+    that relaunches)."""
     return RELAUNCH_RESIZE_STEPS if move_relaunches(move) else STEPS[K(move.kind)]
 
 
@@ -471,7 +473,7 @@ def _release_job(*, move, job, now):
     reason = {K.PREEMPTION: f"checkpointed at step {move.cut_step} and released; back in line",
               K.MIGRATION: f"{restored} on {_node_name(move.to_node_id)}",
               K.RESIZE: f"resized to {move.to_devices} device(s)" + (
-                  f" across hosts: {restored}, leader {_node_name(move.to_node_id)}" if move_relaunches(move) else "")
+                  f" by a relaunch: {restored}, leader {_node_name(move.to_node_id)}" if move_relaunches(move) else "")
               }[K(move.kind)]
     try:
         job_transition(job=job, to=target, reason=reason, now=now, extra={"move": move.pk})

@@ -20,8 +20,9 @@ whose Celery chain runs its steps. One applier per decision type (APPLIERS):
                from the cut: no rank process survives the move, not even on a staying host)
   Resize       running -> resizing, replicas re-laid on the new devices, Move(resize): barrier,
                resize (the agent splices), release (-> running). A resize across hosts (the job
-               spans several before or after, or changes host) is a new generation: barrier,
-               checkpoint, store, restore, release (jobs/moves.py, RELAUNCH_RESIZE_STEPS)
+               spans several before or after, or changes host), and any resize of a GPU job, is a
+               new generation: barrier, checkpoint, store, restore, release (jobs/moves.py,
+               RELAUNCH_RESIZE_STEPS)
   waiting      wait_reason and queue_position written to every waiting job
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from datetime import timezone as dt_timezone
 import numpy as np
 
 import scheduler
+from fleet.accelerator_types import is_gpu
 from jobs.bulk import EventRow, RowWrites, instances_loaded, rows_update
 from jobs.models import Job, JobEvent, Move, Replica
 from jobs.moves import move_create
@@ -144,21 +146,24 @@ def _resize_apply(*, job: Job, decision: scheduler.Resize, index: SnapshotIndex,
     to_nodes = _nodes_of(index, decision.devices)
     # Across hosts (it spans several before or after, or lands on another host): the launchers of
     # one placement cannot re-splice their ranks onto another set of hosts in place, so the resize
-    # is a cut + checkpoint + relaunch on the new hosts, as a new generation (jobs/moves.py).
+    # is a cut + checkpoint + relaunch on the new hosts, as a new generation (jobs/moves.py). A GPU
+    # job's too, on one host: its ranks' GPUs were fixed when they started (runtime/launcher.py
+    # GPU_RESIZE_REFUSAL), so they are relaunched on the new ones with LOCAL_RANK naming them.
     across_hosts = len(from_nodes) > 1 or len(to_nodes) > 1 or from_nodes != _node_ids_of(index, decision.devices)
+    relaunch = across_hosts or is_gpu(job.accelerator_type)
     job = job_transition(job=job, to=S.RESIZING, reason=decision.reason, now=now,
                          extra={"code": decision.code, "from_devices": from_devices,
                                 "to_devices": len(devices), "released_devices": dropped, "nodes": to_nodes,
-                                "across_hosts": across_hosts})
+                                "across_hosts": across_hosts, "relaunch": relaunch})
     from_generation = job.generation
-    if across_hosts:
-        job_generation_bump(job)  # the copy on the new hosts; the old one is fenced once the move is over
+    if relaunch:
+        job_generation_bump(job)  # the new copy; the old one is fenced once the move is over
     rows = _place_replicas(job=job, device_ids=devices)
     Job.objects.filter(pk=job.pk).update(device_count=len(devices))
     move_create(job=job, kind=Move.Kind.RESIZE, reason=decision.reason, now=now,
                 from_node_id=from_node, to_node_id=_rank0_node(job.pk), from_devices=from_devices,
                 to_devices=len(devices), from_generation=from_generation, to_generation=job.generation,
-                from_nodes=from_nodes if across_hosts else ())
+                from_nodes=from_nodes if relaunch else ())
     return "resize", rows + 4
 
 

@@ -32,6 +32,11 @@ import os
 import torch
 
 CUDA_BACKENDS = ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo")
+# Set by the launcher for each rank of a GPU job under an agent (runtime/launcher.py rank_env): the
+# index, among the CUDA devices the rank sees, of the GPU its device map gives it. LOCAL_RANK says
+# the same to the script (a spliced job's co-located ranks share it); this one the script cannot
+# have changed.
+CUDA_DEVICE_ENV = "MERIDIAN_CUDA_DEVICE"
 
 
 def cuda_missing():
@@ -56,19 +61,32 @@ def refusal(backend):
             "to train on CPU devices")
 
 
+def given_device():
+    """Returns the CUDA device index the launcher gave this rank (CUDA_DEVICE_ENV), or None (a
+    launcher started by hand: the rank's device is the script's choice)."""
+    given = os.environ.get(CUDA_DEVICE_ENV, "")
+    return int(given) if given.isdigit() else None
+
+
+def rank_device():
+    """This rank's CUDA device index: the one its launcher gave it, else the current device."""
+    given = given_device()
+    return given if given is not None else torch.cuda.current_device()
+
+
 def device_key():
     """Returns a 63-bit job-wide key of this rank's physical CUDA device (from its UUID): the
     fold's grouping key on GPUs. Not the launcher's logical device number: ranks on several
     logical devices of one GPU must fold onto one member too (NCCL refuses one GPU twice)."""
     import hashlib
-    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    properties = torch.cuda.get_device_properties(rank_device())
     identity = str(getattr(properties, "uuid", "")) or f"{os.uname().nodename}/{properties.pci_bus_id}"
     return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:7], "little")
 
 
 def member_device():
-    """The CUDA device this rank's members' communicator and messages use: its current device."""
-    return torch.device("cuda", torch.cuda.current_device())
+    """The CUDA device this rank's members' communicator and messages use: the rank's (rank_device)."""
+    return torch.device("cuda", rank_device())
 
 
 class NcclMembersGroup:

@@ -44,7 +44,7 @@ import uuid
 import warnings
 import weakref
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -103,21 +103,37 @@ def _rng_state() -> dict:
     # numpy's state as plain Python values (its key array as a list of ints): a checkpoint holds
     # tensors and plain containers only, so it loads with torch.load(weights_only=True).
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state = {"python": random.getstate(),
-             "numpy": (str(name), np.asarray(keys).tolist(), int(position), int(has_gauss), float(cached_gaussian)),
-             "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (str(name), np.asarray(keys).tolist(), int(position), int(has_gauss), float(cached_gaussian)),
+        "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = _given_cuda_device()
     return state
 
 
 def _set_rng_state(state: dict) -> None:
+    """Puts back what _rng_state saved; the CUDA generators as _cuda_rng_placement places them
+    (raises UnresumableScript where they cannot be)."""
     random.setstate(state["python"])
     name, keys, position, has_gauss, cached_gaussian = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+        placement, problem = _cuda_rng_placement(state, device=_given_cuda_device(),
+                                                 visible=_visible_cuda_devices())
+        if problem:
+            raise UnresumableScript(problem)
+        for index, generator_state in placement.items():
+            torch.cuda.set_rng_state(generator_state, index)
+
+
+def _given_cuda_device() -> int | None:
+    """The CUDA device (index among those the rank sees) the launcher gave this rank on a GPU job
+    (runtime/cudagroup.py CUDA_DEVICE_ENV), or None (a launcher started by hand: the script's choice)."""
+    from runtime import cudagroup
+    return cudagroup.given_device()
 
 
 def _visible_cuda_devices() -> int:
@@ -126,17 +142,54 @@ def _visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _cuda_rng_problem(state: dict, visible: int) -> str | None:
-    """Why a checkpoint's CUDA generators cannot be put back on a rank that sees `visible` CUDA
-    devices, or None. torch keeps one generator per device and restores them by index, so the
-    rank must see at least as many devices as it did at the cut (checked at install, before the
-    script runs, instead of failing deep inside torch at the apply point)."""
-    saved = len(state.get("rng", {}).get("cuda", ()))
-    if saved <= visible:
-        return None
-    return (f"the checkpoint holds the CUDA random generators of {saved} device(s) and this rank sees "
-            f"{visible}: resume the job where each rank sees as many GPUs as at the cut (the same GPU "
-            f"count per host), or from a checkpoint taken on this layout")
+def _generator_drawn(generator_state: torch.Tensor) -> bool:
+    """True when a CUDA generator's saved state shows random numbers drawn since it was seeded: its
+    Philox offset (the state's last 8 bytes, after the seed) is not 0. A state of another layout
+    counts as drawn (the caller then refuses rather than guess)."""
+    if generator_state.dtype != torch.uint8 or generator_state.numel() < 16:
+        return True
+    return int(generator_state[-8:].clone().view(torch.int64).item()) != 0
+
+
+def _cuda_rng_placement(state: dict, *, device: int | None, visible: int) -> tuple[dict, str | None]:
+    """Returns ({device index: generator state} to put back, None), or ({}, why not) for the CUDA
+    generators of `state` (an _rng_state) on a rank that sees `visible` CUDA devices and was given
+    device `device` (None: not known).
+
+    torch keeps one generator per device, indexed by the device's number in the process. A GPU
+    job's rank uses the GPU its launcher gave it (LOCAL_RANK), whose number can change from one
+    launch to the next (a resize, a migration to another host's GPUs): its own generator then
+    follows it to its new number. A generator of another device that the rank drew from cannot
+    follow it anywhere meaningful, and is refused when the rank moved or that device is gone; one
+    it never drew from is left as the re-run seeded it (the same seed, nothing drawn). Where the
+    rank's device is not known on either side (a launcher started by hand), the generators go
+    back index for index, so the rank must see at least as many devices as at the cut."""
+    saved = list(state.get("cuda", ()))
+    own = state.get("cuda_device")
+    if own is None or device is None:
+        if len(saved) > visible:
+            return {}, (f"the checkpoint holds the CUDA random generators of {len(saved)} device(s) and this rank "
+                        f"sees {visible}: resume the job where each rank sees as many GPUs as at the cut (the same "
+                        f"GPU count per host), or from a checkpoint taken on this layout")
+        return dict(enumerate(saved)), None
+    if not 0 <= own < len(saved) or not 0 <= device < visible:
+        return {}, (f"the rank's GPU was device {own} of {len(saved)} at the cut and is device {device} of the "
+                    f"{visible} it sees now: one of them is not a device of the rank (a damaged checkpoint, or "
+                    f"a launch that gave it no GPU)")
+    placement = {device: saved[own]}
+    for index, generator_state in enumerate(saved):
+        if index == own or not _generator_drawn(generator_state):
+            continue
+        if own != device:
+            return {}, (f"the rank moved from CUDA device {own} to device {device} and had drawn random numbers "
+                        f"on device {index} besides its own: that stream cannot follow it; draw only on the "
+                        f"rank's GPU (the one LOCAL_RANK names), or resume the job where each rank keeps its GPU")
+        if index >= visible:
+            return {}, (f"the rank drew random numbers on CUDA device {index} besides its own (device {own}) and "
+                        f"sees {visible} device(s) now: resume the job where each rank sees as many GPUs as at "
+                        f"the cut")
+        placement[index] = generator_state
+    return placement, None
 
 
 def _rng_equal(a: dict, b: dict) -> bool:
@@ -1004,7 +1057,9 @@ class FrameworkTracker:
         # Asked only of a checkpoint with CUDA generators: even counting devices opens the NVIDIA
         # driver in this process, which a CPU job must never do (the CRIU engine refuses a rank
         # holding NVIDIA device files).
-        problem = _cuda_rng_problem(state, _visible_cuda_devices()) if state.get("rng", {}).get("cuda") else None
+        problem = None
+        if state.get("rng", {}).get("cuda"):
+            _, problem = _cuda_rng_placement(state["rng"], device=_given_cuda_device(), visible=_visible_cuda_devices())
         if problem:
             raise UnresumableScript(problem)
         return state

@@ -90,7 +90,13 @@ ENGINES = (*engines.ENGINES, engines.AUTO)
 POLL_S = 0.01
 DEFAULT_TIMEOUT_S = 600.0
 DEVICE_INDICES_ENV = "MERIDIAN_DEVICE_INDICES"
+# A live resize re-pins ranks to cores; a GPU rank's CUDA_VISIBLE_DEVICES, LOCAL_RANK and tensors
+# were fixed when it started (jobs/plan_apply.py resizes a GPU job by a relaunch instead).
+GPU_RESIZE_REFUSAL = ("a GPU job is not resized in place: its ranks' GPUs (CUDA_VISIBLE_DEVICES, LOCAL_RANK and "
+                      "the tensors on them) were fixed when they started; it is resized by a cut, a checkpoint "
+                      "and a relaunch on the new GPUs")
 FOLD_ENV = "MERIDIAN_VPG_FOLD"  # runtime/vpg.FOLD_VARIABLE (the launcher never imports torch)
+CUDA_DEVICE_ENV = "MERIDIAN_CUDA_DEVICE"  # runtime/cudagroup.CUDA_DEVICE_ENV (the same reason)
 
 
 def _sha256_hex(text):
@@ -277,11 +283,28 @@ class Launcher:
         if self.sandbox is not None:
             self.sandbox.leave_network()
 
+    @property
+    def gpu_ranks(self) -> bool:
+        """True when the ranks run on GPUs an agent gave the job (its sandbox spec says GPU, and the
+        ranks see exactly those, as CUDA_VISIBLE_DEVICES: runtime/sandbox.py)."""
+        return (self.sandbox is not None and self.sandbox.spec.device_kind == "gpu"
+                and self.device_indices is not None)
+
     def rank_env(self, rank, resume_dir=None):
         root = self.runtime_root
+        local_rank, local_world = rank - self.local_ranks.start, len(self.local_ranks)
+        cuda = {}
+        if self.gpu_ranks:
+            # A GPU script picks its GPU by LOCAL_RANK (cuda:LOCAL_RANK, set_device(LOCAL_RANK)), as
+            # under torchrun, which starts one process per GPU. Spliced (d < W), one process per GPU
+            # would be wrong: LOCAL_RANK is the index of the rank's GPU among the job's GPUs on this
+            # host, which the ranks of one GPU share, and LOCAL_WORLD_SIZE how many those are
+            # (unspliced, both are torchrun's). A resize or move relaunches the ranks with the new ones.
+            local_rank, local_world = splice.device_ordinal(self.device_map, rank), len(self.device_indices)
+            cuda = {CUDA_DEVICE_ENV: str(local_rank)}
         runtime_env = {
-            "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(rank - self.local_ranks.start), "LOCAL_WORLD_SIZE": str(len(self.local_ranks)),
+            "RANK": str(rank), "WORLD_SIZE": str(self.world_size), **cuda,
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
             "GROUP_RANK": str(self.node_rank), "NODE_RANK": str(self.node_rank),
             "MERIDIAN_NODE_ADDR": self.node_addr,
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
@@ -307,6 +330,7 @@ class Launcher:
         env = dict(os.environ)
         env.pop("MERIDIAN_RESUME", None)
         env.pop(DEVICE_INDICES_ENV, None)
+        env.pop(CUDA_DEVICE_ENV, None)  # only a GPU job under an agent is given its GPU
         env.pop(job_workspace.WORKSPACE_ENV, None)
         env.update(runtime_env)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -629,6 +653,8 @@ class Launcher:
             time.sleep(POLL_S)
 
     def do_resize(self, request: ResizeRequest) -> ResizeAnswer | ControlFailure:
+        if self.gpu_ranks:
+            return ControlFailure(error=GPU_RESIZE_REFUSAL)
         try:
             new_cores = self.sandbox.device_cores(request.device_indices) if self.sandbox else None
             mapping = DeviceMap.from_dict(splice.device_map(world_size=self.world_size, devices=request.devices,

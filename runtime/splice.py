@@ -78,6 +78,14 @@ def device_map(*, world_size: int, devices: int, cores: Iterable[int] | None = N
     }
 
 
+def device_ordinal(mapping, rank: int) -> int:
+    """Returns the position of `rank`'s device among the devices of a host's map (a DeviceMap: the
+    host's devices under their job-wide numbers, in the order of its device indices). On a GPU node
+    that is the rank's CUDA device index, CUDA_VISIBLE_DEVICES listing the job's GPUs in that order."""
+    numbers = sorted(int(number) for number in mapping.devices)
+    return numbers.index(int(mapping.ranks[str(rank)]))
+
+
 def _own_namespace_tid(task_dir):
     """Returns a thread's id as seen from the caller's PID namespace.
 

@@ -7,15 +7,14 @@ Agents are played by node_report_apply (what their heartbeat API calls), the Cel
 move_advance, as in tests/jobs/test_moves.py."""
 import pytest
 from django.utils import timezone
-from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri, hosts_of, make_node
+from node_reports import entry_of, hosts_of, make_node, report, step_names, worker
 
 from fleet.models import Node
 from fleet.services import node_drain
 from jobs.models import Job, Move, Replica
-from jobs.moves import move_advance
 from jobs.services import job_submit
 from jobs.tick import tick_run
-from jobs.workflows import NOT_YOURS, job_store_uri, node_desired_state, node_report_apply
+from jobs.workflows import NOT_YOURS, job_store_uri
 
 S = Job.State
 
@@ -23,32 +22,6 @@ S = Job.State
 @pytest.fixture(autouse=True)
 def policy(short_policy, settings):
     settings.MERIDIAN_WORKFLOW_TIMEOUT_SECONDS = 60.0
-
-
-def report(node, job_id, state, *, generation, step=10, devices=4, cut=None, checkpoint_step=None, error=None,
-           host_failure=False):
-    entry = {"job_id": job_id, "state": state, "step": step, "devices": devices, "generation": generation}
-    if host_failure:
-        entry["host_failure"] = True
-    if cut is not None:
-        entry["cut"] = cut
-    if error is not None:
-        entry["error"] = error
-    if checkpoint_step is not None:
-        entry["checkpoint"] = {"step": checkpoint_step, "bytes": 100, "engine": "framework",
-                               "uri": copy_checkpoint_uri(node, job_id, checkpoint_step, generation=generation),
-                               "sha256": FAKE_MANIFEST_SHA256}
-    return node_report_apply(node=node, report={"jobs": [entry]})
-
-
-def worker():
-    """Plays the Celery worker: runs the move_advance tasks the reports enqueued."""
-    for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
-        move_advance(move_id=move_id)
-
-
-def entry_of(node, job_id):
-    return next((e for e in node_desired_state(node=node)["jobs"] if e["job_id"] == job_id), None)
 
 
 def elastic_job_on_one_host(settings, alice, team_a, job_spec):
@@ -297,12 +270,6 @@ def test_the_job_page_shows_the_placement_per_host(wide, alice):
         {"host": "n2", "first_rank": 4, "last_rank": 7, "devices": 4}]
     html = page.content.decode()
     assert "n1: ranks 0–3 on 4 devices" in html and "n2: ranks 4–7 on 4 devices" in html
-
-
-def step_names(job, move):
-    from jobs.models import JobEvent
-    return [e.extra_data.get("step") for e in JobEvent.objects.filter(job=job, type=JobEvent.Type.MOVE_STEP)
-            .order_by("created_at", "id") if e.extra_data.get("move") == move.pk]
 
 
 @pytest.mark.django_db

@@ -174,12 +174,57 @@ def test_a_script_still_starting_is_not_named_uncuttable_before_it_trains():
     assert "no torch.optim optimizer" in tracker.no_cut_reason()
 
 
+def _generators(*offsets):
+    """CUDA generator states as torch saves them (seed, then Philox offset: 16 bytes), seed 42."""
+    return [torch.tensor([42, offset], dtype=torch.int64).view(torch.uint8) for offset in offsets]
+
+
 @pytest.mark.parametrize("saved, visible, refused", [(0, 0, False), (1, 1, False), (1, 2, False),
                                                      (2, 1, True), (1, 0, True)])
-def test_cuda_generators_are_refused_where_the_rank_sees_fewer_devices(saved, visible, refused):
-    state = {"rng": {"torch": torch.get_rng_state(),
-                     **({"cuda": [torch.zeros(16, dtype=torch.uint8)] * saved} if saved else {})}}
-    problem = framework._cuda_rng_problem(state, visible)
+def test_cuda_generators_go_back_index_for_index_where_the_ranks_gpu_is_not_known(saved, visible, refused):
+    # A launcher started by hand gives its ranks no GPU (the script picks one): no checkpoint says
+    # which generator was the rank's, so all go back where they were and the rank must see them all.
+    state = {"torch": torch.get_rng_state(), **({"cuda": _generators(*[8] * saved)} if saved else {})}
+    placement, problem = framework._cuda_rng_placement(state, device=None, visible=visible)
     assert (problem is not None) == refused
     if refused:
         assert f"generators of {saved} device(s) and this rank sees {visible}" in problem
+    else:
+        assert list(placement) == list(range(saved))
+
+
+def test_a_ranks_cuda_generator_follows_it_to_the_gpu_it_is_given_at_a_resume():
+    """Issue 17: a GPU job's rank uses the GPU its launcher gives it (LOCAL_RANK), whose index can
+    change between the cut and the resume (a resize: W = 4 on 4 GPUs shrunk to 2, rank 3 from cuda:3
+    to cuda:1). torch restores generators by index: rank 3's dropout stream would have stayed on
+    device 3 (not seen any more: refused before) and cuda:1 drawn from another's, not bit-exact."""
+    saved = _generators(0, 0, 0, 24)  # only its own GPU (3) drew random numbers
+    state = {"cuda": saved, "cuda_device": 3}
+    placement, problem = framework._cuda_rng_placement(state, device=1, visible=2)
+    assert problem is None and list(placement) == [1] and torch.equal(placement[1], saved[3])
+    # kept its GPU on a host seeing fewer: its own back, the others (never drawn from) as seeded
+    placement, problem = framework._cuda_rng_placement({"cuda": _generators(8, 0, 0), "cuda_device": 0},
+                                                       device=0, visible=1)
+    assert problem is None and list(placement) == [0]
+    # kept its GPU and drew on another one it still sees: both go back where they were
+    saved = _generators(8, 4)
+    placement, problem = framework._cuda_rng_placement({"cuda": saved, "cuda_device": 0}, device=0, visible=2)
+    assert problem is None and torch.equal(placement[1], saved[1])
+
+
+@pytest.mark.parametrize("cuda_device, device, visible, said", [
+    (0, 1, 2, "moved from CUDA device 0 to device 1 and had drawn random numbers on device 2"),
+    (0, 0, 2, "drew random numbers on CUDA device 2 besides its own (device 0) and sees 2 device(s) now"),
+    (5, 0, 2, "was device 5 of 3 at the cut"),
+    (0, 2, 2, "is device 2 of the 2 it sees now"),
+])
+def test_a_cuda_generator_that_cannot_follow_the_rank_is_refused_by_name(cuda_device, device, visible, said):
+    state = {"cuda": _generators(4, 0, 4), "cuda_device": cuda_device}
+    placement, problem = framework._cuda_rng_placement(state, device=device, visible=visible)
+    assert placement == {} and said in problem
+
+
+def test_a_generator_state_of_an_unknown_layout_counts_as_drawn():
+    assert framework._generator_drawn(_generators(4)[0]) and not framework._generator_drawn(_generators(0)[0])
+    assert framework._generator_drawn(torch.zeros(8, dtype=torch.uint8))
+    assert framework._generator_drawn(torch.zeros(16, dtype=torch.int64))

@@ -128,12 +128,13 @@ def test_the_cpu_dry_run_runs_every_check_end_to_end_bit_exact(tmp_path):
     amp = "single job, framework engine, AMP bfloat16 + GradScaler, stop+resume (cpu)"
     expected = {"NVML telemetry (cpu)", "single job, framework engine, stop+resume (cpu)", amp,
                 "single job, CRIU engine (cpu)", "fold: W=4 resized 4->2->1->4", "cost: meridian-run folded, W=4",
-                "slice 2 x 0.02 GiB: A", "slice 2 x 0.02 GiB: B", "swap 0.01 GiB out and in"}
+                "slice 2 x 0.02 GiB: A", "slice 2 x 0.02 GiB: B", "swap 0.01 GiB out and in",
+                "fold: W=2 on 1 GPU, script on cuda:LOCAL_RANK (agent's GPU spec)"}
     expected |= {f"fold: W=4 on {d} logical device(s)" for d in (4, 2, 1)}
     expected |= {f"fold: W=2 on {d} logical device(s)" for d in (2, 1)}
     assert expected <= rows.keys(), sorted(rows)
     exact = [name for name, row in rows.items() if row["bit_exact"]]
-    assert len(exact) >= 10 + (1 if criu_ok else 0), exact  # layouts, resize, jobs, slice, swap
+    assert len(exact) >= 11 + (1 if criu_ok else 0), exact  # layouts, resize, by LOCAL_RANK, jobs, slice, swap
     assert "RNG (cpu) equal" in rows["single job, framework engine, stop+resume (cpu)"]["detail"]
     assert "GradScaler (scale" in rows[amp]["detail"]
     assert run.returncode == 0, run.stdout[-3000:]

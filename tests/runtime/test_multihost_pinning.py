@@ -77,6 +77,52 @@ def test_on_a_gpu_node_each_hosts_ranks_see_only_that_hosts_gpus(tmp_path, monke
     follower.engine = "framework"
     env = follower.rank_env(5)
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["LOCAL_RANK"] == "1" and env["RANK"] == "5"
+    assert env[launcher.CUDA_DEVICE_ENV] == "1"
+
+
+def _gpu_layout(launch):
+    launch.engine = "framework"
+    envs = [launch.rank_env(rank) for rank in launch.local_ranks]
+    return [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e.get(launcher.CUDA_DEVICE_ENV)) for e in envs]
+
+
+def test_a_spliced_gpu_jobs_local_rank_names_the_gpu_its_rank_shares(tmp_path, monkeypatch):
+    """Issue 17: a GPU script picks its GPU by LOCAL_RANK (cuda:LOCAL_RANK, set_device(LOCAL_RANK)).
+    Spliced (W = 8 on 4 GPUs over 2 hosts: 2 GPUs and 4 ranks per host), LOCAL_RANK was the rank's
+    place in its host's block (0..3) and ranks 2 and 3 of each host asked for GPUs cuda:2 and cuda:3,
+    which their host's job does not see (CUDA_VISIBLE_DEVICES lists 2): it is now the index of the
+    rank's GPU, shared by the ranks of one GPU, and LOCAL_WORLD_SIZE how many GPUs the job has there."""
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    follower = _launcher(tmp_path, node_rank=1, indices="6,7", device_kind="gpu", devices="4")
+    assert _gpu_layout(follower) == [("4", "0", "2", "0"), ("5", "0", "2", "0"), ("6", "1", "2", "1"),
+                                     ("7", "1", "2", "1")]
+    assert follower.rank_env(6)["CUDA_VISIBLE_DEVICES"] == "6,7"
+    # unequal blocks (W = 6 on 3 GPUs, this host holding 1 of them): one GPU, ranks 4 and 5 on it
+    lone = _launcher(tmp_path, node_rank=1, indices="3", device_kind="gpu", ranks="6", devices="3", block=(4, 2))
+    assert _gpu_layout(lone) == [("4", "0", "1", "0"), ("5", "0", "1", "0")]
+    # on CPU devices LOCAL_RANK stays the rank's place in its host's block, as torchrun's
+    cpu = _launcher(tmp_path, node_rank=1, indices="6,7", device_kind="cpu", devices="4")
+    assert _gpu_layout(cpu) == [("4", "0", "4", None), ("5", "1", "4", None), ("6", "2", "4", None),
+                                ("7", "3", "4", None)]
+
+
+def test_a_gpu_jobs_launcher_refuses_to_resize_it_in_place(tmp_path, monkeypatch):
+    """A live resize re-pins running ranks to other cores; a GPU rank would go on computing on the GPU
+    it started on (its CUDA_VISIBLE_DEVICES, LOCAL_RANK and tensors), one the job may no longer hold.
+    The control plane resizes a GPU job by a relaunch (tests/jobs/test_gpu_resize.py); a resize that
+    reaches its launcher anyway is refused with the reason, nothing touched."""
+    from protocol.launch import ControlFailure, ResizeRequest
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    gpu = _launcher(tmp_path, node_rank=1, indices="4,5,6,7", device_kind="gpu")
+    before = gpu.device_map.plain()
+    answer = gpu.do_resize(ResizeRequest(devices=4, device_indices=(4, 5, 6, 7)))
+    assert isinstance(answer, ControlFailure) and answer.error == launcher.GPU_RESIZE_REFUSAL
+    assert gpu.device_map.plain() == before and gpu.device_indices == (4, 5, 6, 7)
+
+
+def test_the_launchers_cuda_device_variable_is_the_one_the_ranks_read():
+    from runtime import cudagroup  # the launcher names it without importing torch
+    assert launcher.CUDA_DEVICE_ENV == cudagroup.CUDA_DEVICE_ENV
 
 
 def test_each_host_checks_at_a_resume_the_part_of_the_checkpoint_it_restores_not_the_others(tmp_path, monkeypatch):

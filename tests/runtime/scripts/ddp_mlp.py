@@ -1,11 +1,13 @@
 """An ordinary DDP training script: nothing in it knows about Meridian.
 
 Usage: ddp_mlp.py OUT_PATH [--epochs E] [--step-sleep S] [--backend gloo|nccl] [--frozen-mb M]
-                  [--hold-until FILE]
+                  [--hold-until FILE] [--gpu-by-local-rank]
 W ranks from the torchrun-style environment; a small MLP with dropout, Adam, a shuffling
 DataLoader (DistributedSampler) with random augmentation. Rank 0 writes the final parameters
 and optimizer state to OUT_PATH. --backend nccl: the model and batches on the rank's CUDA
-device (cuda:0 of what it sees), as a GPU script would have them. --hold-until: after training,
+device (cuda:0 of what it sees; with --gpu-by-local-rank cuda:LOCAL_RANK, set as the current device
+before init_process_group, as a torchrun GPU script picks its GPU; each rank prints its LOCAL_RANK,
+LOCAL_WORLD_SIZE and device), as a GPU script would have them. --hold-until: after training,
 every rank waits until FILE exists (at most 20 minutes, then exits 1): a test's gate, so the job
 keeps its devices until the test has seen what that job was for.
 """
@@ -49,11 +51,18 @@ def main():
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--frozen-mb", type=float, default=0.0)
     parser.add_argument("--hold-until", default=None)
+    parser.add_argument("--gpu-by-local-rank", action="store_true")
     args = parser.parse_args()
 
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if args.gpu_by_local_rank else 0
+    device = torch.device("cuda", local_rank) if args.backend == "nccl" else torch.device("cpu")
+    if args.gpu_by_local_rank and device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(args.backend)
-    device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
     rank = dist.get_rank()
+    if args.gpu_by_local_rank:
+        print(f"rank {rank}: LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')}, "
+              f"device {device}", flush=True)
     torch.manual_seed(1234 + rank)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
     if args.frozen_mb:  # its own generator: the other random streams are those of a run without it
