@@ -22,6 +22,7 @@ from jobs.selectors import (
     job_get_visible_or_404,
     job_list_visible,
     job_names_redact_objects,
+    job_placement_now,
     preemption_get_visible,
     preemption_list_visible,
     team_list_for_user,
@@ -280,6 +281,28 @@ class JobEventListApi(APIView):
     def get(self, request, job_id):
         job = job_get_visible_or_404(user=request.user, job_id=job_id)
         return _redacted(request, paginate(self, job_event_list(job=job), self.OutputSerializer))
+
+
+class JobPlacementApi(APIView):
+    @extend_schema_serializer(component_name="JobPlacement")
+    class OutputSerializer(serializers.Serializer):
+        host = serializers.CharField()
+        first_rank = serializers.IntegerField()
+        last_rank = serializers.IntegerField()
+        devices = serializers.IntegerField(help_text="the job's devices on this host")
+        utilization = serializers.FloatField(
+            allow_null=True, help_text="mean latest utilization of those devices, 0..1 (GPUs: NVML's, "
+                                       "the job's own; CPU slots: the node's busy fraction); null: none reported")
+        memory_used_gb = serializers.FloatField(
+            allow_null=True, help_text="device memory those devices use, GiB; null: not reported (CPU slots)")
+        reporting = serializers.IntegerField(help_text="how many of those devices have a reading")
+        read_at = serializers.DateTimeField(allow_null=True, help_text="the host's last telemetry")
+
+    @extend_schema(responses={200: OutputSerializer(many=True)},
+                   summary="Where a job runs now, per host in rank order, with its devices' latest readings")
+    def get(self, request, job_id):
+        job = job_get_visible_or_404(user=request.user, job_id=job_id)
+        return Response(self.OutputSerializer(job_placement_now(job=job), many=True).data)
 
 
 class TeamListApi(APIView):

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
 from django.db import connection
-from django.db.models import Count, Sum
+from django.db.models import Avg, Count, Max, Min, Sum
 from django.http import Http404
 
+from fleet.models import Accelerator
 from jobs.bulk import cursor_prepared
-from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Team
+from jobs.models import Job, JobEvent, Membership, PreemptionRequest, Replica, Team
 
 # How the scheduler names a job in its reasons (jobs.snapshot: "#<id> <name>").
 JOB_REFERENCE = re.compile(r"#(\d{1,19}) ")
@@ -252,3 +253,31 @@ def job_names_redact_objects(*, user, objects, fields=("wait_reason", "reason"))
             obj[field] = text
         else:
             setattr(obj, field, text)
+
+
+def job_placement_now(*, job) -> list[dict]:
+    """Returns where the job runs now and what its devices report, one row per host in rank order:
+    {"host", "first_rank", "last_rank", "devices", "utilization", "memory_used_gb", "reporting",
+    "read_at"} (a job spanning hosts runs one contiguous block of ranks on each; a job holding no
+    devices: []). `utilization` is the mean of the latest readings of the job's devices there
+    (0..1, None when none reports one), `memory_used_gb` their sum (None when none reports memory,
+    as CPU slots do not), `reporting` how many of them have a reading, `read_at` the host's last
+    telemetry. A GPU is held by one job at a time, so its NVML readings are the job's own; a CPU
+    slot's utilization is its node's busy fraction (agent/devices.py). Two grouped queries."""
+    ranks = (Replica.objects.filter(job=job, device__isnull=False)
+             .values_list("device__node__hostname")
+             .annotate(first=Min("rank"), last=Max("rank"), devices=Count("device_id", distinct=True)))
+    readings = {
+        row["node__hostname"]: row for row in
+        Accelerator.objects.filter(pk__in=Replica.objects.filter(job=job).values("device_id"))
+        .values("node__hostname", "node__telemetry_at")
+        .annotate(mean=Avg("utilization"), memory=Sum("memory_used_gb"), reporting=Count("utilization"))}
+    rows = []
+    for host, first, last, devices in sorted(ranks, key=lambda row: row[1]):
+        read = readings.get(host) or {}
+        utilization, memory = read.get("mean"), read.get("memory")
+        rows.append({"host": host, "first_rank": first, "last_rank": last, "devices": devices,
+                     "utilization": round(utilization, 4) if utilization is not None else None,
+                     "memory_used_gb": round(memory, 3) if memory is not None else None,
+                     "reporting": read.get("reporting", 0), "read_at": read.get("node__telemetry_at")})
+    return rows

@@ -8,6 +8,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/", apis.JobDetailApi.as_view(), name="api-job-detail"),
     path("jobs/<int:job_id>/cancel/", apis.JobCancelApi.as_view(), name="api-job-cancel"),
     path("jobs/<int:job_id>/events/", apis.JobEventListApi.as_view(), name="api-job-events"),
+    path("jobs/<int:job_id>/placement/", apis.JobPlacementApi.as_view(), name="api-job-placement"),
     path("jobs/<int:job_id>/logs/", log_apis.JobLogListApi.as_view(), name="api-job-logs"),
     path("jobs/<int:job_id>/outputs/", bundle_apis.JobOutputsApi.as_view(), name="api-job-outputs"),
     path("bundles/<str:sha256>/", bundle_apis.BundleDetailApi.as_view(), name="api-bundle-detail"),

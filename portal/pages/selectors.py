@@ -12,7 +12,7 @@ Heatmap levels (the page drills down on click):
 """
 import math
 
-from django.db.models import Avg, Count, Max, Min, Q
+from django.db.models import Avg, Count, Q
 from django.utils import timezone
 
 from fleet.models import Accelerator, Cluster, Node
@@ -325,19 +325,6 @@ def _placement_hostnames(events):
         if isinstance(n, int)
     }
     return dict(Node.objects.filter(pk__in=node_ids).values_list("id", "hostname")) if node_ids else {}
-
-
-def job_placement_per_host(*, job) -> list[dict]:
-    """Returns where the job runs now, one row per host in rank order: {"host", "first_rank",
-    "last_rank", "devices"} (a job that spans hosts runs one contiguous block of ranks on each;
-    a job holding no devices: []). One grouped query."""
-    rows = (
-        Replica.objects.filter(job=job, device__isnull=False)
-        .values_list("device__node__hostname")
-        .annotate(first=Min("rank"), last=Max("rank"), devices=Count("device_id", distinct=True))
-    )
-    return [{"host": host, "first_rank": first, "last_rank": last, "devices": devices}
-            for host, first, last, devices in sorted(rows, key=lambda row: row[1])]
 
 
 def job_timeline(*, job, events, now=None):

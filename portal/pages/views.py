@@ -29,6 +29,7 @@ from jobs.selectors import (
     job_get_visible_or_404,
     job_list_visible,
     job_names_redact_objects,
+    job_placement_now,
     preemption_get_visible,
     team_list_for_user,
     team_usage,
@@ -39,7 +40,6 @@ from portal.pages.logs import job_log_context
 from portal.pages.selectors import (
     fleet_page_data,
     job_place_in_line,
-    job_placement_per_host,
     job_timeline,
     preemption_audit_trail,
     preemption_pending_for,
@@ -201,7 +201,7 @@ def _job_detail_data(job, *, user):
             "queue_position_source": position_source,
             "attained_sla_fraction": job.attained_sla_fraction,
             "is_terminal": job.is_terminal,
-            "placement": job_placement_per_host(job=job),
+            "placement": job_placement_now(job=job),
         },
         "timeline": job_timeline(job=job, events=events),
     }
