@@ -171,15 +171,23 @@ def assert_matches_reference(cluster, reference, output):
 RELAUNCH_RESIZE = ("resize", ["started", "barrier", "checkpoint", "store", "restore", "release"])  # across hosts
 
 
-SQUEEZE_GATE = "squeeze.go"  # in the store; the squeeze job ends only once the test has made it
+def submit_held(cp, store, name, *, epochs, world_size=8):
+    """Submits a premium job (`name`) that holds its devices after training until the test opens its
+    gate (open_gate). Such a job makes another move (shrink, preemption), and the test must see
+    where that one went before its devices come free: were it to end first (the moved job's restore
+    is slow under load, CRIU's most of all), the moved job would come back onto them unseen."""
+    return submit(cp, name, "premium", f"{store}/{name}.pt", world_size=world_size, min_devices=world_size,
+                  args=["--epochs", str(epochs), "--hold-until", f"{store}/{name}.go"])
+
+
+def open_gate(cluster, name):
+    """Lets the job submit_held submitted as `name` end."""
+    open(os.path.join(cluster.store_dir, f"{name}.go"), "w").close()
 
 
 def submit_squeeze(cp, store):
-    """Submits the premium 4-rank job that makes the elastic job shrink. It holds its devices after
-    training until wait_grown_back opens its gate: were it to end first (its restore is slow under
-    load, CRIU's most of all) the job would grow back before the test ever saw it on one host."""
-    return submit(cp, "squeeze", "premium", f"{store}/squeeze.pt", world_size=4, min_devices=4,
-                  args=["--epochs", "2", "--hold-until", f"{store}/{SQUEEZE_GATE}"])
+    """Submits the premium 4-rank job that makes the elastic job shrink (held until wait_grown_back)."""
+    return submit_held(cp, store, "squeeze", epochs=2, world_size=4)
 
 
 def wait_shrunk_onto_one_host(cp, job_id, squeeze):
@@ -194,7 +202,7 @@ def wait_shrunk_onto_one_host(cp, job_id, squeeze):
 def wait_grown_back(cluster, cp, job_id, squeeze):
     """Lets `squeeze` end (opens its gate), waits until it succeeded and the job runs on two hosts
     again, by a second resize across hosts."""
-    open(os.path.join(cluster.store_dir, SQUEEZE_GATE), "w").close()
+    open_gate(cluster, "squeeze")
     cp.wait_state(squeeze, "succeeded", timeout=600)
     poll("the job to grow back onto two hosts", lambda: runs_on(cp, job_id, hosts=2) and len(cp.moves(job_id)) == 2,
          timeout=900, on_timeout=lambda: cp.diagnose(job_id))
@@ -230,7 +238,7 @@ def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_oth
         f"resize moves (whole move s, downtime s): {move_seconds(cp, victim, 'resize')}")
 
     # Preempted: the leader's cut stops every host's ranks after one step, one checkpoint of all.
-    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "8"])
+    premium = submit_held(cp, store, "urgent", epochs=8)
     cp.wait_state(victim, "preempted", timeout=600)
     assert cp.moves(victim)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"]), \
         cp.diagnose(victim)
@@ -243,6 +251,7 @@ def test_a_job_on_two_hosts_is_resized_across_hosts_preempted_resumes_on_two_oth
     poll("the victim to run on mh-2 and mh-3", lambda: runs_on(cp, victim, hosts=["mh-2", "mh-3"]), timeout=600,
          on_timeout=lambda: cp.diagnose(victim))
     say(f"victim resumed on {placement(cp, victim)}")
+    open_gate(cluster, "urgent")
     cp.wait_state(premium, "succeeded", timeout=600)
     poll("a checkpoint after the resume",
          lambda: (cp.job(victim)["last_checkpoint_step"] or 0) > preempted_at, timeout=600,
@@ -365,7 +374,7 @@ def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_surviv
     assert sum(len(launcher_events(cluster[i], "started", job)) for i in (0, 1)) == 2  # launched once, ever
 
     # Preempted by a premium job that needs every device: each host dumps its part.
-    premium = submit(cp, "urgent", "premium", f"{store}/premium.pt", args=["--epochs", "4"])
+    premium = submit_held(cp, store, "urgent", epochs=4)
     cp.wait_state(job, "preempted", timeout=900)
     assert cp.moves(job)[-1] == ("preemption", ["started", "barrier", "checkpoint", "store", "release"]), \
         cp.diagnose(job)
@@ -379,6 +388,7 @@ def test_a_criu_job_on_two_hosts_is_resized_preempted_partly_migrated_and_surviv
          on_timeout=lambda: cp.diagnose(job))
     where, step = assert_restored_from_the_cut(cluster, cp, job, restored)
     say(f"restored from its CRIU images on {where} at step {step}")
+    open_gate(cluster, "urgent")  # its devices are the room the drain below needs
 
     # mh-3 drained at once: only its share moves, to mh-0 or mh-1 once the premium job is done with them
     # (a drain waits for room); mh-2 keeps its devices (its ranks are dumped and restored there too:
