@@ -414,7 +414,8 @@ class LocalJob:
                                                   (event.checkpoint, digest)])
                 return CheckpointReport(step=event.step, uri=event.checkpoint, bytes=event.bytes,
                                         engine=event.engine or "framework", sha256=digest,
-                                        left_out=event.left_out)
+                                        left_out=event.left_out, seconds=event.seconds,
+                                        device_bytes=event.device_bytes)
         return None
 
     def last_cut(self, events: list[LaunchEvent] | None = None) -> CutReport | None:

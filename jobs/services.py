@@ -941,6 +941,38 @@ class CheckpointNew:
     size_bytes: int
     sha256: str = ""
     left_out: tuple[str, ...] = ()  # what the checkpoint could not carry, with why (its node said)
+    # where its time went, in seconds per stage (protocol.launch.CheckpointSeconds), and how many of
+    # its bytes came from devices (GPU state); None where the node did not say
+    seconds: dict | None = None
+    device_bytes: int | None = None
+
+
+def _stages_reason(new: CheckpointNew) -> str:
+    """Returns where a checkpoint's time went, stage by stage with its rate, in words ("" when its
+    node did not say): reaching the cut (with the framework engine the ranks' writes, device ->
+    host -> staging, are part of it), the engine's dump, the commit (staging -> store)."""
+    seconds = new.seconds
+    if not seconds:
+        return ""
+    gb = new.size_bytes / 1e9
+
+    def rate(size_gb, took):
+        return f", {size_gb / took:.2f} GB/s" if took and took > 0 and size_gb > 0 else ""
+    stages = [f"cut {seconds['cut']:.2f} s"]
+    if seconds.get("save") is not None:
+        device_gb = (new.device_bytes or 0) / 1e9
+        from_devices = f", {device_gb:.2f} GB from devices{rate(device_gb, seconds['save'])}" if device_gb else ""
+        stages.append(f"of which the ranks' writes (device -> host -> staging) {seconds['save']:.2f} s{from_devices}")
+    if seconds.get("dump"):
+        stages.append(f"dump {seconds['dump']:.2f} s{rate(gb, seconds['dump'])}")
+    stages.append(f"staging -> store {seconds['commit']:.2f} s{rate(gb, seconds['commit'])}")
+    return f"{gb:.3f} GB in {seconds['total']:.2f} s: " + "; ".join(stages)
+
+
+def _checkpoint_reason(new: CheckpointNew) -> str:
+    """The reason of a checkpoint's event: what it left out first (a person must hear that), then
+    its stages, within JobEvent.reason's 500 characters."""
+    return "; ".join(part for part in (_left_out_reason(new.left_out), _stages_reason(new)) if part)[:500]
 
 
 def _left_out_reason(left_out: tuple[str, ...]) -> str:
@@ -982,9 +1014,11 @@ def checkpoints_record(*, checkpoints: Sequence[CheckpointNew], now=None) -> lis
                 [x for job_id, new in newest.items() for x in (job_id, new.step, new.size_bytes)] + [at, at])
         desired_changed(job_ids=newest)  # as job_event_add does
         JobEvent.objects.bulk_create([
-            JobEvent(job=new.job, type=JobEvent.Type.CHECKPOINTED, reason=_left_out_reason(new.left_out),
+            JobEvent(job=new.job, type=JobEvent.Type.CHECKPOINTED, reason=_checkpoint_reason(new),
                      extra_data={"step": new.step, "engine": new.engine, "bytes": new.size_bytes, "uri": new.uri,
-                                 **({"left_out": list(new.left_out)} if new.left_out else {})})
+                                 **({"left_out": list(new.left_out)} if new.left_out else {}),
+                                 **({"seconds": new.seconds} if new.seconds else {}),
+                                 **({"device_bytes": new.device_bytes} if new.device_bytes is not None else {})})
             for new in checkpoints])
         fresh = Job.objects.in_bulk(list(newest))
         jobs = {id(new.job): new.job for new in checkpoints}  # each instance given, once

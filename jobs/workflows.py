@@ -513,9 +513,13 @@ def _progress_of(job, entry: JobReport) -> tuple[float | None, int | None]:
 
 def _checkpoint_new(job, entry: JobReport) -> CheckpointNew:
     checkpoint = entry.checkpoint
+    seconds = checkpoint.seconds
     return CheckpointNew(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework", uri=checkpoint.uri,
                          size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
-                         left_out=left_out_lines(checkpoint.left_out))
+                         left_out=left_out_lines(checkpoint.left_out),
+                         seconds={"cut": seconds.cut, "save": seconds.save, "dump": seconds.dump,
+                                  "commit": seconds.commit, "total": seconds.total} if seconds else None,
+                         device_bytes=checkpoint.device_bytes)
 
 
 def _checkpoint_reported(entry: JobReport) -> bool:

@@ -90,6 +90,10 @@ class CutReport(Message):
     cores: tuple[int, ...] | None = bounded(default=None, max_length=4096)
     # optimizer-step / collective-boundary / any-moment (runtime/cut.py): where the rank was cut
     cut_kind: str | None = bounded(default=None, max_length=64)
+    # status "saved" (framework engine): how long the rank's write took (device -> host -> staging
+    # file) and how many bytes of its state were on a device other than the CPU
+    save_s: float | None = bounded(default=None, minimum=0, maximum=7 * 24 * 3600.0)
+    device_bytes: int | None = bounded(default=None, minimum=0, maximum=2**62)
 
     def problem(self) -> str:
         """Returns why this report refuses the cut, in words (for the launcher's error)."""

@@ -23,6 +23,8 @@ from protocol.states import JobNetwork, LaunchState
 
 MAX_ERROR = 20000  # characters: an error carries a log tail
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_SECONDS = 7 * 24 * 3600.0  # a stage of a checkpoint
+MAX_BYTES = 2**62
 MAX_LEFT_OUT = 20  # lines of a checkpoint's left_out on the wire; its manifest keeps them all
 MAX_LEFT_OUT_LINE = 500  # characters
 
@@ -62,12 +64,15 @@ class Restored(LaunchEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSeconds(Message):
-    """Where a checkpoint's time went: reaching the cut, the engine's dump, the store's commit."""
+    """Where a checkpoint's time went: reaching the cut, the engine's dump, the store's commit
+    (staging -> store). With the framework engine the ranks write their state while the cut is
+    taken: `save` is the slowest rank's write (device -> host -> staging file), part of `cut`."""
 
-    cut: float
-    dump: float
-    commit: float
-    total: float
+    cut: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    dump: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    commit: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    total: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    save: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +91,9 @@ class CheckpointTaken(LaunchEvent):
     # What this checkpoint leaves out of the job's state, one line each with why (left_out_lines):
     # a sandboxed job's stale unix socket files in its private /tmp (runtime/private_dirs.py)
     left_out: tuple[str, ...] = bounded(default=(), max_length=MAX_LEFT_OUT + 1)
+    # The framework engine: bytes of the ranks' state that lived on a device other than the CPU (a
+    # GPU's), copied to the host by their writes; None where not counted (the CRIU engine)
+    device_bytes: int | None = bounded(default=None, minimum=0, maximum=MAX_BYTES)
 
 
 def left_out_lines(lines: Sequence[str]) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
-from protocol.launch import MAX_LEFT_OUT
+from protocol.launch import MAX_BYTES, MAX_LEFT_OUT, CheckpointSeconds
 from protocol.message import Message, bounded
 from protocol.states import CopyState, CutAction, DesiredAction, JobNetwork, JobState, ResumeRefused
 
@@ -129,6 +129,10 @@ class CheckpointReport(Message):
     # What the checkpoint left out of the job's state, with why (protocol.launch.left_out_lines);
     # the control plane writes them into the job's "checkpointed" event
     left_out: tuple[str, ...] = bounded(default=(), max_length=MAX_LEFT_OUT + 1)
+    # Where its time went, stage by stage, and how much of it came from devices (protocol.launch's
+    # CheckpointSeconds and CheckpointTaken.device_bytes); the "checkpointed" event says them
+    seconds: CheckpointSeconds | None = None
+    device_bytes: int | None = bounded(default=None, minimum=0, maximum=MAX_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -538,7 +538,8 @@ class FrameworkEngine(Engine):
         if failures:
             runtime.report(request, step, "error", error=error or f"{failures} other rank(s) could not save")
             return
-        runtime.report(request, step, "saved")
+        seconds, device_bytes = runtime.tracker.last_save
+        runtime.report(request, step, "saved", save_s=round(seconds, 4), device_bytes=device_bytes)
         if request.action == "stop":
             group = vpg.current_group()
             if group is not None:

@@ -40,6 +40,7 @@ import random
 import shutil
 import sys
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -140,6 +141,28 @@ def _visible_cuda_devices() -> int:
     """How many CUDA devices this rank sees (0 without CUDA). Creates no CUDA context, but loads
     the driver into the process (see _load_resume)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _device_bytes(tree) -> int:
+    """Returns the bytes of the tensors in `tree` (dicts, lists, tuples) that live on a device other
+    than the CPU: what a save copies from the device to the host. Each storage counted once (tied
+    weights, views); a tensor whose storage has no address (the meta device's) once per tensor."""
+    seen: set = set()
+    total = 0
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor) and item.device.type != "cpu":
+            storage = item.untyped_storage()
+            key = (str(item.device), storage.data_ptr()) if storage.data_ptr() else id(item)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
 
 
 def _generator_drawn(generator_state: torch.Tensor) -> bool:
@@ -449,6 +472,7 @@ class FrameworkTracker:
         self._schedulers: list = []
         self._scalers: list = []      # (seq, weakref) of every torch.amp.GradScaler built
         self._scaler_flag = None  # device bool: a scaler's update() differed from the cut's prediction
+        self.last_save: tuple[float, int] = (0.0, 0)  # the last save()'s seconds and device bytes
         self._loaders: list[_LoaderRecord] = []
         self._active_loader: _LoaderRecord | None = None
         self._reasons: list[str] = []          # why the script cannot be resumed, if ever
@@ -530,6 +554,7 @@ class FrameworkTracker:
                 raise FileNotFoundError(f"the checkpoint's staging folder {directory} is gone (swept as "
                                         "abandoned, or its checkpoint was given up): nothing saved")
         self.check_resumable()
+        began = time.monotonic()
         state = self._collect()
         directory.mkdir(parents=True, exist_ok=True)
         final = directory / RANK_DIR.format(rank=self.rank)
@@ -552,6 +577,7 @@ class FrameworkTracker:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self.last_save = (time.monotonic() - began, _device_bytes(state))
         return final
 
     # ----------------------------------------------------------------- patching

@@ -636,12 +636,15 @@ class Launcher:
             raise
         self.checkpoints.settle(self, request, committed=True, stop=stop)
         self.last_checkpoint = LastCheckpoint(step=step, uri=ref.uri, engine=ref.engine, bytes=ref.bytes)
+        saves = [report.save_s for report in reports.values() if report.save_s is not None]
+        on_devices = [report.device_bytes for report in reports.values() if report.device_bytes is not None]
         seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
-                                    total=round(time.monotonic() - began, 4))
+                                    total=round(time.monotonic() - began, 4),
+                                    save=round(max(saves), 4) if saves else None)
         kinds = {report.cut_kind for report in reports.values()}
         self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
                    seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base,
-                   left_out=left_out_lines(left_out))
+                   left_out=left_out_lines(left_out), device_bytes=sum(on_devices) if on_devices else None)
         return CheckpointAnswer(step=step, engine=self.engine, checkpoint=ref.uri, bytes=ref.bytes,
                                 seconds=seconds)
 

@@ -256,6 +256,20 @@ def test_a_checkpoint_whose_manifest_is_gone_is_left_out_of_the_report_for_the_o
     assert LocalJob(7, tmp_path / "job").last_checkpoint(events) is None
 
 
+def test_the_report_of_a_checkpoint_carries_where_its_time_went(tmp_path):
+    # What the launcher measured goes to the control plane as it was (the job's event says it).
+    from protocol.node import CheckpointReport
+    folder = tmp_path / "store" / "ckpt-000000000012-1"
+    folder.mkdir(parents=True)
+    (folder / "MANIFEST.json").write_text('{"step": 12}')
+    seconds = CheckpointSeconds(cut=2.5, dump=0.0, commit=0.25, total=2.8, save=1.5)
+    event = CheckpointTaken(time_unix=1.0, engine="framework", step=12, checkpoint=folder.as_uri(), bytes=4096,
+                            action="checkpoint", seconds=seconds, device_bytes=1024)
+    report = LocalJob(7, tmp_path / "job").last_checkpoint([event])
+    assert (report.seconds, report.device_bytes) == (seconds, 1024)
+    assert CheckpointReport.from_dict(report.to_dict()) == report  # and back off the wire
+
+
 def _agent_for(url, tmp_path, register_wait):
     import argparse
     import threading

@@ -43,3 +43,53 @@ def test_nothing_to_record_writes_nothing(jobs):
     with CaptureQueriesContext(connection) as captured:
         assert checkpoints_record(checkpoints=[]) == []
     assert not captured.captured_queries
+
+
+def test_a_checkpoints_event_says_where_its_time_went_stage_by_stage(jobs):
+    # Issue 17 §3: seconds and rates per stage, as the copy's node reported them; GPU state named.
+    job, _ = jobs
+    seconds = {"cut": 3.0, "save": 2.0, "dump": 0.0, "commit": 0.5, "total": 3.5}
+    checkpoints_record(checkpoints=[
+        CheckpointNew(job=job, step=8, engine="framework", uri="file:///f/8", size_bytes=2_000_000_000,
+                      seconds=seconds, device_bytes=1_500_000_000),
+        CheckpointNew(job=job, step=9, engine="criu", uri="file:///f/9", size_bytes=1_000_000_000,
+                      seconds={**seconds, "save": None, "dump": 4.0}, left_out=("/tmp/x.sock: a socket",)),
+        CheckpointNew(job=job, step=10, engine="criu", uri="file:///f/10", size_bytes=5)])
+    framework, criu, unsaid = JobEvent.objects.filter(job=job, type=JobEvent.Type.CHECKPOINTED).order_by("id")
+    assert framework.reason == (
+        "2.000 GB in 3.50 s: cut 3.00 s; of which the ranks' writes (device -> host -> staging) 2.00 s, "
+        "1.50 GB from devices, 0.75 GB/s; staging -> store 0.50 s, 4.00 GB/s")
+    assert framework.extra_data["seconds"] == seconds and framework.extra_data["device_bytes"] == 1_500_000_000
+    # what a checkpoint left out comes first: a person must hear that
+    assert criu.reason.startswith("left out of the checkpoint: /tmp/x.sock: a socket; 1.000 GB in 3.50 s: ")
+    assert "dump 4.00 s, 0.25 GB/s; staging -> store 0.50 s, 2.00 GB/s" in criu.reason
+    assert "device_bytes" not in criu.extra_data
+    assert unsaid.reason == "" and "seconds" not in unsaid.extra_data  # an agent that did not say
+
+
+def test_a_nodes_report_brings_its_checkpoints_stages_into_the_event_and_bounds_them(short_policy, alice, team_a,
+                                                                                    job_spec):
+    from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri, make_node
+
+    from jobs.services import job_submit
+    from jobs.tick import tick_run
+    from jobs.workflows import node_report_apply
+    from protocol import ProtocolError
+    from protocol.node import CheckpointReport
+
+    node = make_node("n1")
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(world_size=1, min_devices=1))
+    tick_run()
+    job.refresh_from_db()
+    seconds = {"cut": 1.25, "save": 0.5, "dump": 0.0, "commit": 0.25, "total": 1.5}
+    checkpoint = {"step": 8, "bytes": 100, "engine": "framework", "sha256": FAKE_MANIFEST_SHA256,
+                  "uri": copy_checkpoint_uri(node, job.pk, 8, generation=job.generation),
+                  "seconds": seconds, "device_bytes": 0}
+    node_report_apply(node=node, report={"jobs": [{"job_id": job.pk, "state": "running", "step": 8, "devices": 1,
+                                                   "generation": job.generation, "checkpoint": checkpoint}]})
+    event = JobEvent.objects.get(job=job, type=JobEvent.Type.CHECKPOINTED)
+    assert event.extra_data["seconds"] == seconds and event.extra_data["device_bytes"] == 0
+    assert event.reason.startswith("0.000 GB in 1.50 s: cut 1.25 s; of which the ranks' writes")
+    # a node's figures are bounded like everything it sends
+    with pytest.raises(ProtocolError, match="cut"):
+        CheckpointReport.from_dict({**checkpoint, "seconds": {**seconds, "cut": -1.0}})

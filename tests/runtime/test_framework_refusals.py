@@ -48,8 +48,20 @@ def test_an_ordinary_loop_is_resumable_and_saves(tracker, tmp_path):
     rank_dir = tracker.save(tmp_path / "ck")
     assert rank_dir.name == "rank-0" and (rank_dir / "state.pt").is_file()
     assert tracker.step == 2
+    seconds, device_bytes = tracker.last_save  # said in the checkpoint's event: nothing came from a GPU
+    assert seconds > 0 and device_bytes == 0
     with pytest.raises(FileExistsError):
         tracker.save(tmp_path / "ck")
+
+
+def test_the_bytes_a_save_copies_from_devices_count_each_storage_once():
+    # The meta device stands in for a GPU here: a device other than the CPU, with no memory.
+    weight = torch.empty(256, device="meta")  # 1 KiB
+    state = {"tied": [weight, weight], "other": (torch.empty(64, device="meta"),),
+             "host": torch.zeros(1000), "n": 3}
+    assert framework._device_bytes(state) == 1024 + 256
+    real = torch.zeros(100)  # a CPU storage shared by two entries: a save copies nothing from a device
+    assert framework._device_bytes({"a": real, "b": real[:10]}) == 0
 
 
 def test_install_twice_is_an_error(tracker):

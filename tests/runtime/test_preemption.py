@@ -1,6 +1,7 @@
 """Proofs: an unmodified script is preempted, migrated, resized and killed, and still ends
 bit-for-bit where an uninterrupted run ends (torch.equal on every parameter and optimizer
 tensor). Each case runs with each engine where it applies."""
+import json
 import random
 import shutil
 
@@ -66,6 +67,14 @@ def test_migrate_to_another_node_directory(engine, tmp_path, jobs, reference_tmp
     first.wait_ready()
     stopped = first.control.stop(at_step=13)
     first.finish(75)
+    # Where the checkpoint's time went: with the framework engine the ranks' writes (device -> host
+    # -> staging) are part of the cut, and none of their state was on a GPU here.
+    (taken,) = [event for event in map(json.loads, (node_a / "events.jsonl").read_text().splitlines())
+                if event["event"] == "checkpoint"]
+    if engine == "framework":
+        assert 0 < taken["seconds"]["save"] <= taken["seconds"]["cut"] and taken["device_bytes"] == 0, taken
+    else:
+        assert taken["seconds"].get("save") is None and taken.get("device_bytes") is None, taken
     # Node A is gone: its job directory with it (its launcher removed its spool when it exited).
     # Node B's launcher has a job id of its own, as a node agent's next attempt has.
     assert not (_spool_root / job_id).exists()
