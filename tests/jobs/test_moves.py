@@ -12,7 +12,7 @@ from celery.exceptions import Retry
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri
+from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri, worker
 
 from fleet.agent_services import node_register
 from fleet.models import Accelerator, Node
@@ -66,12 +66,6 @@ def report(node, job_id, state, *, generation=None, step=10, devices=1, cut=None
                                "uri": copy_checkpoint_uri(node, job_id, checkpoint_step, generation=generation),
                                "sha256": FAKE_MANIFEST_SHA256}
     return node_report_apply(node=node, report={"jobs": [entry]}, now=now)
-
-
-def worker():
-    """Plays the Celery worker: runs the move_advance tasks the reports enqueued."""
-    for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
-        move_advance(move_id=move_id)
 
 
 def step_events(job):

@@ -9,13 +9,12 @@ from types import SimpleNamespace
 import pytest
 from django.conf import settings
 from django.utils import timezone
-from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri
+from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri, worker
 from rest_framework.test import APIClient
 
 from fleet.agent_services import node_register
 from fleet.models import Accelerator
 from jobs.models import Checkpoint, Job, JobEvent, Move
-from jobs.moves import move_advance
 from jobs.plan_apply import _migrate
 from jobs.services import job_submit
 from jobs.tick import tick_run
@@ -60,12 +59,6 @@ def migrate(job, to_node):
     _migrate(job=job, decision=decision, devices=devices, region=to_node.cluster.region_id,
              nodes=[to_node.hostname], now=timezone.now())
     job.refresh_from_db()
-
-
-def worker():
-    """Plays the Celery worker: runs the move_advance tasks the reports enqueued."""
-    for move_id in Move.objects.filter(state=Move.State.ACTIVE).values_list("id", flat=True):
-        move_advance(move_id=move_id)
 
 
 def restore_from(node, job):
