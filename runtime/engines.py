@@ -563,8 +563,12 @@ def follow_host_layout(resume: ResumeFile, *, rank: int, world_size: int) -> Non
     else:  # a resume file that names no block: the equal W/N one
         host_ranks = world_size // resume.nodes
         first = resume.node_rank * host_ranks
-    os.environ.update({"LOCAL_RANK": str(rank - first), "LOCAL_WORLD_SIZE": str(host_ranks),
-                       "NODE_RANK": str(resume.node_rank), "GROUP_RANK": str(resume.node_rank)})
+    os.environ.update({"NODE_RANK": str(resume.node_rank), "GROUP_RANK": str(resume.node_rank)})
+    from runtime import cudagroup
+    if cudagroup.given_device() is None:
+        os.environ.update({"LOCAL_RANK": str(rank - first), "LOCAL_WORLD_SIZE": str(host_ranks)})
+    # else a GPU job's rank: its LOCAL_RANK names its GPU (runtime/launcher.py rank_env), which it
+    # keeps until it is relaunched (a CRIU restore onto another layout is refused: regroup_refusal)
 
 
 def dump_host_ranks(launcher: Launcher, folder: os.PathLike | str, *, leave_running: bool) -> tuple[str, ...]:

@@ -67,6 +67,10 @@ def test_a_resume_file_may_name_its_hosts_block_and_one_from_before_blocks_still
     assert ResumeFile.from_dict(unequal.to_dict()) == unequal
     follow_host_layout(unequal, rank=5, world_size=6)
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], os.environ["NODE_RANK"]) == ("1", "2", "1")
+    # a GPU job's rank keeps the LOCAL_RANK that names its GPU (it cannot change GPU in place)
+    monkeypatch.setattr(os, "environ", {"MERIDIAN_CUDA_DEVICE": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    follow_host_layout(unequal, rank=5, world_size=6)
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], os.environ["NODE_RANK"]) == ("0", "1", "1")
     for bad in ({"first_rank": 4}, {"host_ranks": 2}, {"first_rank": 4, "host_ranks": 0},
                 {"first_rank": -1, "host_ranks": 2}):
         with pytest.raises(ProtocolError):
