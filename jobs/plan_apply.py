@@ -129,17 +129,18 @@ def _resize_apply(*, job: Job, decision: scheduler.Resize, index: SnapshotIndex,
         # the old layout, though: when the hosts change (a 4-device copy on one host grown onto two),
         # that copy must not run on as if nothing had changed (it would never meet the new host's
         # share), so the layout is a new generation (the old copy is fenced) and a new placement.
-        hosts_change = _node_ids_held(job.pk) != _node_ids_of(index, decision.devices)
-        if hosts_change:
+        # A GPU job's too, on its host: that copy's ranks cannot move to the new GPUs in place.
+        relaunch = _node_ids_held(job.pk) != _node_ids_of(index, decision.devices) or is_gpu(job.accelerator_type)
+        if relaunch:
             job_generation_bump(job)
         rows = _place_replicas(job=job, device_ids=devices)
         Job.objects.filter(pk=job.pk).update(device_count=len(devices))
-        if hosts_change:
+        if relaunch:
             job_event_add(job=job, type=JobEvent.Type.PLACED, reason=decision.reason,
                           extra={"devices": devices, "nodes": _nodes_of(index, decision.devices),
                                  "generation": job.generation,
                                  "code": decision.code})
-        return "resize", rows + (4 if hosts_change else 2)
+        return "resize", rows + (4 if relaunch else 2)
     from_devices = job.device_count
     dropped = sorted(set(_device_ids_held(job.pk)) - set(devices))  # a shrink's; none on growth
     from_node, from_nodes = _rank0_node(job.pk), _node_ids_held(job.pk)

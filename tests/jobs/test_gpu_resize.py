@@ -78,3 +78,22 @@ def test_a_cpu_job_is_still_resized_in_place(alice, team_a, job_spec):
     assert move.from_generation == move.to_generation == job.generation == 1
     entry = entry_of(node, job.pk)
     assert (entry["action"], entry["generation"], entry["devices"]) == ("run", 1, 2)  # the agent splices
+
+
+@pytest.mark.django_db
+def test_a_gpu_job_resized_before_it_reports_running_is_a_new_generation(alice, team_a, job_spec):
+    # Its agent may have launched it on the old GPUs already: that copy is fenced, never resized in place.
+    node = make_node("g1", accelerator_type="H100-80GB")
+    job = job_submit(team=team_a, submitted_by=alice, spec=job_spec(
+        name="elastic", world_size=4, min_devices=2, tier="basic", accelerator_type="H100-80GB"))
+    tick_run()
+    job.refresh_from_db()
+    assert job.state == S.SCHEDULED and job.device_count == 4 and job.generation == 1
+    job_submit(team=team_a, submitted_by=alice, spec=job_spec(
+        name="urgent", world_size=2, min_devices=2, tier="premium", accelerator_type="H100-80GB"))
+    tick_run()
+    job.refresh_from_db()
+    assert job.state == S.SCHEDULED and job.device_count == 2 and job.generation == 2, job.wait_reason
+    entry = entry_of(node, job.pk)
+    assert (entry["action"], entry["generation"], entry["devices"]) == ("run", 2, 2)
+    assert report(node, job.pk, "running", generation=1, devices=4)["rejected"][0]["fence"] is True
