@@ -119,14 +119,17 @@ class HollowNode:
         for rejected in answer.rejected:
             if rejected.fence:  # a stale copy: killed without a checkpoint
                 self.jobs.pop(rejected.job_id, None)
-        # "stop" entries (a move's barrier) are stopped like jobs no longer listed
+        # "stop" entries (a move's barrier) are stopped like jobs no longer listed, and so is a copy
+        # of an older generation (a relaunch: a move to new hosts, a GPU job's resize), whose new
+        # copy starts from the cut's checkpoint once this one's stop is heard, as a real agent does
         desired = {e.job_id: e for e in answer.desired.jobs if e.action != DesiredAction.STOP}
         for job_id, job in self.jobs.items():
-            if job.state == CopyState.RUNNING and job_id not in desired:
+            entry = desired.get(job_id)
+            if job.state == CopyState.RUNNING and (entry is None or entry.generation not in (None, job.generation)):
                 self._checkpoint(job, now)  # stop at a consistent cut
                 job.state = CopyState.STOPPED
-            elif job.state == CopyState.RUNNING and desired[job_id].devices != job.devices:
-                job.devices = desired[job_id].devices  # resize
+            elif job.state == CopyState.RUNNING and entry.devices != job.devices:
+                job.devices = entry.devices  # resize in place
         for job_id, entry in desired.items():
             if job_id not in self.jobs and entry.action == DesiredAction.RUN:
                 self.jobs[job_id] = HollowJob(entry, now)

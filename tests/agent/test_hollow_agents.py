@@ -72,3 +72,40 @@ def test_hollow_nodes_run_jobs_to_completion_and_yield_to_a_premium_job(live_ser
     premium.refresh_from_db()
     assert premium.state == Job.State.SUCCEEDED
     assert fleet.stats["failures"] == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hollow_gpu_job_is_resized_by_a_relaunch(live_server, alice, team_a, job_spec, settings):
+    # A GPU job's resize is a new generation (jobs/plan_apply.py): the old copy stops at a cut with a
+    # checkpoint and the new one starts from it. Hollow nodes resized it in place before and the move
+    # waited for a stop that never came.
+    settings.MERIDIAN_MIN_RESIZE_INTERVAL_SECONDS = 0.0
+    options = argparse.Namespace(control_plane=live_server.url, enroll_token=ENROLL, hollow=1,
+                                 hollow_type="H100-80GB", hollow_devices=4, hollow_prefix="g", hollow_threads=1,
+                                 interval=1.0, checkpoint_every=0.0)
+    fleet = HollowFleet(options, threading.Event())
+    fleet.register_all()
+    fleet.nodes[0].rate = 1000.0
+    elastic = job_submit(team=team_a, submitted_by=alice, spec=job_spec(
+        name="elastic", tier="basic", world_size=4, min_devices=2, accelerator_type="H100-80GB",
+        args=["--steps", "100000000"]))
+    tick_run()
+    beat_all(fleet)  # start
+    beat_all(fleet)  # report running
+    elastic.refresh_from_db()
+    assert elastic.state == Job.State.RUNNING and elastic.generation == 1
+    job_submit(team=team_a, submitted_by=alice, spec=job_spec(
+        name="p", tier="premium", world_size=2, min_devices=2, accelerator_type="H100-80GB",
+        args=["--steps", "100000000"]))
+    tick_run()
+    elastic.refresh_from_db()
+    assert elastic.state == Job.State.RESIZING and elastic.generation == 2
+    for _ in range(4):  # stop with a checkpoint, heard; the new copy starts from it; heard running
+        beat_all(fleet)
+        run_move_tasks()
+    elastic.refresh_from_db()
+    move = Move.objects.get(job=elastic)
+    assert move.state == Move.State.DONE, move.log
+    assert elastic.state == Job.State.RUNNING and elastic.device_count == 2
+    assert elastic.progress_step >= move.cut_step > 0
+    assert fleet.stats["failures"] == 0
