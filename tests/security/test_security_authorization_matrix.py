@@ -65,6 +65,7 @@ MATRIX = [
     ("GET", "/api/jobs/{job_a}/", None, users(200, other_team=404)),
     ("POST", "/api/jobs/{job_a}/cancel/", None, users(200, other_team=404)),
     ("GET", "/api/jobs/{job_a}/events/", None, users(200, other_team=404)),
+    ("GET", "/api/jobs/{job_a}/placement/", None, users(200, other_team=404)),
     ("GET", "/api/jobs/{job_a}/logs/", None, users(200, other_team=404)),
     # job_a has saved no outputs yet: 404 for whoever may see it, the same 404 for another team
     ("GET", "/api/jobs/{job_a}/outputs/", None, users(404)),
