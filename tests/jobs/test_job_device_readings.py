@@ -63,15 +63,16 @@ def test_a_spliced_jobs_readings_count_each_of_its_gpus_once(alice, team_a, job_
 
 @pytest.mark.django_db
 def test_a_job_spanning_hosts_shows_each_hosts_share_and_what_it_reported(alice, charlie, team_a, job_spec):
-    first, second = make_node("g1", accelerator_type="H100-80GB"), make_node("g2", accelerator_type="H100-80GB")
-    make_node("c1")  # CPU slots: another type, never the job's
+    make_node("g1", accelerator_type="H100-80GB")
+    second = make_node("g2", accelerator_type="H100-80GB")
+    other = make_node("c1")  # CPU slots: another type, never the job's
     job = gpu_job(alice, team_a, job_spec, name="wide", world_size=8, min_devices=8)
     heartbeat(second, [(0.5, 70.0)] * 4)
+    heartbeat(other, [(1.0, 9.0)] * 4)  # not the job's devices: in none of its rows
     rows = placement(alice, job.pk).json()
     assert [(r["host"], r["first_rank"], r["last_rank"], r["devices"]) for r in rows] == [
         ("g1", 0, 3, 4), ("g2", 4, 7, 4)]
     assert [(r["utilization"], r["memory_used_gb"], r["reporting"]) for r in rows] == [
         (None, None, 0), (0.5, 280.0, 4)]
-    assert first.hostname == "g1"
     # another team's job is none of charlie's business: not found, as every job API answers
     assert placement(charlie, job.pk).status_code == 404
