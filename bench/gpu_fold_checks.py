@@ -164,9 +164,12 @@ class FoldChecks:
         if not reference.exists():
             return [CheckRow(name, 0.0, "skipped", None, "skipped: no W=2 run on 2 devices to compare with")]
         spec = self.work / "gpu-spec.json"
+        # The ranks get only the spec's environment (as an agent's do): the loader path this machine's
+        # CUDA build of torch may need is passed on.
+        passed = {name: os.environ[name] for name in ("LD_LIBRARY_PATH",) if name in os.environ}
         spec.write_text(json.dumps(SandboxSpec(
             unconfined_reason="bench/gpu_fold_checks.py: an agent's GPU job, unconfined", device_kind="gpu",
-            node_devices=1, node_cores=tuple(sorted(os.sched_getaffinity(0)))).to_dict()))
+            node_devices=1, node_cores=tuple(sorted(os.sched_getaffinity(0))), env=passed).to_dict()))
         out, rc, text, seconds = self.ddp_run("w2-local-rank", 2, 1, extra=["--gpu-by-local-rank"],
                                               launcher_args=["--sandbox", spec, "--device-indices", "0"])
         if out is None:
