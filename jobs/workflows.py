@@ -22,7 +22,7 @@ import logging
 import re
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -517,8 +517,7 @@ def _checkpoint_new(job, entry: JobReport) -> CheckpointNew:
     return CheckpointNew(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework", uri=checkpoint.uri,
                          size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
                          left_out=left_out_lines(checkpoint.left_out),
-                         seconds={"cut": seconds.cut, "save": seconds.save, "dump": seconds.dump,
-                                  "commit": seconds.commit, "total": seconds.total} if seconds else None,
+                         seconds=asdict(seconds) if seconds else None,
                          device_bytes=checkpoint.device_bytes)
 
 

@@ -19,6 +19,8 @@ from protocol.message import Message, ProtocolError, bounded
 MAX_RANKS = 65536
 MAX_DEVICES = 4096
 MAX_PATH = 4096
+MAX_SECONDS = 7 * 24 * 3600.0  # one stage of a checkpoint (protocol.launch.CheckpointSeconds too)
+MAX_BYTES = 2**62
 
 CutAction = Literal["checkpoint", "stop", "resize"]
 CutStatus = Literal["parked", "saved", "resized", "error"]
@@ -92,8 +94,8 @@ class CutReport(Message):
     cut_kind: str | None = bounded(default=None, max_length=64)
     # status "saved" (framework engine): how long the rank's write took (device -> host -> staging
     # file) and how many bytes of its state were on a device other than the CPU
-    save_s: float | None = bounded(default=None, minimum=0, maximum=7 * 24 * 3600.0)
-    device_bytes: int | None = bounded(default=None, minimum=0, maximum=2**62)
+    save_s: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+    device_bytes: int | None = bounded(default=None, minimum=0, maximum=MAX_BYTES)
 
     def problem(self) -> str:
         """Returns why this report refuses the cut, in words (for the launcher's error)."""

@@ -17,14 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union
 
-from protocol.cut import MAX_DEVICES, MAX_PATH, MAX_RANKS, DeviceMap, check_device_indices
+from protocol.cut import MAX_BYTES, MAX_DEVICES, MAX_PATH, MAX_RANKS, MAX_SECONDS, DeviceMap, check_device_indices
 from protocol.message import Message, ProtocolError, bounded
 from protocol.states import JobNetwork, LaunchState
 
 MAX_ERROR = 20000  # characters: an error carries a log tail
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_SECONDS = 7 * 24 * 3600.0  # a stage of a checkpoint
-MAX_BYTES = 2**62
 MAX_LEFT_OUT = 20  # lines of a checkpoint's left_out on the wire; its manifest keeps them all
 MAX_LEFT_OUT_LINE = 500  # characters
 

@@ -54,7 +54,7 @@ import torch.optim.lr_scheduler as lr_scheduler
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
-from runtime import store
+from runtime import cudagroup, store
 
 ENGINE = "framework"
 FORMAT = 2  # 2: with the witness (a format-1 checkpoint cannot prove the re-run is the same run)
@@ -110,7 +110,7 @@ def _rng_state() -> dict:
         "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-        state["cuda_device"] = _given_cuda_device()
+        state["cuda_device"] = cudagroup.given_device()
     return state
 
 
@@ -122,19 +122,12 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
-        placement, problem = _cuda_rng_placement(state, device=_given_cuda_device(),
+        placement, problem = _cuda_rng_placement(state, device=cudagroup.given_device(),
                                                  visible=_visible_cuda_devices())
         if problem:
             raise UnresumableScript(problem)
         for index, generator_state in placement.items():
             torch.cuda.set_rng_state(generator_state, index)
-
-
-def _given_cuda_device() -> int | None:
-    """The CUDA device (index among those the rank sees) the launcher gave this rank on a GPU job
-    (runtime/cudagroup.py CUDA_DEVICE_ENV), or None (a launcher started by hand: the script's choice)."""
-    from runtime import cudagroup
-    return cudagroup.given_device()
 
 
 def _visible_cuda_devices() -> int:
@@ -280,6 +273,11 @@ def _scaler_mismatch(scaler, predicted):
 SCALER_REFUSAL = ("after a step, the torch.amp.GradScaler's scale was not what its update() after "
                   "step() gives: the script sets the scale itself (update(new_scale)) or changes the "
                   "scaler between step() and the next batch; the engine cannot replay that at a resume")
+
+
+def _index_of(optimizer, optimizers: list) -> int:
+    """`optimizer`'s place among `optimizers` (the live tracked ones), -1 for one built untracked."""
+    return next((i for i, o in enumerate(optimizers) if o is optimizer), -1)
 
 
 def _loader_generators(loader) -> list:
@@ -936,15 +934,11 @@ class FrameworkTracker:
         """A GradScaler skipped `optimizer`'s step() for an overflow. It still has its place in
         the iteration's cycle of optimizers (a GAN's critic skipped while its generator steps is
         the same iteration), but no post-step runs: no step is counted and no cut is taken."""
-        self._steps_since_fetch.append(self._optimizer_index(optimizer))
-
-    def _optimizer_index(self, optimizer) -> int:
-        """`optimizer`'s place among the live tracked optimizers, -1 for one built untracked."""
-        return next((i for i, o in enumerate(self._live(self._optimizers)) if o is optimizer), -1)
+        self._steps_since_fetch.append(_index_of(optimizer, self._live(self._optimizers)))
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         optimizers = self._live(self._optimizers)
-        index = self._optimizer_index(optimizer)
+        index = _index_of(optimizer, optimizers)
         if index < 0:
             self._reasons.append(
                 f"optimizer {type(optimizer).__name__} was built without "
@@ -1085,7 +1079,8 @@ class FrameworkTracker:
         # holding NVIDIA device files).
         problem = None
         if state.get("rng", {}).get("cuda"):
-            _, problem = _cuda_rng_placement(state["rng"], device=_given_cuda_device(), visible=_visible_cuda_devices())
+            _, problem = _cuda_rng_placement(state["rng"], device=cudagroup.given_device(),
+                                             visible=_visible_cuda_devices())
         if problem:
             raise UnresumableScript(problem)
         return state

@@ -46,21 +46,20 @@ def hosts_of(job):
     return sorted(set(Replica.objects.filter(job=job).values_list("device__node__hostname", flat=True)))
 
 
-def report(node, job_id, state, *, generation, step=10, devices=4, cut=None, checkpoint_step=None, error=None,
-           host_failure=False):
-    """Reports, as `node`'s agent, its copy of `job_id` (of `generation`) in `state`; returns the answer."""
-    entry = {"job_id": job_id, "state": state, "step": step, "devices": devices, "generation": generation}
+def report(node, job_id, state, *, generation=None, step=10, devices=4, cut=None, checkpoint_step=None, error=None,
+           host_failure=False, restarted=None, now=None):
+    """Reports, as `node`'s agent, its copy of `job_id` (of `generation`; None: not said) in `state`;
+    returns the answer."""
+    entry = {"job_id": job_id, "state": state, "step": step, "devices": devices}
+    optional = {"generation": generation, "cut": cut, "error": error, "restarted": restarted}
+    entry.update({key: value for key, value in optional.items() if value is not None})
     if host_failure:
         entry["host_failure"] = True
-    if cut is not None:
-        entry["cut"] = cut
-    if error is not None:
-        entry["error"] = error
     if checkpoint_step is not None:
         entry["checkpoint"] = {"step": checkpoint_step, "bytes": 100, "engine": "framework",
                                "uri": copy_checkpoint_uri(node, job_id, checkpoint_step, generation=generation),
                                "sha256": FAKE_MANIFEST_SHA256}
-    return node_report_apply(node=node, report={"jobs": [entry]})
+    return node_report_apply(node=node, report={"jobs": [entry]}, now=now)
 
 
 def worker():

@@ -7,12 +7,13 @@ import pathlib
 from datetime import timedelta
 from types import SimpleNamespace
 
+import node_reports
 import pytest
 from celery.exceptions import Retry
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri, worker
+from node_reports import copy_checkpoint_uri, worker
 
 from fleet.agent_services import node_register
 from fleet.models import Accelerator, Node
@@ -52,20 +53,9 @@ def make_node(hostname, devices=1):
     return node
 
 
-def report(node, job_id, state, *, generation=None, step=10, devices=1, cut=None, checkpoint_step=None, now=None,
-           restarted=None):
-    entry = {"job_id": job_id, "state": state, "step": step, "devices": devices}
-    if restarted is not None:
-        entry["restarted"] = restarted
-    if generation is not None:
-        entry["generation"] = generation
-    if cut is not None:
-        entry["cut"] = cut
-    if checkpoint_step is not None:
-        entry["checkpoint"] = {"step": checkpoint_step, "bytes": 100, "engine": "framework",
-                               "uri": copy_checkpoint_uri(node, job_id, checkpoint_step, generation=generation),
-                               "sha256": FAKE_MANIFEST_SHA256}
-    return node_report_apply(node=node, report={"jobs": [entry]}, now=now)
+def report(node, job_id, state, *, devices=1, **fields):
+    """node_reports.report, for these one-device nodes."""
+    return node_reports.report(node, job_id, state, devices=devices, **fields)
 
 
 def step_events(job):

@@ -6,10 +6,11 @@ the refused run's checkpoints are retired then, so later resumes use the new run
 Agents are played by node_report_apply (what their heartbeat API calls)."""
 from types import SimpleNamespace
 
+import node_reports
 import pytest
 from django.conf import settings
 from django.utils import timezone
-from node_reports import FAKE_MANIFEST_SHA256, copy_checkpoint_uri, worker
+from node_reports import copy_checkpoint_uri, worker
 from rest_framework.test import APIClient
 
 from fleet.agent_services import node_register
@@ -18,7 +19,7 @@ from jobs.models import Checkpoint, Job, JobEvent, Move
 from jobs.plan_apply import _migrate
 from jobs.services import job_submit
 from jobs.tick import tick_run
-from jobs.workflows import checkpoint_rows_prune, node_desired_state, node_report_apply
+from jobs.workflows import checkpoint_rows_prune, node_desired_state
 
 # What runtime.launcher's resume_refused puts in the restarted copy's started event.
 RESTARTED = ("restarted from scratch (--if-resume-refused restart): the resume was refused: rank 0's initial "
@@ -36,18 +37,10 @@ def make_node(hostname, devices=2):
     return node
 
 
-def report(node, job, state, *, step, restarted=None, generation=None, checkpoint_step=None, cut=None):
-    generation = job.generation if generation is None else generation
-    entry = {"job_id": job.pk, "generation": generation, "state": state, "step": step, "devices": 1}
-    if restarted is not None:
-        entry["restarted"] = restarted
-    if cut is not None:
-        entry["cut"] = cut
-    if checkpoint_step is not None:
-        entry["checkpoint"] = {"step": checkpoint_step, "bytes": 100, "engine": "framework",
-                               "uri": copy_checkpoint_uri(node, job.pk, checkpoint_step, generation=generation),
-                               "sha256": FAKE_MANIFEST_SHA256}
-    return node_report_apply(node=node, report={"jobs": [entry]})
+def report(node, job, state, *, step, generation=None, **fields):
+    """node_reports.report of `job`'s copy of its current generation (unless told), on one device."""
+    return node_reports.report(node, job.pk, state, step=step, devices=1,
+                               generation=job.generation if generation is None else generation, **fields)
 
 
 def migrate(job, to_node):
