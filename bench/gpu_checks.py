@@ -5,8 +5,9 @@ In this order (what was never run first; each check under its own timeout, the w
 1. whole jobs (bench/gpu_job_checks.py): a single-process GPU training job under meridian-run,
    framework engine, stopped at a cut and resumed by a new launcher in a new PID namespace,
    bit-exact (parameters, Adam state, CPU and CUDA RNG) to an uninterrupted run; the same under
-   --engine criu, whose stop must be REFUSED with the runtime's own message (no CUDA state is
-   dumped yet), recorded as the expected outcome.
+   --engine criu (the driver moves the rank's CUDA state to host memory around the dump and back
+   after the restore into a new process and PID namespace on the same GPU: runtime/criu_cuda.py),
+   skipped where CRIU is not installed.
 2. folding (bench/gpu_fold_checks.py, issue 17 §2): W = 4 and W = 2 folded on the one GPU over
    several logical devices, bit-exact against each other; W = 4 resized 4 -> 2 -> 1 -> 4 bit-exact
    to the uninterrupted run; the fold's cost per step against plain DDP over NCCL (a measure, not

@@ -950,7 +950,9 @@ class CheckpointNew:
 def _stages_reason(new: CheckpointNew) -> str:
     """Returns where a checkpoint's time went, stage by stage with its rate, in words ("" when its
     node did not say): reaching the cut (with the framework engine the ranks' writes, device ->
-    host -> staging, are part of it), the engine's dump, the commit (staging -> store)."""
+    host -> staging, are part of it), the engine's dump (with the CRIU engine on a GPU job the
+    driver's move of the ranks' CUDA state into host memory is part of it, and the move back
+    follows it), the commit (staging -> store)."""
     seconds = new.seconds
     if not seconds:
         return ""
@@ -965,6 +967,10 @@ def _stages_reason(new: CheckpointNew) -> str:
         stages.append(f"of which the ranks' writes (device -> host -> staging) {seconds['save']:.2f} s{from_devices}")
     if seconds.get("dump"):
         stages.append(f"dump {seconds['dump']:.2f} s{rate(gb, seconds['dump'])}")
+    if seconds.get("device_out") is not None:
+        stages.append(f"of which the ranks' CUDA state device -> host {seconds['device_out']:.2f} s")
+    if seconds.get("device_in") is not None:
+        stages.append(f"then host -> device {seconds['device_in']:.2f} s")
     stages.append(f"staging -> store {seconds['commit']:.2f} s{rate(gb, seconds['commit'])}")
     return f"{gb:.3f} GB in {seconds['total']:.2f} s: " + "; ".join(stages)
 

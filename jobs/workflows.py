@@ -517,7 +517,8 @@ def _checkpoint_new(job, entry: JobReport) -> CheckpointNew:
     return CheckpointNew(job=job, step=checkpoint.step, engine=checkpoint.engine or "framework", uri=checkpoint.uri,
                          size_bytes=checkpoint.bytes, sha256=checkpoint.sha256,
                          left_out=left_out_lines(checkpoint.left_out),
-                         seconds=asdict(seconds) if seconds else None,
+                         # the stages the node timed (a GPU job's CUDA moves only where there were some)
+                         seconds={k: v for k, v in asdict(seconds).items() if v is not None} if seconds else None,
                          device_bytes=checkpoint.device_bytes)
 
 

@@ -19,6 +19,7 @@ from protocol.message import Message, ProtocolError, bounded
 MAX_RANKS = 65536
 MAX_DEVICES = 4096
 MAX_PATH = 4096
+MAX_GPU_UUID = 64  # "GPU-" and 36 characters; room for what a driver may add
 MAX_SECONDS = 7 * 24 * 3600.0  # one stage of a checkpoint (protocol.launch.CheckpointSeconds too)
 MAX_BYTES = 2**62
 
@@ -129,9 +130,18 @@ class ResumeFile(Message):
     # LOCAL_WORLD_SIZE come from it. None (a launcher before blocks were told): the equal W/N block.
     first_rank: int | None = bounded(default=None, minimum=0, maximum=MAX_RANKS - 1)
     host_ranks: int | None = bounded(default=None, minimum=1, maximum=MAX_RANKS)
+    # A GPU job's: the UUIDs of its GPUs on this host, in the order of device_indices. A rank learns
+    # its GPU's from it (the fold's key: runtime/cudagroup.device_key), which a CRIU restore may have
+    # changed under the CUDA device number the rank keeps. None: not a GPU job under an agent.
+    gpu_uuids: tuple[str, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
 
     def __post_init__(self) -> None:
         check_device_indices(self.device_indices, len(self.devices.devices))
+        if self.gpu_uuids is not None and (
+                self.device_indices is None or len(self.gpu_uuids) != len(self.device_indices)
+                or any(not 0 < len(uuid) <= MAX_GPU_UUID for uuid in self.gpu_uuids)):
+            raise ProtocolError("gpu_uuids", f"{len(self.gpu_uuids)} GPU UUIDs (each 1-{MAX_GPU_UUID} "
+                                "characters) must name the GPUs of device_indices, one each")
         if (self.nodes is None) != (self.node_rank is None) or (self.node_rank or 0) >= (self.nodes or 1):
             raise ProtocolError("node_rank", f"{self.node_rank} is not a host of {self.nodes}")
         if self.first_rank is None and self.host_ranks is None:

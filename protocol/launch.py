@@ -71,6 +71,11 @@ class CheckpointSeconds(Message):
     commit: float = bounded(minimum=0, maximum=MAX_SECONDS)
     total: float = bounded(minimum=0, maximum=MAX_SECONDS)
     save: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+    # The CRIU engine on a GPU job: the driver moving the ranks' CUDA state into their host memory
+    # before the dump (part of `dump`), and back onto their GPUs after it (a checkpoint the job goes
+    # on from: after `dump`, before the ranks go on). None where no rank held CUDA state.
+    device_out: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+    device_in: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,18 +7,23 @@ swapped out to the host, so ranks sharing one GPU can each use most of its memor
     cuCheckpointProcessLock(pid, args)        stop new CUDA work, wait for in-flight work
     cuCheckpointProcessCheckpoint(pid, args)  copy device memory to host, release the device
     cuCheckpointProcessRestore(pid, args)     reacquire the device, copy memory back (same
-                                              addresses, same GPU)
+                                              addresses; the same GPU, or with a GPU map from
+                                              driver 580 (API 13000) another of the same model)
     cuCheckpointProcessUnlock(pid, args)      let the process submit CUDA work again
     cuCheckpointProcessGetState(pid, &state)  RUNNING, LOCKED, CHECKPOINTED or FAILED
 
 Called through ctypes on libcuda.so.1 (no CUDA toolkit needed). Where there is no NVIDIA driver
 (this project's CI and its development machines) or the driver is too old, every entry point
 raises CudaCheckpointUnavailable with the reason; nothing is emulated.
+
+Two users: splicing's swap (above), and the CRIU engine, which checkpoints a parked rank's CUDA
+state into its host memory before CRIU dumps it and restores it after (runtime/criu_cuda.py).
 """
 import ctypes
 import ctypes.util
 
 MIN_DRIVER_VERSION = 12080  # cuDriverGetVersion of driver 570 (CUDA 12.8)
+REMAP_DRIVER_VERSION = 13000  # driver 580 (CUDA 13.0): cuCheckpointProcessRestore takes a GPU map
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 
 
@@ -35,8 +40,49 @@ class _LockArgs(ctypes.Structure):
                 ("reserved1", ctypes.c_uint64 * 7)]
 
 
-class _Args(ctypes.Structure):  # checkpoint / restore / unlock argument blocks: reserved only
+class _Args(ctypes.Structure):  # checkpoint / unlock argument blocks: reserved only
     _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class _Uuid(ctypes.Structure):  # CUuuid (raw bytes: a c_char array would stop at the first zero byte)
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class _GpuPair(ctypes.Structure):  # CUcheckpointGpuPair
+    _fields_ = [("oldUuid", _Uuid), ("newUuid", _Uuid)]
+
+
+class _RestoreArgs(ctypes.Structure):  # CUcheckpointRestoreArgs (64 bytes, as the checkpoint and unlock blocks)
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * (52 - ctypes.sizeof(ctypes.c_void_p))),
+                ("reserved1", ctypes.c_uint64)]
+
+
+def uuid_bytes(uuid: str) -> bytes:
+    """Returns the 16 bytes of a GPU UUID as NVIDIA writes it ("GPU-" and 32 hex digits in 8-4-4-4-12
+    groups); raises ValueError for anything else (a MIG instance's "MIG-..." included)."""
+    text = uuid.strip()
+    if not text.startswith("GPU-"):
+        raise ValueError(f"{uuid!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+    digits = text[4:].replace("-", "")
+    if len(digits) != 32:
+        raise ValueError(f"{uuid!r} is not a GPU UUID (32 hex digits after GPU-)")
+    return bytes.fromhex(digits)
+
+
+def restore_args(pairs: list[tuple[str, str]]) -> _RestoreArgs:
+    """Returns the restore argument block for GPU map `pairs` ((old UUID, new UUID) each; none: the
+    process comes back on the GPUs it had). Keeps the array alive on the block (`_pairs`)."""
+    args = _RestoreArgs()
+    if pairs:
+        array = (_GpuPair * len(pairs))()
+        for slot, (old, new) in zip(array, pairs):
+            slot.oldUuid.bytes[:] = list(uuid_bytes(old))
+            slot.newUuid.bytes[:] = list(uuid_bytes(new))
+        args.gpuPairs = ctypes.cast(array, ctypes.POINTER(_GpuPair))
+        args.gpuPairsCount = len(pairs)
+        args._pairs = array  # owned by the block while the call runs
+    return args
 
 
 def load_driver():
@@ -62,21 +108,30 @@ def load_driver():
             raise CudaCheckpointUnavailable(f"libcuda has no {symbol}: driver too old")
     if lib.cuInit(0) != 0:
         raise CudaCheckpointUnavailable("cuInit failed: no usable CUDA device")
+    lib.driver_api_version = version.value  # what the GPU map and other features depend on
     return lib
+
+
+def error_name(lib, code: int) -> str:
+    """Returns the name of CUresult `code` ("CUDA_ERROR_NOT_SUPPORTED"), or its number."""
+    name = ctypes.c_char_p()
+    if lib.cuGetErrorName(ctypes.c_int(code), ctypes.byref(name)) == 0 and name.value:
+        return f"{name.value.decode()} ({code})"
+    return f"CUresult {code}"
 
 
 class CudaProcessCheckpoint:
     """Swaps one process's device memory out to the host (`swap_out`) and back (`swap_in`)."""
 
-    def __init__(self, pid, *, lock_timeout_ms=60_000):
+    def __init__(self, pid, *, lock_timeout_ms=60_000, lib=None):
         self.pid = int(pid)
         self.lock_timeout_ms = lock_timeout_ms
-        self._lib = load_driver()
+        self._lib = lib if lib is not None else load_driver()
 
     def _call(self, name, *args):
         code = getattr(self._lib, name)(*args)
         if code != 0:
-            raise CudaCheckpointError(f"{name}(pid {self.pid}) returned CUresult {code}")
+            raise CudaCheckpointError(f"{name}(pid {self.pid}) returned {error_name(self._lib, code)}")
 
     def state(self):
         value = ctypes.c_int(-1)
@@ -89,7 +144,8 @@ class CudaProcessCheckpoint:
         self._call("cuCheckpointProcessLock", ctypes.c_int(self.pid), ctypes.byref(lock))
         self._call("cuCheckpointProcessCheckpoint", ctypes.c_int(self.pid), ctypes.byref(_Args()))
 
-    def swap_in(self):
-        """Moves the memory back to the same device addresses and lets the process run."""
-        self._call("cuCheckpointProcessRestore", ctypes.c_int(self.pid), ctypes.byref(_Args()))
+    def swap_in(self, pairs: list[tuple[str, str]] | None = None):
+        """Moves the memory back to the same device addresses and lets the process run: onto the
+        GPUs it had, or through `pairs` (old UUID, new UUID) onto others (driver >= 580)."""
+        self._call("cuCheckpointProcessRestore", ctypes.c_int(self.pid), ctypes.byref(restore_args(pairs or [])))
         self._call("cuCheckpointProcessUnlock", ctypes.c_int(self.pid), ctypes.byref(_Args()))

@@ -37,6 +37,10 @@ CUDA_BACKENDS = ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"
 # the same to the script (a spliced job's co-located ranks share it); this one the script cannot
 # have changed.
 CUDA_DEVICE_ENV = "MERIDIAN_CUDA_DEVICE"
+# Set beside it (and at every resume, from the resume file): the UUID of that GPU. A CRIU restore
+# may move the rank's CUDA state onto another GPU under the same device index (runtime/criu_cuda.py),
+# which torch's cached device properties do not see.
+CUDA_GPU_ENV = "MERIDIAN_CUDA_GPU"
 
 
 def cuda_missing():
@@ -77,10 +81,13 @@ def rank_device():
 def device_key():
     """Returns a 63-bit job-wide key of this rank's physical CUDA device (from its UUID): the
     fold's grouping key on GPUs. Not the launcher's logical device number: ranks on several
-    logical devices of one GPU must fold onto one member too (NCCL refuses one GPU twice)."""
+    logical devices of one GPU must fold onto one member too (NCCL refuses one GPU twice). The
+    launcher's word for it first (CUDA_GPU_ENV), then torch's."""
     import hashlib
-    properties = torch.cuda.get_device_properties(rank_device())
-    identity = str(getattr(properties, "uuid", "")) or f"{os.uname().nodename}/{properties.pci_bus_id}"
+    identity = os.environ.get(CUDA_GPU_ENV, "")
+    if not identity:
+        properties = torch.cuda.get_device_properties(rank_device())
+        identity = str(getattr(properties, "uuid", "")) or f"{os.uname().nodename}/{properties.pci_bus_id}"
     return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:7], "little")
 
 

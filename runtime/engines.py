@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from protocol.cut import CutRequest, ResumeFile
-from runtime import criu, private_dirs, rank_logs
+from runtime import criu, criu_cuda, private_dirs, rank_logs
 from runtime import spool as spool_files
 from runtime.exits import EXIT_USAGE, LaunchError, end_children
 from runtime.private_dirs import PrivateDirsError
@@ -220,6 +220,9 @@ class CriuEngine(Engine):
         rank_logs.carry(launcher, os.path.join(staging, "logs"))
         try:
             left_out = dump_host_ranks(launcher, staging, leave_running=not stop)
+        except criu_cuda.CudaRefusal as exc:
+            launcher.resume_ranks(request.id)  # nothing was dumped nor left moved: the job goes on
+            raise LaunchError(f"{request.action} refused at step {step}: {exc}; the job goes on") from None
         except (PrivateDirsError, OSError) as exc:
             if not any(os.path.isdir(os.path.join(staging, f"rank{p.rank}")) for p in launcher.ranks):
                 launcher.resume_ranks(request.id)  # no rank was dumped: the job goes on, a stop too
@@ -370,7 +373,9 @@ class CriuEngine(Engine):
         share of a job spanning hosts alike. A sandboxed job's: onto this host's new private /tmp and
         /dev/shm, holding what the `saved` folders (the checkpoint, or the parts) kept of the old
         ones, by criu as the job's uid, each rank left stopped until every one passed
-        criu.restored_refusal. Raises LaunchError after killing every rank it restored."""
+        criu.restored_refusal, then each one's CUDA state (if it had some) put back on the GPU its
+        rank is given now (runtime/criu_cuda.py). Raises LaunchError after killing every rank it
+        restored."""
         job = _job_credentials(launcher)
         sandboxed = self._sandboxed_restore(launcher, saved, job) if job is not None else None
         try:
@@ -380,6 +385,14 @@ class CriuEngine(Engine):
                 launcher.ranks.append(RankProcess(rank, pid))
             if job is not None:
                 self._let_restored_run(launcher, job)
+            # Running now (the driver's thread in each process does the work), not yet told to go
+            # on: a rank dumped with CUDA state gets it back, on the GPU it is given now.
+            launcher.cuda_stage_s = None
+            seconds = [criu_cuda.restore_rank(p.rank, p.pid, images[p.rank] / f"rank{p.rank}",
+                                              gpu_now=launcher.rank_gpu_uuid(p.rank))
+                       for p in launcher.ranks]
+            if any(seconds):
+                launcher.cuda_stage_s = (None, sum(seconds))
         except RuntimeError as exc:
             for process in launcher.ranks:
                 criu.kill_restored(process.pid)
@@ -424,16 +437,11 @@ class CriuEngine(Engine):
         runtime.slot.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Neither a socket nor the shared reduction area may be left for CRIU to dump, nor CUDA
-        # state: CRIU would fail on the device files, or (with its CUDA plugin) restore a context
-        # our virtual group never rebuilt; a refused cut lets the job go on.
+        # Neither a socket nor the shared reduction area may be left for CRIU to dump. CUDA state
+        # may: the launcher moves it into the rank's host memory before the dump (runtime/criu_cuda.py),
+        # and refuses the cut there, the job going on, where the driver cannot.
         leftovers = vpg.open_socket_fds() + localreduce.shared_mappings()
-        cuda_refusal = cuda_state_refusal(open_device_files=nvidia_device_fds(),
-                                          torch_cuda_initialized=_torch_cuda_initialized())
-        if cuda_refusal is not None:
-            runtime.report(request, step, "error", error=cuda_refusal)
-        else:
-            runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=tuple(leftovers))
+        runtime.report(request, step, "parked" if not leftovers else "error", open_sockets=tuple(leftovers))
         path = spool_files.resume_path(runtime.spool, request.id)
         while True:
             payload = spool_files.read_json(path)
@@ -448,44 +456,6 @@ class CriuEngine(Engine):
         if group is not None:
             group.ensure_inner()
         runtime.resumed()
-
-
-# Said by every CRIU cut of a rank that holds CUDA state (bench/gpu_job_checks.py expects it on a
-# GPU: a change here is a change that check must see).
-CUDA_STATE_REFUSAL = ("the CRIU engine dumps no CUDA state yet, and this rank holds some ({what}); "
-                      "use --engine framework, which saves CUDA tensors and the CUDA RNG state")
-
-
-def cuda_state_refusal(*, open_device_files: list[str], torch_cuda_initialized: bool) -> str | None:
-    """Returns why a CRIU cut of this rank is refused (CUDA_STATE_REFUSAL naming what it holds),
-    or None when the rank holds no CUDA state: torch never initialized CUDA and no NVIDIA device
-    file is open (CUDA through another library, CuPy or JAX, opens those too)."""
-    held = (["torch initialized CUDA"] if torch_cuda_initialized else []) + sorted(set(open_device_files))
-    if not held:
-        return None
-    return CUDA_STATE_REFUSAL.format(what=", ".join(held))
-
-
-def nvidia_device_fds(fd_dir: str = "/proc/self/fd") -> list[str]:
-    """Returns the NVIDIA device files (/dev/nvidia*) this process has open."""
-    found: list[str] = []
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return found
-    for name in names:
-        try:
-            target = os.readlink(os.path.join(fd_dir, name))
-        except OSError:
-            continue  # closed meanwhile (the listing's own fd among them)
-        if target.startswith("/dev/nvidia"):
-            found.append(target)
-    return found
-
-
-def _torch_cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")  # a rank that never imported torch holds no torch CUDA state
-    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 class FrameworkEngine(Engine):
@@ -556,6 +526,11 @@ def follow_host_layout(resume: ResumeFile, *, rank: int, world_size: int) -> Non
     script copied from them before the cut keeps the old values: Meridian cannot reach its memory."""
     if resume.node_addr:
         os.environ["MERIDIAN_NODE_ADDR"] = resume.node_addr
+    from runtime import cudagroup, splice
+    if resume.gpu_uuids is not None and str(rank) in resume.devices.ranks:
+        # The GPU the rank computes on now: a CRIU restore may have mapped its CUDA state onto
+        # another (runtime/criu_cuda.py) under the device number it keeps.
+        os.environ[cudagroup.CUDA_GPU_ENV] = resume.gpu_uuids[splice.device_ordinal(resume.devices, rank)]
     if resume.nodes is None or resume.node_rank is None:
         return
     if resume.first_rank is not None and resume.host_ranks is not None:
@@ -564,11 +539,10 @@ def follow_host_layout(resume: ResumeFile, *, rank: int, world_size: int) -> Non
         host_ranks = world_size // resume.nodes
         first = resume.node_rank * host_ranks
     os.environ.update({"NODE_RANK": str(resume.node_rank), "GROUP_RANK": str(resume.node_rank)})
-    from runtime import cudagroup
     if cudagroup.given_device() is None:
         os.environ.update({"LOCAL_RANK": str(rank - first), "LOCAL_WORLD_SIZE": str(host_ranks)})
-    # else a GPU job's rank: its LOCAL_RANK names its GPU (runtime/launcher.py rank_env), which it
-    # keeps until it is relaunched (a CRIU restore onto another layout is refused: regroup_refusal)
+    # else a GPU job's rank: its LOCAL_RANK names its CUDA device (runtime/launcher.py rank_env),
+    # which it keeps until it is relaunched: a CRIU restore maps the GPU under it, not the number
 
 
 def dump_host_ranks(launcher: Launcher, folder: os.PathLike | str, *, leave_running: bool) -> tuple[str, ...]:
@@ -585,24 +559,42 @@ def dump_host_ranks(launcher: Launcher, folder: os.PathLike | str, *, leave_runn
     each rank's images are sealed (root's) as soon as written, `folder` last (criu's logs). criu
     dumps a stopped task as stopped; a restore leaves every task stopped until it is checked
     (criu.restored_refusal); what was stopped here runs on once this returns or raises.
-    Raises PrivateDirsError, OSError, RuntimeError (criu) or SandboxError (a seal)."""
+    A GPU job's: before anything is stopped, every rank process holding a GPU has its CUDA state
+    moved into its host memory (runtime/criu_cuda.py; the driver needs the process running), which
+    its images then hold; a checkpoint the job goes on from, or a dump that failed, gets it back on
+    its GPUs before the ranks go on. `launcher.cuda_stage_s` says how long each way took.
+    Raises CudaRefusal (nothing dumped, nothing left moved), PrivateDirsError, OSError, RuntimeError
+    (criu) or SandboxError (a seal)."""
+    launcher.cuda_stage_s = None
+    cuda = criu_cuda.checkpoint_ranks(launcher.ranks)
     job = _job_credentials(launcher)
-    stopped_tasks = _stop_all(launcher) if job is not None else []
+    failed = True
     try:
-        left_out: tuple[str, ...] = ()
-        if job is not None:
-            left_out = _private_dirs(launcher).save_into(
-                folder, uid=job.uid, held_sockets=private_dirs.bound_unix_sockets(stopped_tasks))
-        for process in launcher.ranks:
-            image_dir = os.path.join(folder, f"rank{process.rank}")
-            criu.dump(process.pid, image_dir, leave_running=leave_running, job=job)
-            if job is not None:  # the job's uid wrote it: root's before anything of the job runs again
-                launcher.sandbox.seal_staging(image_dir)
-        if job is not None:
-            launcher.sandbox.seal_staging(folder)  # criu's logs were the job's uid's too
-        return left_out
+        stopped_tasks = _stop_all(launcher) if job is not None else []
+        try:
+            left_out: tuple[str, ...] = ()
+            if job is not None:
+                left_out = _private_dirs(launcher).save_into(
+                    folder, uid=job.uid, held_sockets=private_dirs.bound_unix_sockets(stopped_tasks))
+            for process in launcher.ranks:
+                image_dir = os.path.join(folder, f"rank{process.rank}")
+                criu.dump(process.pid, image_dir, leave_running=leave_running, job=job)
+                cuda.record(process.rank, image_dir)
+                if job is not None:  # the job's uid wrote it: root's before anything of the job runs again
+                    launcher.sandbox.seal_staging(image_dir)
+            if job is not None:
+                launcher.sandbox.seal_staging(folder)  # criu's logs were the job's uid's too
+            failed = False
+            return left_out
+        finally:
+            _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
     finally:
-        _continue(stopped_tasks)  # those still there: a checkpoint's ranks, or a failed stop's
+        if not cuda.empty:
+            # A stop's processes were killed by criu once dumped: only those still there come back.
+            problems = cuda.release() if (leave_running or failed) else []
+            launcher.cuda_stage_s = (cuda.out_s, cuda.in_s)
+            if problems and not failed:
+                raise RuntimeError(f"the ranks' CUDA state did not come back after the dump: {'; '.join(problems)}")
 
 
 def regroup_refusal(launcher: Launcher, plan: Any) -> str | None:

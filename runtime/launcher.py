@@ -97,6 +97,7 @@ GPU_RESIZE_REFUSAL = ("a GPU job is not resized in place: its ranks' GPUs (CUDA_
                       "and a relaunch on the new GPUs")
 FOLD_ENV = "MERIDIAN_VPG_FOLD"  # runtime/vpg.FOLD_VARIABLE (the launcher never imports torch)
 CUDA_DEVICE_ENV = "MERIDIAN_CUDA_DEVICE"  # runtime/cudagroup.CUDA_DEVICE_ENV (the same reason)
+CUDA_GPU_ENV = "MERIDIAN_CUDA_GPU"  # runtime/cudagroup.CUDA_GPU_ENV (the same reason)
 
 
 def _sha256_hex(text):
@@ -221,6 +222,9 @@ class Launcher:
         self.last_request_id = 0
         self._spool_lock = None  # fd of <spool>/launcher.lock, held until this process exits
         self.restarted = False  # a refused framework resume was started again from scratch
+        # (device -> host, host -> device) seconds of the CUDA state of the last CRIU dump or restore
+        # (runtime/engines.py dump_host_ranks); None where no rank held any
+        self.cuda_stage_s: tuple[float | None, float | None] | None = None
 
     # -- bookkeeping --------------------------------------------------------------------------
     def event(self, event_type: type[LaunchEvent], **fields) -> None:
@@ -290,6 +294,22 @@ class Launcher:
         return (self.sandbox is not None and self.sandbox.spec.device_kind == "gpu"
                 and self.device_indices is not None)
 
+    def gpu_uuids(self) -> tuple[str, ...] | None:
+        """The UUIDs of the job's GPUs on this host, in the order of its device indices (the order the
+        ranks see them in), or None: not a GPU job under an agent, or a GPU the driver does not list."""
+        from runtime import criu_cuda
+        if not self.gpu_ranks:
+            return None
+        gpus = criu_cuda.node_gpus()
+        if any(not 0 <= index < len(gpus) for index in self.device_indices):
+            return None
+        return tuple(gpus[index].uuid for index in self.device_indices)
+
+    def rank_gpu_uuid(self, rank) -> str | None:
+        """The UUID of the GPU `rank` is given on this host, or None (gpu_uuids)."""
+        uuids = self.gpu_uuids()
+        return None if uuids is None else uuids[splice.device_ordinal(self.device_map, rank)]
+
     def rank_env(self, rank, resume_dir=None):
         root = self.runtime_root
         local_rank, local_world = rank - self.local_ranks.start, len(self.local_ranks)
@@ -302,6 +322,9 @@ class Launcher:
             # (unspliced, both are torchrun's). A resize or move relaunches the ranks with the new ones.
             local_rank, local_world = splice.device_ordinal(self.device_map, rank), len(self.device_indices)
             cuda = {CUDA_DEVICE_ENV: str(local_rank)}
+            uuid = self.rank_gpu_uuid(rank)
+            if uuid is not None:  # the fold's key of the rank's GPU, which a CRIU restore may change
+                cuda[CUDA_GPU_ENV] = uuid
         runtime_env = {
             "RANK": str(rank), "WORLD_SIZE": str(self.world_size), **cuda,
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world),
@@ -331,6 +354,7 @@ class Launcher:
         env.pop("MERIDIAN_RESUME", None)
         env.pop(DEVICE_INDICES_ENV, None)
         env.pop(CUDA_DEVICE_ENV, None)  # only a GPU job under an agent is given its GPU
+        env.pop(CUDA_GPU_ENV, None)
         env.pop(job_workspace.WORKSPACE_ENV, None)
         env.update(runtime_env)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -586,7 +610,8 @@ class Launcher:
                             key_prefix=f"{self.nonce}/{request_id}", devices=self.device_map,
                             device_indices=self.device_indices, node_addr=self.node_addr,
                             nodes=self.nodes, node_rank=self.node_rank,
-                            first_rank=self.local_ranks.start, host_ranks=len(self.local_ranks))
+                            first_rank=self.local_ranks.start, host_ranks=len(self.local_ranks),
+                            gpu_uuids=self.gpu_uuids())
         spool_files.write_json_atomic(spool_files.resume_path(self.spool, request_id), resume.to_dict())
 
     def do_checkpoint(self, *, stop, at_step=None, timeout_s=DEFAULT_TIMEOUT_S) -> CheckpointAnswer:
@@ -638,9 +663,12 @@ class Launcher:
         self.last_checkpoint = LastCheckpoint(step=step, uri=ref.uri, engine=ref.engine, bytes=ref.bytes)
         saves = [report.save_s for report in reports.values() if report.save_s is not None]
         on_devices = [report.device_bytes for report in reports.values() if report.device_bytes is not None]
+        device_out, device_in = self.cuda_stage_s or (None, None)
         seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
                                     total=round(time.monotonic() - began, 4),
-                                    save=round(max(saves), 4) if saves else None)
+                                    save=round(max(saves), 4) if saves else None,
+                                    device_out=None if device_out is None else round(device_out, 4),
+                                    device_in=None if device_in is None else round(device_in, 4))
         kinds = {report.cut_kind for report in reports.values()}
         self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
                    seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base,

@@ -512,6 +512,9 @@ class LaunchSandbox:
                     pythonpath: str) -> dict[str, str]:
         runtime = dict(runtime)
         if self.spec.device_kind == "gpu" and device_indices is not None:
+            # The agent numbers GPUs as NVML does, in PCI bus order; CUDA's own order (fastest
+            # first) may differ on a node of mixed GPUs and would give the job others than its own.
+            runtime["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             runtime["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(device_indices)
         user = f"meridian-{self.identity.uid}" if self.identity else os.environ.get("USER", "meridian")
         env = rank_environment(self.spec.env, home=self.spec.home or home, user=user, runtime=runtime,

@@ -54,8 +54,10 @@ def test_a_checkpoints_event_says_where_its_time_went_stage_by_stage(jobs):
                       seconds=seconds, device_bytes=1_500_000_000),
         CheckpointNew(job=job, step=9, engine="criu", uri="file:///f/9", size_bytes=1_000_000_000,
                       seconds={**seconds, "save": None, "dump": 4.0}, left_out=("/tmp/x.sock: a socket",)),
-        CheckpointNew(job=job, step=10, engine="criu", uri="file:///f/10", size_bytes=5)])
-    framework, criu, unsaid = JobEvent.objects.filter(job=job, type=JobEvent.Type.CHECKPOINTED).order_by("id")
+        CheckpointNew(job=job, step=10, engine="criu", uri="file:///f/10", size_bytes=5),
+        CheckpointNew(job=job, step=11, engine="criu", uri="file:///f/11", size_bytes=1_000_000_000,
+                      seconds={**seconds, "save": None, "dump": 4.0, "device_out": 1.5, "device_in": 0.25})])
+    framework, criu, unsaid, cuda = JobEvent.objects.filter(job=job, type=JobEvent.Type.CHECKPOINTED).order_by("id")
     assert framework.reason == (
         "2.000 GB in 3.50 s: cut 3.00 s; of which the ranks' writes (device -> host -> staging) 2.00 s, "
         "1.50 GB from devices, 0.75 GB/s; staging -> store 0.50 s, 4.00 GB/s")
@@ -65,6 +67,11 @@ def test_a_checkpoints_event_says_where_its_time_went_stage_by_stage(jobs):
     assert "dump 4.00 s, 0.25 GB/s; staging -> store 0.50 s, 2.00 GB/s" in criu.reason
     assert "device_bytes" not in criu.extra_data
     assert unsaid.reason == "" and "seconds" not in unsaid.extra_data  # an agent that did not say
+    # the CRIU engine on a GPU job: the driver's move of the ranks' CUDA state, out and back
+    assert cuda.reason == ("1.000 GB in 3.50 s: cut 3.00 s; dump 4.00 s, 0.25 GB/s; of which the ranks' CUDA "
+                           "state device -> host 1.50 s; then host -> device 0.25 s; staging -> store 0.50 s, "
+                           "2.00 GB/s")
+    assert "device -> host" not in criu.reason
 
 
 def test_a_nodes_report_brings_its_checkpoints_stages_into_the_event_and_bounds_them(short_policy, alice, team_a,

@@ -52,6 +52,14 @@ def test_a_resume_file_names_where_the_ranks_go_on():
     assert ResumeFile.from_dict(resume.to_dict()) == resume
     with pytest.raises(ProtocolError, match="port|master_port"):
         ResumeFile.from_dict({**resume.to_dict(), "master_port": 70000})
+    # a GPU job's: the UUIDs of its GPUs on the host, one per device index
+    gpu = ResumeFile.from_dict({**resume.to_dict(), "gpu_uuids": ["GPU-3f1c2a9e-0000-4b7d-9c11-5e2f00a1b2c3"]})
+    assert ResumeFile.from_dict(gpu.to_dict()) == gpu
+    for bad in (["GPU-a", "GPU-b"], [""], ["G" * 65]):
+        with pytest.raises(ProtocolError, match="gpu_uuids"):
+            ResumeFile.from_dict({**resume.to_dict(), "gpu_uuids": bad})
+    with pytest.raises(ProtocolError, match="gpu_uuids"):
+        ResumeFile.from_dict({**resume.to_dict(), "device_indices": None, "gpu_uuids": ["GPU-a"]})
 
 
 def test_a_resume_file_may_name_its_hosts_block_and_one_from_before_blocks_still_reads(monkeypatch):

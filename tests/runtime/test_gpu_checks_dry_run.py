@@ -1,7 +1,7 @@
 """bench/gpu_checks.py, the one script a lent GPU runs (issue 17), proven on CPU: its dry run
 (--device cpu) goes through the same harness, job command lines, timeouts, result parsers and
 table rows, so a bug in the script cannot waste a GPU lease; its budget skips what would not fit
-and says so; the CRIU engine's refusal of a rank holding CUDA state, and what it detects."""
+and says so. (The CRIU engine's CUDA bookkeeping: tests/runtime/test_criu_cuda.py.)"""
 import importlib.util
 import json
 import os
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from runtime import criu, engines
+from runtime import criu
 from runtime.launcher import parse_args
 
 pytestmark = pytest.mark.runtime
@@ -25,29 +25,6 @@ def load_checks():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def test_a_rank_holding_no_cuda_state_is_not_refused():
-    assert engines.cuda_state_refusal(open_device_files=[], torch_cuda_initialized=False) is None
-
-
-@pytest.mark.parametrize("files, initialized, named", [
-    (["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia0"], False, "/dev/nvidia0, /dev/nvidiactl"),
-    ([], True, "torch initialized CUDA"),
-], ids=["device files (CuPy, JAX)", "torch"])
-def test_a_rank_holding_cuda_state_is_refused_naming_what_it_holds(files, initialized, named):
-    refusal = engines.cuda_state_refusal(open_device_files=files, torch_cuda_initialized=initialized)
-    assert refusal.startswith("the CRIU engine dumps no CUDA state yet")
-    assert f"({named})" in refusal and "--engine framework" in refusal
-
-
-def test_only_nvidia_device_files_among_the_open_ones_count(tmp_path):
-    fds = tmp_path / "fd"
-    fds.mkdir()
-    for name, target in (("3", "/dev/nvidia0"), ("4", "/dev/null"), ("5", "/dev/nvidia-uvm"), ("6", "/tmp/x")):
-        os.symlink(target, fds / name)
-    assert sorted(engines.nvidia_device_fds(str(fds))) == ["/dev/nvidia-uvm", "/dev/nvidia0"]
-    assert engines.nvidia_device_fds(str(tmp_path / "absent")) == []
 
 
 def test_the_launcher_leaves_a_script_option_that_prefixes_its_own_to_the_script():

@@ -3,6 +3,7 @@ host (issue 14 §3). Before, the launcher's device map was job-wide (8 devices o
 host's 4 ranks were spread over its affinity by the job's numbering, and the agent launched without
 --device-indices at all ("not pinned", logged per launch)."""
 import json
+import os
 
 import pytest
 
@@ -123,6 +124,40 @@ def test_a_gpu_jobs_launcher_refuses_to_resize_it_in_place(tmp_path, monkeypatch
 def test_the_launchers_cuda_device_variable_is_the_one_the_ranks_read():
     from runtime import cudagroup  # the launcher names it without importing torch
     assert launcher.CUDA_DEVICE_ENV == cudagroup.CUDA_DEVICE_ENV
+    assert launcher.CUDA_GPU_ENV == cudagroup.CUDA_GPU_ENV
+
+
+def test_a_gpu_rank_is_told_its_gpus_uuid_and_the_resume_file_names_the_hosts_gpus(tmp_path, monkeypatch):
+    """The fold's key of a rank's GPU (runtime/cudagroup.device_key) is its UUID from the launcher, at
+    the start and at every resume: a CRIU restore may map the rank's CUDA state onto another GPU under
+    the device number it keeps (runtime/criu_cuda.py), which torch's cached properties do not see."""
+    from protocol.cut import ResumeFile
+    from runtime import criu_cuda, spool
+    from runtime.engines import follow_host_layout
+    monkeypatch.setenv("MERIDIAN_SPOOL_ROOT", str(tmp_path / "spool"))
+    listing = tmp_path / "gpus"
+    uuids = [f"GPU-{i:08x}-0000-4000-8000-00000000000{i}" for i in range(8)]
+    for index, uuid in enumerate(uuids):  # the driver's listing: bus order = NVML's = the agent's
+        (listing / f"0000:{16 + index:02x}:00.0").mkdir(parents=True)
+        (listing / f"0000:{16 + index:02x}:00.0" / "information").write_text(
+            f"GPU UUID: \t {uuid}\nDevice Minor: \t {7 - index}\n")
+    monkeypatch.setattr(criu_cuda, "NVIDIA_GPUS", str(listing))
+    follower = _launcher(tmp_path, node_rank=1, indices="6,7", device_kind="gpu", devices="4")
+    follower.engine = "framework"
+    assert [follower.rank_env(rank)[launcher.CUDA_GPU_ENV] for rank in (4, 5, 6, 7)] == [uuids[6], uuids[6],
+                                                                                         uuids[7], uuids[7]]
+    follower.master_port = 29500  # the rendezvous is not started here
+    follower.resume_ranks(9)
+    resume = ResumeFile.from_dict(spool.read_json(spool.resume_path(follower.spool, 9)))
+    assert resume.gpu_uuids == (uuids[6], uuids[7])
+    monkeypatch.setattr(os, "environ", {launcher.CUDA_DEVICE_ENV: "1", launcher.CUDA_GPU_ENV: "GPU-old"})
+    follow_host_layout(resume, rank=7, world_size=8)
+    assert os.environ[launcher.CUDA_GPU_ENV] == uuids[7]
+    # without the driver's listing (no driver, a GPU it does not list) nothing is said: torch's word
+    monkeypatch.setattr(criu_cuda, "NVIDIA_GPUS", str(tmp_path / "none"))
+    assert launcher.CUDA_GPU_ENV not in follower.rank_env(4) and follower.gpu_uuids() is None
+    cpu = _launcher(tmp_path, node_rank=1, indices="6,7", device_kind="cpu", devices="4")
+    assert cpu.gpu_uuids() is None
 
 
 def test_each_host_checks_at_a_resume_the_part_of_the_checkpoint_it_restores_not_the_others(tmp_path, monkeypatch):

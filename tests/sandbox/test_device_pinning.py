@@ -68,7 +68,10 @@ def test_on_a_gpu_node_the_ranks_see_exactly_their_gpus_as_0_to_d_minus_1():
                                                    env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}))
     env = sandbox.environment({"RANK": "0"}, home="/h", device_indices=(3, 5), pythonpath="/rt")
     assert env["CUDA_VISIBLE_DEVICES"] == "3,5"  # the job cannot widen it
+    # in the agent's numbering (NVML's, PCI bus order), not CUDA's own fastest-first one
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert sandbox.device_cores((3, 5)) == [(6, 7), (10, 11)]
     cpu = mechanisms.LaunchSandbox(SandboxSpec(device_kind="cpu", node_devices=2, node_cores=(0, 1)))
-    assert "CUDA_VISIBLE_DEVICES" not in cpu.environment({}, home="/h", device_indices=(1,), pythonpath="/rt")
+    cpu_env = cpu.environment({}, home="/h", device_indices=(1,), pythonpath="/rt")
+    assert "CUDA_VISIBLE_DEVICES" not in cpu_env and "CUDA_DEVICE_ORDER" not in cpu_env
     assert PROBE.exists()
