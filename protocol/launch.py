@@ -58,6 +58,9 @@ class Restored(LaunchEvent):
     seconds: float = bounded(minimum=0)
     device_indices: tuple[int, ...] | None = bounded(default=None, max_length=MAX_DEVICES)
     sandbox: str | None = bounded(default=None, max_length=2000)  # how the ranks are confined, or why not
+    # of `seconds`: the driver moving the restored ranks' CUDA state back onto their GPUs (the CRIU
+    # engine on a GPU job: runtime/criu_cuda.py); None where no rank had any
+    device_in: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -603,16 +603,16 @@ def regroup_refusal(launcher: Launcher, plan: Any) -> str | None:
     the one that dumped it), or the regrouping is exact (runtime/criu_parts.py says what binds a
     restored rank to its old layout and what does not).
 
-    Refused: a GPU job (each rank's CUDA device was picked by its old LOCAL_RANK, and nothing maps
-    it anew); a sandboxed job whose parts merged onto this host saved one path of their private
+    Refused: a GPU job (each rank's CUDA device number was picked by its old LOCAL_RANK; the GPU map
+    of runtime/criu_cuda.py is made, and kept unproven, for restores onto as many hosts only); a sandboxed job whose parts merged onto this host saved one path of their private
     /tmp or /dev/shm differently (one host's folders cannot hold both). A part split over hosts
     gives each host a copy of what its ranks shared (said in docs/status.md)."""
     if not plan.regrouped:
         return None
     sandbox = launcher.sandbox
     if sandbox is not None and sandbox.spec.device_kind == "gpu":
-        return ("a GPU job's restored rank keeps the CUDA device its old LOCAL_RANK picked, and no "
-                "device map rewrites it (the CRIU engine dumps no CUDA state here yet)")
+        return ("a GPU job's restored rank keeps the CUDA device number its old LOCAL_RANK picked, and "
+                "this engine maps GPUs only for a job restored onto as many hosts as dumped it")
     if _job_credentials(launcher) is not None and len(plan.sources) > 1:
         conflicts = private_dirs.saved_conflicts([source.folder for source in plan.sources])
         if conflicts:

@@ -798,9 +798,11 @@ class Launcher:
         # A long restore (CRIU) would otherwise be a silence the leader takes for a lost host.
         with self.peers.beating() if self.peers is not None else contextlib.nullcontext():
             self.checkpoints.restore(self, ref, meta)
+        device_in = (self.cuda_stage_s or (None, None))[1]
         self.event(Restored, step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
                    seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices,
-                   sandbox=self.sandbox.describe() if self.sandbox else None)
+                   sandbox=self.sandbox.describe() if self.sandbox else None,
+                   device_in=None if device_in is None else round(device_in, 4))
         return ref
 
     def restore_at_dumped_spool(self, meta):
