@@ -36,6 +36,11 @@ GPU (with --device cuda), 3 the watchdog ended the run (budget + grace passed).
 Usage: python3 bench/gpu_checks.py [--device cuda|cpu] [--checks job,fold,slice,swap]
        [--budget-s 420] [--step-timeout-s 150] [--sizes 1] [--slice-gib auto] [--json PATH]
 
+On a lent machine (no package registry there, no CRIU so far): first, here,
+`bash scripts/pack-criu-for-device.sh` (CRIU and its libraries into .device/criu), then
+run(carry=[".device"], timeout_s=540, command='PATH=$PWD/.device/criu/bin:$PATH PYTHONUNBUFFERED=1
+python3 bench/gpu_checks.py 2>&1 | tee $OUT/gpu_checks.log'); CRIU needs root there too.
+
 Measured on an H200 (driver 580.159.04, 125 GiB host RAM), check 4: 1 / 16 / 60 GiB swapped out in
 1.8 / 11.4 / 42.2 s and in in 0.4 / 3.3 / 10.6 s, all bit-exact. Two 80 GiB ranks time-sliced failed
 there (restore -> CUresult 3), most likely because both parked ranks needed 160 GiB of host RAM; so
