@@ -53,10 +53,11 @@ from protocol.launch import (
     Resized,
     Restored,
     Started,
+    StateApplied,
     event_line,
     parse_events,
 )
-from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport
+from protocol.node import MAX_ERROR, CheckpointReport, CutReport, DesiredJob, JobReport, RestoreReport
 from protocol.states import FINAL_COPY_STATES, CopyState, CutAction, DesiredAction, LaunchState, ResumeRefused
 from runtime import fence, multihost, splice
 from runtime import rank as rank_liveness
@@ -440,6 +441,22 @@ class LocalJob:
                 return event.step
         return None
 
+    def restore(self, events: list[LaunchEvent] | None = None, *, live: bool) -> RestoreReport | None:
+        """Returns how this copy was restored (its launcher's Restored event, and for the framework
+        engine its StateApplied), or None: not restored, or the framework ranks of a live copy have
+        not put their state back yet (reported once they have: the event is written once)."""
+        events = self._events(events)
+        restored = next((e for e in events if isinstance(e, Restored)), None)
+        if restored is None:
+            return None
+        applied = next((e for e in events if isinstance(e, StateApplied)), None)
+        if applied is None and restored.engine == "framework" and live:
+            return None
+        return RestoreReport(step=restored.step, engine=restored.engine, seconds=restored.seconds,
+                             device_in=restored.device_in,
+                             load_s=applied.load_s if applied else None, apply_s=applied.apply_s if applied else None,
+                             device_bytes=applied.device_bytes if applied else None)
+
     def restarted(self, events: list[LaunchEvent] | None = None) -> str | None:
         """Returns why the launcher started the script again from scratch after its resume was
         refused (a started event after the restored one: runtime.launcher's resume_refused, under
@@ -467,6 +484,7 @@ class LocalJob:
             engine=progress.engine if progress else None,
             checkpoint=self.last_checkpoint(events), cut=self.last_cut(events),
             restored_step=self.restored_step(events), sandbox=self.sandbox(events), restarted=self.restarted(events),
+            restore=self.restore(events, live=state in (CopyState.STARTING, CopyState.RUNNING)),
             note=next((e.note for e in events if isinstance(e, Finished) and e.note), None)
             if state == CopyState.FINISHED else None,
             engine_reason=((progress.engine_reason or "")[:MAX_ERROR] or None) if progress else None,

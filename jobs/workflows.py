@@ -56,6 +56,7 @@ from protocol.node import (
     JobSpan,
     Rejection,
     ReportOutcome,
+    RestoreReport,
     Telemetry,
     checkpoint_uri_problem,
 )
@@ -494,7 +495,12 @@ def node_reports_record(*, beats: Sequence[NodeBeat]) -> list[ReportOutcome]:
         if new:
             checkpoints_record(checkpoints=list(new.values()), now=max(beat.now for beat in beats))
         checkpointed |= new.keys()
+        restored = _restores_recorded({(job.pk, job.generation) for job, entry, current, *_ in applying
+                                       if current and entry.restore is not None})
         for job, entry, current, move, generation, beat, accepted, deferred in applying:
+            if current and entry.restore is not None and (job.pk, job.generation) not in restored:
+                _restored_event_add(job=job, restore=entry.restore, node=beat.node)
+                restored.add((job.pk, job.generation))
             result = _observed_apply(job=job, entry=entry, current=current, node=beat.node, now=beat.now,
                                      checkpointed=checkpointed)
             if move is not None:
@@ -537,6 +543,35 @@ def _checkpoints_recorded(pairs: set[tuple[int, str]]) -> set[tuple[int, str]]:
         cursor.execute(f"SELECT job_id, uri FROM {Checkpoint._meta.db_table} "
                        f"WHERE job_id IN ({_marks(job_ids)}) AND uri IN ({_marks(uris)})", [*job_ids, *uris])
         return set(cursor.fetchall()) & pairs
+
+
+def _restores_recorded(pairs: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Returns those of the (job id, generation) `pairs` whose "restored" event is written already.
+    One query: agents repeat a copy's restore in every report (level-triggered)."""
+    if not pairs:
+        return set()
+    rows = JobEvent.objects.filter(job_id__in={job_id for job_id, _ in pairs}, type=JobEvent.Type.RESTORED) \
+        .values_list("job_id", "extra_data__generation")
+    return set(rows) & pairs
+
+
+def _restored_event_add(*, job, restore: RestoreReport, node):
+    """Writes the job's "restored" event for its current generation: from which step, on which host,
+    and where the time went, stage by stage with rates (issue 17 §3: the way back of a checkpoint)."""
+    engine = f" ({restore.engine} engine)" if restore.engine else ""
+    stages = [f"restored on {node.hostname} from step {restore.step}{engine} in {restore.seconds:.2f} s"]
+    if restore.device_in is not None:
+        stages.append(f"of which the ranks' CUDA state host -> device {restore.device_in:.2f} s")
+    if restore.load_s is not None and restore.apply_s is not None:
+        to_devices = ""
+        if restore.device_bytes:
+            gb = restore.device_bytes / 1e9
+            rate = f", {gb / restore.apply_s:.2f} GB/s" if restore.apply_s > 0 else ""
+            to_devices = f", {gb:.2f} GB to devices{rate}"
+        stages.append(f"then the ranks' state store -> host {restore.load_s:.2f} s, into the script's objects "
+                      f"{restore.apply_s:.2f} s{to_devices}")
+    job_event_add(job=job, type=JobEvent.Type.RESTORED, reason="; ".join(stages)[:500],
+                  extra={"node": node.hostname, "generation": job.generation, **restore.to_dict()})
 
 
 def _a_host_is_silent(job, node, *, now) -> bool:

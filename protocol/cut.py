@@ -108,6 +108,20 @@ class CutReport(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateLoaded(Message):
+    """rank<r>/loaded.json: a framework-resumed rank put its checkpoint back (once per launch).
+    `load_s`: the checkpoint file read into host memory and its sha256 checked (store -> host);
+    `apply_s`: the state loaded into the script's live objects when its first epoch began (host ->
+    device for a GPU job); `device_bytes`: how many of those bytes went to a device other than the CPU."""
+
+    rank: int = bounded(minimum=0, maximum=MAX_RANKS - 1)
+    step: int = bounded(minimum=0)
+    load_s: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    apply_s: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    device_bytes: int = bounded(minimum=0, maximum=MAX_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ResumeFile(Message):
     """resume-<id>.json: ranks parked at cut <id> rebuild their inner group here and go on."""
 

@@ -1,8 +1,8 @@
 """Launcher <-> agent: what meridian-run tells the node agent, and the agent's commands to it.
 
 In the job directory (node-local, read by the agent, which may outlive or predate the launcher):
-    events.jsonl   one LaunchEvent per line, appended: Started, Restored, CheckpointTaken, Resized,
-                   Stopped, Finished, Failed, CommandFailed (`parse_events` reads them)
+    events.jsonl   one LaunchEvent per line, appended: Started, Restored, StateApplied, CheckpointTaken,
+                   Resized, Stopped, Finished, Failed, CommandFailed (`parse_events` reads them)
     progress.json  Progress, rewritten atomically about every 0.5 s (also the answer to "progress")
 
 On the control socket (runtime/control.py), one request and one answer per connection:
@@ -61,6 +61,20 @@ class Restored(LaunchEvent):
     # of `seconds`: the driver moving the restored ranks' CUDA state back onto their GPUs (the CRIU
     # engine on a GPU job: runtime/criu_cuda.py); None where no rank had any
     device_in: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateApplied(LaunchEvent):
+    """After a framework engine's Restored: every rank of this host put its state back (from their
+    protocol.cut.StateLoaded): the slowest rank's read of its checkpoint file into host memory with
+    its sha256 (store -> host) and load into the script's objects (host -> device on a GPU), and the
+    bytes all of them moved to devices."""
+
+    event: Literal["applied"] = "applied"
+    step: int = bounded(minimum=0)
+    load_s: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    apply_s: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    device_bytes: int = bounded(minimum=0, maximum=MAX_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +172,8 @@ class CommandFailed(LaunchEvent):
 
 
 EVENT_TYPES: dict[str, type[LaunchEvent]] = {
-    "started": Started, "restored": Restored, "checkpoint": CheckpointTaken, "resize": Resized,
+    "started": Started, "restored": Restored, "applied": StateApplied, "checkpoint": CheckpointTaken,
+    "resize": Resized,
     "stopped": Stopped, "finished": Finished, "failed": Failed,
     "checkpoint_failed": CommandFailed, "stop_failed": CommandFailed, "resize_failed": CommandFailed,
 }

@@ -24,6 +24,7 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
+from protocol.cut import MAX_SECONDS
 from protocol.launch import MAX_BYTES, MAX_LEFT_OUT, CheckpointSeconds
 from protocol.message import Message, bounded
 from protocol.states import CopyState, CutAction, DesiredAction, JobNetwork, JobState, ResumeRefused
@@ -147,6 +148,24 @@ class CutReport(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RestoreReport(Message):
+    """How a copy was restored from a checkpoint (its launcher's Restored event and, for the
+    framework engine, StateApplied): the job's "restored" event says it with its stages. `seconds`:
+    the launcher's restore (CRIU: the whole processes, of which `device_in` the driver moving the
+    ranks' CUDA state back onto their GPUs); the framework engine's ranks then read their files
+    (`load_s`, store -> host) and load them into the script's objects (`apply_s`, `device_bytes` of
+    them onto devices)."""
+
+    step: int = bounded(minimum=0, maximum=MAX_STEP)
+    engine: str | None = bounded(default=None, max_length=MAX_WORD)
+    seconds: float = bounded(minimum=0, maximum=MAX_SECONDS)
+    device_in: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+    load_s: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+    apply_s: float | None = bounded(default=None, minimum=0, maximum=MAX_SECONDS)
+    device_bytes: int | None = bounded(default=None, minimum=0, maximum=MAX_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobReport(Message):
     """What the agent observes of one copy of a job on its node."""
 
@@ -174,6 +193,9 @@ class JobReport(Message):
     # refused its resume (the job's if_resume_refused is "restart"); None: it did not. Said on every
     # report of the copy (level-triggered): the control plane writes the job's event once.
     restarted: str | None = bounded(default=None, max_length=MAX_ERROR)
+    # How the copy was restored, once known (level-triggered too: the "restored" event is written
+    # once per generation); None: started fresh, or a framework copy whose ranks have not loaded yet.
+    restore: RestoreReport | None = None
     # A failed copy that failed because a host of the job failed under it, not its code (the
     # launcher's failed event says so: protocol.launch.Failed.host_failure).
     host_failure: bool = False

@@ -604,8 +604,9 @@ def regroup_refusal(launcher: Launcher, plan: Any) -> str | None:
     restored rank to its old layout and what does not).
 
     Refused: a GPU job (each rank's CUDA device number was picked by its old LOCAL_RANK; the GPU map
-    of runtime/criu_cuda.py is made, and kept unproven, for restores onto as many hosts only); a sandboxed job whose parts merged onto this host saved one path of their private
-    /tmp or /dev/shm differently (one host's folders cannot hold both). A part split over hosts
+    of runtime/criu_cuda.py is made, and kept unproven, for restores onto as many hosts only); a
+    sandboxed job whose parts merged onto this host saved one path of their private /tmp or
+    /dev/shm differently (one host's folders cannot hold both). A part split over hosts
     gives each host a copy of what its ranks shared (said in docs/status.md)."""
     if not plan.regrouped:
         return None

@@ -488,8 +488,15 @@ class FrameworkTracker:
         self._witness: dict | None = None      # what the script built at its first epoch
         self._loaded_files: list[str] = []     # files the script torch.load-ed before that
         self._applied = resume_dir is None
+        # A resume's stages: store -> host seconds here, then once the states are in the live objects
+        # `on_applied(step, load_s, apply_s, device_bytes)` hears the apply's seconds and the bytes
+        # that went to devices (runtime/rank.py tells the launcher).
+        self.load_s: float | None = None
+        self.on_applied = None
         if resume_dir is not None:
+            began = time.monotonic()
             self._resume = self._load_resume(Path(resume_dir))
+            self.load_s = time.monotonic() - began
 
     # ----------------------------------------------------------------- public API
 
@@ -1129,6 +1136,7 @@ class FrameworkTracker:
 
     def _apply(self, record, index, loader, original_iter):
         saved = self._resume
+        began = time.monotonic()
         scalers = self._live(self._scalers)
         saved_scalers = saved.get("scalers", [])  # written since session 25; none enabled before
         built, recorded = [s.is_enabled() for s in scalers], [entry["enabled"] for entry in saved_scalers]
@@ -1140,6 +1148,10 @@ class FrameworkTracker:
         for scaler, entry in zip(scalers, saved_scalers):
             if entry["enabled"]:
                 scaler.load_state_dict(entry["state"])
+        if self.on_applied is not None:  # the states are in the live objects (on their devices)
+            roots, optimizers = self._roots(), self._live(self._optimizers)
+            device_bytes = _device_bytes([[m.state_dict() for m in roots], [o.state_dict() for o in optimizers]])
+            self.on_applied(saved["step"], self.load_s or 0.0, time.monotonic() - began, device_bytes)
         # this loader's epoch in progress: same RNG before it, same iterator, same batches
         loader_state = saved["loaders"][self._loaders.index(record)]
         position = loader_state["epochs"][index][0]

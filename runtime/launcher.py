@@ -42,7 +42,16 @@ import time
 import uuid
 
 from protocol import ProtocolError
-from protocol.cut import CutReport, CutRequest, DeviceMap, RankProgress, ResumeFile, check_device_indices
+from protocol.cut import (
+    MAX_BYTES,
+    CutReport,
+    CutRequest,
+    DeviceMap,
+    RankProgress,
+    ResumeFile,
+    StateLoaded,
+    check_device_indices,
+)
 from protocol.launch import (
     CheckpointAnswer,
     CheckpointRequest,
@@ -62,6 +71,7 @@ from protocol.launch import (
     ResizeRequest,
     Restored,
     Started,
+    StateApplied,
     Stopped,
     StopRequest,
     event_line,
@@ -225,6 +235,7 @@ class Launcher:
         # (device -> host, host -> device) seconds of the CUDA state of the last CRIU dump or restore
         # (runtime/engines.py dump_host_ranks); None where no rank held any
         self.cuda_stage_s: tuple[float | None, float | None] | None = None
+        self.applying: set[int] = set()  # framework-resumed ranks of this host not yet put back
 
     # -- bookkeeping --------------------------------------------------------------------------
     def event(self, event_type: type[LaunchEvent], **fields) -> None:
@@ -803,7 +814,36 @@ class Launcher:
                    seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices,
                    sandbox=self.sandbox.describe() if self.sandbox else None,
                    device_in=None if device_in is None else round(device_in, 4))
+        if self.checkpoints.ranks_write_checkpoint:  # they read it back too, at their first epoch
+            self.applying = set(self.local_ranks)
         return ref
+
+    def check_applied(self):
+        """Emits StateApplied once every framework-resumed rank of this host said how its state came
+        back (its StateLoaded). What a rank wrote is the job's: one that does not read as a
+        StateLoaded of its own rank is left out, said once, and no event follows."""
+        loaded = []
+        for rank in sorted(self.applying):
+            path = spool_files.loaded_path(self.spool, rank)
+            try:
+                payload = spool_files.read_json(path)
+                if payload is None:
+                    continue
+                state = StateLoaded.from_dict(payload)
+                if state.rank != rank:
+                    raise ProtocolError("rank", f"{state.rank} in rank {rank}'s file")
+            except (OSError, ValueError, ProtocolError) as exc:
+                print(f"meridian-run: {path} is not a rank's StateLoaded ({exc}); its restore stages are "
+                      "not reported", file=sys.stderr)
+                self.applying = set()
+                return
+            loaded.append(state)
+        if len(loaded) < len(self.applying):
+            return
+        self.applying = set()
+        self.event(StateApplied, step=max(state.step for state in loaded),
+                   load_s=max(state.load_s for state in loaded), apply_s=max(state.apply_s for state in loaded),
+                   device_bytes=min(sum(state.device_bytes for state in loaded), MAX_BYTES))
 
     def restore_at_dumped_spool(self, meta):
         """A CRIU-restored rank goes on using the spool path it had when it was dumped (its open
@@ -915,6 +955,8 @@ class Launcher:
             if self.check_ranks():
                 if self.peers is not None:
                     multihost.finish_node(self.peers)
+                if self.applying:  # a short resumed run: its ranks' files are there by now
+                    self.check_applied()
                 self.state = LaunchState.FINISHED
                 ranks_view = self.ranks_progress()
                 step = ranks_view.step if ranks_view else None
@@ -928,6 +970,8 @@ class Launcher:
             if time.monotonic() - progress_at > 0.5:
                 progress_at = time.monotonic()
                 self.write_progress()
+                if self.applying:
+                    self.check_applied()
                 dirs = self.sandbox.private_dirs if self.sandbox is not None else None
                 job_workspace.check_quota_now(self.workspace, self, tmp=dirs.tmp if dirs is not None else None)
 

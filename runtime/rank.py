@@ -18,7 +18,7 @@ import runpy
 import sys
 import time
 
-from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress
+from protocol.cut import CutReport, CutRequest, CutStatus, DeviceMap, RankProgress, StateLoaded
 from runtime import engines
 from runtime.exits import end_children
 from runtime.polling import PollingThread
@@ -76,6 +76,12 @@ class RankRuntime:
         progress = RankProgress(step=step, steps_per_s=rate, engine=self.engine.name,
                                 world_size=self.world_size, updated_unix=time.time())
         self.spool_files.write_json_atomic(os.path.join(self.spool, "progress.json"), progress.to_dict())
+
+    def state_loaded(self, step: int, load_s: float, apply_s: float, device_bytes: int) -> None:
+        """Tells the launcher how this framework-resumed rank's state came back (a StateLoaded)."""
+        loaded = StateLoaded(rank=self.rank, step=step, load_s=round(load_s, 4),
+                             apply_s=round(apply_s, 4), device_bytes=device_bytes)
+        self.spool_files.write_json_atomic(self.spool_files.loaded_path(self.spool, self.rank), loaded.to_dict())
 
     # -- the cut ------------------------------------------------------------------------------
     def report(self, request: CutRequest, step: int, status: CutStatus, **fields) -> None:
@@ -283,6 +289,7 @@ def main(argv=None):
 
     runtime = RankRuntime(rank=rank, world_size=world_size, spool=spool, engine=engine,
                           tracker=tracker, slot=slot, connection=Connection())
+    tracker.on_applied = runtime.state_loaded
     tracker.add_step_listener(watch.on_step)
     tracker.add_step_listener(runtime.on_step)
     barrier = cut.CutBarrier(spool=spool, on_cut=runtime.on_cut, step_of=lambda: tracker.step)

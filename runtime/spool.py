@@ -68,5 +68,10 @@ def cut_report_path(spool, rank, request_id):
     return rank_dir(spool, rank) / f"cut-{request_id}.json"
 
 
+def loaded_path(spool, rank):
+    """Where a framework-resumed rank says how its state came back (protocol.cut.StateLoaded)."""
+    return rank_dir(spool, rank) / "loaded.json"
+
+
 def resume_path(spool, request_id):
     return pathlib.Path(spool) / f"resume-{request_id}.json"

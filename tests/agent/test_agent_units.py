@@ -143,6 +143,30 @@ def test_a_copy_started_again_after_its_refused_resume_says_why_in_every_report(
     assert LocalJob(7, tmp_path / "fresh").observed().restarted is None  # a first start is no restart
 
 
+def test_a_restored_copy_says_how_once_its_ranks_put_their_state_back(tmp_path):
+    from agent.node import LocalJob
+    from protocol.launch import Restored, StateApplied
+
+    framework = Restored(time_unix=2.0, engine="framework", step=40, checkpoint="file:///s/ckpt-40", spool="/sp",
+                         seconds=0.5)
+    applied = StateApplied(time_unix=3.0, engine="framework", step=40, load_s=0.25, apply_s=0.125,
+                           device_bytes=4096)
+    criu = Restored(time_unix=2.0, engine="criu", step=40, checkpoint="file:///s/ckpt-40", spool="/sp",
+                    seconds=4.0, device_in=1.5)
+    write_launch_events(tmp_path / "loading", framework)
+    write_launch_events(tmp_path / "loaded", framework, applied)
+    write_launch_events(tmp_path / "criu", criu)
+
+    loading = LocalJob(7, tmp_path / "loading")
+    assert loading.restore(live=True) is None  # a live copy says it once its ranks loaded
+    assert loading.restore(live=False).load_s is None  # one that ended says what it has
+    loaded = LocalJob(7, tmp_path / "loaded").observed().restore
+    assert (loaded.step, loaded.engine, loaded.seconds, loaded.load_s, loaded.apply_s, loaded.device_bytes) == (
+        40, "framework", 0.5, 0.25, 0.125, 4096)
+    restored = LocalJob(7, tmp_path / "criu").observed().restore
+    assert (restored.engine, restored.seconds, restored.device_in, restored.load_s) == ("criu", 4.0, 1.5, None)
+
+
 def test_a_copy_whose_host_failed_under_it_says_so_and_one_whose_code_failed_does_not(tmp_path):
     from agent.node import LocalJob
     from protocol.launch import Failed, Started

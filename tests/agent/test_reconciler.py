@@ -87,6 +87,10 @@ def test_a_criu_job_stopped_by_one_node_resumes_on_another_at_its_cut():
             assert finished["state"] == "finished", finished.get("error")
             assert finished["restored_step"] == stopped["checkpoint"]["step"]
             assert finished["step"] > stopped["checkpoint"]["step"]
+            # how it came back, for the job's "restored" event: whole processes, no GPU state here
+            restore = finished["restore"]
+            assert (restore["step"], restore["engine"], restore.get("device_in")) == (
+                stopped["checkpoint"]["step"], "criu", None) and restore["seconds"] > 0
         finally:
             node_a.kill_all()
             node_b.kill_all()

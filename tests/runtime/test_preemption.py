@@ -88,6 +88,16 @@ def test_migrate_to_another_node_directory(engine, tmp_path, jobs, reference_tmp
     events = (node_b / "events.jsonl").read_text()
     assert '"restored"' in events and stopped["checkpoint"] in events
     assert f'"engine": "{engine}"' in events
+    # The way back, stage by stage: the framework engine's ranks read their files (store -> host)
+    # and loaded them into the script's objects, all four, none of it onto a GPU; CRIU restores
+    # whole processes (its restored event's seconds), with no such stage after.
+    applied = [event for event in map(json.loads, events.splitlines()) if event["event"] == "applied"]
+    if engine == "framework":
+        (applied,) = applied
+        assert applied["step"] == stopped["step"] and applied["device_bytes"] == 0, applied
+        assert applied["load_s"] > 0 and applied["apply_s"] > 0, applied
+    else:
+        assert applied == []
 
 
 @pytest.mark.parametrize("engine", ENGINES)
