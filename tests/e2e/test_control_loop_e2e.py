@@ -196,6 +196,9 @@ def test_a_killed_agent_loses_its_node_and_its_job_resumes_from_its_last_checkpo
     assert plane.moves(job) == [("migration", ["started", "restore", "release"])], plane.diagnose(job)
     restored = restored_steps(plane, "n2")
     assert restored and restored[0][1] == checkpoint_step, (restored, checkpoint_step)
+    # The job's timeline says it, once, with where the time went (the agent's RestoreReport).
+    (event,) = [e for e in plane.events(job) if e["type"] == "restored"]
+    assert event["reason"].startswith(f"restored on n2 from step {checkpoint_step} ("), event
     # Nothing lost: the same result as an uninterrupted run of the same script (run without a control
     # plane: under CI's load a reference run through it was once preempted, the cause not recorded).
     assert_same_parameters(uninterrupted_run(out / "reference.pt", epochs=8), out / "survivor.pt")
