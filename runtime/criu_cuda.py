@@ -199,7 +199,7 @@ class CudaCut:
                 if not os.path.exists(f"/proc/{pid}"):
                     continue
                 try:
-                    CudaProcessCheckpoint(pid, lib=self._lib).swap_in()
+                    CudaProcessCheckpoint(pid, lib=self._lib).settle()
                 except CudaCheckpointError as exc:
                     problems.append(str(exc))
         self.in_s = time.monotonic() - began
@@ -237,16 +237,16 @@ def checkpoint_ranks(ranks, *, lock_timeout_ms: int = 60_000, gpus_root: str | N
         raise CudaRefusal(f"ranks {sorted(cut.held)} hold CUDA state, and {exc}") from None
     cut.driver_version = getattr(cut._lib, "driver_api_version", 0)
     began = time.monotonic()
-    moved: list[int] = []
     try:
         for processes in cut.held.values():
             for pid in processes:
                 CudaProcessCheckpoint(pid, lock_timeout_ms=lock_timeout_ms, lib=cut._lib).swap_out()
-                moved.append(pid)
     except CudaCheckpointError as exc:
-        undone = CudaCut(held={0: {pid: [] for pid in moved}}, _lib=cut._lib)
-        undone.release()
-        raise CudaRefusal(f"the CUDA driver could not checkpoint a rank: {exc}") from None
+        # Every process back to running, the one that failed too (it may be left locked: its next
+        # CUDA call would wait for ever), and those not reached yet (settle leaves them be).
+        problems = cut.release()
+        undone = f"; and putting them back failed: {'; '.join(problems)}" if problems else ""
+        raise CudaRefusal(f"the CUDA driver could not checkpoint a rank: {exc}{undone}") from None
     cut.out_s = time.monotonic() - began
     return cut
 
@@ -281,6 +281,6 @@ def restore_rank(rank: int, root_pid: int, image_dir: Path, *, gpu_now: str | No
             raise CudaRefusal(f"rank {rank} (process {inner}): {exc}") from None
         try:
             CudaProcessCheckpoint(pid, lib=lib).swap_in(pairs)
-        except CudaCheckpointError as exc:
+        except (CudaCheckpointError, ValueError) as exc:  # ValueError: a UUID the images hold is none
             raise CudaRefusal(f"the CUDA driver could not restore rank {rank}: {exc}") from None
     return time.monotonic() - began

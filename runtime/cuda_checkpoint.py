@@ -144,6 +144,15 @@ class CudaProcessCheckpoint:
         self._call("cuCheckpointProcessLock", ctypes.c_int(self.pid), ctypes.byref(lock))
         self._call("cuCheckpointProcessCheckpoint", ctypes.c_int(self.pid), ctypes.byref(_Args()))
 
+    def settle(self):
+        """Lets the process run again on the GPUs it had, whatever step a swap_out reached (locked,
+        or checkpointed); does nothing to a running one. For a swap_out that failed half-way."""
+        state = self.state()
+        if state == "checkpointed":
+            self.swap_in()
+        elif state == "locked":
+            self._call("cuCheckpointProcessUnlock", ctypes.c_int(self.pid), ctypes.byref(_Args()))
+
     def swap_in(self, pairs: list[tuple[str, str]] | None = None):
         """Moves the memory back to the same device addresses and lets the process run: onto the
         GPUs it had, or through `pairs` (old UUID, new UUID) onto others (driver >= 580)."""
