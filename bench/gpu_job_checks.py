@@ -14,7 +14,9 @@ runs every line of it in CI). What each check shows on a GPU:
    as the script's update() after the cut's step leaves it (runtime/framework.py).
 2. CRIU engine: the same stop and resume with --engine criu: the rank's CUDA state moved into its
    host memory by the driver before CRIU dumps it, and back after CRIU restored it into a new
-   process and PID namespace on the same GPU (runtime/criu_cuda.py); bit-exact as above. Where the
+   process and PID namespace on the same GPU (runtime/criu_cuda.py); before the stop, a checkpoint
+   at step 5 that the job goes on from (its CUDA state back on the GPU after the dump); bit-exact
+   as above. Where the
    driver cannot (older than 570), the stop is refused with the reason and the row fails with it;
    where CRIU is not installed (the lent machines so far) the row is "skipped" and says why. On CPU
    the CRIU engine dumps and restores the same way with no CUDA state: bit-exact.
@@ -28,6 +30,8 @@ from bench.gpu_harness import ROOT, BenchJob, Budget, CheckRow, pid_namespace_wr
 
 SINGLE_SCRIPT = ROOT / "tests" / "runtime" / "scripts" / "single_mlp.py"
 STOP_AT_STEP = 13
+CHECKPOINT_AT_STEP = 5  # the CRIU check's checkpoint the job goes on from, before the stop
+CRIU_STEP_SLEEP_S = 0.3  # 36 steps in ~11 s: room for a checkpoint's dump before the stop
 # 3 epochs of 12 steps; a sleep per step keeps step 13 ahead of the stop request however fast
 # the device is (a GPU runs this MLP's 36 steps in well under a second).
 SCRIPT_ARGS = ["--epochs", "3", "--step-sleep", "0.05"]
@@ -53,8 +57,11 @@ class JobChecks:
         self.reference: pathlib.Path | None = None
         self.reference_error = ""
 
-    def args(self, out) -> list:
-        return [out] + SCRIPT_ARGS + ["--device", self.device] + (["--amp"] if self.amp else [])
+    def args(self, out, *, step_sleep: float | None = None) -> list:
+        """The script's arguments; `step_sleep` (which changes no bit of the result) slows a job whose
+        cuts take long (CRIU's, a GPU process's image) so that it is still running for the next one."""
+        sleep = ["--step-sleep", str(step_sleep)] if step_sleep is not None else []
+        return [out] + SCRIPT_ARGS + sleep + ["--device", self.device] + (["--amp"] if self.amp else [])
 
     def reference_state(self) -> pathlib.Path | None:
         """The uninterrupted run's final state (run once, by the first check that needs it)."""
@@ -104,28 +111,32 @@ class JobChecks:
         out = self.work / f"{engine}.pt"
         job_dir = self.work / f"{engine}-node" / "job"
         job_id = f"gpu-check-{engine}-{int(time.time() * 1000) % 10**8}"
-        first = BenchJob(job_dir, ranks=1, script=SINGLE_SCRIPT, script_args=self.args(out), engine=engine,
+        script_args = self.args(out, step_sleep=CRIU_STEP_SLEEP_S if engine == "criu" else None)
+        first = BenchJob(job_dir, ranks=1, script=SINGLE_SCRIPT, script_args=script_args, engine=engine,
                          job_id=job_id)
+        went_on = ""
         try:
             first.wait_ready(self.budget.timeout(self.step_timeout_s))
+            if engine == "criu":
+                # First a checkpoint the job goes on from (the periodic kind): its CUDA state goes
+                # to host memory for the dump and must come back for the run to end bit-exact.
+                taken = first.control().checkpoint(at_step=CHECKPOINT_AT_STEP,
+                                                   timeout_s=self.budget.timeout(self.step_timeout_s))
+                went_on = f"checkpoint at step {taken['step']} gone on from{_moved(taken)}; "
             answer = first.control().stop(at_step=STOP_AT_STEP, timeout_s=self.budget.timeout(self.step_timeout_s))
         except (JobControlError, RuntimeError, OSError) as exc:
             first.kill()
-            return None, f"stop failed: {exc}; {first.output()[-400:]}"
+            return None, f"{went_on}stop failed: {exc}; {first.output()[-400:]}"
         rc = first.wait(self.budget.timeout(self.step_timeout_s))
         if rc != EXIT_STOPPED or out.exists():
             return None, f"the stopped launcher ended {rc} (expected {EXIT_STOPPED}), output there: {out.exists()}"
-        second = BenchJob(job_dir, ranks=1, script=SINGLE_SCRIPT, script_args=self.args(out), engine=engine,
+        second = BenchJob(job_dir, ranks=1, script=SINGLE_SCRIPT, script_args=script_args, engine=engine,
                           job_id=job_id, resume=True, prefix=prefix)
         rc = second.wait(self.budget.timeout(self.step_timeout_s))
         if rc != 0 or not out.exists():
             return None, f"the resumed launcher ended {rc}: {second.output()[-500:]}"
-        seconds = answer.get("seconds") or {}
-        moved = "".join(f", {label} {seconds[key]:.2f} s" for key, label in
-                        (("device_out", "CUDA state device -> host"), ("device_in", "host -> device"))
-                        if seconds.get(key) is not None)
-        return out, (f"stopped at step {answer['step']} ({answer['engine']}; dump {seconds.get('dump', 0):.2f} s"
-                     f"{moved}), resumed by a new launcher")
+        return out, (f"{went_on}stopped at step {answer['step']} ({answer['engine']}{_moved(answer)}), resumed "
+                     "by a new launcher")
 
     def _compare_row(self, name, started, final, detail, reference) -> CheckRow:
         seconds = time.monotonic() - started
@@ -133,6 +144,14 @@ class JobChecks:
             return CheckRow(name, seconds, "failed", False, detail)
         exact, what = same_final_state(reference, final)
         return CheckRow(name, seconds, "ok" if exact else "failed", exact, f"{detail}; {what}")
+
+
+def _moved(answer) -> str:
+    """A checkpoint answer's dump time and its CUDA moves, in words ("" for none)."""
+    seconds = answer.get("seconds") or {}
+    return "".join(f", {label} {seconds[key]:.2f} s" for key, label in
+                   (("dump", "dump"), ("device_out", "CUDA state device -> host"), ("device_in", "host -> device"))
+                   if seconds.get(key) is not None)
 
 
 def job_check_plan(work, *, device: str, budget: Budget, step_timeout_s: float):
