@@ -160,6 +160,10 @@ def _stop_on_a_and_finish_on_b(node_root, engine, job_id, *, script=TRAIN, epoch
         finished = outcome(node_b, job_id)
         assert finished["state"] == "finished", finished.get("error")
         assert finished["restored_step"] == stopped["checkpoint"]["step"]
+        restore = finished["restore"]  # the job's "restored" event: the way back, stage by stage
+        assert (restore["step"], restore["engine"]) == (stopped["checkpoint"]["step"], engine), restore
+        if engine == "framework":  # the sandboxed ranks said how their state came back
+            assert restore["load_s"] > 0 and restore["apply_s"] > 0 and restore["device_bytes"] == 0, restore
         assert outcome(reference, job_id + 1)["state"] == "finished"
     finally:
         for node in (node_a, node_b, reference, *([node_m] if node_m else [])):
