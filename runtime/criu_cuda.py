@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime import criu
+from runtime import criu, splice
 from runtime.cuda_checkpoint import (
     REMAP_DRIVER_VERSION,
     CudaCheckpointError,
@@ -134,15 +134,6 @@ def gpus_of_files(files: list[str], gpus: list[Gpu]) -> list[str]:
     return [gpu.uuid for gpu in sorted(held, key=lambda g: g.index)]
 
 
-def namespace_pid(pid: int) -> int:
-    """Returns process `pid`'s id in its innermost PID namespace (the rank's own, which CRIU keeps)."""
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return pid
-
-
 def restore_pairs(held: list[str], now: str | None, *, driver_version: int) -> list[tuple[str, str]]:
     """Returns the GPU map of a process that held GPUs `held` (UUIDs) and whose rank is given GPU
     `now` (None: not known, a launcher started by hand: it comes back on the GPUs it held): none
@@ -169,7 +160,6 @@ class CudaCut:
 
     held: dict[int, dict[int, list[str]]] = field(default_factory=dict)  # rank -> {host pid: [UUID]}
     namespace_pids: dict[int, int] = field(default_factory=dict)
-    driver_version: int = 0
     out_s: float = 0.0
     in_s: float | None = None
     _lib: object = None
@@ -177,6 +167,11 @@ class CudaCut:
     @property
     def empty(self) -> bool:
         return not self.held
+
+    @property
+    def driver_version(self) -> int:
+        """The driver API version of the loaded driver (0 before it is loaded: an empty cut)."""
+        return getattr(self._lib, "driver_api_version", 0)
 
     def record(self, rank: int, image_dir: os.PathLike | str) -> None:
         """Writes CUDA_FILE into rank `rank`'s image folder (nothing for a rank without CUDA state)."""
@@ -228,14 +223,13 @@ def checkpoint_ranks(ranks, *, lock_timeout_ms: int = 60_000, gpus_root: str | N
                 raise CudaRefusal(f"{where} is the second process of rank {process.rank} holding a GPU; "
                                   "this engine checkpoints one per rank (a DataLoader worker using CUDA?)")
             cut.held.setdefault(process.rank, {})[pid] = held
-            cut.namespace_pids[pid] = namespace_pid(pid)
+            cut.namespace_pids[pid] = splice.innermost_pid(f"/proc/{pid}")
     if cut.empty:
         return cut
     try:
         cut._lib = load_driver()
     except CudaCheckpointUnavailable as exc:
         raise CudaRefusal(f"ranks {sorted(cut.held)} hold CUDA state, and {exc}") from None
-    cut.driver_version = getattr(cut._lib, "driver_api_version", 0)
     began = time.monotonic()
     try:
         for processes in cut.held.values():
@@ -268,7 +262,7 @@ def restore_rank(rank: int, root_pid: int, image_dir: Path, *, gpu_now: str | No
         lib = load_driver()
     except CudaCheckpointUnavailable as exc:
         raise CudaRefusal(f"rank {rank} was dumped with CUDA state, and {exc}") from None
-    by_namespace_pid = {namespace_pid(pid): pid for pid in criu.restored_tasks(root_pid)}
+    by_namespace_pid = {splice.innermost_pid(f"/proc/{pid}"): pid for pid in criu.restored_tasks(root_pid)}
     began = time.monotonic()
     for inner, held in processes:
         pid = by_namespace_pid.get(inner)

@@ -110,6 +110,11 @@ CUDA_DEVICE_ENV = "MERIDIAN_CUDA_DEVICE"  # runtime/cudagroup.CUDA_DEVICE_ENV (t
 CUDA_GPU_ENV = "MERIDIAN_CUDA_GPU"  # runtime/cudagroup.CUDA_GPU_ENV (the same reason)
 
 
+def _rounded(seconds: float | None) -> float | None:
+    """Seconds as an event carries them (4 decimals), None kept."""
+    return None if seconds is None else round(seconds, 4)
+
+
 def _sha256_hex(text):
     """argparse type of --restore-manifest-sha256: 64 lowercase hex digits."""
     if not re.fullmatch(SHA256_HEX, text or ""):
@@ -678,8 +683,7 @@ class Launcher:
         seconds = CheckpointSeconds(cut=round(cut_s, 4), dump=round(dump_s, 4), commit=round(commit_s, 4),
                                     total=round(time.monotonic() - began, 4),
                                     save=round(max(saves), 4) if saves else None,
-                                    device_out=None if device_out is None else round(device_out, 4),
-                                    device_in=None if device_in is None else round(device_in, 4))
+                                    device_out=_rounded(device_out), device_in=_rounded(device_in))
         kinds = {report.cut_kind for report in reports.values()}
         self.event(CheckpointTaken, step=step, checkpoint=ref.uri, bytes=ref.bytes, action=action,
                    seconds=seconds, cut_kind=kinds.pop() if len(kinds) == 1 else None, base=ref.base,
@@ -809,11 +813,10 @@ class Launcher:
         # A long restore (CRIU) would otherwise be a silence the leader takes for a lost host.
         with self.peers.beating() if self.peers is not None else contextlib.nullcontext():
             self.checkpoints.restore(self, ref, meta)
-        device_in = (self.cuda_stage_s or (None, None))[1]
         self.event(Restored, step=ref.step, checkpoint=ref.uri, spool=str(self.spool),
                    seconds=round(time.monotonic() - began, 4), device_indices=self.device_indices,
                    sandbox=self.sandbox.describe() if self.sandbox else None,
-                   device_in=None if device_in is None else round(device_in, 4))
+                   device_in=_rounded((self.cuda_stage_s or (None, None))[1]))
         if self.checkpoints.ranks_write_checkpoint:  # they read it back too, at their first epoch
             self.applying = set(self.local_ranks)
         return ref

@@ -86,12 +86,14 @@ def device_ordinal(mapping, rank: int) -> int:
     return numbers.index(int(mapping.ranks[str(rank)]))
 
 
-def _own_namespace_tid(task_dir):
-    """Returns a thread's id as seen from the caller's PID namespace.
+def innermost_pid(task_dir):
+    """Returns the id of the process or thread at `task_dir` (/proc/<pid>, /proc/<pid>/task/<tid>)
+    in its innermost PID namespace.
 
-    /proc may be the host's procfs while a rank runs in its own PID namespace (CRIU engine):
-    its task list then shows host tids, but sched_setaffinity wants namespace-local ones. The
-    last NSpid field is the id in the innermost namespace, which is the caller's.
+    /proc may be the host's procfs while a rank runs in its own PID namespace (CRIU engine): its
+    task list then shows host tids, but sched_setaffinity in the rank wants namespace-local ones;
+    and the launcher names a rank's processes as CRIU keeps them (runtime/criu_cuda.py). The last
+    NSpid field is the id in the innermost namespace.
     """
     with open(os.path.join(task_dir, "status")) as handle:
         for line in handle:
@@ -105,7 +107,7 @@ def pin_process_threads(cores):
     only moves that one thread, and torch and gloo run threads of their own)."""
     for name in os.listdir("/proc/self/task"):
         try:
-            os.sched_setaffinity(_own_namespace_tid(f"/proc/self/task/{name}"), cores)
+            os.sched_setaffinity(innermost_pid(f"/proc/self/task/{name}"), cores)
         except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
             pass
 
