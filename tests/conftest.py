@@ -6,6 +6,7 @@
   carol    is a capacity manager of teams A and B: approves or denies preemptions
   admin    is a global admin (superuser)
 """
+import os
 import pathlib
 
 import pytest
@@ -197,9 +198,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Seconds per test file (setup + call + teardown), printed after a run of many files: CI's log
-# keeps only its tail, and the suite's time is spent file by file (fixtures, stacks, hosts).
+# keeps only its tail, and the suite's time is spent file by file (fixtures, stacks, hosts). Beside
+# the wall seconds, the CPU seconds the file's tests used (pytest's process and every process it
+# waited for, theirs included): a file that waits (beats, ticks, sleeping steps) shows a low
+# ratio and costs little beside other lanes; one near 1 or above holds a core.
 SECONDS_BY_FILE: dict[str, float] = {}
+CPU_BY_FILE: dict[str, float] = {}
 FILES_SHOWN = 25
+
+
+def _cpu_seconds() -> float:
+    user, system, children_user, children_system, _ = os.times()
+    return user + system + children_user + children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = _cpu_seconds()
+    yield
+    path = item.nodeid.split("::", 1)[0]
+    CPU_BY_FILE[path] = CPU_BY_FILE.get(path, 0.0) + _cpu_seconds() - started
 
 
 def pytest_runtest_logreport(report):
@@ -211,6 +229,11 @@ def pytest_terminal_summary(terminalreporter):
     if len(SECONDS_BY_FILE) <= 5:
         return
     total = sum(SECONDS_BY_FILE.values())
-    terminalreporter.section(f"slowest {FILES_SHOWN} files (of {len(SECONDS_BY_FILE)}, {total:.0f} s in tests)")
+    cpu_total = sum(CPU_BY_FILE.values())
+    terminalreporter.section(f"slowest {FILES_SHOWN} files (of {len(SECONDS_BY_FILE)}, {total:.0f} s in tests, "
+                             f"{cpu_total:.0f} CPU s)")
+    terminalreporter.write_line("  wall s  share    CPU s  CPU/wall  file")
     for path, seconds in sorted(SECONDS_BY_FILE.items(), key=lambda item: -item[1])[:FILES_SHOWN]:
-        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
+        cpu = CPU_BY_FILE.get(path, 0.0)
+        terminalreporter.write_line(f"{seconds:8.1f} {100 * seconds / total:5.1f}% {cpu:8.1f} "
+                                    f"{cpu / seconds if seconds else 0.0:8.2f}  {path}")
