@@ -249,8 +249,8 @@ def test(pytest_args):
     """Runs pytest with a private Redis (unless REDIS_URL is set) and a throwaway data dir.
 
     With no arguments (the whole suite) and neither REDIS_URL nor DATABASE_URL set, in lanes at
-    once (_test_lanes): MERIDIAN_TEST_LANES=3 (the default) heavy, hosts and light; 2 puts the hosts
-    lane's tests back in the heavy lane; 1 runs the suite in one process."""
+    once (_test_lanes): MERIDIAN_TEST_LANES=3 (the default) heavy, hosts, and light then ranks; 2 puts
+    the hosts lane's tests back in the heavy lane; 1 runs the suite in one process."""
     lanes = os.environ.get("MERIDIAN_TEST_LANES", "3")
     if not pytest_args and not os.environ.get("REDIS_URL") and not os.environ.get("DATABASE_URL") and lanes != "1":
         return _test_lanes(merge_hosts=lanes == "2")
@@ -279,26 +279,35 @@ def _pytest_run(pytest_args, *, output):
 
 
 def _test_lanes(*, merge_hosts: bool):
-    """The whole suite in pytest processes at once (tests/conftest.py lane_of): the heavy lane
-    (rank processes, agents, namespaces, browsers; one test at a time among themselves, as they
-    share the machine's cores, /dev/shm and cgroups) printed as it runs; beside it the hosts lane
-    (the emulated hosts, one at a time) and the light lane (in-process tests), each printed whole
-    when it ends. Why: the heavy and hosts lanes are ~95% of the suite's time and mostly wait on
-    their processes; run one after the other they leave a core idle. Each lane has its own Redis,
-    data dir and (SQLite in memory) database. `merge_hosts`: the emulated hosts in the heavy lane."""
-    beside = ("light",) if merge_hosts else ("hosts", "light")
-    print(f"[meridian] the whole suite in {1 + len(beside)} lanes at once: heavy (printed as it runs) and "
-          f"{', '.join(beside)} (printed when each ends); MERIDIAN_TEST_LANES=1 runs one", flush=True)
+    """The whole suite in pytest processes at once (tests/conftest.py lane_of), three streams: the
+    heavy lane (agents, sandboxes, e2e stacks, browsers; one test at a time among themselves, as
+    they share the node's /tmp, /dev/shm and cgroups) printed as it runs; beside it the hosts lane
+    (the emulated hosts, one at a time), and the light lane (in-process tests) followed by the ranks
+    lane (the runtime's launchers and ranks), each printed whole when it ends. Why: the process lanes
+    are ~95% of the suite's time and mostly wait on their processes; one after the other they leave
+    a core idle. Each lane has its own Redis, data dir and (SQLite in memory) database.
+    `merge_hosts`: the emulated hosts in the heavy lane."""
+    streams = ([] if merge_hosts else [("hosts",)]) + [("light", "ranks")]
+    beside = [lane for stream in streams for lane in stream]
+    print(f"[meridian] the whole suite in lanes, {1 + len(streams)} at once: heavy (printed as it runs), "
+          f"{'; '.join(' then '.join(stream) for stream in streams)} (printed when each ends); "
+          f"MERIDIAN_TEST_LANES=1 runs one process", flush=True)
     codes, outputs, threads = {}, {}, []
+
+    def run_stream(stream):
+        for lane in stream:
+            codes[lane] = _pytest_run(["--lane", lane], output=outputs[lane])
+
     for lane in beside:
         outputs[lane] = tempfile.TemporaryFile(mode="w+")
-        threads.append(threading.Thread(target=lambda lane=lane: codes.__setitem__(
-            lane, _pytest_run(["--lane", lane], output=outputs[lane]))))
+    for stream in streams:
+        threads.append(threading.Thread(target=run_stream, args=(stream,)))
         threads[-1].start()
     heavy = ["--lane", "heavy"] + (["--lane", "hosts"] if merge_hosts else [])
     codes["heavy"] = _pytest_run(heavy, output=None)
-    for lane, thread in zip(beside, threads):
+    for thread in threads:
         thread.join()
+    for lane in beside:
         outputs[lane].seek(0)
         print(f"\n[meridian] ===== the {lane} lane's output =====", flush=True)
         sys.stdout.write(outputs[lane].read())

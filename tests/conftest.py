@@ -142,30 +142,36 @@ DATABASE_FIXTURES = {
 }
 
 
-# `./meridian test` with no arguments runs the suite in three lanes at once (portal/launch.py test):
-# the hosts lane holds the emulated-host tests (tests/hosts: bridges, per-host namespaces, agents);
-# the heavy lane every other test that starts rank processes, agents, namespaces, cgroups or a
-# browser (they share the machine's cores, /dev/shm and cgroups, so each lane runs its tests one at
-# a time); the light lane the rest (in-process Django, the pure core, units). Why two lanes of
-# processes side by side: their tests mostly wait (steps that sleep, beats, ticks: the e2e control
-# loop's file used ~290 s of CPU in 387 s of wall on a quiet machine), and the emulated hosts share
-# nothing else with the one-host tests (their own network, mounts and PIDs; job cgroups named by
-# the agent's work dir).
+# `./meridian test` with no arguments runs the suite in lanes, three streams at once (portal/launch.py
+# test): the hosts lane holds the emulated-host tests (tests/hosts: bridges, per-host namespaces,
+# agents); the ranks lane the runtime's tests (tests/runtime: launchers and rank processes, each in
+# its own temporary folders, spool root and, for CRIU, PID namespaces; no agent, node, cgroup or
+# control plane); the heavy lane every other test that starts rank processes, agents, namespaces,
+# cgroups or a browser (they share the node's /tmp, /dev/shm and cgroups, so that lane runs its tests
+# one at a time); the light lane the rest (in-process Django, the pure core, units). The streams:
+# heavy; hosts; light, then ranks. Why lanes side by side: their tests mostly wait (steps that sleep,
+# beats, ticks), and the emulated hosts share nothing else with the one-host tests (their own network,
+# mounts and PIDs). Why the ranks lane follows the light one: the light lane needs ~170 CPU s of the
+# suite's ~3,300 and ended at 11 min of a 45-min heavy lane that held the runtime's ~1,300 s (CI-like
+# run, session 28, the per-file table below).
 HEAVY_MARKERS = ("runtime", "e2e", "criu", "browser", "slow")
-HEAVY_FOLDERS = ("e2e", "runtime", "sandbox")  # whatever their markers say
+HEAVY_FOLDERS = ("e2e", "sandbox")  # whatever their markers say
 HOSTS_FOLDER = "hosts"
-LANES = ("heavy", "hosts", "light")
+RANKS_FOLDER = "runtime"  # whatever its tests' markers say
+LANES = ("heavy", "hosts", "light", "ranks")
 ROOT_OF_TESTS = pathlib.Path(__file__).resolve().parent
 
 
 def lane_of(item) -> str:
-    """Returns "heavy", "hosts" or "light": the lane `item` runs in (see HEAVY_MARKERS)."""
+    """Returns "heavy", "hosts", "light" or "ranks": the lane `item` runs in (see HEAVY_MARKERS)."""
     try:
         folder = item.path.resolve().relative_to(ROOT_OF_TESTS).parts[0]
     except ValueError:
         return "heavy"  # a test outside tests/: nothing is known of it
     if folder == HOSTS_FOLDER:
         return "hosts"
+    if folder == RANKS_FOLDER:
+        return "ranks"
     if any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
         return "heavy"
     return "heavy" if folder in HEAVY_FOLDERS else "light"
