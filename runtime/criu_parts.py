@@ -67,8 +67,12 @@ them writes there after the cut, those now on another host no longer see.
 Refused by name instead of restored (runtime/engines.py `regroup_refusal`): parts that name
 different spool paths (one launcher hosts one spool); merged parts that saved one path of their
 private folders differently (one host's folders cannot hold both); a GPU job (its ranks' CUDA
-devices were picked by their old LOCAL_RANK and nothing maps them anew; the CRIU engine dumps no
-CUDA state here at all yet).
+devices were picked by their old LOCAL_RANK, and the GPU map of runtime/criu_cuda.py is made only
+onto as many hosts as dumped it: not built for another count).
+A GPU job's host moves its ranks' CUDA state into host memory around its own dump, as a job of
+one host does (runtime/criu_cuda.py, in dump_host_ranks); its part manifest's meta `cuda_s` says
+how long each way took there ([device -> host, host -> device] seconds, null where not taken), and
+the leader's checkpoint event says the slowest host's each way (the hosts move at once).
 
 Parts are stored whole: the memory pages of a one-host CRIU checkpoint are deduplicated against
 a base (runtime/criu_pages.py), those of a checkpoint spanning hosts are not (not built).
@@ -130,22 +134,57 @@ def dump_part(launcher, request, step: int, staging) -> str:
     rank_logs.carry(launcher, part / "logs")
     left_out = dump_host_ranks(launcher, part, leave_running=True)
     files = checkpoint_store.hash_tree(part)
+    cuda_s = launcher.cuda_stage_s  # set by dump_host_ranks: None when no rank here held a GPU
     checkpoint_store.write_manifest(part, files, meta={
         "node": launcher.node_rank, "ranks": [process.rank for process in launcher.ranks],
-        "request_id": request.id, "step": step, "spool": str(launcher.spool), "left_out": list(left_out)})
+        "request_id": request.id, "step": step, "spool": str(launcher.spool), "left_out": list(left_out),
+        "cuda_s": list(cuda_s) if cuda_s is not None else None})
     checkpoint_store.fsync_dir(staging)
     return checkpoint_store.manifest_sha256(part)
 
 
+@dataclass(frozen=True)
+class VerifiedParts:
+    """What the leader learns from the parts it checked: what they left out (each line prefixed
+    "node k: "), and the CUDA stages of the slowest host each way ((device -> host, host -> device)
+    seconds, None where no host took one; None when no host's ranks held a GPU)."""
+    left_out: tuple[str, ...]
+    cuda_s: tuple[float | None, float | None] | None
+
+
+MAX_STAGE_S = 86400.0  # a day: a longer CUDA stage a host reports is no reading
+
+
+def _part_cuda_s(node: int, value) -> tuple[float | None, float | None] | None:
+    """Part meta `cuda_s` of node `node`, checked (another host wrote it: bounded, typed)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(
+            seconds is None or (isinstance(seconds, int | float) and not isinstance(seconds, bool)
+                                and 0 <= seconds <= MAX_STAGE_S) for seconds in value):
+        raise PartError(f"node {node}'s part manifest has a cuda_s that is not [seconds or null, seconds or "
+                        f"null] (0 to {MAX_STAGE_S:.0f} s): {str(value)[:80]}")
+    return (value[0], value[1])
+
+
+def _slowest(stages: list[tuple[float | None, float | None]]) -> tuple[float | None, float | None] | None:
+    if not stages:
+        return None
+    out = [stage[0] for stage in stages if stage[0] is not None]
+    back = [stage[1] for stage in stages if stage[1] is not None]
+    return (max(out) if out else None, max(back) if back else None)
+
+
 def verify_parts(staging, *, blocks: Sequence[range], request_id: int, step: int,
-                 reported: dict[int, str | None]) -> tuple[str, ...]:
+                 reported: dict[int, str | None]) -> VerifiedParts:
     """Checks that `staging` holds the part of every node 0..N-1 (N = len(blocks), node k's block of
     ranks blocks[k]) as the module docstring says, node k's manifest with sha256 `reported[k]`, and
-    nothing else. Returns what the parts left out (their manifests' `left_out`, each line prefixed
-    "node k: "); raises PartError naming the first node whose part is missing or bad, and why."""
+    nothing else. Returns what the parts left out and their CUDA stages (VerifiedParts); raises
+    PartError naming the first node whose part is missing or bad, and why."""
     staging = Path(staging)
     nodes = len(blocks)
     left_out: list[str] = []
+    cuda_stages: list[tuple[float | None, float | None]] = []
     expected = {part_dir(staging, node).name for node in range(nodes)}
     strays = sorted(entry.name for entry in staging.iterdir() if entry.name not in expected)
     for node in range(nodes):
@@ -176,10 +215,13 @@ def verify_parts(staging, *, blocks: Sequence[range], request_id: int, step: int
         if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
             raise PartError(f"node {node}'s part manifest has a left_out that is not a list of lines")
         left_out.extend(f"node {node}: {note}" for note in notes)
+        stage = _part_cuda_s(node, meta.get("cuda_s"))
+        if stage is not None:
+            cuda_stages.append(stage)
     if strays:
         raise PartError(f"the checkpoint's staging folder holds {strays[:5]} besides the parts of its "
                         f"{nodes} nodes")
-    return tuple(left_out)
+    return VerifiedParts(left_out=tuple(left_out), cuda_s=_slowest(cuda_stages))
 
 
 def part_spool(ref_path, node: int) -> str | None:

@@ -270,8 +270,10 @@ class CriuEngine(Engine):
             multihost.announce_outcome(peers, request.id, multihost.OUTCOME_DUMPED)
             launcher.resume_ranks(request.id)
         try:
-            return criu_parts.verify_parts(staging, blocks=launcher.host_blocks(),
-                                           request_id=request.id, step=step, reported=reported)
+            verified = criu_parts.verify_parts(staging, blocks=launcher.host_blocks(),
+                                               request_id=request.id, step=step, reported=reported)
+            launcher.cuda_stage_s = verified.cuda_s  # every host's, not only this one's
+            return verified.left_out
         except CheckpointError as exc:
             raise LaunchError(f"{action} refused at step {step}: {exc}; no checkpoint was committed "
                               "and the job goes on") from None

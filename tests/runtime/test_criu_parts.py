@@ -12,16 +12,16 @@ from runtime import store as checkpoint_store
 REQUEST_ID, STEP = 1700000000000, 6
 
 
-def write_part(staging, node, *, ranks, step=STEP, spool="/run/meridian/j"):
-    """Writes node `node`'s part as dump_part lays it out (a stand-in page image per rank);
-    returns its manifest's sha256."""
+def write_part(staging, node, *, ranks, step=STEP, spool="/run/meridian/j", **meta):
+    """Writes node `node`'s part as dump_part lays it out (a stand-in page image per rank), its
+    manifest's meta with `meta` besides; returns its manifest's sha256."""
     part = criu_parts.part_dir(staging, node)
     for rank in ranks:
         (part / f"rank{rank}").mkdir(parents=True)
         (part / f"rank{rank}" / "pages-1.img").write_bytes(bytes([rank]) * 8192)
     (part / "logs").mkdir()
     checkpoint_store.write_manifest(part, checkpoint_store.hash_tree(part), meta={
-        "node": node, "ranks": list(ranks), "request_id": REQUEST_ID, "step": step, "spool": spool})
+        "node": node, "ranks": list(ranks), "request_id": REQUEST_ID, "step": step, "spool": spool, **meta})
     return checkpoint_store.manifest_sha256(part)
 
 
@@ -33,13 +33,29 @@ def staging(tmp_path):
 
 
 def verify(staging, reported):
-    criu_parts.verify_parts(staging, blocks=[range(0, 2), range(2, 4)], request_id=REQUEST_ID, step=STEP,
-                            reported=reported)
+    return criu_parts.verify_parts(staging, blocks=[range(0, 2), range(2, 4)], request_id=REQUEST_ID, step=STEP,
+                                   reported=reported)
 
 
 def test_it_accepts_every_host_part_as_its_host_reported_it(staging):
     reported = {0: write_part(staging, 0, ranks=(0, 1)), 1: write_part(staging, 1, ranks=(2, 3))}
-    verify(staging, reported)
+    assert verify(staging, reported) == criu_parts.VerifiedParts(left_out=(), cuda_s=None)  # no GPU anywhere
+
+
+def test_the_checkpoint_says_the_slowest_hosts_cuda_stage_each_way(staging):
+    """A GPU job's hosts move their ranks' CUDA state at once: the event's seconds are the slowest
+    host's each way (a host without one, or a way not taken (a stop's ranks stay off the GPU), counts
+    for nothing)."""
+    reported = {0: write_part(staging, 0, ranks=(0, 1), cuda_s=[1.5, 0.25]),
+                1: write_part(staging, 1, ranks=(2, 3), cuda_s=[2.75, None])}
+    assert verify(staging, reported).cuda_s == (2.75, 0.25)
+
+
+@pytest.mark.parametrize("cuda_s", ["1.5", [1.5], [1.5, -1], [True, 0.5], [1e9, 0.5], {"out": 1}])
+def test_a_part_whose_cuda_seconds_are_no_reading_is_refused_by_node(staging, cuda_s):
+    reported = {0: write_part(staging, 0, ranks=(0, 1)), 1: write_part(staging, 1, ranks=(2, 3), cuda_s=cuda_s)}
+    with pytest.raises(criu_parts.PartError, match="node 1's part manifest has a cuda_s that is not"):
+        verify(staging, reported)
 
 
 def test_it_refuses_a_checkpoint_without_one_host_part(staging):
