@@ -84,6 +84,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.cut import MAX_SECONDS
 from runtime import rank_logs
 from runtime import store as checkpoint_store
 from runtime.multihost import blocks_problem, node_ranks
@@ -152,18 +153,16 @@ class VerifiedParts:
     cuda_s: tuple[float | None, float | None] | None
 
 
-MAX_STAGE_S = 86400.0  # a day: a longer CUDA stage a host reports is no reading
-
-
 def _part_cuda_s(node: int, value) -> tuple[float | None, float | None] | None:
-    """Part meta `cuda_s` of node `node`, checked (another host wrote it: bounded, typed)."""
+    """Part meta `cuda_s` of node `node`, checked (another host wrote it: typed, and bounded as the
+    checkpoint event's own device_out / device_in are, protocol.launch.CheckpointSeconds)."""
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != 2 or not all(
             seconds is None or (isinstance(seconds, int | float) and not isinstance(seconds, bool)
-                                and 0 <= seconds <= MAX_STAGE_S) for seconds in value):
+                                and 0 <= seconds <= MAX_SECONDS) for seconds in value):
         raise PartError(f"node {node}'s part manifest has a cuda_s that is not [seconds or null, seconds or "
-                        f"null] (0 to {MAX_STAGE_S:.0f} s): {str(value)[:80]}")
+                        f"null] (0 to {MAX_SECONDS:.0f} s): {str(value)[:80]}")
     return (value[0], value[1])
 
 
